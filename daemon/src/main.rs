@@ -1,0 +1,5 @@
+//! `spillwayd`: the Spillway daemon and its one-shot commands.
+
+fn main() -> anyhow::Result<()> {
+    Ok(())
+}
