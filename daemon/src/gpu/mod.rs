@@ -1,1 +1,26 @@
-//! The Vulkan backend, through `ash`.
+//! The Vulkan backend, through `ash`. The loader is loaded at run time, so a machine without
+//! Vulkan still runs everything else. Unsafe Vulkan calls live in this module only, each with its
+//! safety contract; above it callers see safe RAII types that destroy themselves in `Drop` and
+//! hold an `Arc` of what they were created from.
+//!
+//! What exists so far: instance and device choice, host-visible storage buffers, compute
+//! pipelines from the shader table and one-shot dispatches. Device-local memory, the transfer
+//! queue and recorded decode steps come with the Vulkan backend proper.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod buffer;
+mod device;
+mod error;
+mod instance;
+mod pipeline;
+
+pub use buffer::Buffer;
+pub use device::Device;
+pub use error::{map_vk, GpuError, MemoryKind};
+pub use instance::{DeviceInfo, DeviceKind, Instance};
+pub use pipeline::ComputePipeline;
+
+/// Set (to anything but `0`) where a Vulkan device must exist, as in CI: GPU tests then fail
+/// instead of skipping when none is found.
+pub const REQUIRE_VULKAN_ENV: &str = "SPILLWAY_REQUIRE_VULKAN";

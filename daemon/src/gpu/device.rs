@@ -1,0 +1,154 @@
+//! The logical device, its compute queue and a command pool for one-shot submissions.
+
+use std::sync::Arc;
+
+use ash::vk;
+use parking_lot::Mutex;
+
+use super::error::{map_vk, GpuError, Result};
+use super::instance::{DeviceInfo, Instance};
+
+pub struct Device {
+    pub(crate) raw: ash::Device,
+    queue: Mutex<vk::Queue>,
+    pool: Mutex<vk::CommandPool>,
+    pub(crate) memory: vk::PhysicalDeviceMemoryProperties,
+    pub(crate) limits: vk::PhysicalDeviceLimits,
+    pub(crate) subgroup_size: u32,
+    info: DeviceInfo,
+    // Dropped after `Drop::drop` destroyed the device: the instance must outlive it.
+    _instance: Arc<Instance>,
+}
+
+impl Device {
+    /// Opens a device: the one at `index` in [`Instance::devices`], or the preferred one.
+    pub fn open(instance: Arc<Instance>, index: Option<usize>) -> Result<Arc<Device>> {
+        let (index, physical) = instance.choose(index)?;
+        let inst = &instance.raw;
+        // SAFETY: `physical` was enumerated from this instance.
+        let families = unsafe { inst.get_physical_device_queue_family_properties(physical) };
+        let queue_family = families
+            .iter()
+            .position(|f| f.queue_flags.contains(vk::QueueFlags::COMPUTE))
+            .ok_or_else(|| GpuError::Unsupported("no compute queue family".into()))?
+            as u32;
+        let priorities = [1.0f32];
+        let queues = [vk::DeviceQueueCreateInfo::default()
+            .queue_family_index(queue_family)
+            .queue_priorities(&priorities)];
+        let info = vk::DeviceCreateInfo::default().queue_create_infos(&queues);
+        // SAFETY: the create info and the arrays it points to live across the call.
+        let raw = unsafe { inst.create_device(physical, &info, None) }.map_err(map_vk)?;
+        // SAFETY: the family and index 0 were requested above.
+        let queue = unsafe { raw.get_device_queue(queue_family, 0) };
+        let pool_info = vk::CommandPoolCreateInfo::default()
+            .queue_family_index(queue_family)
+            .flags(vk::CommandPoolCreateFlags::RESET_COMMAND_BUFFER);
+        // SAFETY: `raw` is a live device.
+        let pool = match unsafe { raw.create_command_pool(&pool_info, None) } {
+            Ok(p) => p,
+            Err(e) => {
+                // SAFETY: nothing was created from the device yet.
+                unsafe { raw.destroy_device(None) };
+                return Err(map_vk(e));
+            }
+        };
+        // SAFETY: `physical` belongs to `inst`.
+        let memory = unsafe { inst.get_physical_device_memory_properties(physical) };
+        let mut subgroup = vk::PhysicalDeviceSubgroupProperties::default();
+        let mut props2 = vk::PhysicalDeviceProperties2::default().push_next(&mut subgroup);
+        // SAFETY: as above; the chained struct outlives the call.
+        unsafe { inst.get_physical_device_properties2(physical, &mut props2) };
+        let limits = props2.properties.limits;
+        let info = instance.describe(index, physical);
+        Ok(Arc::new(Device {
+            raw,
+            queue: Mutex::new(queue),
+            pool: Mutex::new(pool),
+            memory,
+            limits,
+            subgroup_size: subgroup.subgroup_size,
+            info,
+            _instance: instance,
+        }))
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// Largest range one storage-buffer binding may cover (128 MiB on lavapipe).
+    pub fn max_storage_buffer_range(&self) -> u64 {
+        self.limits.max_storage_buffer_range.into()
+    }
+
+    pub fn subgroup_size(&self) -> u32 {
+        self.subgroup_size
+    }
+
+    /// Records commands with `record`, submits them and waits for them to finish.
+    pub fn run_once(&self, record: impl FnOnce(vk::CommandBuffer)) -> Result<()> {
+        let pool = self.pool.lock();
+        let alloc = vk::CommandBufferAllocateInfo::default()
+            .command_pool(*pool)
+            .level(vk::CommandBufferLevel::PRIMARY)
+            .command_buffer_count(1);
+        // SAFETY: the pool is externally synchronised by its mutex, held for this whole call.
+        let cmd = unsafe { self.raw.allocate_command_buffers(&alloc) }.map_err(map_vk)?[0];
+        let result = self.record_submit_wait(cmd, record);
+        // SAFETY: the fence wait above (or a failure before submit) means `cmd` is not pending.
+        unsafe { self.raw.free_command_buffers(*pool, &[cmd]) };
+        result
+    }
+
+    fn record_submit_wait(
+        &self,
+        cmd: vk::CommandBuffer,
+        record: impl FnOnce(vk::CommandBuffer),
+    ) -> Result<()> {
+        let begin = vk::CommandBufferBeginInfo::default()
+            .flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT);
+        // SAFETY: `cmd` is a freshly allocated primary command buffer of this device.
+        unsafe { self.raw.begin_command_buffer(cmd, &begin) }.map_err(map_vk)?;
+        record(cmd);
+        // SAFETY: recording began above.
+        unsafe { self.raw.end_command_buffer(cmd) }.map_err(map_vk)?;
+        // SAFETY: `raw` is a live device.
+        let fence = unsafe { self.raw.create_fence(&vk::FenceCreateInfo::default(), None) }
+            .map_err(map_vk)?;
+        let cmds = [cmd];
+        let submit = [vk::SubmitInfo::default().command_buffers(&cmds)];
+        let result = {
+            let queue = self.queue.lock();
+            // SAFETY: the queue is externally synchronised by its mutex; `cmd` is executable.
+            unsafe { self.raw.queue_submit(*queue, &submit, fence) }
+        }
+        .and_then(|()| {
+            // SAFETY: the fence belongs to this device.
+            unsafe { self.raw.wait_for_fences(&[fence], true, u64::MAX) }
+        });
+        // SAFETY: the wait finished (or the submit failed), so the fence is not in use.
+        unsafe { self.raw.destroy_fence(fence, None) };
+        result.map_err(map_vk)
+    }
+
+    /// Index of a memory type allowed by `type_bits` with all of `flags`, if any.
+    pub(crate) fn memory_type(&self, type_bits: u32, flags: vk::MemoryPropertyFlags) -> Option<u32> {
+        (0..self.memory.memory_type_count).find(|&i| {
+            type_bits & (1 << i) != 0
+                && self.memory.memory_types[i as usize].property_flags.contains(flags)
+        })
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        // SAFETY: every object created from this device holds an `Arc<Device>`, so none is alive;
+        // waiting idle ensures no submitted work still uses the pool.
+        unsafe {
+            let _ = self.raw.device_wait_idle();
+            self.raw.destroy_command_pool(*self.pool.get_mut(), None);
+            self.raw.destroy_device(None);
+        }
+    }
+}

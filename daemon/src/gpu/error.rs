@@ -1,0 +1,55 @@
+//! Vulkan results collapsed into the few errors callers act on.
+
+use ash::vk;
+
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    #[error("the Vulkan loader (libvulkan.so.1) could not be loaded: {0}")]
+    LoaderMissing(String),
+    #[error("no Vulkan device found")]
+    NoDevice,
+    #[error("Vulkan device {index} does not exist ({count} found)")]
+    NoSuchDevice { index: usize, count: usize },
+    #[error("out of {0} memory")]
+    OutOfMemory(MemoryKind),
+    #[error("the Vulkan device was lost")]
+    DeviceLost,
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    #[error("Vulkan call failed: {0}")]
+    Other(vk::Result),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemoryKind {
+    Host,
+    Device,
+}
+
+impl std::fmt::Display for MemoryKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            MemoryKind::Host => "host",
+            MemoryKind::Device => "device",
+        })
+    }
+}
+
+/// The one mapping from `VkResult` codes to [`GpuError`].
+pub fn map_vk(r: vk::Result) -> GpuError {
+    match r {
+        vk::Result::ERROR_OUT_OF_HOST_MEMORY => GpuError::OutOfMemory(MemoryKind::Host),
+        vk::Result::ERROR_OUT_OF_DEVICE_MEMORY | vk::Result::ERROR_TOO_MANY_OBJECTS => {
+            GpuError::OutOfMemory(MemoryKind::Device)
+        }
+        vk::Result::ERROR_DEVICE_LOST => GpuError::DeviceLost,
+        vk::Result::ERROR_FEATURE_NOT_PRESENT
+        | vk::Result::ERROR_EXTENSION_NOT_PRESENT
+        | vk::Result::ERROR_LAYER_NOT_PRESENT
+        | vk::Result::ERROR_INCOMPATIBLE_DRIVER
+        | vk::Result::ERROR_FORMAT_NOT_SUPPORTED => GpuError::Unsupported(format!("{r:?}")),
+        other => GpuError::Other(other),
+    }
+}
+
+pub type Result<T> = std::result::Result<T, GpuError>;
