@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs what Spillway needs from the system when it is missing: the Vulkan loader and Mesa's
+# lavapipe driver (a real Vulkan implementation on the CPU, so GPU code runs on any machine).
+# Everything else (protoc, glslang) is built by cargo from crates.
+set -euo pipefail
+
+need=()
+ldconfig -p 2>/dev/null | grep -q 'libvulkan\.so\.1' || need+=(libvulkan1)
+ls /usr/share/vulkan/icd.d/lvp_icd.*.json >/dev/null 2>&1 || need+=(mesa-vulkan-drivers)
+command -v c++ >/dev/null 2>&1 || need+=(g++)
+
+if ((${#need[@]})); then
+    if [[ $(id -u) -ne 0 ]]; then
+        echo "spillway setup: missing ${need[*]}; run as root or install them with apt-get" >&2
+        exit 1
+    fi
+    echo "spillway setup: installing ${need[*]}" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
