@@ -11,6 +11,7 @@ pub mod value;
 pub mod writer;
 
 pub use error::GgufError;
+pub use reader::{parse_header, parse_header_structure, GgufFile, Header, Metadata, TensorInfo};
 pub use types::{GgmlType, ValueType};
 pub use value::{Array, Value};
 
