@@ -1,5 +1,24 @@
 //! `spillwayd`: the Spillway daemon and its one-shot commands.
 
+mod cli;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(version, about = "The Spillway daemon and its one-shot commands")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Summarise a GGUF file: architecture, hyper-parameters, tokenizer, tensors.
+    Inspect(cli::inspect::InspectArgs),
+}
+
 fn main() -> anyhow::Result<()> {
-    Ok(())
+    match Cli::parse().command {
+        Command::Inspect(args) => cli::inspect::run(&args),
+    }
 }

@@ -1,0 +1,3 @@
+//! The one-shot subcommands of `spillwayd`, one file each.
+
+pub mod inspect;
