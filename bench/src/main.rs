@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use spillway_bench::demo;
 use spillway_bench::progress::Progress;
 use spillway_bench::synth::{model, SynthModel, WeightType, PRESETS};
 use spillway_daemon::gguf::inspect::{human_bytes, human_count};
@@ -41,6 +42,13 @@ enum Command {
     },
     /// List the model presets.
     Presets,
+    /// Write a tiny synthetic MoE model, validate and describe it, and check its weights on the
+    /// Vulkan device against the CPU.
+    Demo {
+        /// Where to write the model.
+        #[arg(short, long, default_value = "models/tiny-qwen3moe-q8_0.gguf")]
+        output: PathBuf,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -56,6 +64,7 @@ fn main() -> anyhow::Result<()> {
             presets();
             Ok(())
         }
+        Command::Demo { output } => demo(&output),
     }
 }
 
@@ -92,6 +101,24 @@ fn synth(
         types.join(" "),
         start.elapsed().as_secs_f64()
     );
+    Ok(())
+}
+
+fn demo(output: &std::path::Path) -> anyhow::Result<()> {
+    if let Some(dir) = output.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let file = demo::write_and_describe("tiny-qwen3moe", output)?;
+    match demo::dequantize_on_gpu(&file) {
+        Ok(check) => println!(
+            "vulkan: {} Q8_0 tensors ({} values) dequantized on {}: identical to the CPU",
+            check.tensors,
+            human_count(check.values),
+            check.device
+        ),
+        Err(demo::DemoError::Gpu(e)) => println!("vulkan: not available ({e}); CPU only"),
+        Err(e) => return Err(e.into()),
+    }
     Ok(())
 }
 
