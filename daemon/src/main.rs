@@ -15,10 +15,16 @@ struct Cli {
 enum Command {
     /// Summarise a GGUF file: architecture, hyper-parameters, tokenizer, tensors.
     Inspect(cli::inspect::InspectArgs),
+    /// Print the token ids of a text under a model's tokenizer.
+    Tokenize(cli::tokenize::TokenizeArgs),
+    /// List the Vulkan devices.
+    Devices(cli::devices::DevicesArgs),
 }
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Inspect(args) => cli::inspect::run(&args),
+        Command::Tokenize(args) => cli::tokenize::run(args),
+        Command::Devices(args) => cli::devices::run(&args),
     }
 }

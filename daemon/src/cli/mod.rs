@@ -1,3 +1,5 @@
 //! The one-shot subcommands of `spillwayd`, one file each.
 
+pub mod devices;
 pub mod inspect;
+pub mod tokenize;
