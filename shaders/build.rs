@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 
 use glslang::include::{IncludeHandler, IncludeResult, IncludeType};
 use glslang::{
-    Compiler, CompilerOptions, ShaderInput, ShaderSource, ShaderStage, SourceLanguage, SpirvVersion,
-    Target, VulkanVersion,
+    Compiler, CompilerOptions, ShaderInput, ShaderSource, ShaderStage, SourceLanguage,
+    SpirvVersion, Target, VulkanVersion,
 };
 
 include!("variants.rs");
@@ -25,7 +25,10 @@ impl IncludeHandler for GlslDir {
     ) -> Option<IncludeResult> {
         let path = self.0.join(header);
         let data = std::fs::read_to_string(&path).ok()?;
-        Some(IncludeResult { name: path.display().to_string(), data })
+        Some(IncludeResult {
+            name: path.display().to_string(),
+            data,
+        })
     }
 }
 
@@ -48,7 +51,8 @@ fn compile(compiler: &Compiler, glsl_dir: &Path, v: &Variant) -> Vec<u32> {
         },
         ..CompilerOptions::default()
     };
-    let defines: Vec<(&str, Option<&str>)> = v.defines.iter().map(|&(k, val)| (k, Some(val))).collect();
+    let defines: Vec<(&str, Option<&str>)> =
+        v.defines.iter().map(|&(k, val)| (k, Some(val))).collect();
     let mut includes = GlslDir(glsl_dir.to_path_buf());
     let input = ShaderInput::new(
         &source,
@@ -61,7 +65,9 @@ fn compile(compiler: &Compiler, glsl_dir: &Path, v: &Variant) -> Vec<u32> {
     let shader = glslang::Shader::new(compiler, input)
         .parse()
         .unwrap_or_else(|e| panic!("shader {} ({}): {e}", v.name, v.source));
-    shader.compile().unwrap_or_else(|e| panic!("shader {} ({}): {e}", v.name, v.source))
+    shader
+        .compile()
+        .unwrap_or_else(|e| panic!("shader {} ({}): {e}", v.name, v.source))
 }
 
 fn camel(name: &str) -> String {

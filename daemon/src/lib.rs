@@ -2,10 +2,17 @@
 //!
 //! - [`gguf`]: reading (validated, memory-mapped) and writing GGUF model files.
 //! - [`quant`]: weight block formats and their dequantization.
+//! - [`tokenizer`]: SentencePiece and GPT-2 BPE tokenizers from GGUF metadata, as llama.cpp
+//!   tokenizes.
+//! - [`model`]: architectures: hyper-parameters from metadata, weights viewed in the memory map.
+//! - [`cpu`]: SIMD kernels over quantized rows and the persistent thread pool.
+//! - [`engine`]: the forward pass, KV cache and sampling.
 //! - [`gpu`]: the Vulkan backend through `ash`.
-//! - [`tokenizer`]: SentencePiece and GPT-2 BPE tokenizers from GGUF metadata, as llama.cpp tokenizes.
 
+pub mod cpu;
+pub mod engine;
 pub mod gguf;
 pub mod gpu;
+pub mod model;
 pub mod quant;
 pub mod tokenizer;

@@ -15,6 +15,8 @@ struct Cli {
 enum Command {
     /// Summarise a GGUF file: architecture, hyper-parameters, tokenizer, tensors.
     Inspect(cli::inspect::InspectArgs),
+    /// Run one generation on the CPU engine, without a server.
+    Run(Box<cli::run::RunArgs>),
     /// Print the token ids of a text under a model's tokenizer.
     Tokenize(cli::tokenize::TokenizeArgs),
     /// List the Vulkan devices.
@@ -24,6 +26,7 @@ enum Command {
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Inspect(args) => cli::inspect::run(&args),
+        Command::Run(args) => cli::run::run(*args),
         Command::Tokenize(args) => cli::tokenize::run(args),
         Command::Devices(args) => cli::devices::run(&args),
     }

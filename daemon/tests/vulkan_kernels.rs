@@ -15,7 +15,10 @@ fn device() -> Option<Arc<Device>> {
         Ok(d) => Some(d),
         Err(e) => {
             let required = std::env::var(REQUIRE_VULKAN_ENV).is_ok_and(|v| v != "0");
-            assert!(!required, "{REQUIRE_VULKAN_ENV} is set but no Vulkan device: {e}");
+            assert!(
+                !required,
+                "{REQUIRE_VULKAN_ENV} is set but no Vulkan device: {e}"
+            );
             eprintln!("skipping: no Vulkan device ({e})");
             None
         }
@@ -27,7 +30,9 @@ fn test_values(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed;
     (0..n)
         .map(|i| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             if i % 97 == 0 {
                 0.0
             } else {
@@ -48,18 +53,35 @@ fn check_dequant(ty: GgmlType, wtype: WeightType) {
     dequantize_row(ty, &blocks, &mut expected).unwrap();
 
     let shader = ShaderId::find(Op::Dequant, Some(wtype), Feature::Base).unwrap();
-    let pipeline =
-        ComputePipeline::new(&dev, shader, 2, std::mem::size_of::<DequantParams>() as u32, &[])
-            .unwrap();
+    let pipeline = ComputePipeline::new(
+        &dev,
+        shader,
+        2,
+        std::mem::size_of::<DequantParams>() as u32,
+        &[],
+    )
+    .unwrap();
     let mut src = Buffer::new_host_visible(&dev, row_bytes.next_multiple_of(4) as u64).unwrap();
     src.write(&blocks);
     let dst = Buffer::new_host_visible(&dev, (n * 4) as u64).unwrap();
     let n_blocks = (n as u64 / ty.block_size()) as u32;
-    let params = DequantParams { n_blocks, src_offset: 0, dst_offset: 0 };
-    pipeline.dispatch(&[&src, &dst], &params.bytes(), [n_blocks.div_ceil(64), 1, 1]).unwrap();
+    let params = DequantParams {
+        n_blocks,
+        src_offset: 0,
+        dst_offset: 0,
+    };
+    pipeline
+        .dispatch(
+            &[&src, &dst],
+            &params.bytes(),
+            [n_blocks.div_ceil(64), 1, 1],
+        )
+        .unwrap();
     let got = dst.read_f32(n);
     // Each output is one f16 scale times a small integer: exact on any IEEE device.
-    let mismatches: Vec<_> = (0..n).filter(|&i| got[i].to_bits() != expected[i].to_bits()).collect();
+    let mismatches: Vec<_> = (0..n)
+        .filter(|&i| got[i].to_bits() != expected[i].to_bits())
+        .collect();
     assert!(
         mismatches.is_empty(),
         "{} of {n} values differ on {}; first at {}: gpu {} cpu {}",

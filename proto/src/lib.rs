@@ -6,7 +6,8 @@ pub mod v1 {
     tonic::include_proto!("spillway.v1");
 
     /// Encoded file descriptors, for gRPC server reflection.
-    pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("spillway_descriptor");
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        tonic::include_file_descriptor_set!("spillway_descriptor");
 }
 
 #[cfg(test)]
@@ -18,7 +19,9 @@ mod tests {
     fn generate_request_round_trips_through_the_wire_format() {
         let req = GenerateRequest {
             model: "tiny".into(),
-            input: Some(generate_request::Input::Tokens(TokenIds { ids: vec![1, 2, 3] })),
+            input: Some(generate_request::Input::Tokens(TokenIds {
+                ids: vec![1, 2, 3],
+            })),
             max_tokens: 16,
             stop: vec!["\n\n".into()],
             ..Default::default()
@@ -36,6 +39,8 @@ mod tests {
     /// The descriptor set is protobuf bytes; the service's full name appears in it verbatim.
     fn prost_types_free_check(bytes: &[u8]) -> bool {
         bytes.windows(b"Spillway".len()).any(|w| w == b"Spillway")
-            && bytes.windows(b"spillway.v1".len()).any(|w| w == b"spillway.v1")
+            && bytes
+                .windows(b"spillway.v1".len())
+                .any(|w| w == b"spillway.v1")
     }
 }

@@ -41,7 +41,9 @@ impl FromStr for ByteSize {
         if t.is_empty() {
             return Err(SizeError::Empty);
         }
-        let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+        let split = t
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(t.len());
         let (num, unit) = t.split_at(split);
         let unit = unit.trim().to_ascii_lowercase();
         let mult = if unit.is_empty() {
@@ -61,24 +63,31 @@ impl FromStr for ByteSize {
             let whole: u64 = if whole.is_empty() {
                 0
             } else {
-                whole.parse().map_err(|_| SizeError::Overflow(s.to_string()))?
+                whole
+                    .parse()
+                    .map_err(|_| SizeError::Overflow(s.to_string()))?
             };
             let frac_digits = frac.len().min(18) as u32;
             let frac_val: u64 = if frac_digits == 0 {
                 0
             } else {
-                frac[..frac_digits as usize].parse().map_err(|_| SizeError::Invalid(s.to_string()))?
+                frac[..frac_digits as usize]
+                    .parse()
+                    .map_err(|_| SizeError::Invalid(s.to_string()))?
             };
-            let frac_bytes =
-                (u128::from(frac_val) * u128::from(mult)) / 10u128.pow(frac_digits);
+            let frac_bytes = (u128::from(frac_val) * u128::from(mult)) / 10u128.pow(frac_digits);
             whole
                 .checked_mul(mult)
                 .and_then(|w| w.checked_add(u64::try_from(frac_bytes).ok()?))
                 .map(ByteSize)
                 .ok_or_else(|| SizeError::Overflow(s.to_string()))
         } else {
-            let n: u64 = num.parse().map_err(|_| SizeError::Overflow(s.to_string()))?;
-            n.checked_mul(mult).map(ByteSize).ok_or_else(|| SizeError::Overflow(s.to_string()))
+            let n: u64 = num
+                .parse()
+                .map_err(|_| SizeError::Overflow(s.to_string()))?;
+            n.checked_mul(mult)
+                .map(ByteSize)
+                .ok_or_else(|| SizeError::Overflow(s.to_string()))
         }
     }
 }
@@ -87,7 +96,12 @@ impl fmt::Display for ByteSize {
     /// Binary units with two decimals (`7.45 GiB`), or plain bytes below 1 KiB.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let b = self.0;
-        let units = [("TiB", 1u64 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)];
+        let units = [
+            ("TiB", 1u64 << 40),
+            ("GiB", 1 << 30),
+            ("MiB", 1 << 20),
+            ("KiB", 1 << 10),
+        ];
         match units.iter().find(|&&(_, m)| b >= m) {
             Some(&(name, m)) => write!(f, "{:.2} {name}", b as f64 / m as f64),
             None => write!(f, "{b} B"),
@@ -112,11 +126,26 @@ mod tests {
     #[test]
     fn rejects_garbage_and_overflow() {
         assert_eq!("".parse::<ByteSize>(), Err(SizeError::Empty));
-        assert!(matches!("GiB".parse::<ByteSize>(), Err(SizeError::Invalid(_))));
-        assert!(matches!("8 parsecs".parse::<ByteSize>(), Err(SizeError::Invalid(_))));
-        assert!(matches!("1.2.3GB".parse::<ByteSize>(), Err(SizeError::Invalid(_))));
-        assert!(matches!("-1".parse::<ByteSize>(), Err(SizeError::Invalid(_))));
-        assert!(matches!("20000000TiB".parse::<ByteSize>(), Err(SizeError::Overflow(_))));
+        assert!(matches!(
+            "GiB".parse::<ByteSize>(),
+            Err(SizeError::Invalid(_))
+        ));
+        assert!(matches!(
+            "8 parsecs".parse::<ByteSize>(),
+            Err(SizeError::Invalid(_))
+        ));
+        assert!(matches!(
+            "1.2.3GB".parse::<ByteSize>(),
+            Err(SizeError::Invalid(_))
+        ));
+        assert!(matches!(
+            "-1".parse::<ByteSize>(),
+            Err(SizeError::Invalid(_))
+        ));
+        assert!(matches!(
+            "20000000TiB".parse::<ByteSize>(),
+            Err(SizeError::Overflow(_))
+        ));
     }
 
     #[test]

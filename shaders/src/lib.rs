@@ -34,7 +34,10 @@ impl ShaderInfo {
 
 impl ShaderId {
     pub fn info(self) -> &'static ShaderInfo {
-        SHADERS.iter().find(|s| s.id == self).expect("every ShaderId has a table row")
+        SHADERS
+            .iter()
+            .find(|s| s.id == self)
+            .expect("every ShaderId has a table row")
     }
 
     /// The variant for an op and weight type, if the table has one.

@@ -44,5 +44,9 @@ macro_rules! push_constants {
     };
 }
 
-push_constants!(DequantParams { n_blocks, src_offset, dst_offset });
+push_constants!(DequantParams {
+    n_blocks,
+    src_offset,
+    dst_offset
+});
 push_constants!(MatmulParams { m, n, k });

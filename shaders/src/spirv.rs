@@ -30,7 +30,10 @@ fn instructions(words: &[u32]) -> impl Iterator<Item = (u16, &[u32])> {
 
 /// Capabilities the module declares.
 pub fn capabilities(words: &[u32]) -> Vec<u32> {
-    instructions(words).filter(|(op, _)| *op == OP_CAPABILITY).map(|(_, o)| o[0]).collect()
+    instructions(words)
+        .filter(|(op, _)| *op == OP_CAPABILITY)
+        .map(|(_, o)| o[0])
+        .collect()
 }
 
 /// The push-constant block's members as (offset, size in bytes), in member order, or `None` when
@@ -90,7 +93,12 @@ mod tests {
                 Op::Dequant => DequantParams::layout(),
                 Op::Matmul => MatmulParams::layout(),
             };
-            assert_eq!(push_constant_layout(&s.words()), Some(expected), "{}", s.name);
+            assert_eq!(
+                push_constant_layout(&s.words()),
+                Some(expected),
+                "{}",
+                s.name
+            );
         }
     }
 

@@ -35,7 +35,11 @@ pub fn run(args: &DevicesArgs) -> anyhow::Result<()> {
             d.api_version,
             d.device_local_bytes >> 20,
             d.driver,
-            if d.cooperative_matrix { "  cooperative matrices" } else { "" }
+            if d.cooperative_matrix {
+                "  cooperative matrices"
+            } else {
+                ""
+            }
         );
     }
     Ok(())

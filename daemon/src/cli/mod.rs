@@ -2,4 +2,5 @@
 
 pub mod devices;
 pub mod inspect;
+pub mod run;
 pub mod tokenize;

@@ -41,7 +41,9 @@ impl Buffer {
         let Some(type_index) = device.memory_type(req.memory_type_bits, flags) else {
             // SAFETY: nothing is bound to `raw` yet.
             unsafe { dev.destroy_buffer(raw, None) };
-            return Err(GpuError::Unsupported("no host-visible coherent memory type".into()));
+            return Err(GpuError::Unsupported(
+                "no host-visible coherent memory type".into(),
+            ));
         };
         let alloc = vk::MemoryAllocateInfo::default()
             .allocation_size(req.size)
@@ -64,7 +66,13 @@ impl Buffer {
                 }
             };
             std::ptr::write_bytes(mapped, 0, size as usize);
-            Ok(Buffer { raw, memory, mapped, size, device: device.clone() })
+            Ok(Buffer {
+                raw,
+                memory,
+                mapped,
+                size,
+                device: device.clone(),
+            })
         }
     }
 

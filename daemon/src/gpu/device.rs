@@ -133,10 +133,16 @@ impl Device {
     }
 
     /// Index of a memory type allowed by `type_bits` with all of `flags`, if any.
-    pub(crate) fn memory_type(&self, type_bits: u32, flags: vk::MemoryPropertyFlags) -> Option<u32> {
+    pub(crate) fn memory_type(
+        &self,
+        type_bits: u32,
+        flags: vk::MemoryPropertyFlags,
+    ) -> Option<u32> {
         (0..self.memory.memory_type_count).find(|&i| {
             type_bits & (1 << i) != 0
-                && self.memory.memory_types[i as usize].property_flags.contains(flags)
+                && self.memory.memory_types[i as usize]
+                    .property_flags
+                    .contains(flags)
         })
     }
 }

@@ -69,7 +69,11 @@ impl Instance {
     /// Every usable device, for `spillwayd devices` and for choosing one.
     pub fn devices(&self) -> Result<Vec<DeviceInfo>> {
         let pds = self.physical_devices()?;
-        Ok(pds.iter().enumerate().map(|(index, &pd)| self.describe(index, pd)).collect())
+        Ok(pds
+            .iter()
+            .enumerate()
+            .map(|(index, &pd)| self.describe(index, pd))
+            .collect())
     }
 
     pub(crate) fn describe(&self, index: usize, pd: vk::PhysicalDevice) -> DeviceInfo {
@@ -103,7 +107,11 @@ impl Instance {
                 vk::api_version_minor(v),
                 vk::api_version_patch(v)
             ),
-            driver: format!("{} {}", c_chars(&driver.driver_name), c_chars(&driver.driver_info)),
+            driver: format!(
+                "{} {}",
+                c_chars(&driver.driver_name),
+                c_chars(&driver.driver_info)
+            ),
             device_local_bytes,
             cooperative_matrix: self.has_extension(pd, c"VK_KHR_cooperative_matrix"),
         }
@@ -124,7 +132,10 @@ impl Instance {
             return pds
                 .get(index)
                 .map(|&pd| (index, pd))
-                .ok_or(GpuError::NoSuchDevice { index, count: pds.len() });
+                .ok_or(GpuError::NoSuchDevice {
+                    index,
+                    count: pds.len(),
+                });
         }
         pds.iter()
             .enumerate()
@@ -143,6 +154,10 @@ impl Drop for Instance {
 }
 
 fn c_chars(chars: &[std::ffi::c_char]) -> String {
-    let bytes: Vec<u8> = chars.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+    let bytes: Vec<u8> = chars
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
     String::from_utf8_lossy(&bytes).into_owned()
 }

@@ -51,11 +51,17 @@ impl ComputePipeline {
             .ty(vk::DescriptorType::STORAGE_BUFFER)
             .descriptor_count(n_buffers.max(1) * 4)];
         let map_entries: Vec<_> = (0..spec.len() as u32)
-            .map(|i| vk::SpecializationMapEntry::default().constant_id(i).offset(i * 4).size(4))
+            .map(|i| {
+                vk::SpecializationMapEntry::default()
+                    .constant_id(i)
+                    .offset(i * 4)
+                    .size(4)
+            })
             .collect();
         let spec_data: Vec<u8> = spec.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let spec_info =
-            vk::SpecializationInfo::default().map_entries(&map_entries).data(&spec_data);
+        let spec_info = vk::SpecializationInfo::default()
+            .map_entries(&map_entries)
+            .data(&spec_data);
 
         // SAFETY: every create-info below and the arrays it points to live across its call; each
         // object is destroyed by `Drop` (or the guard below on failure) before the device.
@@ -80,12 +86,13 @@ impl ComputePipeline {
                 )
                 .map_err(map_vk)?;
             let set_layouts = [p.set_layout];
-            let mut layout_info =
-                vk::PipelineLayoutCreateInfo::default().set_layouts(&set_layouts);
+            let mut layout_info = vk::PipelineLayoutCreateInfo::default().set_layouts(&set_layouts);
             if push_bytes > 0 {
                 layout_info = layout_info.push_constant_ranges(&ranges);
             }
-            p.layout = dev.create_pipeline_layout(&layout_info, None).map_err(map_vk)?;
+            p.layout = dev
+                .create_pipeline_layout(&layout_info, None)
+                .map_err(map_vk)?;
             *p.pool.get_mut() = dev
                 .create_descriptor_pool(
                     &vk::DescriptorPoolCreateInfo::default()
@@ -102,7 +109,9 @@ impl ComputePipeline {
             if !spec.is_empty() {
                 stage = stage.specialization_info(&spec_info);
             }
-            let info = [vk::ComputePipelineCreateInfo::default().stage(stage).layout(p.layout)];
+            let info = [vk::ComputePipelineCreateInfo::default()
+                .stage(stage)
+                .layout(p.layout)];
             p.raw = dev
                 .create_compute_pipelines(vk::PipelineCache::null(), &info, None)
                 .map_err(|(_, e)| map_vk(e))?[0];
@@ -143,7 +152,11 @@ impl ComputePipeline {
         .map_err(map_vk)?[0];
         let infos: Vec<[vk::DescriptorBufferInfo; 1]> = buffers
             .iter()
-            .map(|b| [vk::DescriptorBufferInfo::default().buffer(b.raw).range(vk::WHOLE_SIZE)])
+            .map(|b| {
+                [vk::DescriptorBufferInfo::default()
+                    .buffer(b.raw)
+                    .range(vk::WHOLE_SIZE)]
+            })
             .collect();
         let writes: Vec<_> = infos
             .iter()

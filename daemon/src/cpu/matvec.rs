@@ -1,0 +1,203 @@
+//! Matrix-vector and matrix-matrix products over quantized rows, split by rows across the
+//! thread pool. A matrix-matrix product reads each weight row once for all tokens of a batch
+//! (the row stays in L1 while it meets every activation), which is what makes prompt
+//! processing cheaper per token than decoding; the per-pair dot products are the same as
+//! [`matvec`]'s, so results are bit-identical to multiplying the tokens one by one.
+
+use crate::model::MatRef;
+
+use super::act::Activation;
+use super::kernels::{dot_kernel, Isa};
+use super::pool::ThreadPool;
+
+/// Rows per task: enough work to amortise claiming a task, few enough to balance the load.
+fn rows_per_task(n_rows: usize, n_threads: usize) -> usize {
+    (n_rows / (4 * n_threads)).clamp(8, 256)
+}
+
+/// `out[i] = row_i(m) · x` for every row of `m`.
+///
+/// # Panics
+/// If `x.len() != m.n_in` or `out.len() != m.n_out`.
+pub fn matvec(pool: &ThreadPool, m: MatRef<'_>, x: &[f32], out: &mut [f32]) {
+    assert_eq!(x.len(), m.n_in, "matvec input width");
+    assert_eq!(out.len(), m.n_out, "matvec output height");
+    let act = Activation::new(m.ty, x);
+    matvec_act(pool, m, &act, out);
+}
+
+/// Like [`matvec`] with the activation already converted for `m.ty`.
+pub fn matvec_act(pool: &ThreadPool, m: MatRef<'_>, act: &Activation<'_>, out: &mut [f32]) {
+    matvec_with(pool, m, act, out, Isa::detect());
+}
+
+/// [`matvec_act`] on a chosen instruction set (tests compare them).
+pub fn matvec_with(
+    pool: &ThreadPool,
+    m: MatRef<'_>,
+    act: &Activation<'_>,
+    out: &mut [f32],
+    isa: Isa,
+) {
+    let dot = dot_kernel(m.ty, isa);
+    let chunk = rows_per_task(m.n_out, pool.n_threads());
+    pool.for_each_chunk(out, chunk, &|start, part| {
+        for (k, o) in part.iter_mut().enumerate() {
+            *o = dot(m.row(start + k), act);
+        }
+    });
+}
+
+/// `out[b * n_out + i] = row_i(m) · xs[b * n_in..]` for the `xs.len() / n_in` tokens of a
+/// batch (token-major in and out).
+///
+/// # Panics
+/// If `xs` is not whole rows of `m.n_in` or `out` not as many rows of `m.n_out`.
+pub fn matmul(pool: &ThreadPool, m: MatRef<'_>, xs: &[f32], out: &mut [f32]) {
+    assert!(
+        m.n_in > 0 && xs.len().is_multiple_of(m.n_in),
+        "matmul input width"
+    );
+    let n_tok = xs.len() / m.n_in;
+    assert_eq!(out.len(), n_tok * m.n_out, "matmul output size");
+    if n_tok == 1 {
+        return matvec(pool, m, xs, out);
+    }
+    let acts: Vec<Activation<'_>> = xs
+        .chunks_exact(m.n_in)
+        .map(|x| Activation::new(m.ty, x))
+        .collect();
+    let dot = dot_kernel(m.ty, Isa::detect());
+    // Row-major (one row's results for every token together), then transposed.
+    let mut by_row = vec![0.0f32; m.n_out * n_tok];
+    let chunk = rows_per_task(m.n_out, pool.n_threads()) * n_tok;
+    pool.for_each_chunk(&mut by_row, chunk, &|start, part| {
+        let first = start / n_tok;
+        for (k, row_out) in part.chunks_exact_mut(n_tok).enumerate() {
+            let row = m.row(first + k);
+            for (o, act) in row_out.iter_mut().zip(&acts) {
+                *o = dot(row, act);
+            }
+        }
+    });
+    for (i, row) in by_row.chunks_exact(n_tok).enumerate() {
+        for (b, &v) in row.iter().enumerate() {
+            out[b * m.n_out + i] = v;
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::gguf::GgmlType;
+    use crate::quant::{dequantize_row, quantize_row};
+
+    /// A deterministic pseudo-random vector in [-1, 1).
+    pub(crate) fn noise(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    /// Compares with f32 dot products of dequantized rows and the activation as the kernel
+    /// sees it, within `rel` of the sum of absolute products.
+    fn check(ty: GgmlType, bytes: &[u8], n_in: usize, n_out: usize, rel: f32) {
+        let m = MatRef {
+            ty,
+            n_in,
+            n_out,
+            data: bytes,
+        };
+        let x = noise(n_in, 7);
+        let pool = ThreadPool::new(3);
+        let mut out = vec![0.0; n_out];
+        matvec(&pool, m, &x, &mut out);
+        let xq = Activation::new(ty, &x).to_f32();
+        let mut row = vec![0.0; n_in];
+        for (i, &o) in out.iter().enumerate() {
+            if ty == GgmlType::Q5K {
+                crate::cpu::dot::dequantize_q5_k(m.row(i), &mut row);
+            } else {
+                dequantize_row(ty, m.row(i), &mut row).unwrap();
+            }
+            let want: f32 = row.iter().zip(&xq).map(|(a, b)| a * b).sum();
+            let scale: f32 = row.iter().zip(&xq).map(|(a, b)| (a * b).abs()).sum();
+            assert!(
+                (o - want).abs() <= rel * scale,
+                "{ty} row {i}: {o} vs {want}"
+            );
+        }
+    }
+
+    #[test]
+    fn quantized_matvec_agrees_with_dequantized_rows() {
+        let (n_in, n_out) = (512, 37);
+        let w = noise(n_in * n_out, 3);
+        for ty in [
+            GgmlType::F32,
+            GgmlType::F16,
+            GgmlType::BF16,
+            GgmlType::Q8_0,
+            GgmlType::Q4_0,
+        ] {
+            let mut bytes = vec![0u8; ty.row_bytes((n_in * n_out) as u64).unwrap() as usize];
+            quantize_row(ty, &w, &mut bytes).unwrap();
+            check(ty, &bytes, n_in, n_out, 1e-5);
+        }
+    }
+
+    #[test]
+    fn matmul_is_matvec_per_token() {
+        let (n_in, n_out, n_tok) = (256, 19, 5);
+        let ty = GgmlType::Q8_0;
+        let w = noise(n_in * n_out, 1);
+        let mut bytes = vec![0u8; ty.row_bytes((n_in * n_out) as u64).unwrap() as usize];
+        quantize_row(ty, &w, &mut bytes).unwrap();
+        let m = MatRef {
+            ty,
+            n_in,
+            n_out,
+            data: &bytes,
+        };
+        let xs = noise(n_in * n_tok, 2);
+        let pool = ThreadPool::new(2);
+        let mut out = vec![0.0; n_out * n_tok];
+        matmul(&pool, m, &xs, &mut out);
+        for b in 0..n_tok {
+            let mut one = vec![0.0; n_out];
+            matvec(&pool, m, &xs[b * n_in..(b + 1) * n_in], &mut one);
+            assert_eq!(&out[b * n_out..(b + 1) * n_out], &one[..]);
+        }
+    }
+
+    #[test]
+    fn k_quant_matvec_agrees_with_dequantized_rows() {
+        // Arbitrary bytes are valid K-quant blocks once the f16 scales are made finite.
+        let (n_in, n_out) = (512, 9);
+        for (ty, d_at) in [
+            (GgmlType::Q4K, &[0usize, 2][..]),
+            (GgmlType::Q5K, &[0, 2][..]),
+            (GgmlType::Q6K, &[208][..]),
+        ] {
+            let bb = ty.block_bytes() as usize;
+            let mut bytes: Vec<u8> = noise(n_out * n_in / 256 * bb, 5)
+                .iter()
+                .map(|v| (v.to_bits() >> 7) as u8)
+                .collect();
+            for block in bytes.chunks_exact_mut(bb) {
+                for &at in d_at {
+                    block[at..at + 2]
+                        .copy_from_slice(&half::f16::from_f32(0.01).to_bits().to_le_bytes());
+                }
+            }
+            check(ty, &bytes, n_in, n_out, 1e-5);
+        }
+    }
+}

@@ -1,0 +1,19 @@
+//! CPU kernels: activation formats ([`act`]), dot products of weight rows with activations
+//! ([`dot`], scalar; [`avx2`]; chosen at run time by [`kernels`]), matrix-vector products ([`matvec`]) and a persistent thread pool ([`pool`]).
+//!
+//! The kernels multiply weights in place from the memory map: a row is never dequantized into
+//! a copy. Activations are converted to the format ggml pairs with each weight type (Q8_0 for
+//! Q8_0/Q4_0, Q8_K for the K-quants), so results track llama.cpp's CPU backend closely.
+
+pub mod act;
+#[cfg(target_arch = "x86_64")]
+pub mod avx2;
+pub mod dot;
+pub mod kernels;
+pub mod matvec;
+pub mod pool;
+
+pub use act::{ActFormat, Activation, BlockQ8K};
+pub use kernels::Isa;
+pub use matvec::{matmul, matvec, matvec_act, matvec_with};
+pub use pool::ThreadPool;

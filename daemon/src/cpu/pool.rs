@@ -1,0 +1,265 @@
+//! A persistent thread pool: workers are spawned once, spin briefly after a job (the next
+//! matrix of a decode step usually follows within microseconds) and then sleep on a condition
+//! variable, so a decode step neither spawns threads nor pays a wake-up per matrix. A job is a closure run for task
+//! indices `0..n`, claimed dynamically; the caller's thread takes part and `run` returns when
+//! every task has finished, which is what lets the closure borrow from the caller's stack.
+
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use parking_lot::{Condvar, Mutex};
+
+type Task = dyn Fn(usize) + Sync;
+
+/// The job being run: a lifetime-erased pointer to the caller's closure.
+#[derive(Clone, Copy)]
+struct Job {
+    task: *const Task,
+    n_tasks: usize,
+}
+
+// SAFETY: the pointee is `Sync`, and `ThreadPool::run` keeps it alive until no worker uses it.
+unsafe impl Send for Job {}
+
+/// Spin iterations (each a `pause`) before a thread sleeps: tens of microseconds.
+const SPIN: u32 = 4096;
+
+struct State {
+    job: Option<Job>,
+    shutdown: bool,
+    panic: Option<Box<dyn std::any::Any + Send>>,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    wake: Condvar,
+    done: Condvar,
+    /// Next task index to claim.
+    next: AtomicUsize,
+    /// Bumped (under the state lock) for every job.
+    generation: AtomicU64,
+    /// Workers still inside the current job; the last one out notifies `done` under the lock.
+    busy: AtomicUsize,
+}
+
+pub struct ThreadPool {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+    /// Serialises callers: one job at a time.
+    run_lock: Mutex<()>,
+}
+
+impl ThreadPool {
+    /// A pool of `n_threads` threads in all, the caller's included (so `n_threads - 1` workers).
+    pub fn new(n_threads: usize) -> ThreadPool {
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                job: None,
+                shutdown: false,
+                panic: None,
+            }),
+            wake: Condvar::new(),
+            done: Condvar::new(),
+            next: AtomicUsize::new(0),
+            generation: AtomicU64::new(0),
+            busy: AtomicUsize::new(0),
+        });
+        let workers = (1..n_threads.max(1))
+            .map(|i| {
+                let shared = Arc::clone(&shared);
+                std::thread::Builder::new()
+                    .name(format!("spillway-cpu-{i}"))
+                    .spawn(move || worker(&shared))
+                    .expect("spawning a CPU worker thread")
+            })
+            .collect();
+        ThreadPool {
+            shared,
+            workers,
+            run_lock: Mutex::new(()),
+        }
+    }
+
+    /// Threads that run a job, the caller's included.
+    pub fn n_threads(&self) -> usize {
+        self.workers.len() + 1
+    }
+
+    /// Runs `task(i)` for every `i` in `0..n_tasks` on the pool and the calling thread, and
+    /// returns when all have finished. A panic in a task is re-raised here.
+    pub fn run<'a>(&self, n_tasks: usize, task: &'a (dyn Fn(usize) + Sync + 'a)) {
+        if self.workers.is_empty() || n_tasks <= 1 {
+            (0..n_tasks).for_each(task);
+            return;
+        }
+        let _one_job = self.run_lock.lock();
+        // SAFETY: erases the closure's lifetime; we do not return before every worker has left
+        // the job (`busy == 0`), and the job is cleared before that, so no use outlives it.
+        let task_ptr: *const Task =
+            unsafe { std::mem::transmute::<&'a (dyn Fn(usize) + Sync + 'a), &'static Task>(task) };
+        self.shared.next.store(0, Ordering::Relaxed);
+        {
+            let mut st = self.shared.state.lock();
+            st.job = Some(Job {
+                task: task_ptr,
+                n_tasks,
+            });
+            self.shared
+                .busy
+                .store(self.workers.len(), Ordering::Release);
+            self.shared.generation.fetch_add(1, Ordering::Release);
+            self.shared.wake.notify_all();
+        }
+        let mine = catch_unwind(AssertUnwindSafe(|| {
+            claim_tasks(&self.shared, task, n_tasks)
+        }));
+        spin_while(|| self.shared.busy.load(Ordering::Acquire) != 0);
+        let mut st = self.shared.state.lock();
+        while self.shared.busy.load(Ordering::Acquire) != 0 {
+            self.shared.done.wait(&mut st);
+        }
+        st.job = None;
+        let theirs = st.panic.take();
+        drop(st);
+        if let Err(p) = mine {
+            resume_unwind(p);
+        }
+        if let Some(p) = theirs {
+            resume_unwind(p);
+        }
+    }
+
+    /// Splits `out` into chunks of `chunk` elements and runs `f(first_index, chunk)` on each
+    /// in parallel.
+    pub fn for_each_chunk<T: Send>(
+        &self,
+        out: &mut [T],
+        chunk: usize,
+        f: &(dyn Fn(usize, &mut [T]) + Sync),
+    ) {
+        let chunk = chunk.max(1);
+        let len = out.len();
+        let n_tasks = len.div_ceil(chunk);
+        let base = SendPtr(out.as_mut_ptr());
+        self.run(n_tasks, &|t| {
+            let start = t * chunk;
+            let end = (start + chunk).min(len);
+            let base = &base;
+            // SAFETY: tasks cover disjoint ranges of `out`, which outlives `run`.
+            let part = unsafe { std::slice::from_raw_parts_mut(base.0.add(start), end - start) };
+            f(start, part);
+        });
+    }
+}
+
+struct SendPtr<T>(*mut T);
+// SAFETY: only used to hand disjoint sub-slices of a `Send` slice to pool tasks.
+unsafe impl<T: Send> Sync for SendPtr<T> {}
+
+fn claim_tasks(shared: &Shared, task: &(dyn Fn(usize) + Sync + '_), n_tasks: usize) {
+    loop {
+        let i = shared.next.fetch_add(1, Ordering::Relaxed);
+        if i >= n_tasks {
+            break;
+        }
+        task(i);
+    }
+}
+
+/// Spins while `cond` holds, at most [`SPIN`] times.
+fn spin_while(cond: impl Fn() -> bool) {
+    for _ in 0..SPIN {
+        if !cond() {
+            return;
+        }
+        std::hint::spin_loop();
+    }
+}
+
+fn worker(shared: &Shared) {
+    let mut seen = 0u64;
+    loop {
+        spin_while(|| shared.generation.load(Ordering::Acquire) == seen);
+        let job = {
+            let mut st = shared.state.lock();
+            while shared.generation.load(Ordering::Acquire) == seen && !st.shutdown {
+                shared.wake.wait(&mut st);
+            }
+            if st.shutdown {
+                return;
+            }
+            seen = shared.generation.load(Ordering::Acquire);
+            st.job
+        };
+        if let Some(job) = job {
+            // SAFETY: `run` keeps the closure alive until this worker decrements `busy`.
+            let task = unsafe { &*job.task };
+            let result = catch_unwind(AssertUnwindSafe(|| claim_tasks(shared, task, job.n_tasks)));
+            if let Err(p) = result {
+                shared.state.lock().panic.get_or_insert(p);
+            }
+            if shared.busy.fetch_sub(1, Ordering::AcqRel) == 1 {
+                let _st = shared.state.lock();
+                shared.done.notify_all();
+            }
+        }
+    }
+}
+
+impl Drop for ThreadPool {
+    fn drop(&mut self) {
+        self.shared.state.lock().shutdown = true;
+        self.shared.wake.notify_all();
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+impl std::fmt::Debug for ThreadPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ThreadPool")
+            .field("n_threads", &self.n_threads())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_task_runs_once_across_many_jobs() {
+        let pool = ThreadPool::new(4);
+        for n in [0, 1, 3, 100] {
+            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            pool.run(n, &|i| {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+        }
+        let mut out = vec![0usize; 1000];
+        pool.for_each_chunk(&mut out, 7, &|start, part| {
+            for (k, v) in part.iter_mut().enumerate() {
+                *v = start + k;
+            }
+        });
+        assert!(out.iter().enumerate().all(|(i, &v)| i == v));
+    }
+
+    #[test]
+    fn a_panicking_task_is_reraised_and_the_pool_survives() {
+        let pool = ThreadPool::new(3);
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            pool.run(50, &|i| assert_ne!(i, 17, "task 17 fails"));
+        }));
+        assert!(r.is_err());
+        let count = AtomicUsize::new(0);
+        pool.run(10, &|_| {
+            count.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(count.load(Ordering::Relaxed), 10);
+    }
+}

@@ -1,0 +1,291 @@
+//! The forward pass over a batch of consecutive tokens: embedding, then per layer attention
+//! and FFN (dense or routed experts) with residuals, then the output norm and head. It follows
+//! llama.cpp's graphs (`llm_build_llama`, `llm_build_qwen2`, `llm_build_qwen2moe`,
+//! `llm_build_qwen3`, `llm_build_qwen3moe`) operation by operation.
+//!
+//! Decoding is a batch of one. A longer batch (a prompt) multiplies every weight matrix with
+//! all its tokens at once; each token's arithmetic is the same as alone, so batching changes
+//! speed, not results.
+
+use half::f16;
+
+use crate::cpu::{matmul, ThreadPool};
+use crate::model::{Attention, Ffn, Matrix, Model, ModelError, MoeWeights};
+
+use super::kv_cache::KvCache;
+use super::ops::{
+    add_inplace, rms_norm, rms_norm_inplace, rope_cache, rope_head, softmax, swiglu_inplace,
+};
+
+/// RoPE angles of every token of a batch: `half` cosines and sines per token.
+struct Rope {
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    half: usize,
+}
+
+impl Rope {
+    fn new(model: &Model, start: usize, n: usize) -> Rope {
+        let c = &model.config;
+        let half = c.n_rot / 2;
+        let (mut cos, mut sin) = (vec![0.0; n * half], vec![0.0; n * half]);
+        for b in 0..n {
+            let r = b * half..(b + 1) * half;
+            rope_cache(
+                start + b,
+                c.n_rot,
+                c.rope_freq_base,
+                c.rope_freq_scale,
+                model.rope_freqs.as_deref(),
+                &mut cos[r.clone()],
+                &mut sin[r],
+            );
+        }
+        Rope { cos, sin, half }
+    }
+
+    fn token(&self, b: usize) -> (&[f32], &[f32]) {
+        let r = b * self.half..(b + 1) * self.half;
+        (&self.cos[r.clone()], &self.sin[r])
+    }
+}
+
+/// Runs `tokens` at positions `start..start + tokens.len()` through `model`, writing the
+/// next-token logits of every token (`all_logits`) or of the last one into `logits`. The
+/// caller has checked the positions against the cache and the token ids.
+pub(super) fn forward(
+    model: &Model,
+    pool: &ThreadPool,
+    kv: &mut KvCache,
+    tokens: &[u32],
+    start: usize,
+    all_logits: bool,
+    logits: &mut Vec<f32>,
+) -> Result<(), ModelError> {
+    let c = &model.config;
+    let (n, e) = (tokens.len(), c.n_embd);
+    let mut x = vec![0.0f32; n * e];
+    for (row, &t) in x.chunks_exact_mut(e).zip(tokens) {
+        model.embed(t, row)?;
+    }
+    let rope = Rope::new(model, start, n);
+    let mut xn = vec![0.0f32; n * e];
+    for (il, layer) in model.layers.iter().enumerate() {
+        norm_rows(&x, &layer.attn.norm, c.rms_eps, &mut xn);
+        let proj = attention(model, pool, kv, &layer.attn, il, start, &xn, &rope);
+        add_inplace(&mut x, &proj);
+
+        norm_rows(&x, &layer.ffn_norm, c.rms_eps, &mut xn);
+        let out = match &layer.ffn {
+            Ffn::Dense { gate, up, down } => swiglu_ffn(model, pool, (gate, up, down), 0, &xn),
+            Ffn::Moe(moe) => moe_ffn(model, pool, moe, &xn),
+        };
+        add_inplace(&mut x, &out);
+    }
+    let rows = if all_logits {
+        &mut x[..]
+    } else {
+        &mut x[(n - 1) * e..]
+    };
+    for row in rows.chunks_exact_mut(e) {
+        rms_norm_inplace(row, &model.output_norm, c.rms_eps);
+    }
+    logits.clear();
+    logits.resize(rows.len() / e * c.n_vocab, 0.0);
+    matmul(pool, model.mat(&model.output), rows, logits);
+    Ok(())
+}
+
+/// RMSNorm of every row of `x` (rows as wide as `w`) into `out`.
+fn norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    for (row, o) in x.chunks_exact(w.len()).zip(out.chunks_exact_mut(w.len())) {
+        rms_norm(row, w, eps, o);
+    }
+}
+
+/// Adds `bias` to every row of `x`.
+fn add_bias_rows(x: &mut [f32], bias: &Option<Vec<f32>>) {
+    if let Some(b) = bias {
+        for row in x.chunks_exact_mut(b.len()) {
+            add_inplace(row, b);
+        }
+    }
+}
+
+/// Q/K/V, biases, QK-norm, RoPE, cache append, causal GQA attention and the output
+/// projection, for every token of the batch; returns the projection (`n × n_embd`).
+#[allow(clippy::too_many_arguments)]
+fn attention(
+    model: &Model,
+    pool: &ThreadPool,
+    kv: &mut KvCache,
+    a: &Attention,
+    il: usize,
+    start: usize,
+    xn: &[f32],
+    rope: &Rope,
+) -> Vec<f32> {
+    let c = &model.config;
+    let (hd, qw, kvw) = (c.head_dim, c.q_width(), c.kv_width());
+    let n = xn.len() / c.n_embd;
+    let mut q = vec![0.0f32; n * qw];
+    let mut k = vec![0.0f32; n * kvw];
+    let mut v = vec![0.0f32; n * kvw];
+    matmul(pool, model.mat(&a.wq), xn, &mut q);
+    matmul(pool, model.mat(&a.wk), xn, &mut k);
+    matmul(pool, model.mat(&a.wv), xn, &mut v);
+    add_bias_rows(&mut q, &a.bq);
+    add_bias_rows(&mut k, &a.bk);
+    add_bias_rows(&mut v, &a.bv);
+    for (x, width, norm) in [(&mut q, qw, &a.q_norm), (&mut k, kvw, &a.k_norm)] {
+        for (b, row) in x.chunks_exact_mut(width).enumerate() {
+            let (cos, sin) = rope.token(b);
+            for head in row.chunks_exact_mut(hd) {
+                if let Some(w) = norm {
+                    rms_norm_inplace(head, w, c.rms_eps);
+                }
+                rope_head(head, c.rope_layout, cos, sin);
+            }
+        }
+    }
+    for b in 0..n {
+        kv.store(
+            il,
+            start + b,
+            &k[b * kvw..(b + 1) * kvw],
+            &v[b * kvw..(b + 1) * kvw],
+        );
+    }
+
+    let keys = kv.keys(il, start + n);
+    let values = kv.values(il, start + n);
+    let group = c.gqa_group();
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut attn = vec![0.0f32; n * qw];
+    // One task per (token, head); token b sees positions 0..=start + b.
+    pool.for_each_chunk(&mut attn, hd, &|offset, out| {
+        let (b, h) = (offset / qw, (offset % qw) / hd);
+        let kvh = h / group;
+        let n_kv = start + b + 1;
+        // llama.cpp multiplies Q with the f16 keys in f16 (`vec_dot_type` of F16 is F16).
+        let qh: Vec<f32> = q[offset..offset + hd]
+            .iter()
+            .map(|&v| f16::from_f32(v).to_f32())
+            .collect();
+        let mut scores: Vec<f32> = (0..n_kv)
+            .map(|t| {
+                let key = &keys[t * kvw + kvh * hd..t * kvw + (kvh + 1) * hd];
+                let dot: f32 = key.iter().zip(&qh).map(|(k, q)| k.to_f32() * q).sum();
+                dot * scale
+            })
+            .collect();
+        softmax(&mut scores);
+        out.fill(0.0);
+        for (t, &p) in scores.iter().enumerate() {
+            // ... and the probabilities with the f16 values, so they are rounded too.
+            let p = f16::from_f32(p).to_f32();
+            let val = &values[t * kvw + kvh * hd..t * kvw + (kvh + 1) * hd];
+            for (o, v) in out.iter_mut().zip(val) {
+                *o += p * v.to_f32();
+            }
+        }
+    });
+    let mut proj = vec![0.0f32; n * c.n_embd];
+    matmul(pool, model.mat(&a.wo), &attn, &mut proj);
+    proj
+}
+
+/// `down(silu(gate · x) * (up · x))` for every row of `xs`, with matrices `expert` of the
+/// stacks (0 for plain matrices).
+fn swiglu_ffn(
+    model: &Model,
+    pool: &ThreadPool,
+    (gate, up, down): (&Matrix, &Matrix, &Matrix),
+    expert: usize,
+    xs: &[f32],
+) -> Vec<f32> {
+    let n = xs.len() / gate.n_in;
+    let ff = gate.n_out;
+    let mut g = vec![0.0f32; n * ff];
+    let mut u = vec![0.0f32; n * ff];
+    matmul(pool, model.expert(gate, expert), xs, &mut g);
+    matmul(pool, model.expert(up, expert), xs, &mut u);
+    swiglu_inplace(&mut g, &u);
+    let mut out = vec![0.0f32; n * down.n_out];
+    matmul(pool, model.expert(down, expert), &g, &mut out);
+    out
+}
+
+/// Routed experts (softmax router, top-k, optional renormalisation), plus Qwen2-MoE's
+/// sigmoid-gated shared expert, for every row of `xn`.
+fn moe_ffn(model: &Model, pool: &ThreadPool, moe: &MoeWeights, xn: &[f32]) -> Vec<f32> {
+    let cfg = model.config.moe.expect("MoE layer in a MoE model");
+    let (e, k) = (model.config.n_embd, cfg.n_expert_used);
+    let n = xn.len() / e;
+    let mut probs = vec![0.0f32; n * cfg.n_expert];
+    matmul(pool, model.mat(&moe.router), xn, &mut probs);
+
+    // Per token: the chosen experts in rank order and their weights.
+    let mut chosen = Vec::with_capacity(n * k);
+    let mut weights = Vec::with_capacity(n * k);
+    for p in probs.chunks_exact_mut(cfg.n_expert) {
+        softmax(p);
+        let sel = top_k(p, k);
+        let mut w: Vec<f32> = sel.iter().map(|&x| p[x]).collect();
+        if cfg.norm_weights {
+            let sum: f32 = w.iter().sum();
+            w.iter_mut().for_each(|w| *w /= sum);
+        }
+        chosen.extend(sel);
+        weights.extend(w);
+    }
+
+    // Each expert runs once over the tokens that chose it; results land at (token, rank).
+    let mut expert_out = vec![0.0f32; n * k * e];
+    for ex in 0..cfg.n_expert {
+        let slots: Vec<usize> = (0..n * k).filter(|&s| chosen[s] == ex).collect();
+        if slots.is_empty() {
+            continue;
+        }
+        let mut xs = Vec::with_capacity(slots.len() * e);
+        for &s in &slots {
+            let b = s / k;
+            xs.extend_from_slice(&xn[b * e..(b + 1) * e]);
+        }
+        let y = swiglu_ffn(model, pool, (&moe.gate, &moe.up, &moe.down), ex, &xs);
+        for (&s, row) in slots.iter().zip(y.chunks_exact(e)) {
+            expert_out[s * e..(s + 1) * e].copy_from_slice(row);
+        }
+    }
+    // Summed in rank order, as ggml adds the weighted experts.
+    let mut out = vec![0.0f32; n * e];
+    for (b, o) in out.chunks_exact_mut(e).enumerate() {
+        for r in 0..k {
+            let s = b * k + r;
+            let w = weights[s];
+            for (o, &y) in o.iter_mut().zip(&expert_out[s * e..(s + 1) * e]) {
+                *o += y * w;
+            }
+        }
+    }
+    if let Some(sh) = &moe.shared {
+        let mut logit = vec![0.0f32; n];
+        matmul(pool, model.mat(&sh.gate_inp), xn, &mut logit);
+        let y = swiglu_ffn(model, pool, (&sh.gate, &sh.up, &sh.down), 0, xn);
+        for ((o, y), &l) in out.chunks_exact_mut(e).zip(y.chunks_exact(e)).zip(&logit) {
+            let g = 1.0 / (1.0 + (-l).exp());
+            for (o, &y) in o.iter_mut().zip(y) {
+                *o += y * g;
+            }
+        }
+    }
+    out
+}
+
+/// Indices of the `k` largest values, largest first (ties to the lower index).
+pub(crate) fn top_k(x: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..x.len()).collect();
+    idx.sort_by(|&a, &b| x[b].total_cmp(&x[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}

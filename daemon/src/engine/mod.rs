@@ -1,0 +1,143 @@
+//! The CPU inference engine: one sequence's KV cache ([`kv_cache`]), the forward pass
+//! ([`forward`]), element-wise ops ([`ops`]) and sampling ([`sampling`]).
+//!
+//! This is the project's reference path: everything runs on the CPU from the memory-mapped
+//! weights, and its logits are checked against llama.cpp's (`bench/tests/engine_llama_cpp.rs`).
+
+pub mod forward;
+pub mod kv_cache;
+pub mod ops;
+pub mod sampling;
+
+use std::sync::Arc;
+
+use crate::cpu::ThreadPool;
+use crate::model::{Model, ModelError};
+
+pub use kv_cache::KvCache;
+pub use sampling::{argmax, Sampler, SamplerConfig};
+
+/// Most tokens one forward pass takes; longer prompts go in several (bounds the activations).
+pub const MAX_BATCH: usize = 64;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error("the context of {capacity} positions is full")]
+    ContextFull { capacity: usize },
+    #[error("token {token} is outside the vocabulary of {n_vocab}")]
+    TokenOutOfRange { token: u32, n_vocab: usize },
+}
+
+/// Engine settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineOptions {
+    /// Threads for the kernels, the caller's included.
+    pub threads: usize,
+    /// KV cache positions; 0 means the model's context length, capped at 4096.
+    pub context: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            context: 0,
+        }
+    }
+}
+
+/// A model with a thread pool and the state of one sequence.
+#[derive(Debug)]
+pub struct Engine {
+    model: Arc<Model>,
+    pool: ThreadPool,
+    kv: KvCache,
+    logits: Vec<f32>,
+    pos: usize,
+}
+
+impl Engine {
+    pub fn new(model: Arc<Model>, options: &EngineOptions) -> Engine {
+        let c = &model.config;
+        let context = match options.context {
+            0 => c.context_length.min(4096),
+            n => n,
+        };
+        Engine {
+            pool: ThreadPool::new(options.threads.max(1)),
+            kv: KvCache::new(c.n_layer, context, c.kv_width()),
+            logits: Vec::new(),
+            pos: 0,
+            model,
+        }
+    }
+
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// Tokens evaluated so far in this sequence.
+    pub fn position(&self) -> usize {
+        self.pos
+    }
+
+    /// Forgets the sequence (the cache is overwritten from position 0).
+    pub fn reset(&mut self) {
+        self.pos = 0;
+    }
+
+    /// Evaluates `token` at the next position and returns the logits of the token after it.
+    pub fn eval(&mut self, token: u32) -> Result<&[f32], EngineError> {
+        self.eval_batch(&[token], false)
+    }
+
+    /// Evaluates `tokens` at the next positions, in batches of at most [`MAX_BATCH`], and
+    /// returns the next-token logits after every one of them (`all_logits`, `n_vocab` per
+    /// token) or after the last. Nothing is evaluated if a token is out of range or the
+    /// context is too short.
+    pub fn eval_batch(&mut self, tokens: &[u32], all_logits: bool) -> Result<&[f32], EngineError> {
+        let n_vocab = self.model.config.n_vocab;
+        if let Some(&token) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
+            return Err(EngineError::TokenOutOfRange { token, n_vocab });
+        }
+        if self.pos + tokens.len() > self.kv.capacity() {
+            return Err(EngineError::ContextFull {
+                capacity: self.kv.capacity(),
+            });
+        }
+        self.logits.clear();
+        let mut part = Vec::new();
+        for chunk in tokens.chunks(MAX_BATCH) {
+            forward::forward(
+                &self.model,
+                &self.pool,
+                &mut self.kv,
+                chunk,
+                self.pos,
+                all_logits,
+                &mut part,
+            )?;
+            self.pos += chunk.len();
+            if !all_logits {
+                self.logits.clear();
+            }
+            self.logits.extend_from_slice(&part);
+        }
+        Ok(&self.logits)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_engine_can_move_to_another_thread_and_models_can_be_shared() {
+        fn send<T: Send>() {}
+        fn sync<T: Send + Sync>() {}
+        send::<Engine>();
+        sync::<Model>();
+    }
+}
