@@ -1,14 +1,18 @@
 //! The README's first command: a synthetic MoE model written, read back through the validating
-//! reader, described, and its weights dequantized on the Vulkan device and on the CPU and compared.
-//! Text generation replaces the last part once the engine runs models end to end.
+//! reader, described, its weights dequantized on the Vulkan device and on the CPU and compared,
+//! and text generated from it by the CPU engine. The weights are random, so the text is too; a
+//! trained default model replaces it.
 
 use std::path::Path;
 use std::sync::Arc;
 
+use spillway_daemon::engine::{Engine, EngineOptions, Sampler, SamplerConfig};
 use spillway_daemon::gguf::inspect::{human_bytes, Summary};
 use spillway_daemon::gguf::{GgmlType, GgufFile};
 use spillway_daemon::gpu::{Buffer, ComputePipeline, Device, Instance};
+use spillway_daemon::model::Model;
 use spillway_daemon::quant::dequantize_row;
+use spillway_daemon::tokenizer::{Detokenizer, Tokenizer};
 use spillway_shaders::{DequantParams, Feature, Op, PushConstants, ShaderId, WeightType as Wt};
 
 use crate::synth::{SynthError, SynthModel, WeightType};
@@ -23,6 +27,12 @@ pub enum DemoError {
     Gpu(#[from] spillway_daemon::gpu::GpuError),
     #[error(transparent)]
     Quant(#[from] spillway_daemon::quant::QuantError),
+    #[error(transparent)]
+    Model(#[from] spillway_daemon::model::ModelError),
+    #[error(transparent)]
+    Engine(#[from] spillway_daemon::engine::EngineError),
+    #[error(transparent)]
+    Tokenizer(#[from] spillway_daemon::tokenizer::TokenizerError),
     #[error("{tensor}: {differ} of {total} values differ between {device} and the CPU")]
     Mismatch {
         tensor: String,
@@ -116,4 +126,33 @@ pub fn dequantize_on_gpu(file: &GgufFile) -> Result<GpuCheck, DemoError> {
         tensors,
         values,
     })
+}
+
+/// Greedy generation of `n` tokens after `prompt` on the CPU engine, streamed to stdout.
+pub fn generate_text(path: &Path, prompt: &str, n: usize) -> Result<String, DemoError> {
+    use std::io::Write;
+    let model = Arc::new(Model::open(path)?);
+    let tokenizer = Tokenizer::from_metadata(model.file().metadata())?;
+    let mut engine = Engine::new(model, &EngineOptions::default());
+    let mut sampler = Sampler::new(SamplerConfig::default());
+    let mut history = tokenizer.encode(prompt, true);
+    let mut logits = engine.eval_batch(&history, false)?.to_vec();
+    let mut detok = Detokenizer::new(&tokenizer, false);
+    let mut text = String::new();
+    for _ in 0..n {
+        let next = sampler.sample(&logits, &history);
+        if tokenizer.is_eog(next) {
+            break;
+        }
+        history.push(next);
+        let piece = detok.push(next);
+        print!("{piece}");
+        let _ = std::io::stdout().flush();
+        text.push_str(&piece);
+        logits = engine.eval(next)?.to_vec();
+    }
+    let rest = detok.finish();
+    print!("{rest}");
+    text.push_str(&rest);
+    Ok(text)
 }

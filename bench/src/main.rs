@@ -119,6 +119,10 @@ fn demo(output: &std::path::Path) -> anyhow::Result<()> {
         Err(demo::DemoError::Gpu(e)) => println!("vulkan: not available ({e}); CPU only"),
         Err(e) => return Err(e.into()),
     }
+    let prompt = "In the beginning";
+    print!("cpu engine, greedy, random weights: {prompt}");
+    demo::generate_text(output, prompt, 24)?;
+    println!();
     Ok(())
 }
 

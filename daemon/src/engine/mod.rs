@@ -78,6 +78,11 @@ impl Engine {
         &self.model
     }
 
+    /// Positions the KV cache holds: the longest sequence this engine can evaluate.
+    pub fn capacity(&self) -> usize {
+        self.kv.capacity()
+    }
+
     /// Tokens evaluated so far in this sequence.
     pub fn position(&self) -> usize {
         self.pos
