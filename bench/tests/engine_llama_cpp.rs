@@ -19,12 +19,6 @@ use spillway_daemon::gguf::writer::{GgufWriter, TensorSpec};
 use spillway_daemon::gguf::{GgmlType, GgufFile, Value};
 use spillway_daemon::model::Model;
 
-/// `spillwayd run` lives in the daemon binary's `cli/`; compiled here against the library so
-/// that its report can be checked against the same fixtures.
-#[allow(dead_code)]
-#[path = "../../daemon/src/cli/run.rs"]
-mod cli_run;
-
 const TOLERANCE: f32 = 0.05;
 const MIN_CLOSE: f64 = 0.95;
 const MIN_ARGMAX: f64 = 0.90;
@@ -257,13 +251,10 @@ fn load_fixture(name: &str) -> Fixture {
 }
 
 #[test]
-fn run_command_reports_prompt_logprobs_like_llama_cpp_and_greedy_is_deterministic() {
-    use clap::Parser;
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        run: cli_run::RunArgs,
-    }
+fn generation_reports_prompt_logprobs_like_llama_cpp_and_greedy_is_deterministic() {
+    use spillway_daemon::engine::generate::{generate, GenerateRequest, Prompt};
+    use spillway_daemon::engine::SamplerConfig;
+
     let fx = load_fixture("tiny-qwen3-Q8_0.json");
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp.path().join("m.gguf");
@@ -272,24 +263,20 @@ fn run_command_reports_prompt_logprobs_like_llama_cpp_and_greedy_is_deterministi
         .unwrap()
         .write(&path, false, |_, _| {})
         .unwrap();
-    let ids: Vec<String> = fx.tokens.iter().map(u32::to_string).collect();
-    let argv = [
-        "run",
-        "--model",
-        path.to_str().unwrap(),
-        "--prompt-tokens",
-        &ids.join(","),
-        "--max-tokens",
-        "8",
-        "--prompt-logprobs",
-        "5",
-        "--threads",
-        "2",
-        "--ignore-eos",
-        "--json",
-    ];
-    let args = Cli::parse_from(argv).run;
-    let report = cli_run::generate(&args).unwrap();
+    let options = EngineOptions {
+        threads: 2,
+        ..EngineOptions::default()
+    };
+    let mut engine = Engine::new(Arc::new(Model::open(&path).unwrap()), &options);
+    let request = GenerateRequest {
+        prompt: Prompt::Tokens(fx.tokens.clone()),
+        max_tokens: 8,
+        sampling: SamplerConfig::default(),
+        stop: Vec::new(),
+        prompt_logprobs: 5,
+        ignore_eos: true,
+    };
+    let report = generate(&mut engine, None, &request, |_| {}).unwrap();
     assert_eq!(report.prompt_tokens, fx.tokens);
     assert_eq!(report.tokens.len(), 8);
     assert_eq!(report.prompt_logprobs.len(), fx.tokens.len());
@@ -305,51 +292,134 @@ fn run_command_reports_prompt_logprobs_like_llama_cpp_and_greedy_is_deterministi
         report.tokens[0],
         report.prompt_logprobs.last().unwrap()[0].token
     );
-    assert_eq!(cli_run::generate(&args).unwrap().tokens, report.tokens);
+    // The engine is reset between requests: the same request gives the same tokens.
+    let again = generate(&mut engine, None, &request, |_| {}).unwrap();
+    assert_eq!(again.tokens, report.tokens);
     let json: serde_json::Value = serde_json::to_value(&report).unwrap();
-    for key in ["prompt_tokens", "tokens", "prompt_logprobs", "timings"] {
+    for key in [
+        "prompt_tokens",
+        "tokens",
+        "finish_reason",
+        "prompt_logprobs",
+        "timings",
+    ] {
         assert!(json.get(key).is_some(), "{key} missing from {json}");
     }
     assert!(json["prompt_logprobs"][0][0]["logprob"].is_number());
 
     // Seeded sampling repeats.
-    let mut sampled = args.clone();
-    sampled.temperature = 0.9;
-    sampled.top_p = 0.95;
-    sampled.seed = 11;
-    sampled.prompt_logprobs = 0;
-    let a = cli_run::generate(&sampled).unwrap().tokens;
-    assert_eq!(a, cli_run::generate(&sampled).unwrap().tokens);
+    let sampled = GenerateRequest {
+        sampling: SamplerConfig {
+            temperature: 0.9,
+            top_p: 0.95,
+            seed: 11,
+            ..SamplerConfig::default()
+        },
+        prompt_logprobs: 0,
+        ..request
+    };
+    let a = generate(&mut engine, None, &sampled, |_| {})
+        .unwrap()
+        .tokens;
+    assert_eq!(
+        a,
+        generate(&mut engine, None, &sampled, |_| {})
+            .unwrap()
+            .tokens
+    );
 }
 
-/// Not a test: prints decode speed on a model of your choice (until `spillwayd run` is wired
-/// into the binary). `SPILLWAY_BENCH_MODEL=m.gguf cargo test --release -p spillway-bench
-/// --test engine_llama_cpp decode_speed -- --ignored --nocapture`
 #[test]
-#[ignore = "measurement; needs SPILLWAY_BENCH_MODEL"]
-fn decode_speed() {
-    use clap::Parser;
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        run: cli_run::RunArgs,
-    }
-    let model = std::env::var("SPILLWAY_BENCH_MODEL").expect("SPILLWAY_BENCH_MODEL");
-    let threads = std::env::var("SPILLWAY_BENCH_THREADS").unwrap_or_else(|_| "2".into());
-    let prompt: Vec<String> = (0..64).map(|i| (1 + 37 * i).to_string()).collect();
-    let args = Cli::parse_from([
-        "run",
-        "--model",
-        &model,
-        "--prompt-tokens",
-        &prompt.join(","),
-        "--max-tokens",
-        "33",
-        "--threads",
-        &threads,
-        "--ignore-eos",
-    ])
-    .run;
-    let r = cli_run::generate(&args).unwrap();
-    println!("{model}: {:?}", r.timings);
+fn text_prompts_stream_text_and_stop_strings_end_generation() {
+    use spillway_daemon::engine::generate::{
+        generate, FinishReason, GenerateError, GenerateRequest, Prompt,
+    };
+    use spillway_daemon::engine::SamplerConfig;
+    use spillway_daemon::tokenizer::Tokenizer;
+
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("m.gguf");
+    SynthModel::from_name("tiny-llama", "Q8_0".parse().unwrap(), 3)
+        .unwrap()
+        .write(&path, false, |_, _| {})
+        .unwrap();
+    let model = Arc::new(Model::open(&path).unwrap());
+    let tokenizer = Tokenizer::from_metadata(model.file().metadata()).unwrap();
+    let options = EngineOptions {
+        threads: 2,
+        context: 64,
+    };
+    let mut engine = Engine::new(model, &options);
+    let request = GenerateRequest {
+        prompt: Prompt::Text("The keeper opened the gate".into()),
+        max_tokens: 24,
+        sampling: SamplerConfig::default(),
+        stop: Vec::new(),
+        prompt_logprobs: 0,
+        ignore_eos: true,
+    };
+    let mut streamed = String::new();
+    let free = generate(&mut engine, Some(&tokenizer), &request, |t| {
+        streamed.push_str(t)
+    })
+    .unwrap();
+    assert_eq!(
+        free.prompt_tokens,
+        tokenizer.encode("The keeper opened the gate", true)
+    );
+    let text = free.text.clone().unwrap();
+    assert_eq!(streamed, text, "streamed pieces add up to the text");
+    assert_eq!(free.finish_reason, FinishReason::MaxTokens);
+
+    // Stop at a string taken from the middle of the free-running text.
+    let mid = text.char_indices().nth(text.chars().count() / 2).unwrap().0;
+    let stop: String = text[mid..].chars().take(3).collect();
+    let cut = text.find(&stop).unwrap();
+    let stopped_req = GenerateRequest {
+        stop: vec![stop.clone()],
+        ..request.clone()
+    };
+    let mut streamed = String::new();
+    let stopped = generate(&mut engine, Some(&tokenizer), &stopped_req, |t| {
+        streamed.push_str(t)
+    })
+    .unwrap();
+    assert_eq!(stopped.finish_reason, FinishReason::StopString);
+    assert_eq!(stopped.text.as_deref(), Some(&text[..cut]));
+    assert_eq!(streamed, text[..cut]);
+    assert!(stopped.tokens.len() < free.tokens.len());
+
+    // Bad requests fail before any compute.
+    let empty = GenerateRequest {
+        prompt: Prompt::Tokens(Vec::new()),
+        ..request.clone()
+    };
+    assert!(matches!(
+        generate(&mut engine, Some(&tokenizer), &empty, |_| {}),
+        Err(GenerateError::EmptyPrompt)
+    ));
+    let long = GenerateRequest {
+        prompt: Prompt::Tokens(vec![1; 64]),
+        ..request.clone()
+    };
+    assert!(matches!(
+        generate(&mut engine, Some(&tokenizer), &long, |_| {}),
+        Err(GenerateError::PromptTooLong {
+            tokens: 64,
+            capacity: 64
+        })
+    ));
+    let text_without_tokenizer = generate(&mut engine, None, &request, |_| {});
+    assert!(matches!(
+        text_without_tokenizer,
+        Err(GenerateError::NoTokenizer)
+    ));
+    let empty_stop = GenerateRequest {
+        stop: vec![String::new()],
+        ..request
+    };
+    assert!(matches!(
+        generate(&mut engine, Some(&tokenizer), &empty_stop, |_| {}),
+        Err(GenerateError::EmptyStop)
+    ));
 }

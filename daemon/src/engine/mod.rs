@@ -1,13 +1,16 @@
 //! The CPU inference engine: one sequence's KV cache ([`kv_cache`]), the forward pass
-//! ([`forward`]), element-wise ops ([`ops`]) and sampling ([`sampling`]).
+//! ([`forward`]), element-wise ops ([`ops`]), sampling ([`sampling`]), and one request's
+//! generation with stop strings and streamed text ([`generate`], [`stop`]).
 //!
 //! This is the project's reference path: everything runs on the CPU from the memory-mapped
 //! weights, and its logits are checked against llama.cpp's (`bench/tests/engine_llama_cpp.rs`).
 
 pub mod forward;
+pub mod generate;
 pub mod kv_cache;
 pub mod ops;
 pub mod sampling;
+pub mod stop;
 
 use std::sync::Arc;
 

@@ -1,0 +1,222 @@
+//! One generation request on an [`Engine`]: prompt evaluation, optional prompt log-probabilities,
+//! sampling until a stop condition, and streamed, stop-string-safe text.
+
+use std::time::Instant;
+
+use serde::Serialize;
+
+use super::ops::log_softmax;
+use super::stop::StopScanner;
+use super::{Engine, EngineError, Sampler, SamplerConfig};
+use crate::tokenizer::{Detokenizer, EncodeOptions, Tokenizer};
+
+/// What to generate from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    /// Tokenized with the model's tokenizer: BOS as its metadata says, control tokens parsed.
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateRequest {
+    pub prompt: Prompt,
+    pub max_tokens: usize,
+    pub sampling: SamplerConfig,
+    /// Generation stops when the text contains one of these; it is not part of the output.
+    pub stop: Vec<String>,
+    /// For every prompt position, the top-K log-probabilities of the next token (0: none).
+    pub prompt_logprobs: usize,
+    /// Keep going past end-of-generation tokens.
+    pub ignore_eos: bool,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    MaxTokens,
+    /// An end-of-generation token of the vocabulary (eos, eot, ...).
+    StopToken,
+    StopString,
+    ContextFull,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Timings {
+    pub prompt_ms: f64,
+    pub prompt_tokens_per_s: f64,
+    pub generate_ms: f64,
+    /// Generated tokens that were evaluated (the last one is only sampled) per second.
+    pub tokens_per_s: f64,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Generation {
+    pub prompt_tokens: Vec<u32>,
+    pub tokens: Vec<u32>,
+    /// The generated text without a matched stop string, when there is a tokenizer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
+    pub finish_reason: FinishReason,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub prompt_logprobs: Vec<Vec<TokenLogprob>>,
+    pub timings: Timings,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GenerateError {
+    #[error("the prompt is empty: give some text or at least one token id")]
+    EmptyPrompt,
+    #[error("a text prompt needs the model's tokenizer, and this model has none")]
+    NoTokenizer,
+    #[error("stop strings must not be empty")]
+    EmptyStop,
+    #[error("the prompt has {tokens} tokens but the context holds {capacity}; shorten the prompt or enlarge the context")]
+    PromptTooLong { tokens: usize, capacity: usize },
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+}
+
+/// Runs `request` from the start of `engine`'s sequence (the engine is reset first), handing
+/// each piece of generated text to `on_text` as soon as it is complete UTF-8 and cannot be the
+/// start of a stop string. Checks the request before any compute.
+pub fn generate(
+    engine: &mut Engine,
+    tokenizer: Option<&Tokenizer>,
+    request: &GenerateRequest,
+    mut on_text: impl FnMut(&str),
+) -> Result<Generation, GenerateError> {
+    if request.stop.iter().any(String::is_empty) {
+        return Err(GenerateError::EmptyStop);
+    }
+    let prompt_tokens = match (&request.prompt, tokenizer) {
+        (Prompt::Text(text), Some(tok)) => tok.encode_with(
+            text,
+            EncodeOptions {
+                add_special: true,
+                parse_special: true,
+            },
+        ),
+        (Prompt::Text(_), None) => return Err(GenerateError::NoTokenizer),
+        (Prompt::Tokens(ids), _) => ids.clone(),
+    };
+    if prompt_tokens.is_empty() {
+        return Err(GenerateError::EmptyPrompt);
+    }
+    if prompt_tokens.len() >= engine.capacity() {
+        return Err(GenerateError::PromptTooLong {
+            tokens: prompt_tokens.len(),
+            capacity: engine.capacity(),
+        });
+    }
+    engine.reset();
+    let eos = engine
+        .model()
+        .file()
+        .metadata()
+        .opt_u32("tokenizer.ggml.eos_token_id")
+        .ok()
+        .flatten();
+    let is_stop_token =
+        |t: u32| !request.ignore_eos && (Some(t) == eos || tokenizer.is_some_and(|k| k.is_eog(t)));
+
+    let t_prompt = Instant::now();
+    let n_vocab = engine.model().config.n_vocab;
+    let want_all = request.prompt_logprobs > 0;
+    let prompt_logits = engine.eval_batch(&prompt_tokens, want_all)?;
+    let prompt_logprobs = if want_all {
+        prompt_logits
+            .chunks_exact(n_vocab)
+            .map(|l| top_logprobs(l, request.prompt_logprobs))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut logits = prompt_logits[prompt_logits.len() - n_vocab..].to_vec();
+    let prompt_ms = ms(t_prompt);
+
+    let t_gen = Instant::now();
+    let mut sampler = Sampler::new(request.sampling.clone());
+    let mut history = prompt_tokens.clone();
+    let mut tokens = Vec::new();
+    let mut text = StopScanner::new(&request.stop);
+    let mut detok = tokenizer.map(|t| Detokenizer::new(t, false));
+    let mut finish_reason = FinishReason::MaxTokens;
+    while tokens.len() < request.max_tokens {
+        let next = sampler.sample(&logits, &history);
+        tokens.push(next);
+        history.push(next);
+        if is_stop_token(next) {
+            finish_reason = FinishReason::StopToken;
+            break;
+        }
+        if let Some(d) = detok.as_mut() {
+            if text.push(&d.push(next), &mut on_text) {
+                finish_reason = FinishReason::StopString;
+                break;
+            }
+        }
+        if tokens.len() == request.max_tokens {
+            break;
+        }
+        if engine.position() >= engine.capacity() {
+            finish_reason = FinishReason::ContextFull;
+            break;
+        }
+        logits = engine.eval(next)?.to_vec();
+    }
+    if let Some(d) = detok {
+        if finish_reason != FinishReason::StopString {
+            text.push(&d.finish(), &mut on_text);
+        }
+    }
+    let text = tokenizer.map(|_| text.finish(&mut on_text));
+    let generate_ms = ms(t_gen);
+    let evaluated = tokens.len().saturating_sub(1).max(1);
+    Ok(Generation {
+        timings: Timings {
+            prompt_ms,
+            prompt_tokens_per_s: per_s(prompt_tokens.len(), prompt_ms),
+            generate_ms,
+            tokens_per_s: per_s(evaluated, generate_ms),
+        },
+        prompt_tokens,
+        tokens,
+        text,
+        finish_reason,
+        prompt_logprobs,
+    })
+}
+
+/// The `k` most likely next tokens with their log-probabilities, most likely first (ties by id).
+pub fn top_logprobs(logits: &[f32], k: usize) -> Vec<TokenLogprob> {
+    let lp = log_softmax(logits);
+    let mut idx: Vec<usize> = (0..lp.len()).collect();
+    idx.sort_by(|&a, &b| lp[b].total_cmp(&lp[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx.into_iter()
+        .map(|i| TokenLogprob {
+            token: i as u32,
+            logprob: lp[i],
+        })
+        .collect()
+}
+
+fn ms(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1e3
+}
+
+fn per_s(n: usize, ms: f64) -> f64 {
+    if ms > 0.0 {
+        n as f64 * 1e3 / ms
+    } else {
+        0.0
+    }
+}
