@@ -219,6 +219,13 @@ mod tests {
     }
 
     #[test]
+    fn small_qwen3moe_is_a_benchmark_sized_moe() {
+        // Synthetic only (no published model): its size is what its summary says.
+        let got = params("small-qwen3moe");
+        assert!((got / 0.8229 - 1.0).abs() < 0.01, "small-qwen3moe: {got}");
+    }
+
+    #[test]
     fn mixtral_q4_k_m_has_llama_cpp_types() {
         let (t, notes) = tensors(find("mixtral-8x7b").unwrap(), WeightType::Q4KM);
         let ty = |n: &str| t.iter().find(|t| t.spec.name == n).unwrap().spec.ggml_type;

@@ -247,6 +247,29 @@ pub const PRESETS: &[Preset] = &[
         ..QWEN3
     },
     Preset {
+        name: "small-qwen3moe",
+        model_name: "Small Qwen3 MoE (synthetic)",
+        summary: "Synthetic only, no published model: Qwen3-MoE layout at benchmark size, \
+                  12 layers, width 1024, 32 experts top-8 of 512 rows; 0.82 B total, \
+                  0.37 B active per token (0.21 B without the tied output head)",
+        arch: Arch::Qwen3Moe,
+        specials: SpecialLayout::Qwen,
+        n_vocab: 151_936,
+        n_embd: 1024,
+        n_layer: 12,
+        n_head: 16,
+        n_head_kv: 4,
+        head_dim: 128,
+        n_ff: 3072,
+        experts: Some(Experts {
+            count: 32,
+            used: 8,
+            n_ff: 512,
+        }),
+        tied_embeddings: true,
+        ..QWEN3
+    },
+    Preset {
         name: "mixtral-8x7b",
         model_name: "Mixtral 8x7B Instruct v0.1 (synthetic)",
         summary: "Mixtral 8x7B: 8 experts top-2, SentencePiece vocab",
