@@ -6,6 +6,7 @@
 //! Q8_0/Q4_0, Q8_K for the K-quants), so results track llama.cpp's CPU backend closely.
 
 pub mod act;
+pub mod attn;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
 pub mod dot;

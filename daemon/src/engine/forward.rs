@@ -9,7 +9,8 @@
 
 use half::f16;
 
-use crate::cpu::{matmul, ThreadPool};
+use crate::cpu::attn::{axpy_f16_with, dot_f32_f16_with};
+use crate::cpu::{matmul, Isa, ThreadPool};
 use crate::model::{Attention, Ffn, Matrix, Model, ModelError, MoeWeights};
 
 use super::kv_cache::KvCache;
@@ -162,32 +163,30 @@ fn attention(
     let group = c.gqa_group();
     let scale = 1.0 / (hd as f32).sqrt();
     let mut attn = vec![0.0f32; n * qw];
+    let isa = Isa::detect();
     // One task per (token, head); token b sees positions 0..=start + b.
     pool.for_each_chunk(&mut attn, hd, &|offset, out| {
         let (b, h) = (offset / qw, (offset % qw) / hd);
         let kvh = h / group;
         let n_kv = start + b + 1;
-        // llama.cpp multiplies Q with the f16 keys in f16 (`vec_dot_type` of F16 is F16).
+        // llama.cpp multiplies Q with the f16 keys in f16 (`vec_dot_type` of F16 is F16): Q is
+        // rounded to f16 once per head, then dotted in f32 with the f16 keys.
         let qh: Vec<f32> = q[offset..offset + hd]
             .iter()
             .map(|&v| f16::from_f32(v).to_f32())
             .collect();
-        let mut scores: Vec<f32> = (0..n_kv)
-            .map(|t| {
-                let key = &keys[t * kvw + kvh * hd..t * kvw + (kvh + 1) * hd];
-                let dot: f32 = key.iter().zip(&qh).map(|(k, q)| k.to_f32() * q).sum();
-                dot * scale
-            })
+        let head = kvh * hd..(kvh + 1) * hd;
+        let mut scores: Vec<f32> = keys
+            .chunks_exact(kvw)
+            .take(n_kv)
+            .map(|key| dot_f32_f16_with(isa, &qh, &key[head.clone()]) * scale)
             .collect();
         softmax(&mut scores);
         out.fill(0.0);
-        for (t, &p) in scores.iter().enumerate() {
+        for (&p, val) in scores.iter().zip(values.chunks_exact(kvw)) {
             // ... and the probabilities with the f16 values, so they are rounded too.
             let p = f16::from_f32(p).to_f32();
-            let val = &values[t * kvw + kvh * hd..t * kvw + (kvh + 1) * hd];
-            for (o, v) in out.iter_mut().zip(val) {
-                *o += p * v.to_f32();
-            }
+            axpy_f16_with(isa, out, p, &val[head.clone()]);
         }
     });
     let mut proj = vec![0.0f32; n * c.n_embd];
