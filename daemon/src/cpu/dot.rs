@@ -62,16 +62,9 @@ pub fn dot_q4_0(row: &[u8], y: &[BlockQ8_0]) -> f32 {
     sum
 }
 
-/// Scale and min of Q4_K sub-block `j` from the 12 packed bytes (`get_scale_min_k4`).
+/// Scale and min of Q4_K sub-block `j` from the 12 packed bytes, widened for the integer sums.
 pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (i32, i32) {
-    let (s, m) = if j < 4 {
-        (q[j] & 63, q[j + 4] & 63)
-    } else {
-        (
-            (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4),
-            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
-        )
-    };
+    let (s, m) = crate::quant::scale_min_k4(j, q);
     (i32::from(s), i32::from(m))
 }
 

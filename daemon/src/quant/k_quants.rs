@@ -53,7 +53,7 @@ const _: () = assert!(size_of::<BlockQ6K>() == 210);
 /// their 6 bits in the low bits of `q[j]` (scale) and `q[j + 4]` (min); sub-blocks 4..8 keep
 /// their low 4 bits in the nibbles of `q[j + 4]` and their top 2 bits in the spare top bits of
 /// `q[j - 4]` (scale) and `q[j]` (min).
-pub(crate) fn scale_min_k4(j: usize, q: &[u8; K_SCALE_SIZE]) -> (u8, u8) {
+pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {

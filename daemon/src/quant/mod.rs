@@ -21,6 +21,7 @@ use crate::gguf::GgmlType;
 
 pub use blocks::{BlockQ4_0, BlockQ8_0};
 pub use float::{bf16_to_fp32, fp16_to_fp32, fp32_to_bf16, fp32_to_fp16};
+pub(crate) use k_quants::scale_min_k4;
 pub use k_quants::{BlockQ4K, BlockQ6K};
 
 /// Why a row could not be converted.
