@@ -15,7 +15,7 @@ use super::act::BlockQ8K;
 
 /// IEEE half to f32 with F16C (exact, like the scalar conversion, for every non-NaN value).
 #[target_feature(enable = "avx2,fma,f16c")]
-fn f16_to_f32(bits: u16) -> f32 {
+pub(super) fn f16_to_f32(bits: u16) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
 }
 
@@ -49,7 +49,7 @@ unsafe fn block_scale(w: *const u8, x: *const u8) -> __m256 {
 
 /// Sum of the eight f32 lanes.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn hsum_ps(v: __m256) -> f32 {
+pub(super) fn hsum_ps(v: __m256) -> f32 {
     let lo = _mm256_castps256_ps128(v);
     let hi = _mm256_extractf128_ps::<1>(v);
     let s = _mm_add_ps(lo, hi);
@@ -97,7 +97,7 @@ pub unsafe fn dot_q8_0(row: &[u8], y: &[BlockQ8_0]) -> f32 {
 /// # Safety
 /// The CPU must support AVX2; `p` must be readable for 16 bytes.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_0_weights(p: *const u8) -> __m256i {
+pub(super) unsafe fn q4_0_weights(p: *const u8) -> __m256i {
     // SAFETY: the caller guarantees 16 readable bytes.
     let nib = unsafe { _mm_loadu_si128(p as *const __m128i) };
     let both = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(nib), _mm_srli_epi16::<4>(nib));
@@ -240,7 +240,7 @@ pub unsafe fn dot_q5_k(row: &[u8], y: &[BlockQ8K]) -> f32 {
 
 /// The eight 6-bit scales and eight 6-bit mins of a Q4_K block, one per byte (ggml's `utmp`
 /// shuffle; the same values as `dot::scale_min_k4`).
-fn unpack_q4_k_scales(q: &[u8]) -> (u64, u64) {
+pub(super) fn unpack_q4_k_scales(q: &[u8]) -> (u64, u64) {
     const K1: u32 = 0x3f3f_3f3f;
     const K2: u32 = 0x0f0f_0f0f;
     const K3: u32 = 0x0303_0303;
@@ -258,7 +258,7 @@ fn unpack_q4_k_scales(q: &[u8]) -> (u64, u64) {
 
 /// A shuffle that copies i16 element `i` (0..8) of each 128-bit lane to all of its lanes.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn broadcast_i16(i: usize) -> __m256i {
+pub(super) fn broadcast_i16(i: usize) -> __m256i {
     let lo = (2 * i) as i8;
     let pair = i16::from_le_bytes([lo as u8, lo as u8 + 1]);
     _mm256_set1_epi16(pair)
@@ -266,7 +266,7 @@ fn broadcast_i16(i: usize) -> __m256i {
 
 /// Byte shuffles that spread Q6_K scales `2 k` and `2 k + 1` over eight bytes each, so that
 /// after sign extension the low 128-bit lane holds the first and the high lane the second.
-const Q6K_SCALE_SHUFFLE: [[u8; 16]; 8] = {
+pub(super) const Q6K_SCALE_SHUFFLE: [[u8; 16]; 8] = {
     let mut t = [[0u8; 16]; 8];
     let mut k = 0;
     while k < 8 {

@@ -7,6 +7,8 @@
 use crate::model::MatRef;
 
 use super::act::Activation;
+#[cfg(target_arch = "x86_64")]
+use super::gemm_avx2;
 use super::kernels::{dot_kernel, Isa};
 use super::pool::ThreadPool;
 
@@ -67,10 +69,36 @@ pub fn matmul(pool: &ThreadPool, m: MatRef<'_>, xs: &[f32], out: &mut [f32]) {
         .chunks_exact(m.n_in)
         .map(|x| Activation::new(m.ty, x))
         .collect();
-    let dot = dot_kernel(m.ty, Isa::detect());
     // Row-major (one row's results for every token together), then transposed.
     let mut by_row = vec![0.0f32; m.n_out * n_tok];
     let chunk = rows_per_task(m.n_out, pool.n_threads()) * n_tok;
+    let isa = Isa::detect();
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && gemm_avx2::supports(m.ty) {
+        // SAFETY: `Isa::detect` found AVX2, FMA and F16C.
+        let batch = unsafe { gemm_avx2::Batch::new(m.ty, &acts) };
+        pool.for_each_chunk(&mut by_row, chunk, &|start, part| {
+            let first = start / n_tok;
+            let mut panel = gemm_avx2::Panel::default();
+            let group = gemm_avx2::PANEL_ROWS * n_tok;
+            for (g, group_out) in part.chunks_mut(group).enumerate() {
+                let first = first + g * gemm_avx2::PANEL_ROWS;
+                let n_rows = group_out.len() / n_tok;
+                let mut rows: [&[u8]; gemm_avx2::PANEL_ROWS] = Default::default();
+                for (k, row) in rows[..n_rows].iter_mut().enumerate() {
+                    *row = m.row(first + k);
+                }
+                // SAFETY: as above; the panel is unpacked for this batch just before.
+                unsafe {
+                    panel.unpack(&batch, &rows[..n_rows]);
+                    panel.products(&batch, group_out);
+                }
+            }
+        });
+        transpose_into(pool, &by_row, n_tok, m.n_out, out);
+        return;
+    }
+    let dot = dot_kernel(m.ty, isa);
     pool.for_each_chunk(&mut by_row, chunk, &|start, part| {
         let first = start / n_tok;
         for (k, row_out) in part.chunks_exact_mut(n_tok).enumerate() {
@@ -80,11 +108,32 @@ pub fn matmul(pool: &ThreadPool, m: MatRef<'_>, xs: &[f32], out: &mut [f32]) {
             }
         }
     });
-    for (i, row) in by_row.chunks_exact(n_tok).enumerate() {
-        for (b, &v) in row.iter().enumerate() {
-            out[b * m.n_out + i] = v;
+    transpose_into(pool, &by_row, n_tok, m.n_out, out);
+}
+
+/// `out[b * n_out + i] = by_row[i * n_tok + b]`, spread over the pool by tokens. Each 16 × 16
+/// tile goes through a local buffer so that every output row segment is written whole: with
+/// power-of-two widths the rows of a tile share cache sets, and scattered single stores
+/// would evict each other's lines.
+fn transpose_into(pool: &ThreadPool, by_row: &[f32], n_tok: usize, n_out: usize, out: &mut [f32]) {
+    const TILE: usize = 16;
+    pool.for_each_chunk(out, TILE * n_out, &|start, part| {
+        let b0 = start / n_out;
+        let nb = part.len() / n_out;
+        let mut tile = [[0.0f32; TILE]; TILE];
+        for i0 in (0..n_out).step_by(TILE) {
+            let ni = TILE.min(n_out - i0);
+            for k in 0..ni {
+                let src = &by_row[(i0 + k) * n_tok + b0..][..nb];
+                for (b, &v) in src.iter().enumerate() {
+                    tile[b][k] = v;
+                }
+            }
+            for (b, row) in tile.iter().take(nb).enumerate() {
+                part[b * n_out + i0..b * n_out + i0 + ni].copy_from_slice(&row[..ni]);
+            }
         }
-    }
+    });
 }
 
 #[cfg(test)]
@@ -153,27 +202,57 @@ pub(crate) mod tests {
         }
     }
 
+    /// Rows of `ty` with finite scales: quantized noise, or for the K-quants random bytes
+    /// whose f16 scales (at `d_at` in each block) are set.
+    fn rows_of(ty: GgmlType, n_in: usize, n_out: usize, d_at: &[usize]) -> Vec<u8> {
+        if d_at.is_empty() {
+            let w = noise(n_in * n_out, 1);
+            let mut bytes = vec![0u8; ty.row_bytes((n_in * n_out) as u64).unwrap() as usize];
+            quantize_row(ty, &w, &mut bytes).unwrap();
+            return bytes;
+        }
+        let bb = ty.block_bytes() as usize;
+        let mut bytes: Vec<u8> = noise(n_out * n_in / 256 * bb, 5)
+            .iter()
+            .map(|v| (v.to_bits() >> 7) as u8)
+            .collect();
+        for (i, block) in bytes.chunks_exact_mut(bb).enumerate() {
+            for &at in d_at {
+                let d = half::f16::from_f32(0.01 + 0.001 * (i % 5) as f32);
+                block[at..at + 2].copy_from_slice(&d.to_bits().to_le_bytes());
+            }
+        }
+        bytes
+    }
+
     #[test]
     fn matmul_is_matvec_per_token() {
-        let (n_in, n_out, n_tok) = (256, 19, 5);
-        let ty = GgmlType::Q8_0;
-        let w = noise(n_in * n_out, 1);
-        let mut bytes = vec![0u8; ty.row_bytes((n_in * n_out) as u64).unwrap() as usize];
-        quantize_row(ty, &w, &mut bytes).unwrap();
-        let m = MatRef {
-            ty,
-            n_in,
-            n_out,
-            data: &bytes,
-        };
-        let xs = noise(n_in * n_tok, 2);
-        let pool = ThreadPool::new(2);
-        let mut out = vec![0.0; n_out * n_tok];
-        matmul(&pool, m, &xs, &mut out);
-        for b in 0..n_tok {
-            let mut one = vec![0.0; n_out];
-            matvec(&pool, m, &xs[b * n_in..(b + 1) * n_in], &mut one);
-            assert_eq!(&out[b * n_out..(b + 1) * n_out], &one[..]);
+        // Bit-identical: the batched kernels do each token's arithmetic as the dot products do.
+        let (n_in, n_out, n_tok) = (512, 19, 5);
+        for (ty, d_at) in [
+            (GgmlType::F16, &[][..]),
+            (GgmlType::Q8_0, &[][..]),
+            (GgmlType::Q4_0, &[][..]),
+            (GgmlType::Q4K, &[0, 2][..]),
+            (GgmlType::Q5K, &[0, 2][..]),
+            (GgmlType::Q6K, &[208][..]),
+        ] {
+            let bytes = rows_of(ty, n_in, n_out, d_at);
+            let m = MatRef {
+                ty,
+                n_in,
+                n_out,
+                data: &bytes,
+            };
+            let xs = noise(n_in * n_tok, 2);
+            let pool = ThreadPool::new(2);
+            let mut out = vec![0.0; n_out * n_tok];
+            matmul(&pool, m, &xs, &mut out);
+            for b in 0..n_tok {
+                let mut one = vec![0.0; n_out];
+                matvec(&pool, m, &xs[b * n_in..(b + 1) * n_in], &mut one);
+                assert_eq!(&out[b * n_out..(b + 1) * n_out], &one[..], "{ty} token {b}");
+            }
         }
     }
 

@@ -10,6 +10,8 @@ pub mod attn;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
 pub mod dot;
+#[cfg(target_arch = "x86_64")]
+pub mod gemm_avx2;
 pub mod kernels;
 pub mod matvec;
 pub mod pool;

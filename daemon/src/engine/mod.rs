@@ -21,7 +21,9 @@ pub use kv_cache::KvCache;
 pub use sampling::{argmax, Sampler, SamplerConfig};
 
 /// Most tokens one forward pass takes; longer prompts go in several (bounds the activations).
-pub const MAX_BATCH: usize = 64;
+/// As llama.cpp's default micro-batch: the more tokens a pass takes, the more each unpacked
+/// weight row serves, which matters most for MoE experts (each sees a share of the tokens).
+pub const MAX_BATCH: usize = 512;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {

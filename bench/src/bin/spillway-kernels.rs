@@ -1,0 +1,136 @@
+//! `spillway-kernels`: throughput of the CPU matrix kernels on random weights, per weight type.
+//!
+//! For each type and shape: the matrix-vector product (decode; GB/s of weights read) and the
+//! matrix-matrix product over a prompt batch (prefill; multiply-adds per second). Figures are
+//! the best of several repetitions, so a shared machine's noise mostly drops out.
+//!
+//!     cargo run --release -p spillway-bench --bin spillway-kernels -- --threads 1
+
+use std::time::Instant;
+
+use clap::Parser;
+use spillway_daemon::cpu::{matmul, matvec, ThreadPool};
+use spillway_daemon::gguf::GgmlType;
+use spillway_daemon::model::MatRef;
+use spillway_daemon::quant::quantize_row;
+
+#[derive(Parser)]
+#[command(about = "Throughput of the CPU matrix kernels")]
+struct Args {
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+    /// Tokens in the prefill batch.
+    #[arg(long, default_value_t = 64)]
+    tokens: usize,
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Weight types (Q4_0, Q8_0, Q4_K, Q6_K, ...); all with kernels when absent.
+    #[arg(long = "type")]
+    types: Vec<String>,
+}
+
+/// Deterministic noise in [-1, 1).
+fn noise(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+/// Rows of `ty`: quantized noise where we have a quantizer, otherwise random bytes with the
+/// block's f16 scales made small and finite (any bit pattern is a valid K-quant block then).
+fn weights(ty: GgmlType, n_in: usize, n_out: usize) -> Vec<u8> {
+    let n = n_in * n_out;
+    let mut bytes = vec![0u8; ty.row_bytes(n as u64).unwrap() as usize];
+    if quantize_row(ty, &noise(n, 1), &mut bytes).is_ok() {
+        return bytes;
+    }
+    let d_at: &[usize] = match ty {
+        GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
+        GgmlType::Q6K => &[208],
+        _ => panic!("no way to make {ty} weights"),
+    };
+    for (b, v) in bytes.iter_mut().zip(noise(n, 3)) {
+        *b = (v.to_bits() >> 7) as u8;
+    }
+    let bb = ty.block_bytes() as usize;
+    for block in bytes.chunks_exact_mut(bb) {
+        for &at in d_at {
+            block[at..at + 2].copy_from_slice(&half::f16::from_f32(0.01).to_bits().to_le_bytes());
+        }
+    }
+    bytes
+}
+
+fn best(reps: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let types: Vec<GgmlType> = if args.types.is_empty() {
+        vec![GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K]
+    } else {
+        let known = [
+            GgmlType::F32,
+            GgmlType::F16,
+            GgmlType::BF16,
+            GgmlType::Q8_0,
+            GgmlType::Q4_0,
+            GgmlType::Q4K,
+            GgmlType::Q5K,
+            GgmlType::Q6K,
+        ];
+        args.types
+            .iter()
+            .map(|t| {
+                known
+                    .into_iter()
+                    .find(|k| k.to_string().eq_ignore_ascii_case(t))
+                    .ok_or_else(|| anyhow::anyhow!("{t}: not one of {known:?}"))
+            })
+            .collect::<anyhow::Result<_>>()?
+    };
+    let pool = ThreadPool::new(args.threads);
+    println!(
+        "threads {}, batch {} tokens, best of {}",
+        args.threads, args.tokens, args.reps
+    );
+    println!("| type | n_in × n_out | matvec GB/s | matmul GMAC/s |");
+    println!("| --- | --- | --- | --- |");
+    for ty in types {
+        for (n_in, n_out) in [(2048, 2048), (8192, 2048)] {
+            let data = weights(ty, n_in, n_out);
+            let m = MatRef {
+                ty,
+                n_in,
+                n_out,
+                data: &data,
+            };
+            let x = noise(n_in * args.tokens, 9);
+            let mut out = vec![0.0; n_out * args.tokens];
+            let t1 = best(args.reps, || {
+                matvec(&pool, m, &x[..n_in], &mut out[..n_out])
+            });
+            let tn = best(args.reps, || matmul(&pool, m, &x, &mut out));
+            println!(
+                "| {ty} | {n_in} × {n_out} | {:.1} | {:.1} |",
+                data.len() as f64 / t1 / 1e9,
+                (n_in * n_out * args.tokens) as f64 / tn / 1e9
+            );
+        }
+    }
+    Ok(())
+}
