@@ -23,6 +23,38 @@ pub fn axpy_f16(acc: &mut [f32], a: f32, v: &[f16]) {
     axpy_f16_with(Isa::detect(), acc, a, v)
 }
 
+/// `out = Σ_p probs[p] * values[p * stride + offset..][..out.len()]`, accumulated in
+/// position order from zero: the same operations as [`axpy_f16`] over the positions, so the
+/// same result, with the running sums kept in registers instead of memory.
+///
+/// # Panics
+/// If `values` is too short for `probs.len()` rows of `stride`.
+pub fn weighted_sum_f16_with(
+    isa: Isa,
+    out: &mut [f32],
+    probs: &[f32],
+    values: &[f16],
+    stride: usize,
+    offset: usize,
+) {
+    if let Some(last) = probs.len().checked_sub(1) {
+        assert!(
+            offset + out.len() <= stride && values.len() >= last * stride + offset + out.len(),
+            "weighted_sum_f16: values too short"
+        );
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        // SAFETY: `Isa::Avx2` means AVX2, FMA and F16C; the bounds are checked above.
+        return unsafe { avx2::weighted_sum_f16(out, probs, values, stride, offset) };
+    }
+    let _ = isa;
+    out.fill(0.0);
+    for (p, &a) in probs.iter().enumerate() {
+        scalar::axpy_f16(out, a, &values[p * stride + offset..][..out.len()]);
+    }
+}
+
 /// [`dot_f32_f16`] on `isa` (detected once by the caller, for loops).
 pub fn dot_f32_f16_with(isa: Isa, q: &[f32], k: &[f16]) -> f32 {
     assert_eq!(q.len(), k.len(), "dot_f32_f16: lengths differ");
@@ -110,6 +142,54 @@ mod avx2 {
     }
 
     /// # Safety
+    /// AVX2, FMA and F16C; `values` holds `probs.len()` rows of `stride` with
+    /// `offset + out.len() <= stride`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn weighted_sum_f16(
+        out: &mut [f32],
+        probs: &[f32],
+        values: &[f16],
+        stride: usize,
+        offset: usize,
+    ) {
+        let n = out.len();
+        let vp = values.as_ptr().add(offset);
+        let mut i = 0;
+        // 32 columns at a time in four registers, then 8, then one by one.
+        while i + 32 <= n {
+            let mut acc = [_mm256_setzero_ps(); 4];
+            for (p, &a) in probs.iter().enumerate() {
+                let av = _mm256_set1_ps(a);
+                let row = vp.add(p * stride + i);
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    *acc = _mm256_add_ps(*acc, _mm256_mul_ps(av, load8(row.add(8 * j))));
+                }
+            }
+            for (j, acc) in acc.iter().enumerate() {
+                _mm256_storeu_ps(out.as_mut_ptr().add(i + 8 * j), *acc);
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            let mut acc = _mm256_setzero_ps();
+            for (p, &a) in probs.iter().enumerate() {
+                let v = load8(vp.add(p * stride + i));
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(a), v));
+            }
+            _mm256_storeu_ps(out.as_mut_ptr().add(i), acc);
+            i += 8;
+        }
+        while i < n {
+            let mut acc = 0.0f32;
+            for (p, &a) in probs.iter().enumerate() {
+                acc += a * (*vp.add(p * stride + i)).to_f32();
+            }
+            out[i] = acc;
+            i += 1;
+        }
+    }
+
+    /// # Safety
     /// AVX2, FMA and F16C; `acc.len() == v.len()`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn axpy_f16(acc: &mut [f32], a: f32, v: &[f16]) {
@@ -167,6 +247,18 @@ mod tests {
             axpy_f16_with(Isa::Scalar, &mut b, 0.37, &k);
             // Same operations element by element: exactly equal.
             assert_eq!(a, b, "n={n}");
+        }
+        for (n, positions) in [(64, 5), (128, 3), (40, 7), (3, 2), (8, 0)] {
+            let stride = n + 16;
+            let values = halves(&noise(stride * positions, 11));
+            let probs = noise(positions, 13);
+            let (mut fast, mut slow) = (vec![9.0; n], vec![9.0; n]);
+            weighted_sum_f16_with(isa, &mut fast, &probs, &values, stride, 16);
+            slow.fill(0.0);
+            for (p, &a) in probs.iter().enumerate() {
+                axpy_f16_with(Isa::Scalar, &mut slow, a, &values[p * stride + 16..][..n]);
+            }
+            assert_eq!(fast, slow, "n={n}, {positions} positions");
         }
         assert_eq!(dot_f32_f16(&[2.0], &[f16::from_f32(3.0)]), 6.0);
         let mut acc = [1.0];

@@ -9,7 +9,7 @@
 
 use half::f16;
 
-use crate::cpu::attn::{axpy_f16_with, dot_f32_f16_with};
+use crate::cpu::attn::{dot_f32_f16_with, weighted_sum_f16_with};
 use crate::cpu::{matmul, Isa, ThreadPool};
 use crate::model::{Attention, Ffn, Matrix, Model, ModelError, MoeWeights};
 
@@ -182,12 +182,11 @@ fn attention(
             .map(|key| dot_f32_f16_with(isa, &qh, &key[head.clone()]) * scale)
             .collect();
         softmax(&mut scores);
-        out.fill(0.0);
-        for (&p, val) in scores.iter().zip(values.chunks_exact(kvw)) {
-            // ... and the probabilities with the f16 values, so they are rounded too.
-            let p = f16::from_f32(p).to_f32();
-            axpy_f16_with(isa, out, p, &val[head.clone()]);
+        // ... and the probabilities with the f16 values, so they are rounded too.
+        for p in scores.iter_mut() {
+            *p = f16::from_f32(*p).to_f32();
         }
+        weighted_sum_f16_with(isa, out, &scores, values, kvw, head.start);
     });
     let mut proj = vec![0.0f32; n * c.n_embd];
     matmul(pool, model.mat(&a.wo), &attn, &mut proj);
