@@ -245,24 +245,21 @@ impl Panel {
     }
 
     /// `row_r · token_t` for every unpacked row `r` and token `t` of `batch`, into
-    /// `out[r * n_tokens + t]`.
+    /// `out[t * stride + first + r]` (token-major, as the caller's batch of outputs).
     ///
     /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; `self` must hold rows unpacked for `batch`.
-    ///
-    /// # Panics
-    /// If `out.len()` is not rows times tokens.
+    /// The CPU must support AVX2, FMA and F16C; `self` must hold rows unpacked for `batch`;
+    /// `out` must be valid for writes at those indices for every token, and nothing else may
+    /// access them meanwhile.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn products(&self, batch: &Batch<'_>, out: &mut [f32]) {
-        let n_tok = batch.n_tokens();
-        assert_eq!(out.len(), self.rows * n_tok, "one output per row and token");
+    pub unsafe fn products(&self, batch: &Batch<'_>, out: *mut f32, stride: usize, first: usize) {
         // SAFETY: the caller's guarantee.
         unsafe {
             match self.rows {
-                4 => self.products_of::<4>(batch, out),
-                3 => self.products_of::<3>(batch, out),
-                2 => self.products_of::<2>(batch, out),
-                _ => self.products_of::<1>(batch, out),
+                4 => self.products_of::<4>(batch, out, stride, first),
+                3 => self.products_of::<3>(batch, out, stride, first),
+                2 => self.products_of::<2>(batch, out, stride, first),
+                _ => self.products_of::<1>(batch, out, stride, first),
             }
         }
     }
@@ -270,13 +267,20 @@ impl Panel {
     /// One token at a time: pairs of tokens (sharing each unpacked vector) measured no
     /// faster on Zen 2, for the registers they take.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn products_of<const R: usize>(&self, batch: &Batch<'_>, out: &mut [f32]) {
-        let n_tok = batch.n_tokens();
-        for t in 0..n_tok {
+    unsafe fn products_of<const R: usize>(
+        &self,
+        batch: &Batch<'_>,
+        out: *mut f32,
+        stride: usize,
+        first: usize,
+    ) {
+        for t in 0..batch.n_tokens() {
             // SAFETY: the caller's guarantee.
-            let [dots] = unsafe { self.tokens::<R, 1>(batch, [t]) };
-            for (r, d) in dots.into_iter().enumerate() {
-                out[r * n_tok + t] = d;
+            unsafe {
+                let [dots] = self.tokens::<R, 1>(batch, [t]);
+                for (r, d) in dots.into_iter().enumerate() {
+                    out.add(t * stride + first + r).write(d);
+                }
             }
         }
     }

@@ -4,6 +4,7 @@
 //! processing cheaper per token than decoding; the per-pair dot products are the same as
 //! [`matvec`]'s, so results are bit-identical to multiplying the tokens one by one.
 
+use crate::gguf::GgmlType;
 use crate::model::MatRef;
 
 use super::act::Activation;
@@ -60,56 +61,78 @@ pub fn matmul(pool: &ThreadPool, m: MatRef<'_>, xs: &[f32], out: &mut [f32]) {
         m.n_in > 0 && xs.len().is_multiple_of(m.n_in),
         "matmul input width"
     );
-    let n_tok = xs.len() / m.n_in;
+    let acts = activations(m.ty, xs, m.n_in);
+    matmul_act(pool, m, &acts, out);
+}
+
+/// The rows of `xs` (each `width` wide) converted for multiplication with rows of `ty`.
+pub fn activations(ty: GgmlType, xs: &[f32], width: usize) -> Vec<Activation<'_>> {
+    xs.chunks_exact(width)
+        .map(|x| Activation::new(ty, x))
+        .collect()
+}
+
+/// [`matmul`] over tokens already converted for `m.ty` (so that several matrices, or the
+/// experts a token is routed to, share one conversion).
+///
+/// # Panics
+/// If `out` is not `acts.len()` rows of `m.n_out`, or an activation's format or width does not
+/// fit `m`.
+pub fn matmul_act(pool: &ThreadPool, m: MatRef<'_>, acts: &[Activation<'_>], out: &mut [f32]) {
+    let n_tok = acts.len();
     assert_eq!(out.len(), n_tok * m.n_out, "matmul output size");
     if n_tok == 1 {
-        return matvec(pool, m, xs, out);
+        return matvec_act(pool, m, &acts[0], out);
     }
-    let acts: Vec<Activation<'_>> = xs
-        .chunks_exact(m.n_in)
-        .map(|x| Activation::new(m.ty, x))
-        .collect();
-    // Row-major (one row's results for every token together), then transposed.
-    let mut by_row = vec![0.0f32; m.n_out * n_tok];
-    let chunk = rows_per_task(m.n_out, pool.n_threads()) * n_tok;
+    let rows_per = rows_per_task(m.n_out, pool.n_threads());
     let isa = Isa::detect();
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 && gemm_avx2::supports(m.ty) {
         // SAFETY: `Isa::detect` found AVX2, FMA and F16C.
-        let batch = unsafe { gemm_avx2::Batch::new(m.ty, &acts) };
-        pool.for_each_chunk(&mut by_row, chunk, &|start, part| {
-            let first = start / n_tok;
+        let batch = unsafe { gemm_avx2::Batch::new(m.ty, acts) };
+        let dst = OutPtr(out.as_mut_ptr());
+        let n_tasks = m.n_out.div_ceil(rows_per);
+        pool.run(n_tasks, &|task| {
+            let dst = &dst;
             let mut panel = gemm_avx2::Panel::default();
-            let group = gemm_avx2::PANEL_ROWS * n_tok;
-            for (g, group_out) in part.chunks_mut(group).enumerate() {
-                let first = first + g * gemm_avx2::PANEL_ROWS;
-                let n_rows = group_out.len() / n_tok;
+            let end = ((task + 1) * rows_per).min(m.n_out);
+            for first in (task * rows_per..end).step_by(gemm_avx2::PANEL_ROWS) {
+                let n_rows = gemm_avx2::PANEL_ROWS.min(end - first);
                 let mut rows: [&[u8]; gemm_avx2::PANEL_ROWS] = Default::default();
                 for (k, row) in rows[..n_rows].iter_mut().enumerate() {
                     *row = m.row(first + k);
                 }
-                // SAFETY: as above; the panel is unpacked for this batch just before.
+                // SAFETY: the CPU features as above; the panel is unpacked for this batch
+                // just before; `out` has `n_tok` rows of `n_out`, and rows `first..first +
+                // n_rows` of every token belong to this task alone.
                 unsafe {
                     panel.unpack(&batch, &rows[..n_rows]);
-                    panel.products(&batch, group_out);
+                    panel.products(&batch, dst.0, m.n_out, first);
                 }
             }
         });
-        transpose_into(pool, &by_row, n_tok, m.n_out, out);
         return;
     }
+    // Row-major (one row's results for every token together), then transposed.
+    let mut by_row = vec![0.0f32; m.n_out * n_tok];
+    let chunk = rows_per * n_tok;
     let dot = dot_kernel(m.ty, isa);
     pool.for_each_chunk(&mut by_row, chunk, &|start, part| {
         let first = start / n_tok;
         for (k, row_out) in part.chunks_exact_mut(n_tok).enumerate() {
             let row = m.row(first + k);
-            for (o, act) in row_out.iter_mut().zip(&acts) {
+            for (o, act) in row_out.iter_mut().zip(acts) {
                 *o = dot(row, act);
             }
         }
     });
     transpose_into(pool, &by_row, n_tok, m.n_out, out);
 }
+
+/// `out` of a batched product, written by several tasks at disjoint indices.
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint elements, and `out` outlives the pool's `run`.
+unsafe impl Sync for OutPtr {}
 
 /// `out[b * n_out + i] = by_row[i * n_tok + b]`, spread over the pool by tokens. Each 16 × 16
 /// tile goes through a local buffer so that every output row segment is written whole: with

@@ -18,5 +18,5 @@ pub mod pool;
 
 pub use act::{ActFormat, Activation, BlockQ8K};
 pub use kernels::Isa;
-pub use matvec::{matmul, matvec, matvec_act, matvec_with};
+pub use matvec::{activations, matmul, matmul_act, matvec, matvec_act, matvec_with};
 pub use pool::ThreadPool;

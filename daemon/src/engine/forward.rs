@@ -10,7 +10,7 @@
 use half::f16;
 
 use crate::cpu::attn::{dot_f32_f16_with, weighted_sum_f16_with};
-use crate::cpu::{matmul, Isa, ThreadPool};
+use crate::cpu::{activations, matmul, matmul_act, ActFormat, Activation, Isa, ThreadPool};
 use crate::model::{Attention, Ffn, Matrix, Model, ModelError, MoeWeights};
 
 use super::kv_cache::KvCache;
@@ -198,16 +198,34 @@ fn attention(
 fn swiglu_ffn(
     model: &Model,
     pool: &ThreadPool,
-    (gate, up, down): (&Matrix, &Matrix, &Matrix),
+    mats: (&Matrix, &Matrix, &Matrix),
     expert: usize,
     xs: &[f32],
 ) -> Vec<f32> {
-    let n = xs.len() / gate.n_in;
+    let acts = activations(mats.0.ty, xs, mats.0.n_in);
+    swiglu_ffn_act(model, pool, mats, expert, &acts, &|| xs.to_vec())
+}
+
+/// [`swiglu_ffn`] on tokens already converted for `gate`'s type; `up` shares them when its
+/// type takes the same format, and otherwise converts the rows `xs()` gives.
+fn swiglu_ffn_act(
+    model: &Model,
+    pool: &ThreadPool,
+    (gate, up, down): (&Matrix, &Matrix, &Matrix),
+    expert: usize,
+    acts: &[Activation<'_>],
+    xs: &dyn Fn() -> Vec<f32>,
+) -> Vec<f32> {
+    let n = acts.len();
     let ff = gate.n_out;
     let mut g = vec![0.0f32; n * ff];
     let mut u = vec![0.0f32; n * ff];
-    matmul(pool, model.expert(gate, expert), xs, &mut g);
-    matmul(pool, model.expert(up, expert), xs, &mut u);
+    matmul_act(pool, model.expert(gate, expert), acts, &mut g);
+    if ActFormat::for_weights(up.ty) == ActFormat::for_weights(gate.ty) {
+        matmul_act(pool, model.expert(up, expert), acts, &mut u);
+    } else {
+        matmul(pool, model.expert(up, expert), &xs(), &mut u);
+    }
     swiglu_inplace(&mut g, &u);
     let mut out = vec![0.0f32; n * down.n_out];
     matmul(pool, model.expert(down, expert), &g, &mut out);
@@ -239,18 +257,25 @@ fn moe_ffn(model: &Model, pool: &ThreadPool, moe: &MoeWeights, xn: &[f32]) -> Ve
     }
 
     // Each expert runs once over the tokens that chose it; results land at (token, rank).
+    // Every token is converted for the experts' weights once, not once per expert.
+    let acts = activations(moe.gate.ty, xn, e);
     let mut expert_out = vec![0.0f32; n * k * e];
     for ex in 0..cfg.n_expert {
         let slots: Vec<usize> = (0..n * k).filter(|&s| chosen[s] == ex).collect();
         if slots.is_empty() {
             continue;
         }
-        let mut xs = Vec::with_capacity(slots.len() * e);
-        for &s in &slots {
-            let b = s / k;
-            xs.extend_from_slice(&xn[b * e..(b + 1) * e]);
-        }
-        let y = swiglu_ffn(model, pool, (&moe.gate, &moe.up, &moe.down), ex, &xs);
+        let picked: Vec<Activation<'_>> = slots.iter().map(|&s| acts[s / k].clone()).collect();
+        let rows = || {
+            let mut xs = Vec::with_capacity(slots.len() * e);
+            for &s in &slots {
+                let b = s / k;
+                xs.extend_from_slice(&xn[b * e..(b + 1) * e]);
+            }
+            xs
+        };
+        let mats = (&moe.gate, &moe.up, &moe.down);
+        let y = swiglu_ffn_act(model, pool, mats, ex, &picked, &rows);
         for (&s, row) in slots.iter().zip(y.chunks_exact(e)) {
             expert_out[s * e..(s + 1) * e].copy_from_slice(row);
         }
