@@ -5,6 +5,7 @@
 //!   filled by the daemon from a GGUF header or built from a preset.
 
 pub mod model;
+pub mod predict;
 mod size;
 
 pub use size::{ByteSize, SizeError};
