@@ -6,6 +6,7 @@
 
 pub mod model;
 pub mod predict;
+pub mod profile;
 mod size;
 
 pub use size::{ByteSize, SizeError};
