@@ -184,11 +184,12 @@ fn solve(rows: &[([f64; 3], f64, f64)], cols: &[usize]) -> Option<[f64; 3]> {
             return None;
         }
         a.swap(c, p);
-        for r in 0..n {
+        let pivot = a[c].clone();
+        for (r, row) in a.iter_mut().enumerate() {
             if r != c {
-                let f = a[r][c] / a[c][c];
-                for k in c..=n {
-                    a[r][k] -= f * a[c][k];
+                let f = row[c] / pivot[c];
+                for (x, p) in row.iter_mut().zip(&pivot).skip(c) {
+                    *x -= f * p;
                 }
             }
         }

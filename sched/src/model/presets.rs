@@ -120,8 +120,12 @@ impl ModelShape {
             };
             // llama.cpp's fallback for rows that are not whole blocks.
             let ty = match want.block() {
-                Some((b, _)) if dims[0] % b != 0 => {
-                    WeightType::new(if dims[0] % 32 == 0 { "Q8_0" } else { "F16" })
+                Some((b, _)) if !dims[0].is_multiple_of(b) => {
+                    WeightType::new(if dims[0].is_multiple_of(32) {
+                        "Q8_0"
+                    } else {
+                        "F16"
+                    })
                 }
                 _ => want,
             };
