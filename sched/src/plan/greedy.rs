@@ -1,8 +1,10 @@
 //! The planning algorithm.
 //!
-//! 1. Reserve VRAM for the KV cache, activations and, unless the whole model fits, staging
-//!    slots for `prefetch_depth` layers of streamed weights; refuse a budget below that plus
-//!    the tensors pinned to VRAM.
+//! 1. Reserve VRAM for the KV cache, activations and the tensors pinned to VRAM, and refuse a
+//!    budget below that. Plan twice where the budget allows: once with staging slots for
+//!    `prefetch_depth` layers of streamed weights, once without (what VRAM does not hold runs
+//!    on the CPU); keep the faster. The better of two plans that each improve with more VRAM
+//!    also improves with more VRAM.
 //! 2. Start every unpinned tensor and expert off VRAM: on the CPU where its CPU time is below
 //!    its copy plus GPU time (Fiddler's rule), streamed otherwise; the RAM budget holds the
 //!    most probably used of them, the rest are read from the SSD.
@@ -210,84 +212,88 @@ pub fn plan(
     let kv = opts.context * model.kv_bytes_per_token();
     let activations = activation_bytes(model);
     let depth = prefetch_depth(profile, &units, model.n_layer);
-    let read_set = largest_layer_read(model);
     let pinned_vram: u64 = units
         .iter()
         .filter(|u| pin(u) == Some(Tier::Vram))
         .map(|u| u.bytes)
         .sum();
-    let pinned_off = units
+    let pinned_stream = units.iter().any(|u| pin(u) == Some(Tier::Stream));
+    let base = kv + activations + pinned_vram;
+    let all_fit = !units
         .iter()
-        .any(|u| matches!(pin(u), Some(Tier::Stream | Tier::Cpu)));
-    let all_fit = !pinned_off && kv + activations + model.total_bytes() <= opts.vram_budget.0;
-    let staging = if all_fit {
-        0
-    } else {
-        u64::from(depth) * read_set
-    };
-    let needed = kv + activations + staging + pinned_vram;
-    if opts.vram_budget.0 < needed {
-        return Err(vram_refusal(
-            model,
-            opts,
-            kv,
-            activations,
-            staging,
-            pinned_vram,
-        ));
+        .any(|u| matches!(pin(u), Some(Tier::Stream | Tier::Cpu)))
+        && kv + activations + model.total_bytes() <= opts.vram_budget.0;
+    // Two ways to run what VRAM does not hold: with staging slots, streamed or on the CPU;
+    // without, on the CPU only. Each is planned where the budget allows, the faster kept.
+    let staging = u64::from(depth) * largest_layer_read(model);
+    let mut ways = Vec::new();
+    if !pinned_stream {
+        ways.push(0);
     }
-    let ram_staging = staging;
-    if opts.ram_budget.0 < ram_staging {
+    if !all_fit {
+        ways.push(staging);
+    }
+    let feasible: Vec<u64> = ways
+        .iter()
+        .copied()
+        .filter(|&st| base + st <= opts.vram_budget.0 && st <= opts.ram_budget.0)
+        .collect();
+    if feasible.is_empty() {
+        let least = ways.iter().copied().min().unwrap_or(0);
+        if base + least > opts.vram_budget.0 {
+            return Err(vram_refusal(
+                model,
+                opts,
+                kv,
+                activations,
+                least,
+                pinned_vram,
+            ));
+        }
         return Err(PlanError::RamTooSmall {
             budget: opts.ram_budget,
-            needed: ByteSize(ram_staging),
+            needed: ByteSize(least),
             fits: format!(
-                "with {} of RAM only a model that fits in VRAM runs ({} of weights here)",
-                opts.ram_budget,
-                ByteSize(model.total_bytes())
+                "with {} of RAM, only plans without streamed tensors run: drop the stream pins",
+                opts.ram_budget
             ),
         });
     }
 
-    // Step 2.
-    let tier: Vec<Tier> = units
-        .iter()
-        .map(|u| match pin(u) {
-            Some(t) => t,
-            None if u.embedding => Tier::Cpu,
-            // Without staging slots nothing can stream.
-            None if all_fit => Tier::Cpu,
-            None if u.cpu < u.copy + u.gpu => Tier::Cpu,
-            None => Tier::Stream,
-        })
-        .collect();
-    let ram_capacity = opts.ram_budget.0 - ram_staging;
-    let in_ram = fill_ram(&units, &tier, ram_capacity);
     let kv_read_s = profile
         .gpu_stream()
         .marginal(crate::predict::Work::transfer(
             kv / u64::from(model.n_layer.max(1)),
         ));
     let miss = 1.0 - opts.prefetch_accuracy.clamp(0.0, 1.0);
-    let mut state = State::new(&units, model, profile, tier, in_ram, kv_read_s, miss);
-
-    // Step 3.
-    let mut left = opts.vram_budget.0 - needed;
     let free: Vec<usize> = (0..units.len())
         .filter(|&i| pin(&units[i]).is_none() && !units[i].embedding)
         .collect();
-    let (core, rest): (Vec<usize>, Vec<usize>) = free.iter().partition(|&&i| units[i].core);
-    promote(&mut state, &core, &mut left);
-    promote(&mut state, &rest, &mut left);
-
-    // Step 4, twice: what moved changes what RAM and the balance should hold.
-    for _ in 0..2 {
-        let in_ram = fill_ram(&units, &state.tier, ram_capacity);
-        let tier = state.tier.clone();
-        state = State::new(&units, model, profile, tier, in_ram, kv_read_s, miss);
-        balance(&mut state, &free, !all_fit);
-        promote(&mut state, &free, &mut left);
+    let pinned_tiers: Vec<Option<Tier>> = units.iter().map(pin).collect();
+    let mut best: Option<(State<'_>, u64)> = None;
+    for staging in feasible {
+        let state = place(
+            &Setting {
+                model,
+                profile,
+                units: &units,
+                pinned: &pinned_tiers,
+                free: &free,
+                kv_read_s,
+                miss,
+                may_stream: staging > 0,
+                ram_capacity: opts.ram_budget.0 - staging,
+            },
+            opts.vram_budget.0 - base - staging,
+        );
+        let faster = best
+            .as_ref()
+            .is_none_or(|(b, _)| step_s(&state) < step_s(b));
+        if faster {
+            best = Some((state, staging));
+        }
     }
+    let (state, staging) = best.expect("at least one feasible way");
 
     Ok(assemble(
         model,
@@ -300,13 +306,67 @@ pub fn plan(
             kv,
             activations,
             staging,
-            ram_staging,
+            ram_staging: staging,
             tile,
             depth,
             notes,
             all_fit,
         },
     ))
+}
+
+/// What one run of steps 2 to 4 works with.
+struct Setting<'a> {
+    model: &'a ModelDesc,
+    profile: &'a HardwareProfile,
+    units: &'a [Unit],
+    pinned: &'a [Option<Tier>],
+    /// Units the planner may move: not pinned, not the embedding.
+    free: &'a [usize],
+    kv_read_s: f64,
+    miss: f64,
+    /// Staging slots exist, so units may stream.
+    may_stream: bool,
+    ram_capacity: u64,
+}
+
+fn step_s(state: &State<'_>) -> f64 {
+    state.groups.iter().map(|g| g.time().total_s).sum()
+}
+
+/// Steps 2 to 4 with `left` bytes of VRAM for weights beyond the pinned ones.
+fn place<'a>(s: &Setting<'a>, mut left: u64) -> State<'a> {
+    let units = s.units;
+    // Step 2.
+    let tier: Vec<Tier> = units
+        .iter()
+        .zip(s.pinned)
+        .map(|(u, p)| match p {
+            Some(t) => *t,
+            None if u.embedding || !s.may_stream => Tier::Cpu,
+            None if u.cpu < u.copy + u.gpu => Tier::Cpu,
+            None => Tier::Stream,
+        })
+        .collect();
+    let in_ram = fill_ram(units, &tier, s.ram_capacity);
+    let new_state = |tier: Vec<Tier>, in_ram: Vec<bool>| {
+        State::new(units, s.model, s.profile, tier, in_ram, s.kv_read_s, s.miss)
+    };
+    let mut state = new_state(tier, in_ram);
+
+    // Step 3.
+    let (core, rest): (Vec<usize>, Vec<usize>) = s.free.iter().partition(|&&i| units[i].core);
+    promote(&mut state, &core, &mut left);
+    promote(&mut state, &rest, &mut left);
+
+    // Step 4, twice: what moved changes what RAM and the balance should hold.
+    for _ in 0..2 {
+        let in_ram = fill_ram(units, &state.tier, s.ram_capacity);
+        state = new_state(state.tier.clone(), in_ram);
+        balance(&mut state, s.free, s.may_stream);
+        promote(&mut state, s.free, &mut left);
+    }
+    state
 }
 
 fn vram_refusal(

@@ -4,6 +4,7 @@
 //!
 //! The algorithm is greedy by benefit density, not an optimal knapsack: see [`greedy`].
 
+mod evaluate;
 mod greedy;
 pub mod pins;
 mod render;
@@ -13,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::ByteSize;
 
+pub use evaluate::{layer_accuracy, layer_times};
 pub use greedy::plan;
 pub use pins::{Pin, PinError, Tier};
 pub use step::{Bottleneck, GroupTime};

@@ -151,8 +151,12 @@ fn budget_below_minimum_is_refused_saying_what_fits() {
         plan(&m, &p, &opts(gib(9.0), gib(28.0))),
         Err(PlanError::OverMachine { which: "VRAM", .. })
     ));
+    // Little RAM still runs, from the SSD; streaming needs its staging buffers in RAM.
+    plan(&m, &p, &opts(gib(8.0), ByteSize(1 << 20))).unwrap();
+    let mut stream = opts(gib(8.0), ByteSize(1 << 20));
+    stream.pins = vec!["^output.weight$=stream".parse().unwrap()];
     assert!(matches!(
-        plan(&m, &p, &opts(gib(8.0), ByteSize(1 << 20))),
+        plan(&m, &p, &stream),
         Err(PlanError::RamTooSmall { .. })
     ));
 }
@@ -312,4 +316,65 @@ fn json_round_trip_and_table() {
         plan.tensors.len() - 3 + 48,
         "one line per tensor and per layer"
     );
+}
+
+#[test]
+fn per_layer_predictions_meet_the_accuracy_bar_on_synthetic_measurements() {
+    // Ground truth: the laptop profile. What the planner believes: the same machine as a
+    // calibration with a few percent of error per figure would measure it. "Measured" layer
+    // times: the truth's, with 8% measurement noise. No real hardware is involved here.
+    use crate::predict::tests::Rng;
+    let truth = profile("laptop-8gb");
+    let mut rng = Rng::new(21);
+    let mut believed = truth.clone();
+    believed.gpu.bandwidth *= rng.noise(0.05);
+    believed.pcie.bandwidth *= rng.noise(0.05);
+    believed.cpu.memory_bandwidth *= rng.noise(0.05);
+    for r in believed.cpu.matvec_per_thread.values_mut() {
+        r.bandwidth *= rng.noise(0.05);
+    }
+    for r in &mut believed.ssd.reads {
+        r.bandwidth *= rng.noise(0.05);
+    }
+    for name in ["qwen3-30b-a3b", "llama-3-8b", "mixtral-8x7b"] {
+        let m = model(name);
+        let o = opts(gib(6.0), gib(20.0));
+        let planned = plan(&m, &believed, &o).unwrap();
+        let real = layer_times(&planned, &m, &truth, &o).unwrap();
+        let measured: std::collections::BTreeMap<String, f64> = real
+            .iter()
+            .map(|l| (l.name.clone(), l.time.total_s * rng.noise(0.08)))
+            .collect();
+        let report = layer_accuracy(&planned, &measured).unwrap();
+        assert_eq!(report.count, m.n_layer as usize + 1);
+        assert!(report.within(0.15), "{name}: {report:?}");
+
+        // A profile off by 2x in every bandwidth misses the bar: the check can fail.
+        let mut wrong = believed.clone();
+        wrong.gpu.bandwidth *= 2.0;
+        wrong.pcie.bandwidth *= 2.0;
+        wrong.cpu.memory_bandwidth *= 2.0;
+        for r in wrong.cpu.matvec_per_thread.values_mut() {
+            r.bandwidth *= 2.0;
+        }
+        for r in &mut wrong.ssd.reads {
+            r.bandwidth *= 2.0;
+        }
+        let bad = layer_times(&planned, &m, &wrong, &o).unwrap();
+        let mut as_planned = planned.clone();
+        as_planned.layers = bad;
+        assert!(
+            !layer_accuracy(&as_planned, &measured).unwrap().within(0.15),
+            "{name}"
+        );
+    }
+    // A plan of another model is refused.
+    let other = plan(&model("llama-3-8b"), &truth, &opts(gib(6.0), gib(20.0))).unwrap();
+    assert!(layer_times(
+        &other,
+        &model("qwen3-30b-a3b"),
+        &truth,
+        &opts(gib(6.0), gib(20.0))
+    )
+    .is_none());
 }
