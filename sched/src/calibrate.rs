@@ -2,8 +2,9 @@
 //! shapes they run on ([`CalibrationPlan`]), and the fits that turn their timings into a
 //! [`HardwareProfile`].
 //!
-//! The scheduler runs nothing itself: the daemon implements [`MicroBench`] over Vulkan, its CPU
-//! kernels and io_uring, and [`calibrate`] drives it and reports progress.
+//! The scheduler runs nothing itself: the daemon is to implement [`MicroBench`] over Vulkan, its
+//! CPU kernels and io_uring (not written yet: until then plans use described profiles), and
+//! [`calibrate`] drives it and reports progress.
 
 use std::collections::BTreeMap;
 
@@ -57,9 +58,10 @@ pub struct MachineFacts {
     pub cpu_threads: u32,
 }
 
-/// The shapes and sizes calibration measures. The default stays within about ten seconds on a
-/// machine with at least 1 GB/s of SSD and 100 GB/s of GPU memory: every case moves at most
-/// 64 MiB.
+/// The shapes and sizes calibration measures. The default is sized for about ten seconds on a
+/// machine with at least 1 GB/s of SSD and 10 GB/s of host memory: matrices and copies move at
+/// most 64 MiB a case, the SSD 64 MiB a tile size, the bandwidth reads 256 MiB (an estimate:
+/// the time has not been measured, since no implementation of [`MicroBench`] exists yet).
 #[derive(Debug, Clone, PartialEq)]
 pub struct CalibrationPlan {
     pub weight_types: Vec<WeightType>,
@@ -236,11 +238,12 @@ pub fn calibrate<B: MicroBench>(
         cpu: CpuProfile {
             threads,
             memory_bandwidth,
+            // No CPU kernel measured: no evidence of a fixed cost, so none is assumed.
             dispatch_s: all_threads
                 .values()
                 .map(|r: &Roofline| r.fixed_s)
-                .fold(f64::INFINITY, f64::min)
-                .min(1.0),
+                .min_by(f64::total_cmp)
+                .unwrap_or(0.0),
             matvec_per_thread: one_thread,
             matvec: all_threads,
         },
