@@ -32,7 +32,8 @@ use super::{
 /// Driver overhead, sub-allocation rounding and scratch the estimate below does not see.
 const VRAM_SLACK: u64 = 128 << 20;
 
-/// Activations: f32 logits, a few dozen f32 vectors of the model width.
+/// Activations: f32 logits, a few dozen f32 vectors of the model width. An estimate: the
+/// daemon should replace it with its measured allocations once the engine runs plans.
 fn activation_bytes(model: &ModelDesc) -> u64 {
     let vocab = model
         .tensors

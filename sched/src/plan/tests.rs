@@ -58,6 +58,26 @@ fn more_vram_never_predicts_fewer_tokens_per_second() {
 }
 
 #[test]
+fn more_vram_never_predicts_fewer_tokens_per_second_when_the_ssd_serves_experts() {
+    // Qwen3-235B on the laptop: most experts come from the SSD whatever the VRAM.
+    let p = profile("laptop-8gb");
+    let m = model("qwen3-235b-a22b");
+    let lo = minimum(&m, &p).0;
+    let mut last = 0.0;
+    for i in 0..=16u64 {
+        let vram = ByteSize(lo + (p.gpu.memory.0 - lo) / 16 * i);
+        let got = plan(&m, &p, &opts(vram, gib(28.0))).unwrap();
+        assert!(
+            got.tokens_per_s >= last * (1.0 - 1e-9),
+            "{vram}: {}",
+            got.tokens_per_s
+        );
+        assert!(got.notes.iter().any(|n| n.contains("read from the SSD")));
+        last = got.tokens_per_s;
+    }
+}
+
+#[test]
 fn more_ram_never_predicts_fewer_tokens_per_second() {
     // Qwen3-235B does not fit in the desktop's VRAM and RAM: RAM decides what the SSD serves.
     let p = profile("desktop-24gb");
