@@ -370,6 +370,23 @@ fn place<'a>(s: &Setting<'a>, mut left: u64) -> State<'a> {
     state
 }
 
+/// The smallest VRAM budget [`plan`] accepts for `model` with `opts`' pins and context (the
+/// KV cache, activations and tensors pinned to VRAM, plus staging when pins stream tensors);
+/// `opts.vram_budget` is ignored.
+pub fn minimum_vram(
+    model: &ModelDesc,
+    profile: &HardwareProfile,
+    opts: &PlanOptions,
+) -> Result<ByteSize, PlanError> {
+    let mut o = opts.clone();
+    o.vram_budget = ByteSize(0);
+    match plan(model, profile, &o) {
+        Err(PlanError::VramTooSmall { needed, .. }) => Ok(needed),
+        Err(e) => Err(e),
+        Ok(_) => Ok(ByteSize(0)),
+    }
+}
+
 fn vram_refusal(
     model: &ModelDesc,
     opts: &PlanOptions,

@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use crate::ByteSize;
 
 pub use evaluate::{layer_accuracy, layer_times};
-pub use greedy::plan;
+pub use greedy::{minimum_vram, plan};
 pub use pins::{Pin, PinError, Tier};
 pub use step::{Bottleneck, GroupTime};
 

@@ -20,11 +20,29 @@ fn opts(vram: ByteSize, ram: ByteSize) -> PlanOptions {
     PlanOptions::new(vram, ram)
 }
 
-/// The smallest VRAM budget `plan` accepts, from its refusal.
 fn minimum(m: &ModelDesc, p: &HardwareProfile) -> ByteSize {
-    match plan(m, p, &opts(ByteSize(1 << 20), p.ram.memory)) {
-        Err(PlanError::VramTooSmall { needed, .. }) => needed,
-        other => panic!("1 MiB accepted: {other:?}"),
+    minimum_vram(m, p, &opts(ByteSize(0), p.ram.memory)).unwrap()
+}
+
+#[test]
+fn minimum_vram_is_the_boundary_of_refusal() {
+    let p = profile("laptop-8gb");
+    for name in ["llama-3-8b", "qwen3-30b-a3b"] {
+        let m = model(name);
+        let mut o = opts(ByteSize(0), gib(28.0));
+        o.pins = vec![r"blk\.0\.=gpu".parse().unwrap()];
+        let need = minimum_vram(&m, &p, &o).unwrap();
+        // The KV cache alone for 4096 tokens, then the pinned layer, are in it.
+        assert!(need.0 > 4096 * m.kv_bytes_per_token());
+        o.vram_budget = need;
+        plan(&m, &p, &o).unwrap();
+        o.vram_budget = ByteSize(need.0 - 1);
+        assert!(matches!(
+            plan(&m, &p, &o),
+            Err(PlanError::VramTooSmall { .. })
+        ));
+        // Without the pin less is needed.
+        assert!(minimum(&m, &p) < need);
     }
 }
 
