@@ -21,6 +21,8 @@ enum Command {
     Tokenize(cli::tokenize::TokenizeArgs),
     /// List the Vulkan devices.
     Devices(cli::devices::DevicesArgs),
+    /// Print where each tensor would go under memory budgets, and the predicted decode speed.
+    Plan(cli::plan::PlanArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -29,5 +31,6 @@ fn main() -> anyhow::Result<()> {
         Command::Run(args) => cli::run::run(*args),
         Command::Tokenize(args) => cli::tokenize::run(args),
         Command::Devices(args) => cli::devices::run(&args),
+        Command::Plan(args) => cli::plan::run(&args),
     }
 }

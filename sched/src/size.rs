@@ -92,6 +92,28 @@ impl FromStr for ByteSize {
     }
 }
 
+/// Written as a plain number of bytes (exact); read from a number or a string such as `"8GiB"`.
+impl serde::Serialize for ByteSize {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(self.0)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for ByteSize {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<ByteSize, D::Error> {
+        #[derive(serde::Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Bytes(u64),
+            Text(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Bytes(b) => Ok(ByteSize(b)),
+            Raw::Text(t) => t.parse().map_err(serde::de::Error::custom),
+        }
+    }
+}
+
 impl fmt::Display for ByteSize {
     /// Binary units with two decimals (`7.45 GiB`), or plain bytes below 1 KiB.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -146,6 +168,22 @@ mod tests {
             "20000000TiB".parse::<ByteSize>(),
             Err(SizeError::Overflow(_))
         ));
+    }
+
+    #[test]
+    fn serde_reads_numbers_and_strings() {
+        #[derive(serde::Deserialize, serde::Serialize)]
+        struct T {
+            a: ByteSize,
+            b: ByteSize,
+        }
+        let t: T = serde_json::from_str(r#"{"a": 4096, "b": "8GiB"}"#).unwrap();
+        assert_eq!((t.a, t.b), (ByteSize(4096), ByteSize(8 << 30)));
+        assert_eq!(
+            serde_json::to_string(&t).unwrap(),
+            r#"{"a":4096,"b":8589934592}"#
+        );
+        assert!(serde_json::from_str::<T>(r#"{"a": 1, "b": "8 parsecs"}"#).is_err());
     }
 
     #[test]

@@ -2,5 +2,6 @@
 
 pub mod devices;
 pub mod inspect;
+pub mod plan;
 pub mod run;
 pub mod tokenize;

@@ -1,0 +1,192 @@
+//! `spillwayd plan --model FILE.gguf --vram-budget 8GiB [--profile P] [--pin 'RE=DEV']... [--json]`:
+//! where each tensor would go and the predicted decode speed, before anything is loaded.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use spillway_daemon::gguf::{GgufFile, Metadata};
+use spillway_sched::model::{ExpertRouting, ModelDesc, TensorDesc, WeightType};
+use spillway_sched::plan::{plan, Pin, PlanOptions};
+use spillway_sched::profile::HardwareProfile;
+use spillway_sched::simulate::{shipped_profile, SHIPPED_PROFILES};
+use spillway_sched::ByteSize;
+
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    /// The GGUF file (only its header is read).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// A hardware profile: a TOML file, or a shipped one (laptop-8gb, desktop-24gb, h200).
+    #[arg(long)]
+    pub profile: Option<String>,
+    /// VRAM the plan may use.
+    #[arg(long)]
+    pub vram_budget: ByteSize,
+    /// RAM the plan may use; default: all the profile's RAM.
+    #[arg(long)]
+    pub ram_budget: Option<ByteSize>,
+    /// PATTERN=DEVICE (gpu, stream or cpu); the first matching pin wins. Repeatable.
+    #[arg(long = "pin")]
+    pub pins: Vec<Pin>,
+    /// Tokens of context to size the KV cache for.
+    #[arg(long, default_value_t = 4096)]
+    pub context: u64,
+    /// Print JSON instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
+    let profile = load_profile(args.profile.as_deref())?;
+    let file = GgufFile::open_structure_only(&args.model)
+        .with_context(|| format!("reading {}", args.model.display()))?;
+    let model = model_desc(&args.model.display().to_string(), &file)?;
+    let mut opts = PlanOptions::new(
+        args.vram_budget,
+        args.ram_budget.unwrap_or(profile.ram.memory),
+    );
+    opts.pins = args.pins.clone();
+    opts.context = args.context;
+    let plan = plan(&model, &profile, &opts)?;
+    let mut text = String::new();
+    if args.json {
+        text = plan.to_json();
+        text.push('\n');
+    } else {
+        plan.write_table(&mut text)?;
+    }
+    let mut stdout = std::io::stdout().lock();
+    match stdout.write_all(text.as_bytes()) {
+        // `spillwayd plan ... | head` closing the pipe is not an error.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        other => other.context("writing to stdout"),
+    }
+}
+
+fn load_profile(name: Option<&str>) -> anyhow::Result<HardwareProfile> {
+    let shipped: Vec<&str> = SHIPPED_PROFILES.iter().map(|p| p.0).collect();
+    let Some(name) = name else {
+        // Calibration is not wired into the daemon yet, so there is no stored profile to use.
+        bail!(
+            "no measured profile of this machine yet: pass --profile FILE.toml or one of {}",
+            shipped.join(", ")
+        );
+    };
+    if let Some(p) = shipped_profile(name) {
+        return Ok(p?);
+    }
+    let text = std::fs::read_to_string(name).with_context(|| format!("reading profile {name}"))?;
+    HardwareProfile::from_toml(&text).with_context(|| format!("profile {name}"))
+}
+
+/// The scheduler's view of a GGUF file: every tensor with its type, shape and bytes, and the
+/// few hyper-parameters that size the KV cache and route experts.
+pub fn model_desc(name: &str, file: &GgufFile) -> anyhow::Result<ModelDesc> {
+    let md: &Metadata = file.metadata();
+    let arch = file.architecture().context("no general.architecture")?;
+    let key = |k: &str| format!("{arch}.{k}");
+    let n_layer = md.get_u32(&key("block_count"))?;
+    let n_embd = u64::from(md.get_u32(&key("embedding_length"))?);
+    let n_head = u64::from(md.get_u32(&key("attention.head_count"))?);
+    let n_head_kv = md
+        .opt_u32(&key("attention.head_count_kv"))?
+        .map_or(n_head, u64::from);
+    let head_dim = md
+        .opt_u32(&key("attention.key_length"))?
+        .map_or(n_embd / n_head.max(1), u64::from);
+    let experts = match md.opt_u32(&key("expert_count"))? {
+        Some(count) if count > 0 => Some(ExpertRouting {
+            count,
+            used: md.get_u32(&key("expert_used_count"))?,
+            probabilities: None,
+        }),
+        _ => None,
+    };
+    let tensors = file
+        .tensors()
+        .iter()
+        .map(|t| {
+            TensorDesc::new(
+                &t.name,
+                WeightType::new(t.ggml_type.name()),
+                &t.dims,
+                t.n_bytes,
+            )
+        })
+        .collect();
+    let model = ModelDesc {
+        name: md
+            .opt_str("general.name")?
+            .map_or_else(|| name.to_string(), str::to_string),
+        n_layer,
+        n_embd,
+        n_head_kv,
+        head_dim,
+        experts,
+        tensors,
+    };
+    model.validate()?;
+    Ok(model)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use spillway_daemon::gguf::writer::{GgufWriter, TensorSpec};
+    use spillway_daemon::gguf::{GgmlType, Value};
+    use spillway_sched::model::presets::{find, Quant};
+    use spillway_sched::plan::Placement;
+
+    #[test]
+    fn plans_a_moe_gguf_from_its_header() {
+        // The scheduler's tiny Qwen3-MoE preset, written as a GGUF with empty tensor data.
+        let want = find("tiny-qwen3moe").unwrap().describe(&Quant::Q4KM);
+        let specs: Vec<TensorSpec> = want
+            .tensors
+            .iter()
+            .map(|t| {
+                let ty = GgmlType::from_name(t.weight_type.name()).unwrap();
+                TensorSpec::new(t.name.clone(), ty, &t.shape)
+            })
+            .collect();
+        let u = |k: &str, v: u32| (format!("qwen3moe.{k}"), Value::U32(v));
+        let metadata = vec![
+            (
+                "general.architecture".to_string(),
+                Value::String("qwen3moe".into()),
+            ),
+            u("block_count", 2),
+            u("embedding_length", 256),
+            u("attention.head_count", 4),
+            u("attention.head_count_kv", 2),
+            u("attention.key_length", 128),
+            u("expert_count", 16),
+            u("expert_used_count", 4),
+        ];
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny.gguf");
+        let mut w = GgufWriter::create(&path, &metadata, &specs).unwrap();
+        for s in &specs {
+            w.skip_tensor(&s.name).unwrap();
+        }
+        w.finish().unwrap();
+
+        let file = GgufFile::open_structure_only(&path).unwrap();
+        let got = model_desc("tiny", &file).unwrap();
+        assert_eq!(got.tensors, want.tensors);
+        assert_eq!(got.experts, want.experts);
+        assert_eq!(got.kv_bytes_per_token(), want.kv_bytes_per_token());
+
+        let profile = load_profile(Some("laptop-8gb")).unwrap();
+        let mut opts = PlanOptions::new(ByteSize(1 << 30), ByteSize(1 << 30));
+        opts.pins = vec!["ffn_down_exps=cpu".parse().unwrap()];
+        let plan = plan(&got, &profile, &opts).unwrap();
+        let Some(Placement::Experts(e)) = plan.placement("blk.1.ffn_down_exps.weight") else {
+            panic!("{}", plan.to_json())
+        };
+        assert_eq!(e.cpu.len(), 16);
+        assert!(load_profile(None).is_err());
+    }
+}

@@ -1,0 +1,373 @@
+//! First-start calibration: the micro-benchmarks the daemon runs (behind [`MicroBench`]), the
+//! shapes they run on ([`CalibrationPlan`]), and the fits that turn their timings into a
+//! [`HardwareProfile`].
+//!
+//! The scheduler runs nothing itself: the daemon is to implement [`MicroBench`] over Vulkan, its
+//! CPU kernels and io_uring (not written yet: until then plans use described profiles), and
+//! [`calibrate`] drives it and reports progress.
+
+use std::collections::BTreeMap;
+
+use crate::model::WeightType;
+use crate::predict::{Roofline, Work};
+use crate::profile::{
+    CpuProfile, GpuProfile, HardwareProfile, PcieProfile, ProfileKey, RamProfile, SsdProfile,
+    SsdRead,
+};
+use crate::ByteSize;
+
+/// Timed operations on the real hardware. Each returns the measured seconds of one run (the
+/// implementation warms up and takes the median of a few repeats).
+pub trait MicroBench {
+    type Error;
+
+    /// Read `bytes` of device memory with a streaming kernel.
+    fn gpu_read(&mut self, bytes: u64) -> Result<f64, Self::Error>;
+    /// One `k`×`n` matrix of type `t` times `batch` vectors on the GPU.
+    fn gpu_matvec(
+        &mut self,
+        t: &WeightType,
+        k: u64,
+        n: u64,
+        batch: u64,
+    ) -> Result<f64, Self::Error>;
+    /// One empty submit and wait.
+    fn gpu_submit(&mut self) -> Result<f64, Self::Error>;
+    /// Copy `bytes` from pinned host memory to the device.
+    fn host_to_device(&mut self, bytes: u64) -> Result<f64, Self::Error>;
+    /// One `k`×`n` matrix of type `t` times one vector on `threads` CPU threads.
+    fn cpu_matvec(
+        &mut self,
+        t: &WeightType,
+        k: u64,
+        n: u64,
+        threads: u32,
+    ) -> Result<f64, Self::Error>;
+    /// Read `bytes` of host memory on `threads` threads.
+    fn cpu_read(&mut self, bytes: u64, threads: u32) -> Result<f64, Self::Error>;
+    /// Read `count` tiles of `tile` bytes from the model file, uncached, kept in flight.
+    fn ssd_read(&mut self, tile: u64, count: u64) -> Result<f64, Self::Error>;
+}
+
+/// What the machine says about itself without measuring.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MachineFacts {
+    pub key: ProfileKey,
+    pub vram: ByteSize,
+    pub ram: ByteSize,
+    pub cpu_threads: u32,
+}
+
+/// The shapes and sizes calibration measures. The default is sized for about ten seconds on a
+/// machine with at least 1 GB/s of SSD and 10 GB/s of host memory: matrices and copies move at
+/// most 64 MiB a case, the SSD 64 MiB a tile size, the bandwidth reads 256 MiB (an estimate:
+/// the time has not been measured, since no implementation of [`MicroBench`] exists yet).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CalibrationPlan {
+    pub weight_types: Vec<WeightType>,
+    /// (k, n) of the matrices, batch 1 and a few larger batches for the compute roof.
+    pub matrices: Vec<(u64, u64)>,
+    pub batches: Vec<u64>,
+    pub copy_sizes: Vec<u64>,
+    pub ssd_tiles: Vec<u64>,
+    /// Bytes read per tile size.
+    pub ssd_bytes: u64,
+}
+
+impl Default for CalibrationPlan {
+    fn default() -> CalibrationPlan {
+        CalibrationPlan {
+            weight_types: ["F16", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+                .into_iter()
+                .map(WeightType::new)
+                .collect(),
+            matrices: vec![(2048, 2048), (4096, 4096), (4096, 14336), (14336, 4096)],
+            batches: vec![1, 16, 128],
+            copy_sizes: vec![64 << 10, 1 << 20, 8 << 20, 64 << 20],
+            ssd_tiles: vec![256 << 10, 1 << 20, 4 << 20, 16 << 20],
+            ssd_bytes: 64 << 20,
+        }
+    }
+}
+
+impl CalibrationPlan {
+    /// Number of measurements, for progress.
+    pub fn steps(&self) -> usize {
+        let gpu = self.weight_types.len() * self.matrices.len() * self.batches.len();
+        let cpu = self.weight_types.len() * self.matrices.len() * 2;
+        4 + 3 + gpu + self.copy_sizes.len() + cpu + 2 + self.ssd_tiles.len()
+    }
+}
+
+/// Where calibration is, for the progress line.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Progress<'a> {
+    pub done: usize,
+    pub total: usize,
+    pub what: &'a str,
+}
+
+/// Runs `plan` on `bench` and fits a profile. Weight types whose block layout the scheduler
+/// does not know are skipped (they fall back to the bandwidth-derived rate).
+pub fn calibrate<B: MicroBench>(
+    facts: &MachineFacts,
+    bench: &mut B,
+    plan: &CalibrationPlan,
+    progress: &mut dyn FnMut(Progress<'_>),
+) -> Result<HardwareProfile, B::Error> {
+    let total = plan.steps();
+    let mut done = 0;
+    let mut tick = |what: &str| {
+        done += 1;
+        progress(Progress { done, total, what });
+    };
+
+    let mut reads = Vec::new();
+    for bytes in [4u64 << 20, 16 << 20, 64 << 20, 256 << 20] {
+        reads.push((Work::transfer(bytes), bench.gpu_read(bytes)?, 1.0));
+        tick("GPU memory bandwidth");
+    }
+    let gpu_read = guess(&reads).fit(&reads);
+    let mut submits = Vec::new();
+    for _ in 0..3 {
+        submits.push(bench.gpu_submit()?);
+        tick("GPU submit");
+    }
+    let submit_s = median(&mut submits);
+
+    let mut gpu_matvec = BTreeMap::new();
+    for t in &plan.weight_types {
+        let mut obs = Vec::new();
+        for &(k, n) in &plan.matrices {
+            for &batch in &plan.batches {
+                let Some(bytes) = t.bytes_for(k * n) else {
+                    tick("GPU kernels");
+                    continue;
+                };
+                let secs = bench.gpu_matvec(t, k, n, batch)?;
+                obs.push((Work::matvec(k, n, bytes, batch), secs, 1.0));
+                tick("GPU kernels");
+            }
+        }
+        if obs.len() >= 3 {
+            let prior = Roofline {
+                flop_rate: Some(1e12),
+                ..guess(&obs)
+            };
+            gpu_matvec.insert(t.clone(), prior.fit(&obs));
+        }
+    }
+    let dispatch_s = gpu_matvec
+        .values()
+        .map(|r| r.fixed_s)
+        .fold(gpu_read.fixed_s, f64::min);
+
+    let mut copies = Vec::new();
+    for &bytes in &plan.copy_sizes {
+        copies.push((Work::transfer(bytes), bench.host_to_device(bytes)?, 1.0));
+        tick("host-to-device copies");
+    }
+    let copy = guess(&copies).fit(&copies);
+
+    let threads = facts.cpu_threads.max(1);
+    let (mut one_thread, mut all_threads) = (BTreeMap::new(), BTreeMap::new());
+    for t in &plan.weight_types {
+        let (mut one, mut all) = (Vec::new(), Vec::new());
+        for &(k, n) in &plan.matrices {
+            let Some(bytes) = t.bytes_for(k * n) else {
+                tick("CPU kernels");
+                tick("CPU kernels");
+                continue;
+            };
+            let w = Work::matvec(k, n, bytes, 1);
+            one.push((w, bench.cpu_matvec(t, k, n, 1)?, 1.0));
+            tick("CPU kernels");
+            all.push((w, bench.cpu_matvec(t, k, n, threads)?, 1.0));
+            tick("CPU kernels");
+        }
+        if one.len() >= 3 {
+            one_thread.insert(t.clone(), guess(&one).fit(&one));
+            all_threads.insert(t.clone(), guess(&all).fit(&all));
+        }
+    }
+    let mem_bytes = 256u64 << 20;
+    let t1 = bench.cpu_read(mem_bytes, threads)?;
+    tick("CPU memory bandwidth");
+    let t2 = bench.cpu_read(mem_bytes, threads)?;
+    tick("CPU memory bandwidth");
+    let memory_bandwidth = mem_bytes as f64 / t1.min(t2);
+
+    let mut ssd = Vec::new();
+    for &tile in &plan.ssd_tiles {
+        let count = (plan.ssd_bytes / tile).max(1);
+        let secs = bench.ssd_read(tile, count)?;
+        ssd.push((tile, count, secs));
+        tick("SSD reads");
+    }
+    let reads: Vec<SsdRead> = ssd
+        .iter()
+        .map(|&(tile, count, secs)| SsdRead {
+            tile: ByteSize(tile),
+            bandwidth: (tile * count) as f64 / secs,
+        })
+        .collect();
+    // What the largest tiles' throughput leaves unexplained at the smallest tile is per-request
+    // latency the queue did not hide.
+    let best = reads.iter().map(|r| r.bandwidth).fold(0.0, f64::max);
+    let request_s = ssd
+        .iter()
+        .min_by_key(|s| s.0)
+        .map_or(0.0, |&(tile, count, secs)| {
+            ((secs - (tile * count) as f64 / best) / count as f64).max(0.0)
+        });
+
+    Ok(HardwareProfile {
+        key: facts.key.clone(),
+        source: "measured by calibration".into(),
+        gpu: GpuProfile {
+            memory: facts.vram,
+            bandwidth: gpu_read.bandwidth,
+            dispatch_s,
+            submit_s,
+            matvec: gpu_matvec,
+        },
+        pcie: PcieProfile {
+            bandwidth: copy.bandwidth,
+            copy_s: copy.fixed_s,
+        },
+        cpu: CpuProfile {
+            threads,
+            memory_bandwidth,
+            // No CPU kernel measured: no evidence of a fixed cost, so none is assumed.
+            dispatch_s: all_threads
+                .values()
+                .map(|r: &Roofline| r.fixed_s)
+                .min_by(f64::total_cmp)
+                .unwrap_or(0.0),
+            matvec_per_thread: one_thread,
+            matvec: all_threads,
+        },
+        ram: RamProfile { memory: facts.ram },
+        ssd: SsdProfile { request_s, reads },
+    })
+}
+
+/// A starting point for a fit: the bandwidth of the largest observation, no fixed cost.
+fn guess(obs: &[(Work, f64, f64)]) -> Roofline {
+    let (w, t, _) = obs
+        .iter()
+        .max_by(|a, b| a.0.bytes.total_cmp(&b.0.bytes))
+        .copied()
+        .unwrap_or((Work::transfer(1), 1.0, 1.0));
+    Roofline::memory_bound((w.bytes / t).max(1.0), 0.0)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::predict::tests::Rng;
+    use crate::profile::tests::test_profile;
+
+    /// A machine that answers from a known profile, with 5% noise.
+    struct Simulated {
+        truth: HardwareProfile,
+        rng: Rng,
+    }
+
+    impl Simulated {
+        fn noisy(&mut self, t: f64) -> Result<f64, ()> {
+            Ok(t * self.rng.noise(0.05))
+        }
+    }
+
+    impl MicroBench for Simulated {
+        type Error = ();
+        fn gpu_read(&mut self, bytes: u64) -> Result<f64, ()> {
+            let t = self.truth.gpu_stream().predict(Work::transfer(bytes));
+            self.noisy(t)
+        }
+        fn gpu_matvec(&mut self, t: &WeightType, k: u64, n: u64, b: u64) -> Result<f64, ()> {
+            let w = Work::matvec(k, n, t.bytes_for(k * n).unwrap(), b);
+            let s = self.truth.gpu_matvec(t).predict(w);
+            self.noisy(s)
+        }
+        fn gpu_submit(&mut self) -> Result<f64, ()> {
+            let s = self.truth.gpu.submit_s;
+            self.noisy(s)
+        }
+        fn host_to_device(&mut self, bytes: u64) -> Result<f64, ()> {
+            let s = self.truth.host_to_device().predict(Work::transfer(bytes));
+            self.noisy(s)
+        }
+        fn cpu_matvec(&mut self, t: &WeightType, k: u64, n: u64, th: u32) -> Result<f64, ()> {
+            let w = Work::matvec(k, n, t.bytes_for(k * n).unwrap(), 1);
+            let r = if th == 1 {
+                self.truth.cpu.matvec_per_thread.get(t).copied().unwrap()
+            } else {
+                self.truth.cpu_matvec(t)
+            };
+            self.noisy(r.predict(w))
+        }
+        fn cpu_read(&mut self, bytes: u64, _threads: u32) -> Result<f64, ()> {
+            let s = bytes as f64 / self.truth.cpu.memory_bandwidth;
+            self.noisy(s)
+        }
+        fn ssd_read(&mut self, tile: u64, count: u64) -> Result<f64, ()> {
+            let bw = self.truth.ssd_bandwidth(ByteSize(tile));
+            self.noisy((tile * count) as f64 / bw)
+        }
+    }
+
+    #[test]
+    fn calibration_recovers_the_machine_it_measures() {
+        let truth = test_profile();
+        let facts = MachineFacts {
+            key: truth.key.clone(),
+            vram: truth.gpu.memory,
+            ram: truth.ram.memory,
+            cpu_threads: truth.cpu.threads,
+        };
+        let plan = CalibrationPlan {
+            weight_types: vec![WeightType::new("Q4_K")],
+            ..CalibrationPlan::default()
+        };
+        let mut bench = Simulated {
+            truth: truth.clone(),
+            rng: Rng::new(5),
+        };
+        let mut seen = Vec::new();
+        let p = calibrate(&facts, &mut bench, &plan, &mut |pr| {
+            seen.push((pr.done, pr.total))
+        })
+        .unwrap();
+        p.validate().unwrap();
+        // Progress counts every step up to the announced total.
+        assert_eq!(seen.len(), plan.steps());
+        assert_eq!(seen.last(), Some(&(plan.steps(), plan.steps())));
+
+        let close = |got: f64, want: f64, tol: f64| (got / want - 1.0).abs() < tol;
+        assert!(
+            close(p.gpu.bandwidth, truth.gpu.bandwidth, 0.1),
+            "{}",
+            p.gpu.bandwidth
+        );
+        assert!(close(p.pcie.bandwidth, truth.pcie.bandwidth, 0.1));
+        assert!(close(
+            p.cpu.memory_bandwidth,
+            truth.cpu.memory_bandwidth,
+            0.12
+        ));
+        let q4k = WeightType::new("Q4_K");
+        let g = p.gpu_matvec(&q4k);
+        assert!(close(g.bandwidth, 240e9, 0.1), "{g:?}");
+        assert!(close(g.flop_rate.unwrap(), 20e12, 0.15), "{g:?}");
+        let c = p.cpu_matvec(&q4k);
+        assert!(close(c.bandwidth, 60e9, 0.1), "{c:?}");
+        assert_eq!(p.best_tile(), truth.best_tile());
+    }
+}

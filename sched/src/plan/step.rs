@@ -1,0 +1,358 @@
+//! The decode-step model the planner optimises: per-unit costs from the predictors, and the
+//! predicted time of each layer under a placement.
+//!
+//! One layer runs in three phases: attention (norms, Q/K/V/O, router), the dense FFN, and the
+//! experts (routed and shared). Attention and the dense FFN are chains of dependent products,
+//! so GPU and CPU parts of them add up; experts are independent, so GPU and CPU experts run at
+//! the same time and the phase takes the longer side. Copies and SSD reads overlap the compute
+//! of earlier layers (prefetch), so a layer takes the longest of compute, PCIe and SSD, plus
+//! the transfers that prefetch could not start early: the share of routed experts it
+//! mispredicted.
+//!
+//! Expert costs are expectations over routing (each expert weighted by its probability of
+//! being used); the expectation of the maximum is higher than the maximum of expectations, so
+//! the model is optimistic for layers that swing between bounds. Decode only (batch 1).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::model::{ModelDesc, TensorDesc, TensorRole};
+use crate::predict::Work;
+use crate::profile::HardwareProfile;
+use crate::ByteSize;
+
+use super::pins::Tier;
+
+/// What limits a layer, or the step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Bottleneck {
+    #[serde(rename = "GPU")]
+    Gpu,
+    #[serde(rename = "CPU")]
+    Cpu,
+    #[serde(rename = "PCIe")]
+    Pcie,
+    #[serde(rename = "SSD")]
+    Ssd,
+}
+
+impl std::fmt::Display for Bottleneck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Bottleneck::Gpu => "GPU",
+            Bottleneck::Cpu => "CPU",
+            Bottleneck::Pcie => "PCIe",
+            Bottleneck::Ssd => "SSD",
+        })
+    }
+}
+
+/// What the planner places: a whole tensor, or one routed expert: its slices of the layer's
+/// expert matrices (gate, up, down), kept together since they are read together.
+#[derive(Debug, Clone)]
+pub(super) struct Unit {
+    /// The tensors it has bytes in; one, except for experts.
+    pub tensors: Vec<usize>,
+    /// The expert's index in its layer, for routed experts.
+    pub expert: Option<u32>,
+    /// Index of the layer group (`n_layer` for tensors outside the blocks).
+    pub group: usize,
+    /// 0: attention, 1: dense FFN, 2: experts.
+    pub phase: usize,
+    pub bytes: u64,
+    /// Probability that a token reads it.
+    pub prob: f64,
+    pub routed: bool,
+    /// Attention, norms, routers, shared experts of a MoE model: into VRAM first.
+    pub core: bool,
+    pub embedding: bool,
+    /// Seconds when read: on the GPU, on the CPU, copied to the GPU, read from the SSD.
+    pub gpu: f64,
+    pub cpu: f64,
+    pub copy: f64,
+    pub ssd: f64,
+}
+
+/// Breaks the model into units with their costs. `pin_of` gives each tensor's pin, if any:
+/// an expert's matrices are only bundled when the same pin (or none) decides them all.
+pub(super) fn units(
+    model: &ModelDesc,
+    profile: &HardwareProfile,
+    tile: ByteSize,
+    pin_of: &[Option<usize>],
+) -> Vec<Unit> {
+    let n_layer = model.n_layer as usize;
+    let moe = model.experts.is_some();
+    let copy = profile.host_to_device();
+    let ssd_bw = profile.ssd_bandwidth(tile);
+    let tiles = |bytes: u64| bytes.div_ceil(tile.0.max(1)) as f64;
+    let mut out: Vec<Unit> = Vec::new();
+    // (group, expert, pin) -> index in `out`, to bundle an expert's slices.
+    let mut experts: BTreeMap<(usize, u32, Option<usize>), usize> = BTreeMap::new();
+    for (ti, t) in model.tensors.iter().enumerate() {
+        let group = t.role.layer().map_or(n_layer, |l| l as usize);
+        let phase = match t.role {
+            TensorRole::Ffn { .. } | TensorRole::Output => 1,
+            TensorRole::SharedExpert { .. }
+            | TensorRole::Experts { .. }
+            | TensorRole::Expert { .. } => 2,
+            _ => 0,
+        };
+        let core = moe
+            && matches!(
+                t.role,
+                TensorRole::Attention { .. }
+                    | TensorRole::Norm { .. }
+                    | TensorRole::Router { .. }
+                    | TensorRole::SharedExpert { .. }
+            );
+        let slices: Vec<(Option<u32>, u64, f64)> = match t.role {
+            TensorRole::Experts { layer } => {
+                let n = model.expert_count();
+                (0..n)
+                    .map(|e| {
+                        let bytes = t.bytes / u64::from(n);
+                        (Some(e), bytes, model.expert_probability(layer, e))
+                    })
+                    .collect()
+            }
+            TensorRole::Expert { layer, index } => {
+                vec![(Some(index), t.bytes, model.expert_probability(layer, index))]
+            }
+            _ => vec![(None, t.bytes, 1.0)],
+        };
+        for (expert, bytes, prob) in slices {
+            let (gpu, cpu) = compute_cost(t, bytes, profile);
+            let embedding = t.role == TensorRole::Embedding;
+            // An embedding is read one row per token; it is copied and read as such.
+            let moved = if embedding {
+                bytes / t.shape.get(1).copied().unwrap_or(1).max(1)
+            } else {
+                bytes
+            };
+            let unit = Unit {
+                tensors: vec![ti],
+                expert,
+                group,
+                phase,
+                bytes,
+                prob,
+                routed: t.role.is_routed(),
+                core,
+                embedding,
+                gpu,
+                cpu,
+                copy: copy.marginal(Work::transfer(moved)) + tiles(moved) * copy.fixed_s,
+                ssd: moved as f64 / ssd_bw,
+            };
+            match expert {
+                Some(e) => match experts.get(&(group, e, pin_of[ti])) {
+                    Some(&i) => {
+                        let u = &mut out[i];
+                        u.tensors.push(ti);
+                        u.bytes += unit.bytes;
+                        u.gpu += unit.gpu;
+                        u.cpu += unit.cpu;
+                        u.copy += unit.copy;
+                        u.ssd += unit.ssd;
+                    }
+                    None => {
+                        experts.insert((group, e, pin_of[ti]), out.len());
+                        out.push(unit);
+                    }
+                },
+                None => out.push(unit),
+            }
+        }
+    }
+    out
+}
+
+/// GPU and CPU seconds of one read of `bytes` of `t` (without the dispatch cost).
+fn compute_cost(t: &TensorDesc, bytes: u64, profile: &HardwareProfile) -> (f64, f64) {
+    match t.role {
+        TensorRole::Embedding => {
+            let row = Work::transfer(bytes / t.shape.get(1).copied().unwrap_or(1).max(1));
+            (
+                profile.gpu_stream().marginal(row),
+                row.bytes / profile.cpu.memory_bandwidth,
+            )
+        }
+        TensorRole::Norm { .. } => {
+            let w = Work::transfer(bytes);
+            (
+                profile.gpu_stream().marginal(w),
+                w.bytes / profile.cpu.memory_bandwidth,
+            )
+        }
+        _ => {
+            let (k, n) = t.matrix();
+            let w = Work::matvec(k, n, bytes, 1);
+            (
+                profile.gpu_matvec(&t.weight_type).marginal(w),
+                profile.cpu_matvec(&t.weight_type).marginal(w),
+            )
+        }
+    }
+}
+
+/// Expected per-token sums of one layer group under a placement.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Group {
+    pub gpu: [f64; 3],
+    pub cpu: [f64; 3],
+    pub pcie: f64,
+    pub ssd: f64,
+    /// Transfers after routing is known: not overlapped.
+    pub exposed: f64,
+}
+
+/// Predicted time and limits of one group.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct GroupTime {
+    pub total_s: f64,
+    pub gpu_s: f64,
+    pub cpu_s: f64,
+    pub pcie_s: f64,
+    pub ssd_s: f64,
+    pub bound: Bottleneck,
+}
+
+impl Group {
+    pub fn time(&self) -> GroupTime {
+        // Chains: GPU and CPU parts add up. Experts: the two sides run at once.
+        let chain_gpu = self.gpu[0] + self.gpu[1];
+        let chain_cpu = self.cpu[0] + self.cpu[1];
+        let (eg, ec) = (self.gpu[2], self.cpu[2]);
+        let compute = chain_gpu + chain_cpu + eg.max(ec);
+        let gpu_lead = chain_gpu + if eg >= ec { eg } else { 0.0 };
+        let cpu_lead = chain_cpu + if ec > eg { ec } else { 0.0 };
+        let longest = compute.max(self.pcie).max(self.ssd);
+        let bound = if longest == compute {
+            if gpu_lead >= cpu_lead {
+                Bottleneck::Gpu
+            } else {
+                Bottleneck::Cpu
+            }
+        } else if longest == self.pcie {
+            Bottleneck::Pcie
+        } else {
+            Bottleneck::Ssd
+        };
+        GroupTime {
+            total_s: longest + self.exposed,
+            gpu_s: self.gpu.iter().sum(),
+            cpu_s: self.cpu.iter().sum(),
+            pcie_s: self.pcie,
+            ssd_s: self.ssd,
+            bound,
+        }
+    }
+}
+
+/// A placement being built, with its group sums kept up to date.
+pub(super) struct State<'a> {
+    pub units: &'a [Unit],
+    pub tier: Vec<Tier>,
+    pub in_ram: Vec<bool>,
+    pub groups: Vec<Group>,
+    /// Per tensor: summed probability of its units on the GPU and on the CPU, for dispatches.
+    on_gpu: Vec<f64>,
+    on_cpu: Vec<f64>,
+    dispatch_gpu: f64,
+    dispatch_cpu: f64,
+    miss: f64,
+}
+
+impl<'a> State<'a> {
+    /// `miss`: share of routed-expert transfers that prefetch does not start early.
+    pub fn new(
+        units: &'a [Unit],
+        model: &ModelDesc,
+        profile: &HardwareProfile,
+        tier: Vec<Tier>,
+        in_ram: Vec<bool>,
+        kv_read_s: f64,
+        miss: f64,
+    ) -> State<'a> {
+        let mut groups = vec![Group::default(); model.n_layer as usize + 1];
+        for g in &mut groups[..model.n_layer as usize] {
+            // Attention over the KV cache, which stays in VRAM.
+            g.gpu[0] = kv_read_s;
+        }
+        let mut s = State {
+            units,
+            tier,
+            in_ram,
+            groups,
+            on_gpu: vec![0.0; model.tensors.len()],
+            on_cpu: vec![0.0; model.tensors.len()],
+            dispatch_gpu: profile.gpu.dispatch_s,
+            dispatch_cpu: profile.cpu.dispatch_s,
+            miss,
+        };
+        for i in 0..units.len() {
+            s.apply(i, 1.0);
+        }
+        s
+    }
+
+    /// Adds (`sign` 1) or removes (-1) unit `i`'s contribution under its current tier.
+    fn apply(&mut self, i: usize, sign: f64) {
+        let u = &self.units[i];
+        let p = u.prob;
+        let ssd = if self.in_ram[i] { 0.0 } else { u.ssd };
+        let ph = u.phase;
+        let g = &mut self.groups[u.group];
+        let on_gpu = self.tier[i] != Tier::Cpu;
+        // One dispatch per tensor and device, when any of its units there is used.
+        let (sums, cost, side) = if on_gpu {
+            (&mut self.on_gpu, self.dispatch_gpu, &mut g.gpu)
+        } else {
+            (&mut self.on_cpu, self.dispatch_cpu, &mut g.cpu)
+        };
+        for &ti in &u.tensors {
+            let before = sums[ti].min(1.0);
+            sums[ti] = (sums[ti] + sign * p).max(0.0);
+            side[ph] += (sums[ti].min(1.0) - before) * cost;
+        }
+        match self.tier[i] {
+            Tier::Vram => g.gpu[ph] += sign * p * u.gpu,
+            Tier::Stream => {
+                g.gpu[ph] += sign * p * u.gpu;
+                g.pcie += sign * p * u.copy;
+                g.ssd += sign * p * ssd;
+                if u.routed {
+                    g.exposed += sign * self.miss * p * (u.copy + ssd);
+                }
+            }
+            Tier::Cpu => {
+                g.cpu[ph] += sign * p * u.cpu;
+                g.ssd += sign * p * ssd;
+                if u.routed {
+                    g.exposed += sign * self.miss * p * ssd;
+                }
+            }
+        }
+    }
+
+    /// Moves unit `i`, returning the change of its group's time in seconds.
+    pub fn set(&mut self, i: usize, tier: Tier, in_ram: bool) -> f64 {
+        let g = self.units[i].group;
+        let before = self.groups[g].time().total_s;
+        self.apply(i, -1.0);
+        self.tier[i] = tier;
+        self.in_ram[i] = in_ram;
+        self.apply(i, 1.0);
+        self.groups[g].time().total_s - before
+    }
+
+    /// The change moving unit `i` would make, without moving it.
+    pub fn delta(&mut self, i: usize, tier: Tier, in_ram: bool) -> f64 {
+        let (old_tier, old_ram) = (self.tier[i], self.in_ram[i]);
+        let d = self.set(i, tier, in_ram);
+        self.set(i, old_tier, old_ram);
+        d
+    }
+}

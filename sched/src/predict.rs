@@ -1,0 +1,462 @@
+//! Latency predictors: roofline models of kernels and transfers, fitted to measured timings by
+//! least squares, refined online, and scored against measurements.
+//!
+//! A [`Roofline`] predicts `fixed + max(bytes / bandwidth, flops / flop_rate)`. Fitting it is a
+//! piecewise-linear least-squares problem: each observation is memory-bound or compute-bound
+//! under the current parameters, which makes the model linear in (fixed, 1/bandwidth,
+//! 1/flop_rate); we alternate classifying and solving until the classes settle. Residuals are
+//! relative (weights 1/t²) so that small kernels count as much as large ones.
+
+use std::collections::VecDeque;
+
+use serde::{Deserialize, Serialize};
+
+/// What one operation moves and computes.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Work {
+    pub bytes: f64,
+    pub flops: f64,
+}
+
+impl Work {
+    /// A matrix of `k`×`n` weights stored in `bytes`, applied to `batch` vectors.
+    pub fn matvec(k: u64, n: u64, bytes: u64, batch: u64) -> Work {
+        Work {
+            bytes: bytes as f64,
+            flops: 2.0 * k as f64 * n as f64 * batch as f64,
+        }
+    }
+
+    /// A copy or read of `bytes`.
+    pub fn transfer(bytes: u64) -> Work {
+        Work {
+            bytes: bytes as f64,
+            flops: 0.0,
+        }
+    }
+}
+
+/// Predicted time of an operation: a fixed cost plus the slower of its memory and compute roofs.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Roofline {
+    /// Seconds paid once per operation (a dispatch, a submit, a copy command, a read request).
+    pub fixed_s: f64,
+    /// Bytes per second.
+    pub bandwidth: f64,
+    /// FLOP per second; `None` where compute never binds (copies, reads).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flop_rate: Option<f64>,
+}
+
+impl Roofline {
+    pub fn memory_bound(bandwidth: f64, fixed_s: f64) -> Roofline {
+        Roofline {
+            fixed_s,
+            bandwidth,
+            flop_rate: None,
+        }
+    }
+
+    /// Time without the fixed cost: what one more operation in an already recorded dispatch
+    /// costs (an expert among the experts of a layer).
+    pub fn marginal(&self, w: Work) -> f64 {
+        let mem = w.bytes / self.bandwidth;
+        let compute = self.flop_rate.map_or(0.0, |r| w.flops / r);
+        mem.max(compute)
+    }
+
+    pub fn predict(&self, w: Work) -> f64 {
+        self.fixed_s + self.marginal(w)
+    }
+
+    /// Least-squares fit to `(work, seconds, weight)` observations, starting from `self`.
+    /// Parameters the observations cannot determine keep `self`'s values: a flop rate with no
+    /// compute-bound observation, a bandwidth with no memory-bound one. Returns `self` when
+    /// there are fewer than three observations.
+    pub fn fit(&self, obs: &[(Work, f64, f64)]) -> Roofline {
+        let obs: Vec<_> = obs
+            .iter()
+            .filter(|(w, t, wt)| *t > 0.0 && *wt > 0.0 && w.bytes >= 0.0)
+            .collect();
+        if obs.len() < 3 {
+            return *self;
+        }
+        let mut cur = *self;
+        let mut classes: Vec<bool> = Vec::new();
+        for _ in 0..20 {
+            // true: memory-bound under the current parameters.
+            let now: Vec<bool> = obs
+                .iter()
+                .map(|(w, _, _)| {
+                    w.bytes / cur.bandwidth >= cur.flop_rate.map_or(0.0, |r| w.flops / r)
+                })
+                .collect();
+            if now == classes {
+                break;
+            }
+            classes = now;
+            let n_mem = classes.iter().filter(|&&m| m).count();
+            let n_cmp = classes.len() - n_mem;
+            // Columns: fixed, seconds per byte (memory-bound rows), seconds per flop (others).
+            let mut cols = vec![0usize];
+            if n_mem > 0 {
+                cols.push(1);
+            }
+            if n_cmp > 0 && cur.flop_rate.is_some() {
+                cols.push(2);
+            }
+            let rows: Vec<([f64; 3], f64, f64)> = obs
+                .iter()
+                .zip(&classes)
+                .map(|((w, t, wt), &mem)| {
+                    let x = if mem {
+                        [1.0, w.bytes, 0.0]
+                    } else {
+                        [1.0, 0.0, w.flops]
+                    };
+                    // Relative residuals: divide the row by t.
+                    (x, *t, wt / (t * t))
+                })
+                .collect();
+            let Some(theta) = solve_nonneg(&rows, &cols) else {
+                break;
+            };
+            // A column left out, or solved to zero, keeps the current value.
+            cur = Roofline {
+                fixed_s: theta[0],
+                bandwidth: if cols.contains(&1) && theta[1] > 0.0 {
+                    1.0 / theta[1]
+                } else {
+                    cur.bandwidth
+                },
+                flop_rate: match cur.flop_rate {
+                    Some(_) if cols.contains(&2) && theta[2] > 0.0 => Some(1.0 / theta[2]),
+                    r => r,
+                },
+            };
+        }
+        cur
+    }
+}
+
+/// Weighted least squares over the columns `cols` of `rows` (`x`, `y`, `weight`), with
+/// coefficients that would come out negative dropped to zero and the rest solved again.
+fn solve_nonneg(rows: &[([f64; 3], f64, f64)], cols: &[usize]) -> Option<[f64; 3]> {
+    let mut active = cols.to_vec();
+    while !active.is_empty() {
+        let theta = solve(rows, &active)?;
+        match active.iter().position(|&c| theta[c] < 0.0) {
+            None => return Some(theta),
+            Some(i) => {
+                active.remove(i);
+            }
+        }
+    }
+    Some([0.0; 3])
+}
+
+fn solve(rows: &[([f64; 3], f64, f64)], cols: &[usize]) -> Option<[f64; 3]> {
+    let n = cols.len();
+    // Columns scaled to unit size first: seconds per byte is ~1e-12, the fixed cost ~1e-5.
+    let scale: Vec<f64> = cols
+        .iter()
+        .map(|&c| {
+            rows.iter()
+                .map(|(x, _, _)| x[c].abs())
+                .fold(0.0, f64::max)
+                .max(f64::MIN_POSITIVE)
+        })
+        .collect();
+    let mut a = vec![vec![0.0; n + 1]; n];
+    for (x, y, w) in rows {
+        for i in 0..n {
+            let xi = x[cols[i]] / scale[i];
+            for j in 0..n {
+                a[i][j] += w * xi * x[cols[j]] / scale[j];
+            }
+            a[i][n] += w * xi * y;
+        }
+    }
+    // Gaussian elimination with partial pivoting.
+    for c in 0..n {
+        let p = (c..n).max_by(|&i, &j| a[i][c].abs().total_cmp(&a[j][c].abs()))?;
+        if a[p][c].abs() < 1e-12 * a.iter().map(|r| r[c].abs()).fold(0.0, f64::max) {
+            return None;
+        }
+        a.swap(c, p);
+        let pivot = a[c].clone();
+        for (r, row) in a.iter_mut().enumerate() {
+            if r != c {
+                let f = row[c] / pivot[c];
+                for (x, p) in row.iter_mut().zip(&pivot).skip(c) {
+                    *x -= f * p;
+                }
+            }
+        }
+    }
+    let mut theta = [0.0; 3];
+    for i in 0..n {
+        theta[cols[i]] = a[i][n] / a[i][i] / scale[i];
+    }
+    Some(theta)
+}
+
+/// A roofline refined online from measured timings: a window of recent observations, older
+/// ones weighted down exponentially, refitted as they arrive.
+#[derive(Debug, Clone)]
+pub struct OnlinePredictor {
+    prior: Roofline,
+    current: Roofline,
+    window: VecDeque<(Work, f64)>,
+    capacity: usize,
+    half_life: f64,
+    since_fit: usize,
+}
+
+impl OnlinePredictor {
+    /// Keeps the last 256 observations; an observation's weight halves every 64 newer ones.
+    pub fn new(prior: Roofline) -> OnlinePredictor {
+        OnlinePredictor::with_window(prior, 256, 64.0)
+    }
+
+    pub fn with_window(prior: Roofline, capacity: usize, half_life: f64) -> OnlinePredictor {
+        OnlinePredictor {
+            prior,
+            current: prior,
+            window: VecDeque::with_capacity(capacity),
+            capacity: capacity.max(3),
+            half_life,
+            since_fit: 0,
+        }
+    }
+
+    pub fn roofline(&self) -> Roofline {
+        self.current
+    }
+
+    pub fn observations(&self) -> usize {
+        self.window.len()
+    }
+
+    pub fn predict(&self, w: Work) -> f64 {
+        self.current.predict(w)
+    }
+
+    /// Records a measured time; refits every 8 observations (a fit is a few 3×3 solves).
+    pub fn observe(&mut self, w: Work, seconds: f64) {
+        if !(seconds.is_finite() && seconds > 0.0) {
+            return;
+        }
+        if self.window.len() == self.capacity {
+            self.window.pop_front();
+        }
+        self.window.push_back((w, seconds));
+        self.since_fit += 1;
+        if self.since_fit >= 8 || self.window.len() <= 8 {
+            self.refit();
+        }
+    }
+
+    pub fn refit(&mut self) {
+        let n = self.window.len();
+        let obs: Vec<(Work, f64, f64)> = self
+            .window
+            .iter()
+            .enumerate()
+            .map(|(i, &(w, t))| {
+                let age = (n - 1 - i) as f64;
+                (w, t, 0.5f64.powf(age / self.half_life))
+            })
+            .collect();
+        // Start from the prior, not the last fit, so a bad fit cannot feed on itself.
+        self.current = self.prior.fit(&obs);
+        self.since_fit = 0;
+    }
+}
+
+/// How well predictions match measurements.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AccuracyReport {
+    pub count: usize,
+    /// Median of |predicted − measured| / measured.
+    pub median_rel_error: f64,
+    pub p90_rel_error: f64,
+    pub max_rel_error: f64,
+}
+
+impl AccuracyReport {
+    /// Scores `(predicted, measured)` pairs, for example one per layer of a profiled step.
+    /// `None` when no pair has a positive measurement.
+    pub fn from_pairs(pairs: impl IntoIterator<Item = (f64, f64)>) -> Option<AccuracyReport> {
+        let mut errs: Vec<f64> = pairs
+            .into_iter()
+            .filter(|&(_, m)| m > 0.0)
+            .map(|(p, m)| (p - m).abs() / m)
+            .collect();
+        if errs.is_empty() {
+            return None;
+        }
+        errs.sort_by(f64::total_cmp);
+        let at = |q: f64| errs[((errs.len() - 1) as f64 * q).round() as usize];
+        Some(AccuracyReport {
+            count: errs.len(),
+            median_rel_error: at(0.5),
+            p90_rel_error: at(0.9),
+            max_rel_error: errs[errs.len() - 1],
+        })
+    }
+
+    /// The bar the predictors are held to: median relative error of per-layer predictions.
+    pub fn within(&self, median: f64) -> bool {
+        self.median_rel_error <= median
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// splitmix64: deterministic noise for tests, no dependency.
+    pub(crate) struct Rng(u64);
+
+    impl Rng {
+        pub(crate) fn new(seed: u64) -> Rng {
+            Rng(seed)
+        }
+
+        pub(crate) fn next_u64(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        }
+
+        /// Uniform in [0, 1).
+        pub(crate) fn unit(&mut self) -> f64 {
+            (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+        }
+
+        /// Multiplicative noise: exp(N(0, sigma)), by Box–Muller.
+        pub(crate) fn noise(&mut self, sigma: f64) -> f64 {
+            let (u1, u2) = (self.unit().max(1e-12), self.unit());
+            let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
+            (sigma * z).exp()
+        }
+    }
+
+    const TRUTH: Roofline = Roofline {
+        fixed_s: 12e-6,
+        bandwidth: 900e9,
+        flop_rate: Some(40e12),
+    };
+
+    /// Matrix-vector and small-batch products of varied shapes: memory-bound at batch 1,
+    /// compute-bound at large batches, so both roofs are seen.
+    fn workload(rng: &mut Rng, n: usize) -> Vec<Work> {
+        (0..n)
+            .map(|_| {
+                let k = 1024 << (rng.next_u64() % 4);
+                let m = 1024 << (rng.next_u64() % 5);
+                let batch = [1, 1, 4, 64, 512][(rng.next_u64() % 5) as usize];
+                Work::matvec(k, m, k * m * 9 / 16, batch)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn fit_recovers_a_known_roofline_from_noisy_timings() {
+        let mut rng = Rng::new(7);
+        let train: Vec<_> = workload(&mut rng, 300)
+            .into_iter()
+            .map(|w| (w, TRUTH.predict(w) * rng.noise(0.08), 1.0))
+            .collect();
+        // A prior off by 2-3x in every parameter.
+        let prior = Roofline {
+            fixed_s: 40e-6,
+            bandwidth: 300e9,
+            flop_rate: Some(100e12),
+        };
+        let fit = prior.fit(&train);
+        assert!(
+            (fit.bandwidth / TRUTH.bandwidth - 1.0).abs() < 0.05,
+            "{fit:?}"
+        );
+        let rate = fit.flop_rate.unwrap();
+        assert!((rate / 40e12 - 1.0).abs() < 0.05, "{fit:?}");
+        assert!((fit.fixed_s / TRUTH.fixed_s - 1.0).abs() < 0.2, "{fit:?}");
+
+        // Held-out shapes, each measured with fresh noise: the median error is the noise's.
+        let test: Vec<_> = workload(&mut rng, 200)
+            .into_iter()
+            .map(|w| (fit.predict(w), TRUTH.predict(w) * rng.noise(0.08)))
+            .collect();
+        let report = AccuracyReport::from_pairs(test).unwrap();
+        assert!(report.within(0.15), "{report:?}");
+        // And the prior alone misses the bar, so the check can fail.
+        let before: Vec<_> = workload(&mut rng, 200)
+            .into_iter()
+            .map(|w| (prior.predict(w), TRUTH.predict(w)))
+            .collect();
+        assert!(!AccuracyReport::from_pairs(before).unwrap().within(0.15));
+    }
+
+    #[test]
+    fn fit_keeps_what_the_data_cannot_tell() {
+        // Batch-1 products only: never compute-bound, so the flop rate stays the prior's.
+        let mut rng = Rng::new(3);
+        let obs: Vec<_> = (0..50)
+            .map(|i| {
+                let w = Work::matvec(4096, 1024 * (1 + i % 8), 4096 * 1024 * (1 + i % 8), 1);
+                (w, TRUTH.predict(w) * rng.noise(0.02), 1.0)
+            })
+            .collect();
+        let prior = Roofline {
+            fixed_s: 1e-6,
+            bandwidth: 1e12,
+            flop_rate: Some(7e12),
+        };
+        let fit = prior.fit(&obs);
+        assert_eq!(fit.flop_rate, Some(7e12));
+        assert!(
+            (fit.bandwidth / TRUTH.bandwidth - 1.0).abs() < 0.03,
+            "{fit:?}"
+        );
+        // Too few observations: unchanged.
+        assert_eq!(prior.fit(&obs[..2]), prior);
+    }
+
+    #[test]
+    fn online_predictor_follows_a_change_in_the_hardware() {
+        // The device slows down by half (thermal throttling, another process): recent
+        // observations outweigh old ones and the prediction follows.
+        let mut rng = Rng::new(11);
+        let mut p = OnlinePredictor::new(TRUTH);
+        let slow = Roofline {
+            bandwidth: TRUTH.bandwidth / 2.0,
+            ..TRUTH
+        };
+        let w = Work::matvec(4096, 4096, 4096 * 4096 / 2, 1);
+        for _ in 0..200 {
+            let x = workload(&mut rng, 1)[0];
+            p.observe(x, TRUTH.predict(x) * rng.noise(0.05));
+        }
+        assert!((p.predict(w) / TRUTH.predict(w) - 1.0).abs() < 0.05);
+        for _ in 0..300 {
+            let x = workload(&mut rng, 1)[0];
+            p.observe(x, slow.predict(x) * rng.noise(0.05));
+        }
+        assert!((p.predict(w) / slow.predict(w) - 1.0).abs() < 0.08);
+        assert_eq!(p.observations(), 256);
+    }
+
+    #[test]
+    fn accuracy_report_takes_median_and_tail() {
+        let r =
+            AccuracyReport::from_pairs([(1.1, 1.0), (2.0, 2.0), (0.5, 1.0), (3.0, 0.0)]).unwrap();
+        assert_eq!(r.count, 3);
+        assert!((r.median_rel_error - 0.1).abs() < 1e-12);
+        assert!((r.max_rel_error - 0.5).abs() < 1e-12);
+        assert!(AccuracyReport::from_pairs([]).is_none());
+    }
+}

@@ -1,0 +1,410 @@
+//! What a machine can do, as measured: GPU memory bandwidth and matrix-vector rates per weight
+//! type, host-to-device copies, CPU rates per thread and in aggregate, RAM, SSD reads per tile
+//! size, and the fixed cost of a dispatch, a submit, a copy and a read request.
+//!
+//! Calibration ([`crate::calibrate`]) measures one at first start; it is stored as TOML under a
+//! [`ProfileKey`] (device, driver, CPU) and refined online ([`crate::refine`]). Described
+//! profiles of machines we do not have use the same format (`sched/profiles/*.toml`).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::model::WeightType;
+use crate::predict::Roofline;
+use crate::ByteSize;
+
+/// Which machine a stored profile belongs to: a profile measured under another GPU, driver or
+/// CPU is not reused.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ProfileKey {
+    /// GPU name as the driver reports it.
+    pub device: String,
+    /// Driver name and version.
+    pub driver: String,
+    /// CPU model name.
+    pub cpu: String,
+}
+
+impl ProfileKey {
+    /// A file name for the stored profile: the key's fields, lower-cased, with every run of
+    /// characters other than letters and digits made one `-`.
+    pub fn file_name(&self) -> String {
+        let mut out = String::new();
+        for part in [&self.device, &self.driver, &self.cpu] {
+            if !out.is_empty() {
+                out.push_str("--");
+            }
+            let mut dash = false;
+            for c in part.chars() {
+                if c.is_ascii_alphanumeric() {
+                    out.push(c.to_ascii_lowercase());
+                    dash = false;
+                } else if !dash {
+                    out.push('-');
+                    dash = true;
+                }
+            }
+        }
+        out.push_str(".toml");
+        out
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GpuProfile {
+    /// Device memory usable for the model, KV cache and buffers.
+    pub memory: ByteSize,
+    /// Device memory read bandwidth of a streaming kernel, bytes/s.
+    pub bandwidth: f64,
+    /// Cost of one more dispatch in a command buffer, seconds.
+    pub dispatch_s: f64,
+    /// Cost of one queue submit and wait, seconds.
+    pub submit_s: f64,
+    /// Matrix-vector kernels per weight type. A type not listed is predicted from `bandwidth`
+    /// at [`UNMEASURED_EFFICIENCY`].
+    #[serde(default)]
+    pub matvec: BTreeMap<WeightType, Roofline>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PcieProfile {
+    /// Host-to-device copy bandwidth from pinned memory, bytes/s.
+    pub bandwidth: f64,
+    /// Cost of one copy command, seconds.
+    pub copy_s: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CpuProfile {
+    /// Threads the CPU kernels use.
+    pub threads: u32,
+    /// Memory read bandwidth with all threads, bytes/s.
+    pub memory_bandwidth: f64,
+    /// Cost of waking the thread pool for one operation, seconds.
+    pub dispatch_s: f64,
+    /// Matrix-vector kernels per weight type on one thread.
+    #[serde(default)]
+    pub matvec_per_thread: BTreeMap<WeightType, Roofline>,
+    /// Matrix-vector kernels per weight type on all `threads`, where measured; otherwise
+    /// derived from the per-thread figure and `memory_bandwidth`.
+    #[serde(default)]
+    pub matvec: BTreeMap<WeightType, Roofline>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RamProfile {
+    /// Host memory usable for weights, caches and staging.
+    pub memory: ByteSize,
+}
+
+/// Read throughput at one request size.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SsdRead {
+    pub tile: ByteSize,
+    /// Bytes/s with reads of `tile` bytes kept in flight.
+    pub bandwidth: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SsdProfile {
+    /// Latency of one read request that the queue depth does not hide, seconds.
+    pub request_s: f64,
+    /// Throughput per tile size, any order.
+    pub reads: Vec<SsdRead>,
+}
+
+/// Everything the predictors need about one machine.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HardwareProfile {
+    pub key: ProfileKey,
+    /// Where the figures come from (measured, or described from datasheets).
+    #[serde(default)]
+    pub source: String,
+    pub gpu: GpuProfile,
+    pub pcie: PcieProfile,
+    pub cpu: CpuProfile,
+    pub ram: RamProfile,
+    pub ssd: SsdProfile,
+}
+
+/// Fraction of the measured memory bandwidth assumed for a weight type's matrix-vector kernel
+/// that was never measured; dequantizing kernels rarely reach a pure read's bandwidth.
+pub const UNMEASURED_EFFICIENCY: f64 = 0.7;
+
+/// A tile reaches "full speed" at this fraction of the best SSD throughput measured.
+const TILE_SPEED_FRACTION: f64 = 0.9;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProfileError {
+    #[error("profile TOML: {0}")]
+    Toml(String),
+    #[error("profile: {field} must be a positive number, got {value}")]
+    NotPositive { field: String, value: f64 },
+    #[error("profile: ssd.reads needs at least one tile size")]
+    NoSsdReads,
+}
+
+impl HardwareProfile {
+    pub fn from_toml(text: &str) -> Result<HardwareProfile, ProfileError> {
+        let p: HardwareProfile =
+            toml::from_str(text).map_err(|e| ProfileError::Toml(e.to_string()))?;
+        p.validate()?;
+        Ok(p)
+    }
+
+    pub fn to_toml(&self) -> String {
+        toml::to_string(self).expect("a profile is plain data")
+    }
+
+    /// Every rate positive and finite, every fixed cost non-negative.
+    pub fn validate(&self) -> Result<(), ProfileError> {
+        let positive = |field: &str, value: f64| {
+            if value.is_finite() && value > 0.0 {
+                Ok(())
+            } else {
+                Err(ProfileError::NotPositive {
+                    field: field.to_string(),
+                    value,
+                })
+            }
+        };
+        let non_negative = |field: &str, value: f64| {
+            if value.is_finite() && value >= 0.0 {
+                Ok(())
+            } else {
+                Err(ProfileError::NotPositive {
+                    field: field.to_string(),
+                    value,
+                })
+            }
+        };
+        let roofline = |field: String, r: &Roofline| {
+            positive(&format!("{field}.bandwidth"), r.bandwidth)?;
+            non_negative(&format!("{field}.fixed_s"), r.fixed_s)?;
+            match r.flop_rate {
+                Some(f) => positive(&format!("{field}.flop_rate"), f),
+                None => Ok(()),
+            }
+        };
+        positive("gpu.memory", self.gpu.memory.0 as f64)?;
+        positive("gpu.bandwidth", self.gpu.bandwidth)?;
+        non_negative("gpu.dispatch_s", self.gpu.dispatch_s)?;
+        non_negative("gpu.submit_s", self.gpu.submit_s)?;
+        positive("pcie.bandwidth", self.pcie.bandwidth)?;
+        non_negative("pcie.copy_s", self.pcie.copy_s)?;
+        positive("cpu.threads", f64::from(self.cpu.threads))?;
+        positive("cpu.memory_bandwidth", self.cpu.memory_bandwidth)?;
+        non_negative("cpu.dispatch_s", self.cpu.dispatch_s)?;
+        positive("ram.memory", self.ram.memory.0 as f64)?;
+        non_negative("ssd.request_s", self.ssd.request_s)?;
+        for (t, r) in &self.gpu.matvec {
+            roofline(format!("gpu.matvec.{t}"), r)?;
+        }
+        for (t, r) in &self.cpu.matvec_per_thread {
+            roofline(format!("cpu.matvec_per_thread.{t}"), r)?;
+        }
+        for (t, r) in &self.cpu.matvec {
+            roofline(format!("cpu.matvec.{t}"), r)?;
+        }
+        if self.ssd.reads.is_empty() {
+            return Err(ProfileError::NoSsdReads);
+        }
+        for r in &self.ssd.reads {
+            positive("ssd.reads.tile", r.tile.0 as f64)?;
+            positive("ssd.reads.bandwidth", r.bandwidth)?;
+        }
+        Ok(())
+    }
+
+    /// A matrix-vector product of weights of type `t` on the GPU.
+    pub fn gpu_matvec(&self, t: &WeightType) -> Roofline {
+        self.gpu
+            .matvec
+            .get(t)
+            .copied()
+            .unwrap_or(Roofline::memory_bound(
+                self.gpu.bandwidth * UNMEASURED_EFFICIENCY,
+                self.gpu.dispatch_s,
+            ))
+    }
+
+    /// An element-wise or reduction kernel over device memory (norms, attention over the KV
+    /// cache): the plain read bandwidth.
+    pub fn gpu_stream(&self) -> Roofline {
+        Roofline::memory_bound(self.gpu.bandwidth, self.gpu.dispatch_s)
+    }
+
+    /// A matrix-vector product of weights of type `t` on all CPU threads: measured, or `threads`
+    /// times the single-thread rate capped by the memory bandwidth.
+    pub fn cpu_matvec(&self, t: &WeightType) -> Roofline {
+        if let Some(r) = self.cpu.matvec.get(t) {
+            return *r;
+        }
+        let n = f64::from(self.cpu.threads);
+        match self.cpu.matvec_per_thread.get(t) {
+            Some(one) => Roofline {
+                fixed_s: self.cpu.dispatch_s,
+                bandwidth: (one.bandwidth * n).min(self.cpu.memory_bandwidth),
+                flop_rate: one.flop_rate.map(|f| f * n),
+            },
+            None => Roofline::memory_bound(
+                self.cpu.memory_bandwidth * UNMEASURED_EFFICIENCY,
+                self.cpu.dispatch_s,
+            ),
+        }
+    }
+
+    /// A host-to-device copy.
+    pub fn host_to_device(&self) -> Roofline {
+        Roofline::memory_bound(self.pcie.bandwidth, self.pcie.copy_s)
+    }
+
+    /// SSD throughput at a tile size: interpolated in log(tile) between measured sizes, the
+    /// nearest measured value outside them.
+    pub fn ssd_bandwidth(&self, tile: ByteSize) -> f64 {
+        let mut pts: Vec<SsdRead> = self.ssd.reads.clone();
+        pts.sort_by_key(|r| r.tile);
+        let x = (tile.0.max(1) as f64).ln();
+        let first = pts[0];
+        let last = pts[pts.len() - 1];
+        if tile <= first.tile {
+            return first.bandwidth;
+        }
+        if tile >= last.tile {
+            return last.bandwidth;
+        }
+        let i = pts
+            .iter()
+            .position(|r| r.tile >= tile)
+            .expect("inside the range");
+        let (a, b) = (pts[i - 1], pts[i]);
+        let (xa, xb) = ((a.tile.0 as f64).ln(), (b.tile.0 as f64).ln());
+        a.bandwidth + (b.bandwidth - a.bandwidth) * (x - xa) / (xb - xa)
+    }
+
+    /// Reads from the SSD in tiles of `tile` bytes.
+    pub fn ssd_read(&self, tile: ByteSize) -> Roofline {
+        Roofline::memory_bound(self.ssd_bandwidth(tile), self.ssd.request_s)
+    }
+
+    /// The smallest measured tile size whose throughput is within 10% of the best: larger
+    /// tiles only cost staging memory and waste reads of experts that end mid-tile.
+    pub fn best_tile(&self) -> ByteSize {
+        let best = self
+            .ssd
+            .reads
+            .iter()
+            .map(|r| r.bandwidth)
+            .fold(0.0, f64::max);
+        self.ssd
+            .reads
+            .iter()
+            .filter(|r| r.bandwidth >= TILE_SPEED_FRACTION * best)
+            .map(|r| r.tile)
+            .min()
+            .expect("validated: at least one read")
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// A small made-up machine for unit tests.
+    pub(crate) fn test_profile() -> HardwareProfile {
+        HardwareProfile::from_toml(
+            r#"
+            source = "made up for tests"
+            [key]
+            device = "Test GPU 8GB"
+            driver = "testdrv 1.0"
+            cpu = "Test CPU"
+            [gpu]
+            memory = "8GiB"
+            bandwidth = 300e9
+            dispatch_s = 5e-6
+            submit_s = 20e-6
+            [gpu.matvec.Q4_K]
+            fixed_s = 5e-6
+            bandwidth = 240e9
+            flop_rate = 20e12
+            [pcie]
+            bandwidth = 12e9
+            copy_s = 10e-6
+            [cpu]
+            threads = 8
+            memory_bandwidth = 60e9
+            dispatch_s = 20e-6
+            [cpu.matvec_per_thread.Q4_K]
+            fixed_s = 0.0
+            bandwidth = 10e9
+            flop_rate = 60e9
+            [ram]
+            memory = "32GiB"
+            [ssd]
+            request_s = 80e-6
+            reads = [
+                { tile = "64KiB", bandwidth = 1.0e9 },
+                { tile = "1MiB", bandwidth = 5.0e9 },
+                { tile = "4MiB", bandwidth = 6.5e9 },
+                { tile = "16MiB", bandwidth = 6.8e9 },
+            ]
+            "#,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn toml_round_trip_keeps_every_figure() {
+        let p = test_profile();
+        let again = HardwareProfile::from_toml(&p.to_toml()).unwrap();
+        assert_eq!(again, p);
+        assert_eq!(p.gpu.memory, ByteSize(8 << 30));
+    }
+
+    #[test]
+    fn derived_rates() {
+        let p = test_profile();
+        let q4k = WeightType::new("q4_k");
+        // CPU: 8 threads x 10 GB/s capped by 60 GB/s of memory.
+        let cpu = p.cpu_matvec(&q4k);
+        assert_eq!(cpu.bandwidth, 60e9);
+        assert_eq!(cpu.flop_rate, Some(480e9));
+        // An unmeasured type falls back to a fraction of the read bandwidth.
+        let f16 = p.gpu_matvec(&WeightType::new("F16"));
+        assert_eq!(f16.bandwidth, 300e9 * UNMEASURED_EFFICIENCY);
+        assert_eq!(p.gpu_matvec(&q4k).bandwidth, 240e9);
+        // SSD: 4 MiB is the smallest tile within 10% of the best; 2 MiB interpolates.
+        assert_eq!(p.best_tile(), ByteSize(4 << 20));
+        let mid = p.ssd_bandwidth(ByteSize(2 << 20));
+        assert!((mid - 5.75e9).abs() < 1e6, "{mid}");
+        assert_eq!(p.ssd_bandwidth(ByteSize(1)), 1.0e9);
+    }
+
+    #[test]
+    fn validation_names_the_bad_field() {
+        let mut p = test_profile();
+        p.pcie.bandwidth = 0.0;
+        let e = p.validate().unwrap_err().to_string();
+        assert!(e.contains("pcie.bandwidth"), "{e}");
+        let text = test_profile()
+            .to_toml()
+            .replace("threads = 8", "threads = \"many\"");
+        assert!(matches!(
+            HardwareProfile::from_toml(&text),
+            Err(ProfileError::Toml(_))
+        ));
+    }
+
+    #[test]
+    fn key_file_names_are_stable_and_distinct() {
+        let k = test_profile().key;
+        assert_eq!(k.file_name(), "test-gpu-8gb--testdrv-1-0--test-cpu.toml");
+        let other = ProfileKey {
+            driver: "testdrv 1.1".into(),
+            ..k.clone()
+        };
+        assert_ne!(other.file_name(), k.file_name());
+    }
+}
