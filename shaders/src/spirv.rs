@@ -75,7 +75,10 @@ pub fn push_constant_layout(words: &[u32]) -> Option<Vec<(u32, u32)>> {
 mod tests {
     use super::*;
     use crate::push::PushConstants;
-    use crate::{DequantParams, MatmulParams, Op, ShaderId, SHADERS};
+    use crate::{
+        AttentionParams, DequantParams, EltwiseParams, GetRowsParams, KvStoreParams, MatVecParams,
+        MatmulParams, Op, RmsNormParams, RopeParams, ShaderId, SHADERS,
+    };
 
     #[test]
     fn every_variant_is_valid_spirv() {
@@ -92,6 +95,13 @@ mod tests {
             let expected = match s.op {
                 Op::Dequant => DequantParams::layout(),
                 Op::Matmul => MatmulParams::layout(),
+                Op::MatVec => MatVecParams::layout(),
+                Op::GetRows => GetRowsParams::layout(),
+                Op::RmsNorm => RmsNormParams::layout(),
+                Op::RopeNorm | Op::RopeNeox => RopeParams::layout(),
+                Op::Add | Op::Swiglu | Op::Softmax => EltwiseParams::layout(),
+                Op::KvStore => KvStoreParams::layout(),
+                Op::Attention => AttentionParams::layout(),
             };
             assert_eq!(
                 push_constant_layout(&s.words()),
@@ -99,6 +109,25 @@ mod tests {
                 "{}",
                 s.name
             );
+        }
+    }
+
+    #[test]
+    fn every_weight_op_has_every_weight_type() {
+        use crate::{Feature, WeightType};
+        for op in [Op::Dequant, Op::MatVec, Op::GetRows] {
+            for w in [
+                WeightType::F16,
+                WeightType::Q8_0,
+                WeightType::Q4_0,
+                WeightType::Q4K,
+                WeightType::Q6K,
+            ] {
+                assert!(
+                    ShaderId::find(op, Some(w), Feature::Base).is_some(),
+                    "{op:?} {w:?}"
+                );
+            }
         }
     }
 

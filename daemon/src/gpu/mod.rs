@@ -3,9 +3,10 @@
 //! safety contract; above it callers see safe RAII types that destroy themselves in `Drop` and
 //! hold an `Arc` of what they were created from.
 //!
-//! What exists so far: instance and device choice, the memory sub-allocator under a VRAM budget
-//! ([`alloc`]), buffers and staging uploads, compute pipelines from the shader table and
-//! one-shot dispatches. The transfer queue and recorded decode steps come next.
+//! Layers, bottom up: instance and device choice; the memory sub-allocator under a VRAM budget
+//! ([`alloc`]); buffers and staging uploads; pipelines from the shader table, cached per variant,
+//! and recordings of many dispatches with barriers only on real dependencies ([`record`]); the
+//! ops of a decode step ([`ops`]). Not yet: the transfer queue, batched prompts, MoE layers.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
@@ -14,7 +15,9 @@ mod buffer;
 mod device;
 mod error;
 mod instance;
+pub mod ops;
 mod pipeline;
+pub mod record;
 pub mod upload;
 
 pub use alloc::{Allocator, Budget, MemoryUse};
@@ -23,6 +26,7 @@ pub use device::Device;
 pub use error::{map_vk, GpuError, MemoryKind};
 pub use instance::{DeviceInfo, DeviceKind, Instance};
 pub use pipeline::ComputePipeline;
+pub use record::{Kernels, RecordStats, Recorder};
 pub use upload::Uploader;
 
 /// Set (to anything but `0`) where a Vulkan device must exist, as in CI: GPU tests then fail
