@@ -12,7 +12,7 @@ use spillway_daemon::gguf::GgmlType;
 use spillway_daemon::gpu::ops::{rope_table, AttentionArgs, GpuMatrix, RopeArgs};
 use spillway_daemon::gpu::upload::download;
 use spillway_daemon::gpu::{
-    Allocator, Buffer, Device, GpuError, Instance, Kernels, MemoryUse, Uploader, REQUIRE_VULKAN_ENV,
+    Allocator, Buffer, Device, Instance, Kernels, MemoryUse, Uploader, REQUIRE_VULKAN_ENV,
 };
 use spillway_daemon::model::{MatRef, RopeLayout};
 use spillway_daemon::quant::{dequantize_row, quantize_row};
@@ -162,20 +162,16 @@ fn check_matvec(ty: GgmlType) {
     };
     let mut cpu = vec![0f32; n_out];
     matvec(&pool, mref, &x, &mut cpu);
-    for r in 0..n_out {
-        let (e, abs) = exact[r];
+    for (r, ((&g, &c), &(e, abs))) in got.iter().zip(&cpu).zip(&exact).enumerate() {
         // Against the exact dot of the same weights: f32 rounding only.
         assert!(
-            (f64::from(got[r]) - e).abs() <= 1e-5 * abs + 1e-6,
-            "{ty} row {r}: gpu {} exact {e}",
-            got[r]
+            (f64::from(g) - e).abs() <= 1e-5 * abs + 1e-6,
+            "{ty} row {r}: gpu {g} exact {e}"
         );
         // Against the CPU kernel, which quantizes x to Q8 first: 1% of Σ|w·x|.
         assert!(
-            (f64::from(got[r]) - f64::from(cpu[r])).abs() <= 1e-2 * abs + 1e-4,
-            "{ty} row {r}: gpu {} cpu {}",
-            got[r],
-            cpu[r]
+            (f64::from(g) - f64::from(c)).abs() <= 1e-2 * abs + 1e-4,
+            "{ty} row {r}: gpu {g} cpu {c}"
         );
     }
 }

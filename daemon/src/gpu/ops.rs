@@ -54,13 +54,13 @@ impl GpuMatrix {
             .ok_or_else(|| GpuError::Unsupported(format!("{ty} weights on the GPU")))?;
         let row_bytes = ty
             .row_bytes(n_in as u64)
-            .filter(|_| n_in % 32 == 0)
+            .filter(|_| n_in.is_multiple_of(32))
             .ok_or_else(|| GpuError::Unsupported(format!("rows of {n_in} {ty} weights")))?;
         assert_eq!(data.len() as u64, row_bytes * n_out as u64, "matrix bytes");
         let buffer = Buffer::new_in(allocator, data.len() as u64, MemoryUse::DeviceLocal)?;
         // Uploads are whole words; the buffer is rounded up to them.
         let mut padded;
-        let bytes = if data.len() % 4 == 0 {
+        let bytes = if data.len().is_multiple_of(4) {
             data
         } else {
             padded = data.to_vec();
@@ -225,7 +225,7 @@ impl Recorder<'_> {
             RopeLayout::Normal => ShaderId::RopeNorm,
             RopeLayout::Neox => ShaderId::RopeNeox,
         };
-        if args.head_dim > 512 || args.n_rot > args.head_dim || args.n_rot % 2 != 0 {
+        if args.head_dim > 512 || args.n_rot > args.head_dim || !args.n_rot.is_multiple_of(2) {
             return Err(GpuError::Unsupported(format!(
                 "RoPE of {} dims in heads of {}",
                 args.n_rot, args.head_dim
@@ -275,7 +275,9 @@ impl Recorder<'_> {
         kv_width: u32,
         pos: u32,
     ) -> Result<()> {
-        if kv_width % 2 != 0 || u64::from(pos + 1) * u64::from(kv_width) * 2 > k_cache.size() {
+        if !kv_width.is_multiple_of(2)
+            || u64::from(pos + 1) * u64::from(kv_width) * 2 > k_cache.size()
+        {
             return Err(GpuError::Unsupported(format!(
                 "KV store at {pos} of width {kv_width} in a {}-byte cache",
                 k_cache.size()
@@ -307,9 +309,9 @@ impl Recorder<'_> {
         a: AttentionArgs,
     ) -> Result<()> {
         if a.head_dim > 512
-            || a.head_dim % 2 != 0
+            || !a.head_dim.is_multiple_of(2)
             || a.n_kv_heads == 0
-            || a.n_heads % a.n_kv_heads != 0
+            || !a.n_heads.is_multiple_of(a.n_kv_heads)
             || a.n_kv > a.scores_stride
         {
             return Err(GpuError::Unsupported(format!("attention shape {a:?}")));

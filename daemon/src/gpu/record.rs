@@ -351,7 +351,7 @@ impl Recorder<'_> {
                     self.max_range
                 )));
             }
-            if b.offset % self.align != 0 {
+            if !b.offset.is_multiple_of(self.align) {
                 return Err(GpuError::Unsupported(format!(
                     "binding offset {} is not a multiple of {}",
                     b.offset, self.align

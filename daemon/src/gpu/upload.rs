@@ -41,7 +41,7 @@ impl Uploader {
             "upload past the buffer"
         );
         assert!(
-            dst_offset % 4 == 0 && data.len() % 4 == 0,
+            dst_offset.is_multiple_of(4) && data.len().is_multiple_of(4),
             "uploads are whole words"
         );
         let cap = self.staging.size();
