@@ -6,7 +6,8 @@
 //! Layers, bottom up: instance and device choice; the memory sub-allocator under a VRAM budget
 //! ([`alloc`]); buffers and staging uploads; pipelines from the shader table, cached per variant,
 //! and recordings of many dispatches with barriers only on real dependencies ([`record`]); the
-//! ops of a decode step ([`ops`]). Not yet: the transfer queue, batched prompts, MoE layers.
+//! ops of a decode step ([`ops`]); a dense model's whole decode step on the GPU ([`forward`]).
+//! Not yet: the transfer queue, timestamps, batched prompts, MoE layers.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
@@ -14,6 +15,7 @@ pub mod alloc;
 mod buffer;
 mod device;
 mod error;
+pub mod forward;
 mod instance;
 pub mod ops;
 mod pipeline;
