@@ -230,6 +230,47 @@ fn matvec_past_the_binding_limit_is_split_by_rows_with_the_same_results() {
     }
 }
 
+#[test]
+fn matvec_over_a_matrix_larger_than_max_storage_buffer_range() {
+    let Some(dev) = device() else { return };
+    let gpu = Gpu::new(&dev);
+    let ty = GgmlType::Q8_0;
+    let max = dev.max_storage_buffer_range();
+    let n_in = 4096;
+    let rb = ty.row_bytes(n_in as u64).unwrap() as usize;
+    // Just past the limit (128 MiB on lavapipe), so one binding cannot cover it.
+    let n_out = (max as usize).div_ceil(rb) + 300;
+    let mut data = noise_bytes(rb * n_out, 77);
+    let d = f16::from_f32(0.01).to_le_bytes();
+    for b in data.chunks_exact_mut(34) {
+        b[..2].copy_from_slice(&d);
+    }
+    let m = gpu.matrix(ty, n_in, n_out, &data);
+    assert!(m.buffer.size() > max);
+    let x = noise(n_in, 6);
+    let (xb, yb) = (gpu.f32s(&x), gpu.zeros(n_out));
+    let stats = gpu.kernels.record(|r| r.matvec(&m, &xb, &yb)).unwrap();
+    assert!(stats.dispatches >= 2, "{stats:?}");
+    let got = yb.read_f32(n_out);
+    // Every 97th row, and the rows on both sides of each binding boundary.
+    let per_binding = ((max - dev.storage_offset_alignment()) / rb as u64) as usize;
+    let mut rows: Vec<usize> = (0..n_out).step_by(97).collect();
+    rows.extend([per_binding - 1, per_binding, n_out - 1]);
+    let mut w = vec![0f32; n_in];
+    for r in rows {
+        dequantize_row(ty, &data[r * rb..(r + 1) * rb], &mut w).unwrap();
+        let (e, abs) = w.iter().zip(&x).fold((0f64, 0f64), |(s, a), (&w, &x)| {
+            let p = f64::from(w) * f64::from(x);
+            (s + p, a + p.abs())
+        });
+        assert!(
+            (f64::from(got[r]) - e).abs() <= 1e-5 * abs + 1e-6,
+            "row {r}: gpu {} exact {e}",
+            got[r]
+        );
+    }
+}
+
 // ---- rows, norms, element-wise ops ----
 
 #[test]

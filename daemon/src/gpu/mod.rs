@@ -7,7 +7,7 @@
 //! ([`alloc`]); buffers and staging uploads; pipelines from the shader table, cached per variant,
 //! and recordings of many dispatches with barriers only on real dependencies ([`record`]); the
 //! ops of a decode step ([`ops`]); a dense model's whole decode step on the GPU ([`forward`]).
-//! Not yet: the transfer queue, timestamps, batched prompts, MoE layers.
+//! Not yet: the transfer queue, batched prompts, MoE layers.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
