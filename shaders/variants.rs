@@ -59,6 +59,9 @@ pub enum WeightType {
 pub enum Feature {
     /// Runs on every Vulkan 1.2 device.
     Base,
+    /// Subgroup arithmetic in compute shaders (`subgroupAdd`, `subgroupMax`): the same kernels
+    /// with their reductions across subgroups instead of through shared memory alone.
+    Subgroup,
     /// `VK_KHR_cooperative_matrix` with 16×16×16 f16 → f32 at subgroup scope, and shader f16.
     CoopMat,
 }
@@ -91,6 +94,9 @@ const fn v(
     }
 }
 
+/// The define that switches a kernel's reductions to subgroup operations.
+const SG: (&str, &str) = ("USE_SUBGROUP", "1");
+
 #[rustfmt::skip]
 pub const VARIANTS: &[Variant] = &[
     v("dequant_f16", "dequant.comp", Op::Dequant, Some(WeightType::F16), Feature::Base, &[("WTYPE_F16", "1")]),
@@ -116,5 +122,15 @@ pub const VARIANTS: &[Variant] = &[
     v("softmax", "softmax.comp", Op::Softmax, None, Feature::Base, &[]),
     v("kv_store", "kv_store.comp", Op::KvStore, None, Feature::Base, &[]),
     v("attention", "attention.comp", Op::Attention, None, Feature::Base, &[]),
+    v("matvec_f16_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::F16), Feature::Subgroup, &[("WTYPE_F16", "1"), SG]),
+    v("matvec_q8_0_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::Q8_0), Feature::Subgroup, &[("WTYPE_Q8_0", "1"), SG]),
+    v("matvec_q4_0_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::Q4_0), Feature::Subgroup, &[("WTYPE_Q4_0", "1"), SG]),
+    v("matvec_q4_k_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::Q4K), Feature::Subgroup, &[("WTYPE_Q4_K", "1"), SG]),
+    v("matvec_q6_k_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::Q6K), Feature::Subgroup, &[("WTYPE_Q6_K", "1"), SG]),
+    v("rms_norm_subgroup", "rms_norm.comp", Op::RmsNorm, None, Feature::Subgroup, &[SG]),
+    v("rope_norm_subgroup", "rope.comp", Op::RopeNorm, None, Feature::Subgroup, &[SG]),
+    v("rope_neox_subgroup", "rope.comp", Op::RopeNeox, None, Feature::Subgroup, &[("ROPE_NEOX", "1"), SG]),
+    v("softmax_subgroup", "softmax.comp", Op::Softmax, None, Feature::Subgroup, &[SG]),
+    v("attention_subgroup", "attention.comp", Op::Attention, None, Feature::Subgroup, &[SG]),
     v("matmul_f16_coopmat", "matmul_coopmat.comp", Op::Matmul, None, Feature::CoopMat, &[]),
 ];

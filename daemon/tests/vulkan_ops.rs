@@ -104,6 +104,22 @@ impl Gpu {
         }
     }
 
+    /// With the base kernels, then with the subgroup variants when the device has them: the
+    /// tests that use it hold both to the same tolerances.
+    fn both(dev: &Arc<Device>) -> Vec<Gpu> {
+        [false, true]
+            .into_iter()
+            .filter(|&sg| !sg || dev.subgroup_arithmetic())
+            .map(|sg| {
+                eprintln!("subgroup variants: {sg}");
+                Gpu {
+                    alloc: Allocator::new(dev, None),
+                    kernels: Kernels::with_subgroups(dev, sg),
+                }
+            })
+            .collect()
+    }
+
     /// A host-visible buffer holding `values`.
     fn f32s(&self, values: &[f32]) -> Buffer {
         let mut b =
@@ -143,36 +159,37 @@ fn exact_dots(ty: GgmlType, data: &[u8], n_in: usize, n_out: usize, x: &[f32]) -
 
 fn check_matvec(ty: GgmlType) {
     let Some(dev) = device() else { return };
-    let gpu = Gpu::new(&dev);
-    let (n_in, n_out) = (1024, 300);
-    let data = weight_rows(ty, n_in, n_out, ty as u64 + 11);
-    let x = noise(n_in, 5);
-    let m = gpu.matrix(ty, n_in, n_out, &data);
-    let (xb, yb) = (gpu.f32s(&x), gpu.zeros(n_out));
-    gpu.kernels.record(|r| r.matvec(&m, &xb, &yb)).unwrap();
-    let got = yb.read_f32(n_out);
+    for gpu in Gpu::both(&dev) {
+        let (n_in, n_out) = (1024, 300);
+        let data = weight_rows(ty, n_in, n_out, ty as u64 + 11);
+        let x = noise(n_in, 5);
+        let m = gpu.matrix(ty, n_in, n_out, &data);
+        let (xb, yb) = (gpu.f32s(&x), gpu.zeros(n_out));
+        gpu.kernels.record(|r| r.matvec(&m, &xb, &yb)).unwrap();
+        let got = yb.read_f32(n_out);
 
-    let exact = exact_dots(ty, &data, n_in, n_out, &x);
-    let pool = ThreadPool::new(2);
-    let mref = MatRef {
-        ty,
-        n_in,
-        n_out,
-        data: &data,
-    };
-    let mut cpu = vec![0f32; n_out];
-    matvec(&pool, mref, &x, &mut cpu);
-    for (r, ((&g, &c), &(e, abs))) in got.iter().zip(&cpu).zip(&exact).enumerate() {
-        // Against the exact dot of the same weights: f32 rounding only.
-        assert!(
-            (f64::from(g) - e).abs() <= 1e-5 * abs + 1e-6,
-            "{ty} row {r}: gpu {g} exact {e}"
-        );
-        // Against the CPU kernel, which quantizes x to Q8 first: 1% of Σ|w·x|.
-        assert!(
-            (f64::from(g) - f64::from(c)).abs() <= 1e-2 * abs + 1e-4,
-            "{ty} row {r}: gpu {g} cpu {c}"
-        );
+        let exact = exact_dots(ty, &data, n_in, n_out, &x);
+        let pool = ThreadPool::new(2);
+        let mref = MatRef {
+            ty,
+            n_in,
+            n_out,
+            data: &data,
+        };
+        let mut cpu = vec![0f32; n_out];
+        matvec(&pool, mref, &x, &mut cpu);
+        for (r, ((&g, &c), &(e, abs))) in got.iter().zip(&cpu).zip(&exact).enumerate() {
+            // Against the exact dot of the same weights: f32 rounding only.
+            assert!(
+                (f64::from(g) - e).abs() <= 1e-5 * abs + 1e-6,
+                "{ty} row {r}: gpu {g} exact {e}"
+            );
+            // Against the CPU kernel, which quantizes x to Q8 first: 1% of Σ|w·x|.
+            assert!(
+                (f64::from(g) - f64::from(c)).abs() <= 1e-2 * abs + 1e-4,
+                "{ty} row {r}: gpu {g} cpu {c}"
+            );
+        }
     }
 }
 
@@ -313,57 +330,59 @@ fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
 #[test]
 fn rms_norm_matches_cpu() {
     let Some(dev) = device() else { return };
-    let gpu = Gpu::new(&dev);
-    let (n, rows) = (1000, 3);
-    let x: Vec<f32> = noise(n * rows, 1).iter().map(|v| v * 3.0).collect();
-    let w = noise(n, 2);
-    let (xb, wb, out) = (gpu.f32s(&x), gpu.f32s(&w), gpu.zeros(n * rows));
-    gpu.kernels
-        .record(|r| r.rms_norm(&xb, &wb, &out, n as u32, rows as u32, 1e-6))
-        .unwrap();
-    let mut want = vec![0f32; n * rows];
-    for (xr, o) in x.chunks_exact(n).zip(want.chunks_exact_mut(n)) {
-        ops::rms_norm(xr, &w, 1e-6, o);
+    for gpu in Gpu::both(&dev) {
+        let (n, rows) = (1000, 3);
+        let x: Vec<f32> = noise(n * rows, 1).iter().map(|v| v * 3.0).collect();
+        let w = noise(n, 2);
+        let (xb, wb, out) = (gpu.f32s(&x), gpu.f32s(&w), gpu.zeros(n * rows));
+        gpu.kernels
+            .record(|r| r.rms_norm(&xb, &wb, &out, n as u32, rows as u32, 1e-6))
+            .unwrap();
+        let mut want = vec![0f32; n * rows];
+        for (xr, o) in x.chunks_exact(n).zip(want.chunks_exact_mut(n)) {
+            ops::rms_norm(xr, &w, 1e-6, o);
+        }
+        // f32 sum of squares on the GPU, f64 on the CPU.
+        assert_close(&out.read_f32(n * rows), &want, 1e-5, "rms_norm");
     }
-    // f32 sum of squares on the GPU, f64 on the CPU.
-    assert_close(&out.read_f32(n * rows), &want, 1e-5, "rms_norm");
 }
 
 #[test]
 fn rope_matches_cpu_in_both_layouts_with_and_without_qk_norm() {
     let Some(dev) = device() else { return };
-    let gpu = Gpu::new(&dev);
-    let (n_heads, head_dim, n_rot, pos) = (4usize, 64usize, 48usize, 37usize);
-    let table = gpu.f32s(&rope_table(64, n_rot, 10_000.0, 1.0, None));
-    let norm_w: Vec<f32> = noise(head_dim, 8).iter().map(|v| 1.0 + v).collect();
-    let norm_b = gpu.f32s(&norm_w);
-    let x = noise(n_heads * head_dim, 4);
-    for layout in [RopeLayout::Normal, RopeLayout::Neox] {
-        for qk_norm in [false, true] {
-            let xb = gpu.f32s(&x);
-            let args = RopeArgs {
-                layout,
-                n_heads: n_heads as u32,
-                head_dim: head_dim as u32,
-                n_rot: n_rot as u32,
-                pos: pos as u32,
-                eps: 1e-6,
-            };
-            let norm = qk_norm.then_some(&norm_b);
-            gpu.kernels
-                .record(|r| r.rope(&xb, norm, &table, args))
-                .unwrap();
-            let (mut c, mut s) = (vec![0.0; n_rot / 2], vec![0.0; n_rot / 2]);
-            ops::rope_cache(pos, n_rot, 10_000.0, 1.0, None, &mut c, &mut s);
-            let mut want = x.clone();
-            for head in want.chunks_exact_mut(head_dim) {
-                if qk_norm {
-                    ops::rms_norm_inplace(head, &norm_w, 1e-6);
+    for gpu in Gpu::both(&dev) {
+        let (n_heads, head_dim, n_rot, pos) = (4usize, 64usize, 48usize, 37usize);
+        let table = gpu.f32s(&rope_table(64, n_rot, 10_000.0, 1.0, None));
+        let norm_w: Vec<f32> = noise(head_dim, 8).iter().map(|v| 1.0 + v).collect();
+        let norm_b = gpu.f32s(&norm_w);
+        let x = noise(n_heads * head_dim, 4);
+        for layout in [RopeLayout::Normal, RopeLayout::Neox] {
+            for qk_norm in [false, true] {
+                let xb = gpu.f32s(&x);
+                let args = RopeArgs {
+                    layout,
+                    n_heads: n_heads as u32,
+                    head_dim: head_dim as u32,
+                    n_rot: n_rot as u32,
+                    pos: pos as u32,
+                    eps: 1e-6,
+                };
+                let norm = qk_norm.then_some(&norm_b);
+                gpu.kernels
+                    .record(|r| r.rope(&xb, norm, &table, args))
+                    .unwrap();
+                let (mut c, mut s) = (vec![0.0; n_rot / 2], vec![0.0; n_rot / 2]);
+                ops::rope_cache(pos, n_rot, 10_000.0, 1.0, None, &mut c, &mut s);
+                let mut want = x.clone();
+                for head in want.chunks_exact_mut(head_dim) {
+                    if qk_norm {
+                        ops::rms_norm_inplace(head, &norm_w, 1e-6);
+                    }
+                    ops::rope_head(head, layout, &c, &s);
                 }
-                ops::rope_head(head, layout, &c, &s);
+                let what = format!("rope {layout:?} qk_norm={qk_norm}");
+                assert_close(&xb.read_f32(x.len()), &want, 1e-5, &what);
             }
-            let what = format!("rope {layout:?} qk_norm={qk_norm}");
-            assert_close(&xb.read_f32(x.len()), &want, 1e-5, &what);
         }
     }
 }
@@ -371,41 +390,42 @@ fn rope_matches_cpu_in_both_layouts_with_and_without_qk_norm() {
 #[test]
 fn add_swiglu_and_softmax_match_cpu() {
     let Some(dev) = device() else { return };
-    let gpu = Gpu::new(&dev);
-    let n = 5000;
-    let a: Vec<f32> = noise(n, 1).iter().map(|v| v * 6.0).collect();
-    let b = noise(n, 2);
-    let (ab, bb) = (gpu.f32s(&a), gpu.f32s(&b));
-    gpu.kernels.record(|r| r.add(&ab, &bb, n as u32)).unwrap();
-    let mut want = a.clone();
-    ops::add_inplace(&mut want, &b);
-    // One f32 addition each: exact.
-    assert_eq!(ab.read_f32(n), want, "add");
+    for gpu in Gpu::both(&dev) {
+        let n = 5000;
+        let a: Vec<f32> = noise(n, 1).iter().map(|v| v * 6.0).collect();
+        let b = noise(n, 2);
+        let (ab, bb) = (gpu.f32s(&a), gpu.f32s(&b));
+        gpu.kernels.record(|r| r.add(&ab, &bb, n as u32)).unwrap();
+        let mut want = a.clone();
+        ops::add_inplace(&mut want, &b);
+        // One f32 addition each: exact.
+        assert_eq!(ab.read_f32(n), want, "add");
 
-    let gb = gpu.f32s(&a);
-    gpu.kernels
-        .record(|r| r.swiglu(&gb, &bb, n as u32))
-        .unwrap();
-    let mut want = a.clone();
-    ops::swiglu_inplace(&mut want, &b);
-    // The GPU's exp is within a few ulp.
-    assert_close(&gb.read_f32(n), &want, 1e-5, "swiglu");
+        let gb = gpu.f32s(&a);
+        gpu.kernels
+            .record(|r| r.swiglu(&gb, &bb, n as u32))
+            .unwrap();
+        let mut want = a.clone();
+        ops::swiglu_inplace(&mut want, &b);
+        // The GPU's exp is within a few ulp.
+        assert_close(&gb.read_f32(n), &want, 1e-5, "swiglu");
 
-    let rows = 3;
-    let s: Vec<f32> = noise(n * rows, 3).iter().map(|v| v * 20.0).collect();
-    let sb = gpu.f32s(&s);
-    gpu.kernels
-        .record(|r| r.softmax(&sb, n as u32, rows as u32))
-        .unwrap();
-    let mut want = s.clone();
-    want.chunks_exact_mut(n).for_each(ops::softmax);
-    let got = sb.read_f32(n * rows);
-    for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
-        // Probabilities: within 1e-5 of each value, relative.
-        assert!(
-            (g - w).abs() <= 1e-5 * w + 1e-9,
-            "softmax[{i}]: gpu {g} cpu {w}"
-        );
+        let rows = 3;
+        let s: Vec<f32> = noise(n * rows, 3).iter().map(|v| v * 20.0).collect();
+        let sb = gpu.f32s(&s);
+        gpu.kernels
+            .record(|r| r.softmax(&sb, n as u32, rows as u32))
+            .unwrap();
+        let mut want = s.clone();
+        want.chunks_exact_mut(n).for_each(ops::softmax);
+        let got = sb.read_f32(n * rows);
+        for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+            // Probabilities: within 1e-5 of each value, relative.
+            assert!(
+                (g - w).abs() <= 1e-5 * w + 1e-9,
+                "softmax[{i}]: gpu {g} cpu {w}"
+            );
+        }
     }
 }
 
@@ -414,75 +434,76 @@ fn add_swiglu_and_softmax_match_cpu() {
 #[test]
 fn kv_store_and_gqa_attention_match_cpu() {
     let Some(dev) = device() else { return };
-    let gpu = Gpu::new(&dev);
-    let (n_heads, n_kv_heads, hd, ctx, n_kv) = (8usize, 2usize, 64usize, 64usize, 50usize);
-    let kvw = n_kv_heads * hd;
-    let k_cache =
-        Buffer::new_in(&gpu.alloc, (ctx * kvw * 2) as u64, MemoryUse::DeviceLocal).unwrap();
-    let v_cache =
-        Buffer::new_in(&gpu.alloc, (ctx * kvw * 2) as u64, MemoryUse::DeviceLocal).unwrap();
-    let keys: Vec<f32> = noise(n_kv * kvw, 1).iter().map(|v| v * 2.0).collect();
-    let values = noise(n_kv * kvw, 2);
-    let (mut kb, mut vb) = (gpu.zeros(kvw), gpu.zeros(kvw));
-    for p in 0..n_kv {
-        kb.write_f32(&keys[p * kvw..(p + 1) * kvw]);
-        vb.write_f32(&values[p * kvw..(p + 1) * kvw]);
-        gpu.kernels
-            .record(|r| r.kv_store((&kb, &vb), (&k_cache, &v_cache), kvw as u32, p as u32))
-            .unwrap();
-    }
-    // The cache holds the values rounded to f16, as the CPU's `KvCache::store` rounds them.
-    let halves = |b: &Buffer| -> Vec<f16> {
-        download(&gpu.alloc, b, 0, (n_kv * kvw * 2) as u64)
-            .unwrap()
-            .chunks_exact(2)
-            .map(|c| f16::from_le_bytes([c[0], c[1]]))
-            .collect()
-    };
-    let (kh, vh) = (halves(&k_cache), halves(&v_cache));
-    let k16: Vec<f16> = keys.iter().map(|&v| f16::from_f32(v)).collect();
-    let v16: Vec<f16> = values.iter().map(|&v| f16::from_f32(v)).collect();
-    assert!(
-        kh == k16 && vh == v16,
-        "f16 cache contents differ from round-to-nearest"
-    );
-
-    let q = noise(n_heads * hd, 3);
-    let (qb, out) = (gpu.f32s(&q), gpu.zeros(n_heads * hd));
-    let scores = gpu.zeros(n_heads * ctx);
-    let args = AttentionArgs {
-        n_heads: n_heads as u32,
-        n_kv_heads: n_kv_heads as u32,
-        head_dim: hd as u32,
-        n_kv: n_kv as u32,
-        scores_stride: ctx as u32,
-    };
-    gpu.kernels
-        .record(|r| r.attention(&qb, (&k_cache, &v_cache), &scores, &out, args))
-        .unwrap();
-
-    // The CPU engine's attention for one token (engine::forward).
-    let scale = 1.0 / (hd as f32).sqrt();
-    let mut want = vec![0f32; n_heads * hd];
-    for h in 0..n_heads {
-        let kvh = h / (n_heads / n_kv_heads);
-        let head = kvh * hd..(kvh + 1) * hd;
-        let qh: Vec<f32> = q[h * hd..(h + 1) * hd]
-            .iter()
-            .map(|&v| f16::from_f32(v).to_f32())
-            .collect();
-        let mut s: Vec<f32> = k16
-            .chunks_exact(kvw)
-            .map(|k| attn::dot_f32_f16(&qh, &k[head.clone()]) * scale)
-            .collect();
-        ops::softmax(&mut s);
-        let o = &mut want[h * hd..(h + 1) * hd];
-        for (&p, v) in s.iter().zip(v16.chunks_exact(kvw)) {
-            attn::axpy_f16(o, f16::from_f32(p).to_f32(), &v[head.clone()]);
+    for gpu in Gpu::both(&dev) {
+        let (n_heads, n_kv_heads, hd, ctx, n_kv) = (8usize, 2usize, 64usize, 64usize, 50usize);
+        let kvw = n_kv_heads * hd;
+        let k_cache =
+            Buffer::new_in(&gpu.alloc, (ctx * kvw * 2) as u64, MemoryUse::DeviceLocal).unwrap();
+        let v_cache =
+            Buffer::new_in(&gpu.alloc, (ctx * kvw * 2) as u64, MemoryUse::DeviceLocal).unwrap();
+        let keys: Vec<f32> = noise(n_kv * kvw, 1).iter().map(|v| v * 2.0).collect();
+        let values = noise(n_kv * kvw, 2);
+        let (mut kb, mut vb) = (gpu.zeros(kvw), gpu.zeros(kvw));
+        for p in 0..n_kv {
+            kb.write_f32(&keys[p * kvw..(p + 1) * kvw]);
+            vb.write_f32(&values[p * kvw..(p + 1) * kvw]);
+            gpu.kernels
+                .record(|r| r.kv_store((&kb, &vb), (&k_cache, &v_cache), kvw as u32, p as u32))
+                .unwrap();
         }
+        // The cache holds the values rounded to f16, as the CPU's `KvCache::store` rounds them.
+        let halves = |b: &Buffer| -> Vec<f16> {
+            download(&gpu.alloc, b, 0, (n_kv * kvw * 2) as u64)
+                .unwrap()
+                .chunks_exact(2)
+                .map(|c| f16::from_le_bytes([c[0], c[1]]))
+                .collect()
+        };
+        let (kh, vh) = (halves(&k_cache), halves(&v_cache));
+        let k16: Vec<f16> = keys.iter().map(|&v| f16::from_f32(v)).collect();
+        let v16: Vec<f16> = values.iter().map(|&v| f16::from_f32(v)).collect();
+        assert!(
+            kh == k16 && vh == v16,
+            "f16 cache contents differ from round-to-nearest"
+        );
+
+        let q = noise(n_heads * hd, 3);
+        let (qb, out) = (gpu.f32s(&q), gpu.zeros(n_heads * hd));
+        let scores = gpu.zeros(n_heads * ctx);
+        let args = AttentionArgs {
+            n_heads: n_heads as u32,
+            n_kv_heads: n_kv_heads as u32,
+            head_dim: hd as u32,
+            n_kv: n_kv as u32,
+            scores_stride: ctx as u32,
+        };
+        gpu.kernels
+            .record(|r| r.attention(&qb, (&k_cache, &v_cache), &scores, &out, args))
+            .unwrap();
+
+        // The CPU engine's attention for one token (engine::forward).
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut want = vec![0f32; n_heads * hd];
+        for h in 0..n_heads {
+            let kvh = h / (n_heads / n_kv_heads);
+            let head = kvh * hd..(kvh + 1) * hd;
+            let qh: Vec<f32> = q[h * hd..(h + 1) * hd]
+                .iter()
+                .map(|&v| f16::from_f32(v).to_f32())
+                .collect();
+            let mut s: Vec<f32> = k16
+                .chunks_exact(kvw)
+                .map(|k| attn::dot_f32_f16(&qh, &k[head.clone()]) * scale)
+                .collect();
+            ops::softmax(&mut s);
+            let o = &mut want[h * hd..(h + 1) * hd];
+            for (&p, v) in s.iter().zip(v16.chunks_exact(kvw)) {
+                attn::axpy_f16(o, f16::from_f32(p).to_f32(), &v[head.clone()]);
+            }
+        }
+        // Sums in another order, and probabilities that may round to the other f16 neighbour.
+        assert_close(&out.read_f32(n_heads * hd), &want, 1e-3, "attention");
     }
-    // Sums in another order, and probabilities that may round to the other f16 neighbour.
-    assert_close(&out.read_f32(n_heads * hd), &want, 1e-3, "attention");
 }
 
 // ---- recording ----

@@ -1,4 +1,8 @@
 #version 450
+#if defined(USE_SUBGROUP)
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_arithmetic : require
+#endif
 // Attention of one new token over the f16 KV cache, one workgroup per query head (GQA: head h
 // reads KV head h / group). As the CPU engine (and llama.cpp): Q is rounded to f16 and dotted
 // with the f16 keys, scaled, softmaxed, and the probabilities are rounded to f16 before they

@@ -1,4 +1,8 @@
 #version 450
+#if defined(USE_SUBGROUP)
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_arithmetic : require
+#endif
 // y[r] = row_r(W) · x for quantized rows, one workgroup per row (decode: a batch of one).
 // Each invocation takes units of 32 weights in turn, so neighbours read neighbouring blocks.
 // Rows come in a 2-D grid because a vocabulary can exceed the 65535 groups of one dimension.

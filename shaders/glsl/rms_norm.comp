@@ -1,4 +1,8 @@
 #version 450
+#if defined(USE_SUBGROUP)
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_arithmetic : require
+#endif
 // out = x * (1 / sqrt(mean(x²) + eps)) * w for each row of `n` (one workgroup per row).
 
 #define WG 256u

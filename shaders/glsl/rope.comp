@@ -1,4 +1,8 @@
 #version 450
+#if defined(USE_SUBGROUP)
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_arithmetic : require
+#endif
 // RoPE of every head of one token in place (one workgroup per head), optionally after an RMSNorm
 // of the head (Qwen3's QK-norm). Pairs are adjacent (llama) or halves (ROPE_NEOX, the Qwen
 // family). Angles come from a table that the host fills with the CPU's own `rope_cache`:

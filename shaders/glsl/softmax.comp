@@ -1,4 +1,8 @@
 #version 450
+#if defined(USE_SUBGROUP)
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_arithmetic : require
+#endif
 // Softmax in place over each row of `n` values (one workgroup per row): max subtracted.
 
 #define WG 256u

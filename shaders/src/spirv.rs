@@ -12,6 +12,8 @@ const DECORATION_OFFSET: u32 = 35;
 const STORAGE_CLASS_PUSH_CONSTANT: u32 = 9;
 /// `CooperativeMatrixKHR`.
 pub const CAPABILITY_COOPERATIVE_MATRIX_KHR: u32 = 6022;
+/// `GroupNonUniformArithmetic`.
+pub const CAPABILITY_GROUP_NON_UNIFORM_ARITHMETIC: u32 = 63;
 
 /// One instruction: opcode and operand words.
 fn instructions(words: &[u32]) -> impl Iterator<Item = (u16, &[u32])> {
@@ -128,6 +130,15 @@ mod tests {
                     "{op:?} {w:?}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn subgroup_variants_and_only_they_use_subgroup_arithmetic() {
+        use crate::Feature;
+        for s in SHADERS {
+            let uses = capabilities(&s.words()).contains(&CAPABILITY_GROUP_NON_UNIFORM_ARITHMETIC);
+            assert_eq!(uses, s.feature == Feature::Subgroup, "{}", s.name);
         }
     }
 

@@ -15,6 +15,7 @@ pub struct Device {
     pub(crate) memory: vk::PhysicalDeviceMemoryProperties,
     pub(crate) limits: vk::PhysicalDeviceLimits,
     pub(crate) subgroup_size: u32,
+    subgroup_arithmetic: bool,
     info: DeviceInfo,
     // Dropped after `Drop::drop` destroyed the device: the instance must outlive it.
     _instance: Arc<Instance>,
@@ -68,6 +69,12 @@ impl Device {
             memory,
             limits,
             subgroup_size: subgroup.subgroup_size,
+            subgroup_arithmetic: subgroup
+                .supported_operations
+                .contains(vk::SubgroupFeatureFlags::ARITHMETIC)
+                && subgroup
+                    .supported_stages
+                    .contains(vk::ShaderStageFlags::COMPUTE),
             info,
             _instance: instance,
         }))
@@ -84,6 +91,11 @@ impl Device {
 
     pub fn subgroup_size(&self) -> u32 {
         self.subgroup_size
+    }
+
+    /// Whether compute shaders may use subgroup arithmetic (the `Subgroup` shader variants).
+    pub fn subgroup_arithmetic(&self) -> bool {
+        self.subgroup_arithmetic
     }
 
     /// Records commands with `record`, submits them and waits for them to finish.

@@ -5,8 +5,8 @@
 use std::sync::Arc;
 
 use spillway_shaders::{
-    AttentionParams, EltwiseParams, Feature, GetRowsParams, KvStoreParams, MatVecParams, Op,
-    RmsNormParams, RopeParams, ShaderId, WeightType,
+    AttentionParams, EltwiseParams, GetRowsParams, KvStoreParams, MatVecParams, Op, RmsNormParams,
+    RopeParams, ShaderId, WeightType,
 };
 
 use super::alloc::{Allocator, MemoryUse};
@@ -90,11 +90,6 @@ pub fn upload_f32(
     Ok(buffer)
 }
 
-fn shader(op: Op, wtype: Option<WeightType>) -> Result<ShaderId> {
-    ShaderId::find(op, wtype, Feature::Base)
-        .ok_or_else(|| GpuError::Unsupported(format!("no {op:?} kernel for {wtype:?}")))
-}
-
 /// A grid of `n` workgroups, folded into two dimensions past 65535 (the smallest limit Vulkan
 /// guarantees per dimension); kernels that use it rebuild the index from both.
 fn grid(n: u32) -> [u32; 3] {
@@ -133,7 +128,7 @@ pub struct AttentionArgs {
 impl Recorder<'_> {
     /// `y = W · x` (f32 vectors of `n_in` and `n_out`).
     pub fn matvec(&mut self, w: &GpuMatrix, x: &Buffer, y: &Buffer) -> Result<()> {
-        let id = shader(Op::MatVec, Some(w.wtype))?;
+        let id = self.variant(Op::MatVec, Some(w.wtype))?;
         let (rb, align) = (w.row_bytes, self.align);
         let max_rows = (self.max_range.saturating_sub(align) / rb).max(1);
         let mut r0 = 0u64;
@@ -171,7 +166,7 @@ impl Recorder<'_> {
                 w.n_out
             )));
         }
-        let id = shader(Op::GetRows, Some(w.wtype))?;
+        let id = self.variant(Op::GetRows, Some(w.wtype))?;
         let start = u64::from(row) * w.row_bytes;
         let bound = start / self.align * self.align;
         let range = (start - bound + w.row_bytes)
@@ -209,7 +204,8 @@ impl Recorder<'_> {
     ) -> Result<()> {
         let bindings = [Binding::read(x), Binding::read(w), Binding::write(out)];
         let push = RmsNormParams { n, eps };
-        self.dispatch(ShaderId::RmsNorm, &bindings, &push, [rows, 1, 1])
+        let id = self.variant(Op::RmsNorm, None)?;
+        self.dispatch(id, &bindings, &push, [rows, 1, 1])
     }
 
     /// RoPE of `args.n_heads` heads of `x` in place, at `args.pos`, with angles from `table`
@@ -221,10 +217,13 @@ impl Recorder<'_> {
         table: &Buffer,
         args: RopeArgs,
     ) -> Result<()> {
-        let id = match args.layout {
-            RopeLayout::Normal => ShaderId::RopeNorm,
-            RopeLayout::Neox => ShaderId::RopeNeox,
-        };
+        let id = self.variant(
+            match args.layout {
+                RopeLayout::Normal => Op::RopeNorm,
+                RopeLayout::Neox => Op::RopeNeox,
+            },
+            None,
+        )?;
         if args.head_dim > 512 || args.n_rot > args.head_dim || !args.n_rot.is_multiple_of(2) {
             return Err(GpuError::Unsupported(format!(
                 "RoPE of {} dims in heads of {}",
@@ -264,7 +263,8 @@ impl Recorder<'_> {
     /// Softmax of `rows` rows of `n` values of `x`, in place.
     pub fn softmax(&mut self, x: &Buffer, n: u32, rows: u32) -> Result<()> {
         let push = EltwiseParams { n };
-        self.dispatch(ShaderId::Softmax, &[Binding::write(x)], &push, [rows, 1, 1])
+        let id = self.variant(Op::Softmax, None)?;
+        self.dispatch(id, &[Binding::write(x)], &push, [rows, 1, 1])
     }
 
     /// Stores `k` and `v` (f32, `kv_width` each) at `pos` of the f16 caches.
@@ -331,7 +331,8 @@ impl Recorder<'_> {
             Binding::write(scores),
             Binding::write(out),
         ];
-        self.dispatch(ShaderId::Attention, &bindings, &push, [a.n_heads, 1, 1])
+        let id = self.variant(Op::Attention, None)?;
+        self.dispatch(id, &bindings, &push, [a.n_heads, 1, 1])
     }
 }
 

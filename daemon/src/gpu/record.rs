@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use ash::vk;
 use parking_lot::Mutex;
-use spillway_shaders::{PushConstants, ShaderId};
+use spillway_shaders::{Feature, Op, PushConstants, ShaderId, WeightType};
 
 use super::buffer::Buffer;
 use super::device::Device;
@@ -18,15 +18,40 @@ use super::pipeline::ComputePipeline;
 /// The pipelines of the shader table, created on first use and cached.
 pub struct Kernels {
     device: Arc<Device>,
+    /// Use the `Subgroup` variants where the table has them.
+    subgroups: bool,
     cache: Mutex<HashMap<ShaderId, Arc<ComputePipeline>>>,
 }
 
 impl Kernels {
+    /// The kernels for `device`: its subgroup variants when it has subgroup arithmetic.
     pub fn new(device: &Arc<Device>) -> Arc<Kernels> {
+        Kernels::with_subgroups(device, device.subgroup_arithmetic())
+    }
+
+    /// With `subgroups` false, only the `Base` variants (tests compare both).
+    pub fn with_subgroups(device: &Arc<Device>, subgroups: bool) -> Arc<Kernels> {
         Arc::new(Kernels {
             device: device.clone(),
+            subgroups: subgroups && device.subgroup_arithmetic(),
             cache: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// Whether the subgroup variants are in use.
+    pub fn uses_subgroups(&self) -> bool {
+        self.subgroups
+    }
+
+    /// The variant of `op` for `wtype` this device runs best.
+    pub fn variant(&self, op: Op, wtype: Option<WeightType>) -> Result<ShaderId> {
+        let subgroup = self
+            .subgroups
+            .then(|| ShaderId::find(op, wtype, Feature::Subgroup))
+            .flatten();
+        subgroup
+            .or_else(|| ShaderId::find(op, wtype, Feature::Base))
+            .ok_or_else(|| GpuError::Unsupported(format!("no {op:?} kernel for {wtype:?}")))
     }
 
     pub fn device(&self) -> &Arc<Device> {
@@ -318,6 +343,11 @@ pub struct Recorder<'k> {
 impl Recorder<'_> {
     pub fn stats(&self) -> RecordStats {
         self.stats
+    }
+
+    /// See [`Kernels::variant`].
+    pub fn variant(&self, op: Op, wtype: Option<WeightType>) -> Result<ShaderId> {
+        self.kernels.variant(op, wtype)
     }
 
     /// Records one dispatch of `shader` with `bindings` at bindings 0..n.
