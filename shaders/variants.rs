@@ -8,6 +8,40 @@ pub enum Op {
     Dequant,
     /// f16 × f16 → f32 matrix product.
     Matmul,
+    /// Quantized matrix × f32 vector (decode).
+    MatVec,
+    /// One weight row to f32 (the token embedding).
+    GetRows,
+    /// RMSNorm of rows, times a weight vector.
+    RmsNorm,
+    /// RoPE of adjacent pairs (llama), with optional per-head RMSNorm first.
+    RopeNorm,
+    /// RoPE of halves (the Qwen family), with optional per-head RMSNorm first.
+    RopeNeox,
+    /// `a += b`.
+    Add,
+    /// `a = silu(a) * b`.
+    Swiglu,
+    /// Softmax of rows in place.
+    Softmax,
+    /// Appends one token's K and V to the f16 caches.
+    KvStore,
+    /// One token's attention over the f16 KV cache (GQA).
+    Attention,
+}
+
+#[allow(dead_code)] // build.rs does not call it.
+impl Op {
+    /// Storage buffers the op binds, at bindings 0..n.
+    pub const fn bindings(self) -> u32 {
+        match self {
+            Op::Softmax => 1,
+            Op::Dequant | Op::GetRows | Op::Add | Op::Swiglu => 2,
+            Op::Matmul | Op::MatVec | Op::RmsNorm | Op::RopeNorm | Op::RopeNeox => 3,
+            Op::KvStore => 4,
+            Op::Attention => 5,
+        }
+    }
 }
 
 /// The weight type a variant reads (the ggml type of the same name).
@@ -16,6 +50,8 @@ pub enum WeightType {
     F16,
     Q8_0,
     Q4_0,
+    Q4K,
+    Q6K,
 }
 
 /// The device feature a variant needs beyond Vulkan 1.2 compute.
@@ -23,6 +59,9 @@ pub enum WeightType {
 pub enum Feature {
     /// Runs on every Vulkan 1.2 device.
     Base,
+    /// Subgroup arithmetic in compute shaders (`subgroupAdd`, `subgroupMax`): the same kernels
+    /// with their reductions across subgroups instead of through shared memory alone.
+    Subgroup,
     /// `VK_KHR_cooperative_matrix` with 16×16×16 f16 → f32 at subgroup scope, and shader f16.
     CoopMat,
 }
@@ -37,37 +76,61 @@ pub struct Variant {
     pub defines: &'static [(&'static str, &'static str)],
 }
 
+const fn v(
+    name: &'static str,
+    source: &'static str,
+    op: Op,
+    wtype: Option<WeightType>,
+    feature: Feature,
+    defines: &'static [(&'static str, &'static str)],
+) -> Variant {
+    Variant {
+        name,
+        source,
+        op,
+        wtype,
+        feature,
+        defines,
+    }
+}
+
+/// The define that switches a kernel's reductions to subgroup operations.
+const SG: (&str, &str) = ("USE_SUBGROUP", "1");
+
+#[rustfmt::skip]
 pub const VARIANTS: &[Variant] = &[
-    Variant {
-        name: "dequant_f16",
-        source: "dequant.comp",
-        op: Op::Dequant,
-        wtype: Some(WeightType::F16),
-        feature: Feature::Base,
-        defines: &[("WTYPE_F16", "1")],
-    },
-    Variant {
-        name: "dequant_q8_0",
-        source: "dequant.comp",
-        op: Op::Dequant,
-        wtype: Some(WeightType::Q8_0),
-        feature: Feature::Base,
-        defines: &[("WTYPE_Q8_0", "1")],
-    },
-    Variant {
-        name: "dequant_q4_0",
-        source: "dequant.comp",
-        op: Op::Dequant,
-        wtype: Some(WeightType::Q4_0),
-        feature: Feature::Base,
-        defines: &[("WTYPE_Q4_0", "1")],
-    },
-    Variant {
-        name: "matmul_f16_coopmat",
-        source: "matmul_coopmat.comp",
-        op: Op::Matmul,
-        wtype: None,
-        feature: Feature::CoopMat,
-        defines: &[],
-    },
+    v("dequant_f16", "dequant.comp", Op::Dequant, Some(WeightType::F16), Feature::Base, &[("WTYPE_F16", "1")]),
+    v("dequant_q8_0", "dequant.comp", Op::Dequant, Some(WeightType::Q8_0), Feature::Base, &[("WTYPE_Q8_0", "1")]),
+    v("dequant_q4_0", "dequant.comp", Op::Dequant, Some(WeightType::Q4_0), Feature::Base, &[("WTYPE_Q4_0", "1")]),
+    v("dequant_q4_k", "dequant.comp", Op::Dequant, Some(WeightType::Q4K), Feature::Base, &[("WTYPE_Q4_K", "1")]),
+    v("dequant_q6_k", "dequant.comp", Op::Dequant, Some(WeightType::Q6K), Feature::Base, &[("WTYPE_Q6_K", "1")]),
+    v("matvec_f16", "matvec.comp", Op::MatVec, Some(WeightType::F16), Feature::Base, &[("WTYPE_F16", "1")]),
+    v("matvec_q8_0", "matvec.comp", Op::MatVec, Some(WeightType::Q8_0), Feature::Base, &[("WTYPE_Q8_0", "1")]),
+    v("matvec_q4_0", "matvec.comp", Op::MatVec, Some(WeightType::Q4_0), Feature::Base, &[("WTYPE_Q4_0", "1")]),
+    v("matvec_q4_k", "matvec.comp", Op::MatVec, Some(WeightType::Q4K), Feature::Base, &[("WTYPE_Q4_K", "1")]),
+    v("matvec_q6_k", "matvec.comp", Op::MatVec, Some(WeightType::Q6K), Feature::Base, &[("WTYPE_Q6_K", "1")]),
+    v("get_rows_f16", "get_rows.comp", Op::GetRows, Some(WeightType::F16), Feature::Base, &[("WTYPE_F16", "1")]),
+    v("get_rows_q8_0", "get_rows.comp", Op::GetRows, Some(WeightType::Q8_0), Feature::Base, &[("WTYPE_Q8_0", "1")]),
+    v("get_rows_q4_0", "get_rows.comp", Op::GetRows, Some(WeightType::Q4_0), Feature::Base, &[("WTYPE_Q4_0", "1")]),
+    v("get_rows_q4_k", "get_rows.comp", Op::GetRows, Some(WeightType::Q4K), Feature::Base, &[("WTYPE_Q4_K", "1")]),
+    v("get_rows_q6_k", "get_rows.comp", Op::GetRows, Some(WeightType::Q6K), Feature::Base, &[("WTYPE_Q6_K", "1")]),
+    v("rms_norm", "rms_norm.comp", Op::RmsNorm, None, Feature::Base, &[]),
+    v("rope_norm", "rope.comp", Op::RopeNorm, None, Feature::Base, &[]),
+    v("rope_neox", "rope.comp", Op::RopeNeox, None, Feature::Base, &[("ROPE_NEOX", "1")]),
+    v("add", "eltwise.comp", Op::Add, None, Feature::Base, &[("OP_ADD", "1")]),
+    v("swiglu", "eltwise.comp", Op::Swiglu, None, Feature::Base, &[("OP_SWIGLU", "1")]),
+    v("softmax", "softmax.comp", Op::Softmax, None, Feature::Base, &[]),
+    v("kv_store", "kv_store.comp", Op::KvStore, None, Feature::Base, &[]),
+    v("attention", "attention.comp", Op::Attention, None, Feature::Base, &[]),
+    v("matvec_f16_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::F16), Feature::Subgroup, &[("WTYPE_F16", "1"), SG]),
+    v("matvec_q8_0_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::Q8_0), Feature::Subgroup, &[("WTYPE_Q8_0", "1"), SG]),
+    v("matvec_q4_0_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::Q4_0), Feature::Subgroup, &[("WTYPE_Q4_0", "1"), SG]),
+    v("matvec_q4_k_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::Q4K), Feature::Subgroup, &[("WTYPE_Q4_K", "1"), SG]),
+    v("matvec_q6_k_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::Q6K), Feature::Subgroup, &[("WTYPE_Q6_K", "1"), SG]),
+    v("rms_norm_subgroup", "rms_norm.comp", Op::RmsNorm, None, Feature::Subgroup, &[SG]),
+    v("rope_norm_subgroup", "rope.comp", Op::RopeNorm, None, Feature::Subgroup, &[SG]),
+    v("rope_neox_subgroup", "rope.comp", Op::RopeNeox, None, Feature::Subgroup, &[("ROPE_NEOX", "1"), SG]),
+    v("softmax_subgroup", "softmax.comp", Op::Softmax, None, Feature::Subgroup, &[SG]),
+    v("attention_subgroup", "attention.comp", Op::Attention, None, Feature::Subgroup, &[SG]),
+    v("matmul_f16_coopmat", "matmul_coopmat.comp", Op::Matmul, None, Feature::CoopMat, &[]),
 ];

@@ -44,11 +44,28 @@ fn test_values(n: usize, seed: u64) -> Vec<f32> {
 
 fn check_dequant(ty: GgmlType, wtype: WeightType) {
     let Some(dev) = device() else { return };
-    let n = 32 * 1000 + 32 * 7; // not a multiple of the workgroup size
+    let n = 256 * 125 + 256 * 3; // not a multiple of the workgroup size
     let values = test_values(n, ty as u64);
     let row_bytes = ty.row_bytes(n as u64).unwrap() as usize;
     let mut blocks = vec![0u8; row_bytes];
-    quantize_row(ty, &values, &mut blocks).unwrap();
+    match ty {
+        // No K-quant quantizer: random bytes, with small finite scales in place.
+        GgmlType::Q4K | GgmlType::Q6K => {
+            for (i, b) in blocks.iter_mut().enumerate() {
+                *b = (values[i % n].to_bits() >> 9) as u8;
+            }
+            let bb = ty.block_bytes() as usize;
+            for (k, b) in blocks.chunks_exact_mut(bb).enumerate() {
+                let d = half::f16::from_f32(0.001 * (1 + k % 13) as f32).to_le_bytes();
+                let at = if ty == GgmlType::Q4K { 0 } else { 208 };
+                b[at..at + 2].copy_from_slice(&d);
+                if ty == GgmlType::Q4K {
+                    b[2..4].copy_from_slice(&half::f16::from_f32(0.0007).to_le_bytes());
+                }
+            }
+        }
+        _ => quantize_row(ty, &values, &mut blocks).unwrap(),
+    }
     let mut expected = vec![0f32; n];
     dequantize_row(ty, &blocks, &mut expected).unwrap();
 
@@ -64,21 +81,18 @@ fn check_dequant(ty: GgmlType, wtype: WeightType) {
     let mut src = Buffer::new_host_visible(&dev, row_bytes.next_multiple_of(4) as u64).unwrap();
     src.write(&blocks);
     let dst = Buffer::new_host_visible(&dev, (n * 4) as u64).unwrap();
-    let n_blocks = (n as u64 / ty.block_size()) as u32;
+    let n_units = (n / 32) as u32;
     let params = DequantParams {
-        n_blocks,
+        n_blocks: n_units,
         src_offset: 0,
         dst_offset: 0,
     };
     pipeline
-        .dispatch(
-            &[&src, &dst],
-            &params.bytes(),
-            [n_blocks.div_ceil(64), 1, 1],
-        )
+        .dispatch(&[&src, &dst], &params.bytes(), [n_units.div_ceil(64), 1, 1])
         .unwrap();
     let got = dst.read_f32(n);
-    // Each output is one f16 scale times a small integer: exact on any IEEE device.
+    // Each output is one f16 scale times a small integer (K-quants: the CPU's own products and
+    // difference, kept unfused by `precise`): exact on any IEEE device.
     let mismatches: Vec<_> = (0..n)
         .filter(|&i| got[i].to_bits() != expected[i].to_bits())
         .collect();
@@ -101,6 +115,16 @@ fn dequant_q8_0_matches_cpu() {
 #[test]
 fn dequant_q4_0_matches_cpu() {
     check_dequant(GgmlType::Q4_0, WeightType::Q4_0);
+}
+
+#[test]
+fn dequant_q4_k_matches_cpu() {
+    check_dequant(GgmlType::Q4K, WeightType::Q4K);
+}
+
+#[test]
+fn dequant_q6_k_matches_cpu() {
+    check_dequant(GgmlType::Q6K, WeightType::Q6K);
 }
 
 #[test]

@@ -9,7 +9,10 @@ pub mod spirv;
 include!("../variants.rs");
 include!(concat!(env!("OUT_DIR"), "/shaders.rs"));
 
-pub use push::{DequantParams, MatmulParams, PushConstants};
+pub use push::{
+    AttentionParams, DequantParams, EltwiseParams, GetRowsParams, KvStoreParams, MatVecParams,
+    MatmulParams, PushConstants, RmsNormParams, RopeParams,
+};
 
 /// One compiled variant.
 pub struct ShaderInfo {

@@ -7,6 +7,8 @@ use std::mem::{offset_of, size_of};
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DequantParams {
+    /// Units of 32 weights: Q8_0/Q4_0 blocks, 32 halves of F16, eighths of a K-quant
+    /// super-block.
     pub n_blocks: u32,
     /// Byte offset of the first block in the weight buffer.
     pub src_offset: u32,
@@ -23,6 +25,75 @@ pub struct MatmulParams {
     pub k: u32,
 }
 
+/// `matvec.comp`'s `Params`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MatVecParams {
+    pub n_in: u32,
+    pub n_rows: u32,
+    /// Byte offset of row 0 in the bound weight range.
+    pub w_offset: u32,
+    /// Element offset of row 0's result in the output.
+    pub y_offset: u32,
+}
+
+/// `get_rows.comp`'s `Params`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GetRowsParams {
+    pub n: u32,
+    /// Byte offset of the row in the bound weight range.
+    pub w_offset: u32,
+    pub dst_offset: u32,
+}
+
+/// `rms_norm.comp`'s `Params`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RmsNormParams {
+    pub n: u32,
+    pub eps: f32,
+}
+
+/// `rope.comp`'s `Params` (both layouts).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RopeParams {
+    pub head_dim: u32,
+    pub n_rot: u32,
+    pub pos: u32,
+    pub eps: f32,
+    /// 1: RMSNorm each head first (QK-norm).
+    pub qk_norm: u32,
+}
+
+/// `eltwise.comp`'s and `softmax.comp`'s `Params`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EltwiseParams {
+    pub n: u32,
+}
+
+/// `kv_store.comp`'s `Params`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KvStoreParams {
+    pub kv_width: u32,
+    pub pos: u32,
+}
+
+/// `attention.comp`'s `Params`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct AttentionParams {
+    pub head_dim: u32,
+    pub kv_width: u32,
+    pub n_kv: u32,
+    pub group: u32,
+    pub scores_stride: u32,
+    pub scale: f32,
+}
+
 /// A push-constant struct: its bytes and its fields' (offset, size) in declaration order.
 pub trait PushConstants: Copy {
     fn layout() -> Vec<(u32, u32)>;
@@ -33,7 +104,8 @@ macro_rules! push_constants {
     ($ty:ident { $($field:ident),* }) => {
         impl PushConstants for $ty {
             fn layout() -> Vec<(u32, u32)> {
-                vec![$( (offset_of!($ty, $field) as u32, size_of::<u32>() as u32) ),*]
+                // Every field is a 32-bit scalar (u32 or f32).
+                vec![$( (offset_of!($ty, $field) as u32, 4) ),*]
             }
             fn bytes(&self) -> Vec<u8> {
                 let mut out = Vec::with_capacity(size_of::<$ty>());
@@ -50,3 +122,32 @@ push_constants!(DequantParams {
     dst_offset
 });
 push_constants!(MatmulParams { m, n, k });
+push_constants!(MatVecParams {
+    n_in,
+    n_rows,
+    w_offset,
+    y_offset
+});
+push_constants!(GetRowsParams {
+    n,
+    w_offset,
+    dst_offset
+});
+push_constants!(RmsNormParams { n, eps });
+push_constants!(RopeParams {
+    head_dim,
+    n_rot,
+    pos,
+    eps,
+    qk_norm
+});
+push_constants!(EltwiseParams { n });
+push_constants!(KvStoreParams { kv_width, pos });
+push_constants!(AttentionParams {
+    head_dim,
+    kv_width,
+    n_kv,
+    group,
+    scores_stride,
+    scale
+});

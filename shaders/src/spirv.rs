@@ -12,6 +12,8 @@ const DECORATION_OFFSET: u32 = 35;
 const STORAGE_CLASS_PUSH_CONSTANT: u32 = 9;
 /// `CooperativeMatrixKHR`.
 pub const CAPABILITY_COOPERATIVE_MATRIX_KHR: u32 = 6022;
+/// `GroupNonUniformArithmetic`.
+pub const CAPABILITY_GROUP_NON_UNIFORM_ARITHMETIC: u32 = 63;
 
 /// One instruction: opcode and operand words.
 fn instructions(words: &[u32]) -> impl Iterator<Item = (u16, &[u32])> {
@@ -75,7 +77,10 @@ pub fn push_constant_layout(words: &[u32]) -> Option<Vec<(u32, u32)>> {
 mod tests {
     use super::*;
     use crate::push::PushConstants;
-    use crate::{DequantParams, MatmulParams, Op, ShaderId, SHADERS};
+    use crate::{
+        AttentionParams, DequantParams, EltwiseParams, GetRowsParams, KvStoreParams, MatVecParams,
+        MatmulParams, Op, RmsNormParams, RopeParams, ShaderId, SHADERS,
+    };
 
     #[test]
     fn every_variant_is_valid_spirv() {
@@ -92,6 +97,13 @@ mod tests {
             let expected = match s.op {
                 Op::Dequant => DequantParams::layout(),
                 Op::Matmul => MatmulParams::layout(),
+                Op::MatVec => MatVecParams::layout(),
+                Op::GetRows => GetRowsParams::layout(),
+                Op::RmsNorm => RmsNormParams::layout(),
+                Op::RopeNorm | Op::RopeNeox => RopeParams::layout(),
+                Op::Add | Op::Swiglu | Op::Softmax => EltwiseParams::layout(),
+                Op::KvStore => KvStoreParams::layout(),
+                Op::Attention => AttentionParams::layout(),
             };
             assert_eq!(
                 push_constant_layout(&s.words()),
@@ -99,6 +111,34 @@ mod tests {
                 "{}",
                 s.name
             );
+        }
+    }
+
+    #[test]
+    fn every_weight_op_has_every_weight_type() {
+        use crate::{Feature, WeightType};
+        for op in [Op::Dequant, Op::MatVec, Op::GetRows] {
+            for w in [
+                WeightType::F16,
+                WeightType::Q8_0,
+                WeightType::Q4_0,
+                WeightType::Q4K,
+                WeightType::Q6K,
+            ] {
+                assert!(
+                    ShaderId::find(op, Some(w), Feature::Base).is_some(),
+                    "{op:?} {w:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn subgroup_variants_and_only_they_use_subgroup_arithmetic() {
+        use crate::Feature;
+        for s in SHADERS {
+            let uses = capabilities(&s.words()).contains(&CAPABILITY_GROUP_NON_UNIFORM_ARITHMETIC);
+            assert_eq!(uses, s.feature == Feature::Subgroup, "{}", s.name);
         }
     }
 

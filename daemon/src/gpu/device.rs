@@ -15,6 +15,7 @@ pub struct Device {
     pub(crate) memory: vk::PhysicalDeviceMemoryProperties,
     pub(crate) limits: vk::PhysicalDeviceLimits,
     pub(crate) subgroup_size: u32,
+    subgroup_arithmetic: bool,
     info: DeviceInfo,
     // Dropped after `Drop::drop` destroyed the device: the instance must outlive it.
     _instance: Arc<Instance>,
@@ -68,6 +69,12 @@ impl Device {
             memory,
             limits,
             subgroup_size: subgroup.subgroup_size,
+            subgroup_arithmetic: subgroup
+                .supported_operations
+                .contains(vk::SubgroupFeatureFlags::ARITHMETIC)
+                && subgroup
+                    .supported_stages
+                    .contains(vk::ShaderStageFlags::COMPUTE),
             info,
             _instance: instance,
         }))
@@ -86,8 +93,24 @@ impl Device {
         self.subgroup_size
     }
 
+    /// Whether compute shaders may use subgroup arithmetic (the `Subgroup` shader variants).
+    pub fn subgroup_arithmetic(&self) -> bool {
+        self.subgroup_arithmetic
+    }
+
     /// Records commands with `record`, submits them and waits for them to finish.
     pub fn run_once(&self, record: impl FnOnce(vk::CommandBuffer)) -> Result<()> {
+        self.try_run_once(|cmd| {
+            record(cmd);
+            Ok(())
+        })
+    }
+
+    /// As [`Device::run_once`], but a recording that fails is not submitted.
+    pub fn try_run_once<T>(
+        &self,
+        record: impl FnOnce(vk::CommandBuffer) -> Result<T>,
+    ) -> Result<T> {
         let pool = self.pool.lock();
         let alloc = vk::CommandBufferAllocateInfo::default()
             .command_pool(*pool)
@@ -96,23 +119,24 @@ impl Device {
         // SAFETY: the pool is externally synchronised by its mutex, held for this whole call.
         let cmd = unsafe { self.raw.allocate_command_buffers(&alloc) }.map_err(map_vk)?[0];
         let result = self.record_submit_wait(cmd, record);
-        // SAFETY: the fence wait above (or a failure before submit) means `cmd` is not pending.
+        // SAFETY: the fence wait (or a failure before submit) means `cmd` is not pending.
         unsafe { self.raw.free_command_buffers(*pool, &[cmd]) };
         result
     }
 
-    fn record_submit_wait(
+    fn record_submit_wait<T>(
         &self,
         cmd: vk::CommandBuffer,
-        record: impl FnOnce(vk::CommandBuffer),
-    ) -> Result<()> {
+        record: impl FnOnce(vk::CommandBuffer) -> Result<T>,
+    ) -> Result<T> {
         let begin = vk::CommandBufferBeginInfo::default()
             .flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT);
         // SAFETY: `cmd` is a freshly allocated primary command buffer of this device.
         unsafe { self.raw.begin_command_buffer(cmd, &begin) }.map_err(map_vk)?;
-        record(cmd);
+        let recorded = record(cmd);
         // SAFETY: recording began above.
         unsafe { self.raw.end_command_buffer(cmd) }.map_err(map_vk)?;
+        let value = recorded?;
         // SAFETY: `raw` is a live device.
         let fence = unsafe { self.raw.create_fence(&vk::FenceCreateInfo::default(), None) }
             .map_err(map_vk)?;
@@ -129,7 +153,13 @@ impl Device {
         });
         // SAFETY: the wait finished (or the submit failed), so the fence is not in use.
         unsafe { self.raw.destroy_fence(fence, None) };
-        result.map_err(map_vk)
+        result.map_err(map_vk)?;
+        Ok(value)
+    }
+
+    /// Alignment of storage-buffer binding offsets.
+    pub fn storage_offset_alignment(&self) -> u64 {
+        self.limits.min_storage_buffer_offset_alignment.max(4)
     }
 
     /// Index of a memory type allowed by `type_bits` with all of `flags`, if any.

@@ -12,12 +12,26 @@ pub enum GpuError {
     NoSuchDevice { index: usize, count: usize },
     #[error("out of {0} memory")]
     OutOfMemory(MemoryKind),
+    /// Out of device memory by our own ceiling (`--vram-budget`), not the driver's.
+    #[error("out of device memory: {requested} bytes more would pass the VRAM budget of {budget} ({held} held)")]
+    OverBudget {
+        requested: u64,
+        held: u64,
+        budget: u64,
+    },
     #[error("the Vulkan device was lost")]
     DeviceLost,
     #[error("unsupported: {0}")]
     Unsupported(String),
     #[error("Vulkan call failed: {0}")]
     Other(vk::Result),
+}
+
+impl GpuError {
+    /// Whether memory ran out, the driver's or our budget's.
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, GpuError::OutOfMemory(_) | GpuError::OverBudget { .. })
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

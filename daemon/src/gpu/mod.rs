@@ -3,23 +3,33 @@
 //! safety contract; above it callers see safe RAII types that destroy themselves in `Drop` and
 //! hold an `Arc` of what they were created from.
 //!
-//! What exists so far: instance and device choice, host-visible storage buffers, compute
-//! pipelines from the shader table and one-shot dispatches. Device-local memory, the transfer
-//! queue and recorded decode steps come with the Vulkan backend proper.
+//! Layers, bottom up: instance and device choice; the memory sub-allocator under a VRAM budget
+//! ([`alloc`]); buffers and staging uploads; pipelines from the shader table, cached per variant,
+//! and recordings of many dispatches with barriers only on real dependencies ([`record`]); the
+//! ops of a decode step ([`ops`]); a dense model's whole decode step on the GPU ([`forward`]).
+//! Not yet: the transfer queue, batched prompts, MoE layers.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod alloc;
 mod buffer;
 mod device;
 mod error;
+pub mod forward;
 mod instance;
+pub mod ops;
 mod pipeline;
+pub mod record;
+pub mod upload;
 
+pub use alloc::{Allocator, Budget, MemoryUse};
 pub use buffer::Buffer;
 pub use device::Device;
 pub use error::{map_vk, GpuError, MemoryKind};
 pub use instance::{DeviceInfo, DeviceKind, Instance};
 pub use pipeline::ComputePipeline;
+pub use record::{Kernels, RecordStats, Recorder};
+pub use upload::Uploader;
 
 /// Set (to anything but `0`) where a Vulkan device must exist, as in CI: GPU tests then fail
 /// instead of skipping when none is found.

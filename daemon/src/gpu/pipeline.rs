@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use ash::vk;
 use parking_lot::Mutex;
-use spillway_shaders::ShaderId;
+use spillway_shaders::{spirv, ShaderId};
 
 use super::buffer::Buffer;
 use super::device::Device;
@@ -13,13 +13,13 @@ use super::error::{map_vk, GpuError, Result};
 /// A compute pipeline whose bindings 0..n are storage buffers and which takes `push_bytes` of
 /// push constants.
 pub struct ComputePipeline {
-    raw: vk::Pipeline,
-    layout: vk::PipelineLayout,
-    set_layout: vk::DescriptorSetLayout,
+    pub(crate) raw: vk::Pipeline,
+    pub(crate) layout: vk::PipelineLayout,
+    pub(crate) set_layout: vk::DescriptorSetLayout,
     pool: Mutex<vk::DescriptorPool>,
     module: vk::ShaderModule,
-    n_buffers: u32,
-    push_bytes: u32,
+    pub(crate) n_buffers: u32,
+    pub(crate) push_bytes: u32,
     device: Arc<Device>,
 }
 
@@ -117,6 +117,16 @@ impl ComputePipeline {
                 .map_err(|(_, e)| map_vk(e))?[0];
             Ok(p)
         }
+    }
+
+    /// The pipeline of a variant of the shader table, with the bindings of its op and the push
+    /// constants its SPIR-V declares.
+    pub fn for_shader(device: &Arc<Device>, shader: ShaderId) -> Result<ComputePipeline> {
+        let info = shader.info();
+        let push_bytes = spirv::push_constant_layout(&info.words())
+            .and_then(|l| l.last().map(|&(off, size)| off + size))
+            .unwrap_or(0);
+        ComputePipeline::new(device, shader, info.op.bindings(), push_bytes, &[])
     }
 
     /// Binds `buffers` to bindings 0..n, pushes `push`, dispatches `groups` workgroups, and waits

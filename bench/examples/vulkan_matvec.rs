@@ -1,0 +1,102 @@
+//! Achieved bandwidth of the Vulkan matrix-vector kernels: GB/s over the bytes of the weights,
+//! from GPU timestamps around one recording of many products. Each product reads another copy
+//! of the matrix (at least 512 MiB of copies in all, ten times the L2 of an H100/H200), so the weights come from VRAM, not L2.
+//!
+//! `cargo run --release -p spillway-bench --example vulkan_matvec [-- N_IN N_OUT ...]`
+
+use std::sync::Arc;
+
+use spillway_daemon::gguf::GgmlType;
+use spillway_daemon::gpu::ops::GpuMatrix;
+use spillway_daemon::gpu::{Allocator, Buffer, Device, Instance, Kernels, MemoryUse, Uploader};
+
+/// Bytes of `ty` rows whose scales are small and finite (the values do not matter here).
+fn rows(ty: GgmlType, n_in: usize, n_out: usize) -> Vec<u8> {
+    let rb = ty.row_bytes(n_in as u64).unwrap() as usize;
+    let mut s = 0x9E37_79B9_7F4A_7C15u64;
+    let mut out: Vec<u8> = (0..rb * n_out)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 32) as u8
+        })
+        .collect();
+    let bb = ty.block_bytes() as usize;
+    let at = match ty {
+        GgmlType::Q6K => 208,
+        _ => 0,
+    };
+    let d = half::f16::from_f32(0.01).to_le_bytes();
+    for b in out.chunks_exact_mut(bb) {
+        b[at..at + 2].copy_from_slice(&d);
+    }
+    out
+}
+
+fn main() {
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .map(|a| a.parse().unwrap())
+        .collect();
+    let shapes: Vec<(usize, usize)> = if args.is_empty() {
+        vec![(4096, 4096), (4096, 14336), (14336, 4096)]
+    } else {
+        args.chunks_exact(2).map(|c| (c[0], c[1])).collect()
+    };
+    let device = Device::open(Instance::new().unwrap(), None).unwrap();
+    println!("device: {}", device.info().name);
+    println!("| weights | n_in × n_out | matrix MiB | copies | GPU µs / product | GB/s |");
+    println!("| --- | --- | --- | --- | --- | --- |");
+    for (n_in, n_out) in shapes {
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q4K,
+            GgmlType::Q6K,
+            GgmlType::Q8_0,
+            GgmlType::F16,
+        ] {
+            measure(&device, ty, n_in, n_out);
+        }
+    }
+}
+
+fn measure(device: &Arc<Device>, ty: GgmlType, n_in: usize, n_out: usize) {
+    let alloc = Allocator::new(device, None);
+    let kernels = Kernels::new(device);
+    let data = rows(ty, n_in, n_out);
+    let copies = (512usize << 20).div_ceil(data.len()).clamp(2, 256);
+    let mut up = Uploader::new(&alloc, 64 << 20).unwrap();
+    let mats: Vec<GpuMatrix> = (0..copies)
+        .map(|_| GpuMatrix::upload(&alloc, &mut up, ty, n_in, n_out, &data).unwrap())
+        .collect();
+    up.flush().unwrap();
+    let x = Buffer::new_in(&alloc, n_in as u64 * 4, MemoryUse::DeviceLocal).unwrap();
+    let ys: Vec<Buffer> = (0..copies)
+        .map(|_| Buffer::new_in(&alloc, n_out as u64 * 4, MemoryUse::DeviceLocal).unwrap())
+        .collect();
+    let run = || {
+        kernels
+            .record_timed(|r| {
+                for (m, y) in mats.iter().zip(&ys) {
+                    r.matvec(m, &x, y)?;
+                }
+                Ok(())
+            })
+            .unwrap()
+    };
+    run(); // pipelines, caches, clocks
+    let best = (0..5)
+        .filter_map(|_| run().gpu_ns)
+        .min()
+        .expect("the queue has timestamps");
+    let per = best as f64 / copies as f64;
+    let gbs = data.len() as f64 / per;
+    println!(
+        "| {} | {n_in} × {n_out} | {:.1} | {copies} | {:.1} | {:.0} |",
+        ty.name(),
+        data.len() as f64 / (1 << 20) as f64,
+        per / 1e3,
+        gbs
+    );
+}

@@ -1,0 +1,354 @@
+//! Our device-memory sub-allocator: large blocks per memory type, carved into buffers by first
+//! fit, under a hard VRAM budget. Drivers allow few allocations (`maxMemoryAllocationCount` can
+//! be 4096) and allocate slowly, so buffers share blocks; a budget lets a big GPU behave as a
+//! small one, so every block on a device-local heap counts against it whole.
+
+mod ranges;
+
+use std::sync::Arc;
+
+use ash::vk;
+use parking_lot::Mutex;
+
+use super::device::Device;
+use super::error::{map_vk, GpuError, Result};
+
+use ranges::BlockRanges;
+pub use ranges::Budget;
+
+/// What a buffer's memory is for; each use has a preference list of memory types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MemoryUse {
+    /// Weights, activations, the KV cache: device-local, preferably not host-visible (the
+    /// host-visible device-local heap is small on discrete GPUs without resizable BAR).
+    DeviceLocal,
+    /// Host-visible and coherent, preferably in system RAM: staging for uploads and readback.
+    Staging,
+    /// Host-visible memory the GPU reads fast: the device-local host-visible heap when the GPU
+    /// exposes one (resizable BAR, integrated GPUs), else staging memory.
+    DeviceMapped,
+}
+
+const DL: vk::MemoryPropertyFlags = vk::MemoryPropertyFlags::DEVICE_LOCAL;
+const HV: vk::MemoryPropertyFlags = vk::MemoryPropertyFlags::HOST_VISIBLE;
+const HC: vk::MemoryPropertyFlags = vk::MemoryPropertyFlags::HOST_COHERENT;
+const HV_HC: vk::MemoryPropertyFlags = vk::MemoryPropertyFlags::from_raw(HV.as_raw() | HC.as_raw());
+const DL_HV_HC: vk::MemoryPropertyFlags =
+    vk::MemoryPropertyFlags::from_raw(DL.as_raw() | HV.as_raw() | HC.as_raw());
+
+impl MemoryUse {
+    /// (required flags, flags that must be absent), best first.
+    fn preferences(self) -> &'static [(vk::MemoryPropertyFlags, vk::MemoryPropertyFlags)] {
+        const NONE: vk::MemoryPropertyFlags = vk::MemoryPropertyFlags::empty();
+        match self {
+            MemoryUse::DeviceLocal => &[(DL, HV), (DL, NONE), (NONE, NONE)],
+            MemoryUse::Staging => &[(HV_HC, DL), (HV_HC, NONE)],
+            MemoryUse::DeviceMapped => &[(DL_HV_HC, NONE), (HV_HC, NONE)],
+        }
+    }
+}
+
+/// The memory type for `usage` among `types` (the device's list) allowed by `type_bits`.
+pub fn choose_memory_type(
+    types: &[vk::MemoryType],
+    type_bits: u32,
+    usage: MemoryUse,
+) -> Option<u32> {
+    usage.preferences().iter().find_map(|&(want, avoid)| {
+        (0..types.len() as u32).find(|&i| {
+            let f = types[i as usize].property_flags;
+            type_bits & (1 << i) != 0 && f.contains(want) && !f.intersects(avoid)
+        })
+    })
+}
+
+/// Block size for new blocks; bigger requests get a block of their own size.
+pub const DEFAULT_BLOCK_BYTES: u64 = 64 << 20;
+
+struct Block {
+    memory: vk::DeviceMemory,
+    /// Start of the mapping when the memory type is host-visible.
+    mapped: Option<std::ptr::NonNull<u8>>,
+    ranges: BlockRanges,
+    counted: bool,
+}
+
+struct State {
+    /// Per memory type index, its blocks (a freed block leaves `None` so ids stay put).
+    blocks: Vec<Vec<Option<Block>>>,
+    budget: Budget,
+}
+
+/// The sub-allocator of one device.
+pub struct Allocator {
+    device: Arc<Device>,
+    block_bytes: u64,
+    state: Mutex<State>,
+}
+
+// SAFETY: the raw mapping pointers are only dereferenced through `Allocation`s, each covering a
+// disjoint range; the state is behind a mutex.
+unsafe impl Send for Allocator {}
+unsafe impl Sync for Allocator {}
+
+/// A range of a block, returned to it on drop.
+pub struct Allocation {
+    allocator: Arc<Allocator>,
+    type_index: u32,
+    block: usize,
+    pub(crate) memory: vk::DeviceMemory,
+    pub(crate) offset: u64,
+    size: u64,
+    pub(crate) mapped: Option<std::ptr::NonNull<u8>>,
+}
+
+// SAFETY: as `Allocator`: the mapped range belongs to this allocation alone.
+unsafe impl Send for Allocation {}
+unsafe impl Sync for Allocation {}
+
+impl Allocator {
+    /// An allocator whose device-local blocks never add up to more than `vram_budget` bytes.
+    pub fn new(device: &Arc<Device>, vram_budget: Option<u64>) -> Arc<Allocator> {
+        Allocator::with_block_size(device, vram_budget, DEFAULT_BLOCK_BYTES)
+    }
+
+    pub fn with_block_size(
+        device: &Arc<Device>,
+        vram_budget: Option<u64>,
+        block_bytes: u64,
+    ) -> Arc<Allocator> {
+        let n_types = device.memory.memory_type_count as usize;
+        Arc::new(Allocator {
+            device: device.clone(),
+            block_bytes,
+            state: Mutex::new(State {
+                blocks: (0..n_types).map(|_| Vec::new()).collect(),
+                budget: Budget::new(vram_budget),
+            }),
+        })
+    }
+
+    pub fn device(&self) -> &Arc<Device> {
+        &self.device
+    }
+
+    /// The budget as it stands.
+    pub fn budget(&self) -> Budget {
+        self.state.lock().budget
+    }
+
+    /// Number of device memory objects held (for tests and status).
+    pub fn block_count(&self) -> usize {
+        let s = self.state.lock();
+        s.blocks.iter().flatten().filter(|b| b.is_some()).count()
+    }
+
+    fn counts_against_budget(&self, type_index: u32) -> bool {
+        let ty = self.device.memory.memory_types[type_index as usize];
+        let heap = self.device.memory.memory_heaps[ty.heap_index as usize];
+        heap.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL)
+    }
+
+    /// Memory for `req` of the given use.
+    pub fn allocate(
+        self: &Arc<Self>,
+        req: vk::MemoryRequirements,
+        usage: MemoryUse,
+    ) -> Result<Allocation> {
+        let types =
+            &self.device.memory.memory_types[..self.device.memory.memory_type_count as usize];
+        let type_index =
+            choose_memory_type(types, req.memory_type_bits, usage).ok_or_else(|| {
+                GpuError::Unsupported(format!("no memory type for {usage:?} buffers"))
+            })?;
+        let align = req.alignment.max(1).next_power_of_two();
+        let mut state = self.state.lock();
+        let pool = &mut state.blocks[type_index as usize];
+        let found = pool.iter_mut().enumerate().find_map(|(i, b)| {
+            let b = b.as_mut()?;
+            let off = b.ranges.alloc(req.size, align)?;
+            Some((i, off, b.memory, b.mapped))
+        });
+        let (block, offset, memory, base) = match found {
+            Some(f) => f,
+            None => {
+                let i = self.new_block(&mut state, type_index, req.size)?;
+                let b = state.blocks[type_index as usize][i]
+                    .as_mut()
+                    .expect("just made");
+                let off = b
+                    .ranges
+                    .alloc(req.size, align)
+                    .expect("the block fits the request");
+                (i, off, b.memory, b.mapped)
+            }
+        };
+        // SAFETY: `offset + size` lies inside the block, which the mapping covers whole.
+        let mapped = base.map(|p| unsafe { p.add(offset as usize) });
+        Ok(Allocation {
+            allocator: self.clone(),
+            type_index,
+            block,
+            memory,
+            offset,
+            size: req.size,
+            mapped,
+        })
+    }
+
+    /// Allocates (and maps, when host-visible) a new block able to hold `request` bytes; its
+    /// slot index.
+    fn new_block(&self, state: &mut State, type_index: u32, request: u64) -> Result<usize> {
+        let counted = self.counts_against_budget(type_index);
+        let size = if counted {
+            state
+                .budget
+                .block_size(request, self.block_bytes)
+                .ok_or_else(|| GpuError::OverBudget {
+                    requested: request,
+                    held: state.budget.held(),
+                    budget: state.budget.limit().unwrap_or(u64::MAX),
+                })?
+        } else {
+            request.max(self.block_bytes)
+        };
+        let dev = &self.device.raw;
+        let info = vk::MemoryAllocateInfo::default()
+            .allocation_size(size)
+            .memory_type_index(type_index);
+        // SAFETY: a valid allocation info for this device's memory types.
+        let memory = unsafe { dev.allocate_memory(&info, None) }.map_err(map_vk)?;
+        let host_visible = self.device.memory.memory_types[type_index as usize]
+            .property_flags
+            .contains(HV);
+        // Host-visible blocks are always mapped: a later request of another use may share them.
+        let mapped = if host_visible {
+            // SAFETY: `memory` is host-visible and not mapped yet; it stays mapped until freed.
+            match unsafe { dev.map_memory(memory, 0, vk::WHOLE_SIZE, vk::MemoryMapFlags::empty()) }
+            {
+                Ok(p) => std::ptr::NonNull::new(p.cast::<u8>()),
+                Err(e) => {
+                    // SAFETY: nothing uses the memory yet.
+                    unsafe { dev.free_memory(memory, None) };
+                    return Err(map_vk(e));
+                }
+            }
+        } else {
+            None
+        };
+        if counted {
+            state
+                .budget
+                .take(size)
+                .expect("block_size kept within the budget");
+        }
+        let block = Block {
+            memory,
+            mapped,
+            ranges: BlockRanges::new(size),
+            counted,
+        };
+        let pool = &mut state.blocks[type_index as usize];
+        match pool.iter().position(Option::is_none) {
+            Some(i) => {
+                pool[i] = Some(block);
+                Ok(i)
+            }
+            None => {
+                pool.push(Some(block));
+                Ok(pool.len() - 1)
+            }
+        }
+    }
+
+    fn release(&self, a: &Allocation) {
+        let mut state = self.state.lock();
+        let slot = &mut state.blocks[a.type_index as usize][a.block];
+        let b = slot.as_mut().expect("an allocation's block is alive");
+        b.ranges.free(a.offset, a.size);
+        if b.ranges.is_empty() {
+            // Empty blocks go back to the driver at once, so the budget sees only what is used.
+            let b = slot.take().expect("checked above");
+            if b.counted {
+                state.budget.give_back(b.ranges.size());
+            }
+            // SAFETY: no allocation (hence no buffer) uses the block any more; freeing unmaps.
+            unsafe { self.device.raw.free_memory(b.memory, None) };
+        }
+    }
+}
+
+impl Allocation {
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        self.allocator.release(self);
+    }
+}
+
+impl Drop for Allocator {
+    fn drop(&mut self) {
+        // Every allocation holds an `Arc` of the allocator, so all blocks are already freed.
+        debug_assert_eq!(self.block_count(), 0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ty(flags: vk::MemoryPropertyFlags) -> vk::MemoryType {
+        vk::MemoryType {
+            property_flags: flags,
+            heap_index: 0,
+        }
+    }
+
+    #[test]
+    fn discrete_gpu_types_are_preferred_per_use() {
+        // A typical discrete GPU: VRAM, system RAM, and a small BAR window of VRAM.
+        let types = [
+            ty(DL),
+            ty(HV | HC),
+            ty(HV | HC | vk::MemoryPropertyFlags::HOST_CACHED),
+            ty(DL | HV | HC),
+        ];
+        let all = 0b1111;
+        assert_eq!(
+            choose_memory_type(&types, all, MemoryUse::DeviceLocal),
+            Some(0)
+        );
+        assert_eq!(choose_memory_type(&types, all, MemoryUse::Staging), Some(1));
+        assert_eq!(
+            choose_memory_type(&types, all, MemoryUse::DeviceMapped),
+            Some(3)
+        );
+        // A buffer that may not live in type 0 falls back to the BAR window, then anywhere.
+        assert_eq!(
+            choose_memory_type(&types, 0b1110, MemoryUse::DeviceLocal),
+            Some(3)
+        );
+        assert_eq!(
+            choose_memory_type(&types, 0b0110, MemoryUse::DeviceLocal),
+            Some(1)
+        );
+    }
+
+    #[test]
+    fn unified_memory_serves_every_use_from_one_type() {
+        // lavapipe and most integrated GPUs: one type with everything.
+        let types = [ty(DL | HV | HC)];
+        for u in [
+            MemoryUse::DeviceLocal,
+            MemoryUse::Staging,
+            MemoryUse::DeviceMapped,
+        ] {
+            assert_eq!(choose_memory_type(&types, 1, u), Some(0), "{u:?}");
+        }
+        assert_eq!(choose_memory_type(&types, 0, MemoryUse::Staging), None);
+    }
+}

@@ -1,0 +1,359 @@
+//! The operations of a decode step, recorded through a [`Recorder`]: each picks its variant from
+//! the shader table, fills its push constants and sizes its grid. Weight matrices larger than one
+//! binding may cover (`maxStorageBufferRange`) are bound a range of rows at a time.
+
+use std::sync::Arc;
+
+use spillway_shaders::{
+    AttentionParams, EltwiseParams, GetRowsParams, KvStoreParams, MatVecParams, Op, RmsNormParams,
+    RopeParams, ShaderId, WeightType,
+};
+
+use super::alloc::{Allocator, MemoryUse};
+use super::buffer::Buffer;
+use super::error::{GpuError, Result};
+use super::record::{Access, Binding, Recorder};
+use super::upload::Uploader;
+use crate::gguf::GgmlType;
+use crate::model::RopeLayout;
+
+/// The shader weight type of a GGUF type, if the GPU kernels read it.
+pub fn weight_type(ty: GgmlType) -> Option<WeightType> {
+    Some(match ty {
+        GgmlType::F16 => WeightType::F16,
+        GgmlType::Q8_0 => WeightType::Q8_0,
+        GgmlType::Q4_0 => WeightType::Q4_0,
+        GgmlType::Q4K => WeightType::Q4K,
+        GgmlType::Q6K => WeightType::Q6K,
+        _ => return None,
+    })
+}
+
+/// A weight matrix in device-local memory: `n_out` rows of `n_in` weights, in the file's
+/// encoding.
+pub struct GpuMatrix {
+    pub buffer: Buffer,
+    pub wtype: WeightType,
+    pub n_in: usize,
+    pub n_out: usize,
+    pub row_bytes: u64,
+}
+
+impl GpuMatrix {
+    /// Uploads `data` (rows of `ty`) into a new device-local buffer. The copy may still be
+    /// pending in `uploader` when this returns.
+    pub fn upload(
+        allocator: &Arc<Allocator>,
+        uploader: &mut Uploader,
+        ty: GgmlType,
+        n_in: usize,
+        n_out: usize,
+        data: &[u8],
+    ) -> Result<GpuMatrix> {
+        let wtype = weight_type(ty)
+            .ok_or_else(|| GpuError::Unsupported(format!("{ty} weights on the GPU")))?;
+        let row_bytes = ty
+            .row_bytes(n_in as u64)
+            .filter(|_| n_in.is_multiple_of(32))
+            .ok_or_else(|| GpuError::Unsupported(format!("rows of {n_in} {ty} weights")))?;
+        assert_eq!(data.len() as u64, row_bytes * n_out as u64, "matrix bytes");
+        let buffer = Buffer::new_in(allocator, data.len() as u64, MemoryUse::DeviceLocal)?;
+        // Uploads are whole words; the buffer is rounded up to them.
+        let mut padded;
+        let bytes = if data.len().is_multiple_of(4) {
+            data
+        } else {
+            padded = data.to_vec();
+            padded.resize(data.len().next_multiple_of(4), 0);
+            &padded[..]
+        };
+        uploader.upload(&buffer, 0, bytes)?;
+        Ok(GpuMatrix {
+            buffer,
+            wtype,
+            n_in,
+            n_out,
+            row_bytes,
+        })
+    }
+}
+
+/// A device-local f32 vector filled from the host.
+pub fn upload_f32(
+    allocator: &Arc<Allocator>,
+    uploader: &mut Uploader,
+    values: &[f32],
+) -> Result<Buffer> {
+    let buffer = Buffer::new_in(allocator, values.len() as u64 * 4, MemoryUse::DeviceLocal)?;
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    uploader.upload(&buffer, 0, &bytes)?;
+    Ok(buffer)
+}
+
+/// A grid of `n` workgroups, folded into two dimensions past 65535 (the smallest limit Vulkan
+/// guarantees per dimension); kernels that use it rebuild the index from both.
+fn grid(n: u32) -> [u32; 3] {
+    const MAX: u32 = 65535;
+    if n <= MAX {
+        [n.max(1), 1, 1]
+    } else {
+        [MAX, n.div_ceil(MAX), 1]
+    }
+}
+
+/// Parameters of RoPE for one set of heads.
+#[derive(Debug, Clone, Copy)]
+pub struct RopeArgs {
+    pub layout: RopeLayout,
+    pub n_heads: u32,
+    pub head_dim: u32,
+    pub n_rot: u32,
+    pub pos: u32,
+    /// RMSNorm eps, used with a QK-norm weight.
+    pub eps: f32,
+}
+
+/// Parameters of one token's attention.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionArgs {
+    pub n_heads: u32,
+    pub n_kv_heads: u32,
+    pub head_dim: u32,
+    /// Positions that attend: the new token's included.
+    pub n_kv: u32,
+    /// Floats per head in the scores scratch buffer (the cache capacity).
+    pub scores_stride: u32,
+}
+
+impl Recorder<'_> {
+    /// `y = W · x` (f32 vectors of `n_in` and `n_out`).
+    pub fn matvec(&mut self, w: &GpuMatrix, x: &Buffer, y: &Buffer) -> Result<()> {
+        let id = self.variant(Op::MatVec, Some(w.wtype))?;
+        let (rb, align) = (w.row_bytes, self.align);
+        let max_rows = (self.max_range.saturating_sub(align) / rb).max(1);
+        let mut r0 = 0u64;
+        while r0 < w.n_out as u64 {
+            let start = r0 * rb;
+            let bound = start / align * align;
+            let rows = (w.n_out as u64 - r0).min(max_rows);
+            let range = (start - bound + rows * rb)
+                .next_multiple_of(4)
+                .min(w.buffer.size() - bound);
+            let weights = Binding {
+                buffer: &w.buffer,
+                offset: bound,
+                range,
+                access: Access::Read,
+            };
+            let push = MatVecParams {
+                n_in: w.n_in as u32,
+                n_rows: rows as u32,
+                w_offset: (start - bound) as u32,
+                y_offset: r0 as u32,
+            };
+            let bindings = [weights, Binding::read(x), Binding::write(y)];
+            self.dispatch(id, &bindings, &push, grid(rows as u32))?;
+            r0 += rows;
+        }
+        Ok(())
+    }
+
+    /// Row `row` of `w` as f32 into `dst` (the embedding lookup).
+    pub fn get_rows(&mut self, w: &GpuMatrix, row: u32, dst: &Buffer) -> Result<()> {
+        if row as usize >= w.n_out {
+            return Err(GpuError::Unsupported(format!(
+                "row {row} of a matrix of {} rows",
+                w.n_out
+            )));
+        }
+        let id = self.variant(Op::GetRows, Some(w.wtype))?;
+        let start = u64::from(row) * w.row_bytes;
+        let bound = start / self.align * self.align;
+        let range = (start - bound + w.row_bytes)
+            .next_multiple_of(4)
+            .min(w.buffer.size() - bound);
+        let weights = Binding {
+            buffer: &w.buffer,
+            offset: bound,
+            range,
+            access: Access::Read,
+        };
+        let push = GetRowsParams {
+            n: w.n_in as u32,
+            w_offset: (start - bound) as u32,
+            dst_offset: 0,
+        };
+        let units = (w.n_in / 32) as u32;
+        self.dispatch(
+            id,
+            &[weights, Binding::write(dst)],
+            &push,
+            [units.div_ceil(64), 1, 1],
+        )
+    }
+
+    /// RMSNorm of `rows` rows of `n` values of `x`, times `w`, into `out`.
+    pub fn rms_norm(
+        &mut self,
+        x: &Buffer,
+        w: &Buffer,
+        out: &Buffer,
+        n: u32,
+        rows: u32,
+        eps: f32,
+    ) -> Result<()> {
+        let bindings = [Binding::read(x), Binding::read(w), Binding::write(out)];
+        let push = RmsNormParams { n, eps };
+        let id = self.variant(Op::RmsNorm, None)?;
+        self.dispatch(id, &bindings, &push, [rows, 1, 1])
+    }
+
+    /// RoPE of `args.n_heads` heads of `x` in place, at `args.pos`, with angles from `table`
+    /// (see [`rope_table`]); with `norm`, each head is RMS-normalised by it first (QK-norm).
+    pub fn rope(
+        &mut self,
+        x: &Buffer,
+        norm: Option<&Buffer>,
+        table: &Buffer,
+        args: RopeArgs,
+    ) -> Result<()> {
+        let id = self.variant(
+            match args.layout {
+                RopeLayout::Normal => Op::RopeNorm,
+                RopeLayout::Neox => Op::RopeNeox,
+            },
+            None,
+        )?;
+        if args.head_dim > 512 || args.n_rot > args.head_dim || !args.n_rot.is_multiple_of(2) {
+            return Err(GpuError::Unsupported(format!(
+                "RoPE of {} dims in heads of {}",
+                args.n_rot, args.head_dim
+            )));
+        }
+        let push = RopeParams {
+            head_dim: args.head_dim,
+            n_rot: args.n_rot,
+            pos: args.pos,
+            eps: args.eps,
+            qk_norm: u32::from(norm.is_some()),
+        };
+        // Without a norm the binding is unused; the table stands in for it.
+        let bindings = [
+            Binding::write(x),
+            Binding::read(norm.unwrap_or(table)),
+            Binding::read(table),
+        ];
+        self.dispatch(id, &bindings, &push, [args.n_heads, 1, 1])
+    }
+
+    /// `a += b` over `n` values.
+    pub fn add(&mut self, a: &Buffer, b: &Buffer, n: u32) -> Result<()> {
+        let push = EltwiseParams { n };
+        let bindings = [Binding::write(a), Binding::read(b)];
+        self.dispatch(ShaderId::Add, &bindings, &push, [n.div_ceil(256), 1, 1])
+    }
+
+    /// `gate = silu(gate) * up` over `n` values.
+    pub fn swiglu(&mut self, gate: &Buffer, up: &Buffer, n: u32) -> Result<()> {
+        let push = EltwiseParams { n };
+        let bindings = [Binding::write(gate), Binding::read(up)];
+        self.dispatch(ShaderId::Swiglu, &bindings, &push, [n.div_ceil(256), 1, 1])
+    }
+
+    /// Softmax of `rows` rows of `n` values of `x`, in place.
+    pub fn softmax(&mut self, x: &Buffer, n: u32, rows: u32) -> Result<()> {
+        let push = EltwiseParams { n };
+        let id = self.variant(Op::Softmax, None)?;
+        self.dispatch(id, &[Binding::write(x)], &push, [rows, 1, 1])
+    }
+
+    /// Stores `k` and `v` (f32, `kv_width` each) at `pos` of the f16 caches.
+    pub fn kv_store(
+        &mut self,
+        (k, v): (&Buffer, &Buffer),
+        (k_cache, v_cache): (&Buffer, &Buffer),
+        kv_width: u32,
+        pos: u32,
+    ) -> Result<()> {
+        if !kv_width.is_multiple_of(2)
+            || u64::from(pos + 1) * u64::from(kv_width) * 2 > k_cache.size()
+        {
+            return Err(GpuError::Unsupported(format!(
+                "KV store at {pos} of width {kv_width} in a {}-byte cache",
+                k_cache.size()
+            )));
+        }
+        let push = KvStoreParams { kv_width, pos };
+        let bindings = [
+            Binding::read(k),
+            Binding::read(v),
+            Binding::write(k_cache),
+            Binding::write(v_cache),
+        ];
+        self.dispatch(
+            ShaderId::KvStore,
+            &bindings,
+            &push,
+            [(kv_width / 2).div_ceil(64), 1, 1],
+        )
+    }
+
+    /// One token's attention: `out` (heads × head_dim) from `q` over positions `0..n_kv` of the
+    /// caches; `scores` is scratch of `n_heads × scores_stride` floats.
+    pub fn attention(
+        &mut self,
+        q: &Buffer,
+        (k_cache, v_cache): (&Buffer, &Buffer),
+        scores: &Buffer,
+        out: &Buffer,
+        a: AttentionArgs,
+    ) -> Result<()> {
+        if a.head_dim > 512
+            || !a.head_dim.is_multiple_of(2)
+            || a.n_kv_heads == 0
+            || !a.n_heads.is_multiple_of(a.n_kv_heads)
+            || a.n_kv > a.scores_stride
+        {
+            return Err(GpuError::Unsupported(format!("attention shape {a:?}")));
+        }
+        let push = AttentionParams {
+            head_dim: a.head_dim,
+            kv_width: a.n_kv_heads * a.head_dim,
+            n_kv: a.n_kv,
+            group: a.n_heads / a.n_kv_heads,
+            scores_stride: a.scores_stride,
+            scale: 1.0 / (a.head_dim as f32).sqrt(),
+        };
+        let bindings = [
+            Binding::read(q),
+            Binding::read(k_cache),
+            Binding::read(v_cache),
+            Binding::write(scores),
+            Binding::write(out),
+        ];
+        let id = self.variant(Op::Attention, None)?;
+        self.dispatch(id, &bindings, &push, [a.n_heads, 1, 1])
+    }
+}
+
+/// RoPE angles of positions `0..positions` as the CPU computes them (`engine::ops::rope_cache`),
+/// interleaved `cos, sin` per rotated pair, for [`Recorder::rope`].
+pub fn rope_table(
+    positions: usize,
+    n_rot: usize,
+    base: f32,
+    freq_scale: f32,
+    factors: Option<&[f32]>,
+) -> Vec<f32> {
+    let half = n_rot / 2;
+    let (mut cos, mut sin) = (vec![0.0; half], vec![0.0; half]);
+    let mut table = Vec::with_capacity(positions * n_rot);
+    for pos in 0..positions {
+        crate::engine::ops::rope_cache(pos, n_rot, base, freq_scale, factors, &mut cos, &mut sin);
+        for i in 0..half {
+            table.push(cos[i]);
+            table.push(sin[i]);
+        }
+    }
+    table
+}

@@ -1,0 +1,487 @@
+//! Many dispatches in one command buffer. [`Kernels`] creates each variant's pipeline once and
+//! keeps it; a [`Recorder`] binds, pushes and dispatches, and inserts a barrier only where a
+//! dispatch touches a buffer that an earlier dispatch since the last barrier wrote (read after
+//! write, write after write) or read (write after read).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use ash::vk;
+use parking_lot::Mutex;
+use spillway_shaders::{Feature, Op, PushConstants, ShaderId, WeightType};
+
+use super::buffer::Buffer;
+use super::device::Device;
+use super::error::{map_vk, GpuError, Result};
+use super::pipeline::ComputePipeline;
+
+/// The pipelines of the shader table, created on first use and cached.
+pub struct Kernels {
+    device: Arc<Device>,
+    /// Use the `Subgroup` variants where the table has them.
+    subgroups: bool,
+    cache: Mutex<HashMap<ShaderId, Arc<ComputePipeline>>>,
+}
+
+impl Kernels {
+    /// The kernels for `device`: its subgroup variants when it has subgroup arithmetic.
+    pub fn new(device: &Arc<Device>) -> Arc<Kernels> {
+        Kernels::with_subgroups(device, device.subgroup_arithmetic())
+    }
+
+    /// With `subgroups` false, only the `Base` variants (tests compare both).
+    pub fn with_subgroups(device: &Arc<Device>, subgroups: bool) -> Arc<Kernels> {
+        Arc::new(Kernels {
+            device: device.clone(),
+            subgroups: subgroups && device.subgroup_arithmetic(),
+            cache: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Whether the subgroup variants are in use.
+    pub fn uses_subgroups(&self) -> bool {
+        self.subgroups
+    }
+
+    /// The variant of `op` for `wtype` this device runs best.
+    pub fn variant(&self, op: Op, wtype: Option<WeightType>) -> Result<ShaderId> {
+        let subgroup = self
+            .subgroups
+            .then(|| ShaderId::find(op, wtype, Feature::Subgroup))
+            .flatten();
+        subgroup
+            .or_else(|| ShaderId::find(op, wtype, Feature::Base))
+            .ok_or_else(|| GpuError::Unsupported(format!("no {op:?} kernel for {wtype:?}")))
+    }
+
+    pub fn device(&self) -> &Arc<Device> {
+        &self.device
+    }
+
+    /// The pipeline of `shader`, created the first time it is asked for.
+    pub fn pipeline(&self, shader: ShaderId) -> Result<Arc<ComputePipeline>> {
+        let mut cache = self.cache.lock();
+        if let Some(p) = cache.get(&shader) {
+            return Ok(p.clone());
+        }
+        let p = Arc::new(ComputePipeline::for_shader(&self.device, shader)?);
+        cache.insert(shader, p.clone());
+        Ok(p)
+    }
+
+    /// Pipelines created so far.
+    pub fn cached(&self) -> usize {
+        self.cache.lock().len()
+    }
+
+    /// Records `f`'s dispatches into one command buffer, submits it and waits. Nothing is
+    /// submitted if `f` fails. Shader writes are visible to the host and to transfers after.
+    pub fn record(&self, f: impl FnOnce(&mut Recorder<'_>) -> Result<()>) -> Result<RecordStats> {
+        self.record_with_max_range(self.device.max_storage_buffer_range(), f)
+    }
+
+    /// [`Kernels::record`] with GPU timestamps around the whole recording: `gpu_ns` of the
+    /// stats is the time the GPU took (for benchmarks; `None` where the queue has no
+    /// timestamps).
+    pub fn record_timed(
+        &self,
+        f: impl FnOnce(&mut Recorder<'_>) -> Result<()>,
+    ) -> Result<RecordStats> {
+        let timer = Timer::new(&self.device)?;
+        let max_range = self.device.max_storage_buffer_range();
+        let mut stats = self.record_inner(max_range, Some(&timer), f)?;
+        stats.gpu_ns = timer.elapsed_ns()?;
+        Ok(stats)
+    }
+
+    /// [`Kernels::record`] binding at most `max_range` bytes of a buffer at once (tests use a
+    /// small limit to exercise splitting without huge buffers).
+    pub fn record_with_max_range(
+        &self,
+        max_range: u64,
+        f: impl FnOnce(&mut Recorder<'_>) -> Result<()>,
+    ) -> Result<RecordStats> {
+        self.record_inner(max_range, None, f)
+    }
+
+    fn record_inner(
+        &self,
+        max_range: u64,
+        timer: Option<&Timer>,
+        f: impl FnOnce(&mut Recorder<'_>) -> Result<()>,
+    ) -> Result<RecordStats> {
+        let mut arena = DescriptorArena {
+            pools: Vec::new(),
+            device: self.device.clone(),
+        };
+        self.device.try_run_once(|cmd| {
+            let mut rec = Recorder {
+                kernels: self,
+                cmd,
+                arena: &mut arena,
+                hazards: Hazards::default(),
+                stats: RecordStats::default(),
+                pipelines: Vec::new(),
+                max_range: max_range.min(self.device.max_storage_buffer_range()),
+                align: self.device.storage_offset_alignment(),
+            };
+            if let Some(t) = timer {
+                t.begin(cmd);
+            }
+            f(&mut rec)?;
+            if let Some(t) = timer {
+                t.end(cmd);
+            }
+            rec.finish();
+            Ok(rec.stats)
+        })
+        // `arena` (the descriptor sets) drops here, after the wait.
+    }
+}
+
+/// What a recording did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RecordStats {
+    pub dispatches: u32,
+    pub barriers: u32,
+    /// GPU time of the recording, from timestamps (only [`Kernels::record_timed`]).
+    pub gpu_ns: Option<u64>,
+}
+
+/// Two timestamp queries around a recording.
+struct Timer {
+    pool: vk::QueryPool,
+    device: Arc<Device>,
+}
+
+impl Timer {
+    fn new(device: &Arc<Device>) -> Result<Timer> {
+        let info = vk::QueryPoolCreateInfo::default()
+            .query_type(vk::QueryType::TIMESTAMP)
+            .query_count(2);
+        // SAFETY: a valid create info; the pool is destroyed in `Drop`.
+        let pool = unsafe { device.raw.create_query_pool(&info, None) }.map_err(map_vk)?;
+        Ok(Timer {
+            pool,
+            device: device.clone(),
+        })
+    }
+
+    fn begin(&self, cmd: vk::CommandBuffer) {
+        // SAFETY: `cmd` is recording; the pool has two queries.
+        unsafe {
+            self.device.raw.cmd_reset_query_pool(cmd, self.pool, 0, 2);
+            self.device.raw.cmd_write_timestamp(
+                cmd,
+                vk::PipelineStageFlags::TOP_OF_PIPE,
+                self.pool,
+                0,
+            );
+        }
+    }
+
+    fn end(&self, cmd: vk::CommandBuffer) {
+        // SAFETY: as `begin`.
+        unsafe {
+            self.device.raw.cmd_write_timestamp(
+                cmd,
+                vk::PipelineStageFlags::BOTTOM_OF_PIPE,
+                self.pool,
+                1,
+            );
+        }
+    }
+
+    /// Nanoseconds between the two timestamps, once the recording has completed.
+    fn elapsed_ns(&self) -> Result<Option<u64>> {
+        let mut ticks = [0u64; 2];
+        // SAFETY: both queries were written by a completed submission.
+        unsafe {
+            self.device.raw.get_query_pool_results(
+                self.pool,
+                0,
+                &mut ticks,
+                vk::QueryResultFlags::TYPE_64 | vk::QueryResultFlags::WAIT,
+            )
+        }
+        .map_err(map_vk)?;
+        let period = f64::from(self.device.limits.timestamp_period);
+        Ok((period > 0.0).then(|| (ticks[1].wrapping_sub(ticks[0]) as f64 * period) as u64))
+    }
+}
+
+impl Drop for Timer {
+    fn drop(&mut self) {
+        // SAFETY: the submission that used the pool has completed.
+        unsafe { self.device.raw.destroy_query_pool(self.pool, None) };
+    }
+}
+
+/// How a dispatch uses a binding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    Read,
+    /// Written, and perhaps read too.
+    Write,
+}
+
+/// A range of a buffer bound to one binding.
+#[derive(Clone, Copy)]
+pub struct Binding<'b> {
+    pub buffer: &'b Buffer,
+    pub offset: u64,
+    pub range: u64,
+    pub access: Access,
+}
+
+impl<'b> Binding<'b> {
+    pub fn read(buffer: &'b Buffer) -> Binding<'b> {
+        Binding {
+            buffer,
+            offset: 0,
+            range: buffer.size(),
+            access: Access::Read,
+        }
+    }
+
+    pub fn write(buffer: &'b Buffer) -> Binding<'b> {
+        Binding {
+            access: Access::Write,
+            ..Binding::read(buffer)
+        }
+    }
+}
+
+/// Buffers touched since the last barrier.
+#[derive(Default)]
+struct Hazards {
+    read: Vec<vk::Buffer>,
+    written: Vec<vk::Buffer>,
+}
+
+impl Hazards {
+    fn conflicts(&self, b: &Binding<'_>) -> bool {
+        let raw = b.buffer.raw;
+        self.written.contains(&raw) || (b.access == Access::Write && self.read.contains(&raw))
+    }
+
+    fn note(&mut self, b: &Binding<'_>) {
+        let list = match b.access {
+            Access::Read => &mut self.read,
+            Access::Write => &mut self.written,
+        };
+        if !list.contains(&b.buffer.raw) {
+            list.push(b.buffer.raw);
+        }
+    }
+}
+
+/// Descriptor pools of one recording, destroyed with it.
+struct DescriptorArena {
+    pools: Vec<vk::DescriptorPool>,
+    device: Arc<Device>,
+}
+
+const SETS_PER_POOL: u32 = 256;
+const MAX_BINDINGS: u32 = 8;
+
+impl DescriptorArena {
+    fn set(&mut self, layout: vk::DescriptorSetLayout) -> Result<vk::DescriptorSet> {
+        let dev = &self.device.raw;
+        let layouts = [layout];
+        if let Some(&pool) = self.pools.last() {
+            let info = vk::DescriptorSetAllocateInfo::default()
+                .descriptor_pool(pool)
+                .set_layouts(&layouts);
+            // SAFETY: the arena owns `pool` and is used by one thread (it is `&mut`).
+            match unsafe { dev.allocate_descriptor_sets(&info) } {
+                Ok(s) => return Ok(s[0]),
+                Err(vk::Result::ERROR_OUT_OF_POOL_MEMORY | vk::Result::ERROR_FRAGMENTED_POOL) => {}
+                Err(e) => return Err(map_vk(e)),
+            }
+        }
+        let sizes = [vk::DescriptorPoolSize::default()
+            .ty(vk::DescriptorType::STORAGE_BUFFER)
+            .descriptor_count(SETS_PER_POOL * MAX_BINDINGS)];
+        let info = vk::DescriptorPoolCreateInfo::default()
+            .max_sets(SETS_PER_POOL)
+            .pool_sizes(&sizes);
+        // SAFETY: a valid create info; the pool is destroyed in `Drop`.
+        let pool = unsafe { dev.create_descriptor_pool(&info, None) }.map_err(map_vk)?;
+        self.pools.push(pool);
+        let info = vk::DescriptorSetAllocateInfo::default()
+            .descriptor_pool(pool)
+            .set_layouts(&layouts);
+        // SAFETY: as above, from the fresh pool.
+        Ok(unsafe { dev.allocate_descriptor_sets(&info) }.map_err(map_vk)?[0])
+    }
+}
+
+impl Drop for DescriptorArena {
+    fn drop(&mut self) {
+        for &pool in &self.pools {
+            // SAFETY: the recording that used these sets has completed (or was never
+            // submitted); destroying a pool frees its sets.
+            unsafe { self.device.raw.destroy_descriptor_pool(pool, None) };
+        }
+    }
+}
+
+/// Records dispatches into one command buffer (see [`Kernels::record`]).
+pub struct Recorder<'k> {
+    kernels: &'k Kernels,
+    cmd: vk::CommandBuffer,
+    arena: &'k mut DescriptorArena,
+    hazards: Hazards,
+    stats: RecordStats,
+    /// Pipelines used, kept alive until the recording is done.
+    pipelines: Vec<Arc<ComputePipeline>>,
+    pub(crate) max_range: u64,
+    pub(crate) align: u64,
+}
+
+impl Recorder<'_> {
+    pub fn stats(&self) -> RecordStats {
+        self.stats
+    }
+
+    /// See [`Kernels::variant`].
+    pub fn variant(&self, op: Op, wtype: Option<WeightType>) -> Result<ShaderId> {
+        self.kernels.variant(op, wtype)
+    }
+
+    /// Records one dispatch of `shader` with `bindings` at bindings 0..n.
+    pub fn dispatch<P: PushConstants>(
+        &mut self,
+        shader: ShaderId,
+        bindings: &[Binding<'_>],
+        push: &P,
+        groups: [u32; 3],
+    ) -> Result<()> {
+        let pipeline = self.kernels.pipeline(shader)?;
+        let push = push.bytes();
+        if bindings.len() != pipeline.n_buffers as usize
+            || push.len() != pipeline.push_bytes as usize
+        {
+            return Err(GpuError::Unsupported(format!(
+                "{shader:?} takes {} buffers and {} push bytes, got {} and {}",
+                pipeline.n_buffers,
+                pipeline.push_bytes,
+                bindings.len(),
+                push.len()
+            )));
+        }
+        for b in bindings {
+            if b.range > self.max_range || b.offset + b.range > b.buffer.size() {
+                return Err(GpuError::Unsupported(format!(
+                    "binding of {} bytes at {} of a {}-byte buffer (at most {} at once): bind it by ranges",
+                    b.range,
+                    b.offset,
+                    b.buffer.size(),
+                    self.max_range
+                )));
+            }
+            if !b.offset.is_multiple_of(self.align) {
+                return Err(GpuError::Unsupported(format!(
+                    "binding offset {} is not a multiple of {}",
+                    b.offset, self.align
+                )));
+            }
+        }
+        if bindings.iter().any(|b| self.hazards.conflicts(b)) {
+            self.barrier();
+        }
+        bindings.iter().for_each(|b| self.hazards.note(b));
+
+        let set = self.arena.set(pipeline.set_layout)?;
+        let infos: Vec<[vk::DescriptorBufferInfo; 1]> = bindings
+            .iter()
+            .map(|b| {
+                [vk::DescriptorBufferInfo::default()
+                    .buffer(b.buffer.raw)
+                    .offset(b.offset)
+                    .range(b.range)]
+            })
+            .collect();
+        let writes: Vec<_> = infos
+            .iter()
+            .enumerate()
+            .map(|(i, info)| {
+                vk::WriteDescriptorSet::default()
+                    .dst_set(set)
+                    .dst_binding(i as u32)
+                    .descriptor_type(vk::DescriptorType::STORAGE_BUFFER)
+                    .buffer_info(info)
+            })
+            .collect();
+        let dev = &self.kernels.device.raw;
+        // SAFETY: `set` is new and unused; `cmd` is recording; the pipeline, its layout and the
+        // set belong to this device and outlive the submission (kept in `self.pipelines` and
+        // the arena); the bound ranges lie inside their buffers, as checked above.
+        unsafe {
+            dev.update_descriptor_sets(&writes, &[]);
+            dev.cmd_bind_pipeline(self.cmd, vk::PipelineBindPoint::COMPUTE, pipeline.raw);
+            dev.cmd_bind_descriptor_sets(
+                self.cmd,
+                vk::PipelineBindPoint::COMPUTE,
+                pipeline.layout,
+                0,
+                &[set],
+                &[],
+            );
+            if !push.is_empty() {
+                dev.cmd_push_constants(
+                    self.cmd,
+                    pipeline.layout,
+                    vk::ShaderStageFlags::COMPUTE,
+                    0,
+                    &push,
+                );
+            }
+            dev.cmd_dispatch(self.cmd, groups[0], groups[1], groups[2]);
+        }
+        self.pipelines.push(pipeline);
+        self.stats.dispatches += 1;
+        Ok(())
+    }
+
+    /// Compute writes before it are visible to compute reads and writes after it.
+    fn barrier(&mut self) {
+        let barrier = vk::MemoryBarrier::default()
+            .src_access_mask(vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::SHADER_READ)
+            .dst_access_mask(vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE);
+        // SAFETY: `cmd` is recording.
+        unsafe {
+            self.kernels.device.raw.cmd_pipeline_barrier(
+                self.cmd,
+                vk::PipelineStageFlags::COMPUTE_SHADER,
+                vk::PipelineStageFlags::COMPUTE_SHADER,
+                vk::DependencyFlags::empty(),
+                &[barrier],
+                &[],
+                &[],
+            );
+        }
+        self.hazards = Hazards::default();
+        self.stats.barriers += 1;
+    }
+
+    /// Makes every shader write visible to the host and to transfers.
+    fn finish(&mut self) {
+        let barrier = vk::MemoryBarrier::default()
+            .src_access_mask(vk::AccessFlags::SHADER_WRITE)
+            .dst_access_mask(vk::AccessFlags::HOST_READ | vk::AccessFlags::TRANSFER_READ);
+        // SAFETY: `cmd` is recording.
+        unsafe {
+            self.kernels.device.raw.cmd_pipeline_barrier(
+                self.cmd,
+                vk::PipelineStageFlags::COMPUTE_SHADER,
+                vk::PipelineStageFlags::HOST | vk::PipelineStageFlags::TRANSFER,
+                vk::DependencyFlags::empty(),
+                &[barrier],
+                &[],
+                &[],
+            );
+        }
+    }
+}

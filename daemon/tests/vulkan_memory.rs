@@ -1,0 +1,100 @@
+//! The device-memory sub-allocator, the VRAM budget and staging uploads, on whatever Vulkan
+//! device the machine has (lavapipe in CI). Without a device these tests skip, unless
+//! `SPILLWAY_REQUIRE_VULKAN` is set, in which case they fail. (The allocator's bookkeeping has
+//! unit tests of its own that need no device: `gpu::alloc`.)
+
+use std::sync::Arc;
+
+use spillway_daemon::gpu::upload::download;
+use spillway_daemon::gpu::{
+    Allocator, Buffer, Device, GpuError, Instance, MemoryUse, Uploader, REQUIRE_VULKAN_ENV,
+};
+
+fn device() -> Option<Arc<Device>> {
+    match Instance::new().and_then(|i| Device::open(i, None)) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            let required = std::env::var(REQUIRE_VULKAN_ENV).is_ok_and(|v| v != "0");
+            assert!(
+                !required,
+                "{REQUIRE_VULKAN_ENV} is set but no Vulkan device: {e}"
+            );
+            eprintln!("skipping: no Vulkan device ({e})");
+            None
+        }
+    }
+}
+
+/// Deterministic bytes from a xorshift generator.
+fn noise_bytes(n: usize, seed: u64) -> Vec<u8> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 32) as u8
+        })
+        .collect()
+}
+
+#[test]
+fn suballocations_share_blocks_and_blocks_go_back_when_empty() {
+    let Some(dev) = device() else { return };
+    let alloc = Allocator::with_block_size(&dev, None, 1 << 20);
+    let bufs: Vec<Buffer> = (0..10)
+        .map(|_| Buffer::new_in(&alloc, 64 << 10, MemoryUse::DeviceLocal).unwrap())
+        .collect();
+    assert_eq!(
+        alloc.block_count(),
+        1,
+        "ten 64 KiB buffers fit one 1 MiB block"
+    );
+    let big = Buffer::new_in(&alloc, 3 << 20, MemoryUse::DeviceLocal).unwrap();
+    assert_eq!(
+        alloc.block_count(),
+        2,
+        "a buffer above the block size gets its own"
+    );
+    drop(bufs);
+    drop(big);
+    assert_eq!(alloc.block_count(), 0);
+    assert_eq!(alloc.budget().held(), 0);
+}
+
+#[test]
+fn vram_budget_is_a_hard_ceiling_with_a_typed_error() {
+    let Some(dev) = device() else { return };
+    let budget = 2 << 20;
+    let alloc = Allocator::with_block_size(&dev, Some(budget), 1 << 20);
+    let a = Buffer::new_in(&alloc, 1536 << 10, MemoryUse::DeviceLocal).unwrap();
+    assert!(
+        alloc.budget().held() >= 1536 << 10,
+        "device-local memory is counted"
+    );
+    let err = Buffer::new_in(&alloc, 1 << 20, MemoryUse::DeviceLocal)
+        .err()
+        .expect("1 MiB more passes a 2 MiB budget");
+    assert!(err.is_out_of_memory(), "{err}");
+    assert!(matches!(err, GpuError::OverBudget { .. }), "{err}");
+    // What is left of the budget still serves smaller buffers.
+    let b = Buffer::new_in(&alloc, 256 << 10, MemoryUse::DeviceLocal).unwrap();
+    assert!(alloc.budget().held() <= budget);
+    drop((a, b));
+    assert_eq!(alloc.budget().held(), 0);
+    let _again = Buffer::new_in(&alloc, 2 << 20, MemoryUse::DeviceLocal).unwrap();
+}
+
+#[test]
+fn staging_upload_round_trips_through_device_local_memory() {
+    let Some(dev) = device() else { return };
+    let alloc = Allocator::new(&dev, None);
+    let data = noise_bytes(5 << 20, 3);
+    let dst = Buffer::new_in(&alloc, data.len() as u64 + 64, MemoryUse::DeviceLocal).unwrap();
+    // A 1 MiB staging buffer: the upload goes in several batches.
+    let mut up = Uploader::new(&alloc, 1 << 20).unwrap();
+    up.upload(&dst, 64, &data).unwrap();
+    up.flush().unwrap();
+    let back = download(&alloc, &dst, 64, data.len() as u64).unwrap();
+    assert!(back == data, "the bytes came back changed");
+}

@@ -1,0 +1,548 @@
+//! The memory sub-allocator, staging uploads and every op of the decode step against the CPU
+//! reference (`cpu::matvec`, `engine::ops`), on whatever Vulkan device the machine has
+//! (lavapipe in CI). Without a device these tests skip, unless `SPILLWAY_REQUIRE_VULKAN` is set,
+//! in which case they fail. Tolerances are stated where each comparison is made.
+
+use std::sync::Arc;
+
+use half::f16;
+use spillway_daemon::cpu::{attn, matvec, ThreadPool};
+use spillway_daemon::engine::ops;
+use spillway_daemon::gguf::GgmlType;
+use spillway_daemon::gpu::ops::{rope_table, AttentionArgs, GpuMatrix, RopeArgs};
+use spillway_daemon::gpu::upload::download;
+use spillway_daemon::gpu::{
+    Allocator, Buffer, Device, Instance, Kernels, MemoryUse, Uploader, REQUIRE_VULKAN_ENV,
+};
+use spillway_daemon::model::{MatRef, RopeLayout};
+use spillway_daemon::quant::{dequantize_row, quantize_row};
+
+fn device() -> Option<Arc<Device>> {
+    match Instance::new().and_then(|i| Device::open(i, None)) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            let required = std::env::var(REQUIRE_VULKAN_ENV).is_ok_and(|v| v != "0");
+            assert!(
+                !required,
+                "{REQUIRE_VULKAN_ENV} is set but no Vulkan device: {e}"
+            );
+            eprintln!("skipping: no Vulkan device ({e})");
+            None
+        }
+    }
+}
+
+/// Deterministic values in [-1, 1) from a xorshift generator.
+fn noise(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+fn noise_bytes(n: usize, seed: u64) -> Vec<u8> {
+    noise(n, seed)
+        .iter()
+        .map(|v| (v.to_bits() >> 11) as u8)
+        .collect()
+}
+
+/// Rows of `ty`: quantized from noise, or for the K-quants (which the project cannot quantize)
+/// random bytes with small, finite f16 scales.
+fn weight_rows(ty: GgmlType, n_in: usize, n_out: usize, seed: u64) -> Vec<u8> {
+    let rb = ty.row_bytes(n_in as u64).unwrap() as usize;
+    let mut out = vec![0u8; rb * n_out];
+    match ty {
+        GgmlType::Q4K | GgmlType::Q6K => {
+            out = noise_bytes(rb * n_out, seed);
+            let bb = ty.block_bytes() as usize;
+            let scales = noise(2 * out.len() / bb, seed + 1);
+            for (b, s) in out.chunks_exact_mut(bb).zip(scales.chunks_exact(2)) {
+                let d = f16::from_f32(0.002 + 0.01 * s[0].abs()).to_le_bytes();
+                let dmin = f16::from_f32(0.001 + 0.005 * s[1].abs()).to_le_bytes();
+                if ty == GgmlType::Q4K {
+                    b[0..2].copy_from_slice(&d);
+                    b[2..4].copy_from_slice(&dmin);
+                } else {
+                    b[208..210].copy_from_slice(&d);
+                }
+            }
+        }
+        _ => {
+            let values = noise(n_in * n_out, seed);
+            for (row, v) in out.chunks_exact_mut(rb).zip(values.chunks_exact(n_in)) {
+                quantize_row(ty, v, row).unwrap();
+            }
+        }
+    }
+    out
+}
+
+const TYPES: [GgmlType; 5] = [
+    GgmlType::F16,
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q4K,
+    GgmlType::Q6K,
+];
+
+struct Gpu {
+    alloc: Arc<Allocator>,
+    kernels: Arc<Kernels>,
+}
+
+impl Gpu {
+    fn new(dev: &Arc<Device>) -> Gpu {
+        Gpu {
+            alloc: Allocator::new(dev, None),
+            kernels: Kernels::new(dev),
+        }
+    }
+
+    /// With the base kernels, then with the subgroup variants when the device has them: the
+    /// tests that use it hold both to the same tolerances.
+    fn both(dev: &Arc<Device>) -> Vec<Gpu> {
+        [false, true]
+            .into_iter()
+            .filter(|&sg| !sg || dev.subgroup_arithmetic())
+            .map(|sg| {
+                eprintln!("subgroup variants: {sg}");
+                Gpu {
+                    alloc: Allocator::new(dev, None),
+                    kernels: Kernels::with_subgroups(dev, sg),
+                }
+            })
+            .collect()
+    }
+
+    /// A host-visible buffer holding `values`.
+    fn f32s(&self, values: &[f32]) -> Buffer {
+        let mut b =
+            Buffer::new_in(&self.alloc, values.len() as u64 * 4, MemoryUse::Staging).unwrap();
+        b.write_f32(values);
+        b
+    }
+
+    fn zeros(&self, n: usize) -> Buffer {
+        Buffer::new_in(&self.alloc, n as u64 * 4, MemoryUse::Staging).unwrap()
+    }
+
+    fn matrix(&self, ty: GgmlType, n_in: usize, n_out: usize, data: &[u8]) -> GpuMatrix {
+        let mut up = Uploader::new(&self.alloc, 1 << 20).unwrap();
+        let m = GpuMatrix::upload(&self.alloc, &mut up, ty, n_in, n_out, data).unwrap();
+        up.flush().unwrap();
+        m
+    }
+}
+
+// ---- matrix-vector products ----
+
+/// `Σ_i w_i x_i` in f64 over the dequantized row, and `Σ_i |w_i x_i|` for the tolerance.
+fn exact_dots(ty: GgmlType, data: &[u8], n_in: usize, n_out: usize, x: &[f32]) -> Vec<(f64, f64)> {
+    let rb = data.len() / n_out;
+    let mut w = vec![0f32; n_in];
+    (0..n_out)
+        .map(|r| {
+            dequantize_row(ty, &data[r * rb..(r + 1) * rb], &mut w).unwrap();
+            w.iter().zip(x).fold((0.0, 0.0), |(s, a), (&w, &x)| {
+                let p = f64::from(w) * f64::from(x);
+                (s + p, a + p.abs())
+            })
+        })
+        .collect()
+}
+
+fn check_matvec(ty: GgmlType) {
+    let Some(dev) = device() else { return };
+    for gpu in Gpu::both(&dev) {
+        let (n_in, n_out) = (1024, 300);
+        let data = weight_rows(ty, n_in, n_out, ty as u64 + 11);
+        let x = noise(n_in, 5);
+        let m = gpu.matrix(ty, n_in, n_out, &data);
+        let (xb, yb) = (gpu.f32s(&x), gpu.zeros(n_out));
+        gpu.kernels.record(|r| r.matvec(&m, &xb, &yb)).unwrap();
+        let got = yb.read_f32(n_out);
+
+        let exact = exact_dots(ty, &data, n_in, n_out, &x);
+        let pool = ThreadPool::new(2);
+        let mref = MatRef {
+            ty,
+            n_in,
+            n_out,
+            data: &data,
+        };
+        let mut cpu = vec![0f32; n_out];
+        matvec(&pool, mref, &x, &mut cpu);
+        for (r, ((&g, &c), &(e, abs))) in got.iter().zip(&cpu).zip(&exact).enumerate() {
+            // Against the exact dot of the same weights: f32 rounding only.
+            assert!(
+                (f64::from(g) - e).abs() <= 1e-5 * abs + 1e-6,
+                "{ty} row {r}: gpu {g} exact {e}"
+            );
+            // Against the CPU kernel, which quantizes x to Q8 first: 1% of Σ|w·x|.
+            assert!(
+                (f64::from(g) - f64::from(c)).abs() <= 1e-2 * abs + 1e-4,
+                "{ty} row {r}: gpu {g} cpu {c}"
+            );
+        }
+    }
+}
+
+#[test]
+fn matvec_f16_matches_cpu() {
+    check_matvec(GgmlType::F16);
+}
+
+#[test]
+fn matvec_q8_0_matches_cpu() {
+    check_matvec(GgmlType::Q8_0);
+}
+
+#[test]
+fn matvec_q4_0_matches_cpu() {
+    check_matvec(GgmlType::Q4_0);
+}
+
+#[test]
+fn matvec_q4_k_matches_cpu() {
+    check_matvec(GgmlType::Q4K);
+}
+
+#[test]
+fn matvec_q6_k_matches_cpu() {
+    check_matvec(GgmlType::Q6K);
+}
+
+#[test]
+fn matvec_past_the_binding_limit_is_split_by_rows_with_the_same_results() {
+    let Some(dev) = device() else { return };
+    let gpu = Gpu::new(&dev);
+    for ty in [GgmlType::Q4_0, GgmlType::Q6K] {
+        let (n_in, n_out) = (512, 77);
+        let data = weight_rows(ty, n_in, n_out, 9);
+        let m = gpu.matrix(ty, n_in, n_out, &data);
+        let x = gpu.f32s(&noise(n_in, 2));
+        let (whole, split) = (gpu.zeros(n_out), gpu.zeros(n_out));
+        let one = gpu.kernels.record(|r| r.matvec(&m, &x, &whole)).unwrap();
+        // 4 KiB per binding: a few rows at a time, at offsets that are not block-aligned.
+        let many = gpu
+            .kernels
+            .record_with_max_range(4096, |r| r.matvec(&m, &x, &split))
+            .unwrap();
+        assert_eq!(one.dispatches, 1);
+        assert!(
+            many.dispatches >= (data.len() / 4096) as u32,
+            "{ty}: {many:?}"
+        );
+        let (a, b) = (whole.read_f32(n_out), split.read_f32(n_out));
+        assert!(
+            a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{ty}: split results differ"
+        );
+    }
+}
+
+#[test]
+fn matvec_over_a_matrix_larger_than_max_storage_buffer_range() {
+    let Some(dev) = device() else { return };
+    let gpu = Gpu::new(&dev);
+    let ty = GgmlType::Q8_0;
+    let max = dev.max_storage_buffer_range();
+    let n_in = 4096;
+    let rb = ty.row_bytes(n_in as u64).unwrap() as usize;
+    // Just past the limit (128 MiB on lavapipe), so one binding cannot cover it.
+    let n_out = (max as usize).div_ceil(rb) + 300;
+    let mut data = noise_bytes(rb * n_out, 77);
+    let d = f16::from_f32(0.01).to_le_bytes();
+    for b in data.chunks_exact_mut(34) {
+        b[..2].copy_from_slice(&d);
+    }
+    let m = gpu.matrix(ty, n_in, n_out, &data);
+    assert!(m.buffer.size() > max);
+    let x = noise(n_in, 6);
+    let (xb, yb) = (gpu.f32s(&x), gpu.zeros(n_out));
+    let stats = gpu.kernels.record(|r| r.matvec(&m, &xb, &yb)).unwrap();
+    assert!(stats.dispatches >= 2, "{stats:?}");
+    let got = yb.read_f32(n_out);
+    // Every 97th row, and the rows on both sides of each binding boundary.
+    let per_binding = ((max - dev.storage_offset_alignment()) / rb as u64) as usize;
+    let mut rows: Vec<usize> = (0..n_out).step_by(97).collect();
+    rows.extend([per_binding - 1, per_binding, n_out - 1]);
+    let mut w = vec![0f32; n_in];
+    for r in rows {
+        dequantize_row(ty, &data[r * rb..(r + 1) * rb], &mut w).unwrap();
+        let (e, abs) = w.iter().zip(&x).fold((0f64, 0f64), |(s, a), (&w, &x)| {
+            let p = f64::from(w) * f64::from(x);
+            (s + p, a + p.abs())
+        });
+        assert!(
+            (f64::from(got[r]) - e).abs() <= 1e-5 * abs + 1e-6,
+            "row {r}: gpu {} exact {e}",
+            got[r]
+        );
+    }
+}
+
+// ---- rows, norms, element-wise ops ----
+
+#[test]
+fn get_rows_matches_dequantize_row_bit_for_bit() {
+    let Some(dev) = device() else { return };
+    let gpu = Gpu::new(&dev);
+    for ty in TYPES {
+        let (n_in, n_out) = (512, 40);
+        let data = weight_rows(ty, n_in, n_out, 21);
+        let m = gpu.matrix(ty, n_in, n_out, &data);
+        let out = gpu.zeros(n_in);
+        for row in [0u32, 7, 39] {
+            gpu.kernels.record(|r| r.get_rows(&m, row, &out)).unwrap();
+            let rb = data.len() / n_out;
+            let mut want = vec![0f32; n_in];
+            let at = row as usize * rb;
+            dequantize_row(ty, &data[at..at + rb], &mut want).unwrap();
+            let got = out.read_f32(n_in);
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{ty} row {row}"
+            );
+        }
+    }
+}
+
+/// `|a - b| <= tol * max(1, |b|)` everywhere.
+fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    assert_eq!(got.len(), want.len());
+    for (i, (&a, &b)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (a - b).abs() <= tol * b.abs().max(1.0),
+            "{what}[{i}]: gpu {a} cpu {b}"
+        );
+    }
+}
+
+#[test]
+fn rms_norm_matches_cpu() {
+    let Some(dev) = device() else { return };
+    for gpu in Gpu::both(&dev) {
+        let (n, rows) = (1000, 3);
+        let x: Vec<f32> = noise(n * rows, 1).iter().map(|v| v * 3.0).collect();
+        let w = noise(n, 2);
+        let (xb, wb, out) = (gpu.f32s(&x), gpu.f32s(&w), gpu.zeros(n * rows));
+        gpu.kernels
+            .record(|r| r.rms_norm(&xb, &wb, &out, n as u32, rows as u32, 1e-6))
+            .unwrap();
+        let mut want = vec![0f32; n * rows];
+        for (xr, o) in x.chunks_exact(n).zip(want.chunks_exact_mut(n)) {
+            ops::rms_norm(xr, &w, 1e-6, o);
+        }
+        // f32 sum of squares on the GPU, f64 on the CPU.
+        assert_close(&out.read_f32(n * rows), &want, 1e-5, "rms_norm");
+    }
+}
+
+#[test]
+fn rope_matches_cpu_in_both_layouts_with_and_without_qk_norm() {
+    let Some(dev) = device() else { return };
+    for gpu in Gpu::both(&dev) {
+        let (n_heads, head_dim, n_rot, pos) = (4usize, 64usize, 48usize, 37usize);
+        let table = gpu.f32s(&rope_table(64, n_rot, 10_000.0, 1.0, None));
+        let norm_w: Vec<f32> = noise(head_dim, 8).iter().map(|v| 1.0 + v).collect();
+        let norm_b = gpu.f32s(&norm_w);
+        let x = noise(n_heads * head_dim, 4);
+        for layout in [RopeLayout::Normal, RopeLayout::Neox] {
+            for qk_norm in [false, true] {
+                let xb = gpu.f32s(&x);
+                let args = RopeArgs {
+                    layout,
+                    n_heads: n_heads as u32,
+                    head_dim: head_dim as u32,
+                    n_rot: n_rot as u32,
+                    pos: pos as u32,
+                    eps: 1e-6,
+                };
+                let norm = qk_norm.then_some(&norm_b);
+                gpu.kernels
+                    .record(|r| r.rope(&xb, norm, &table, args))
+                    .unwrap();
+                let (mut c, mut s) = (vec![0.0; n_rot / 2], vec![0.0; n_rot / 2]);
+                ops::rope_cache(pos, n_rot, 10_000.0, 1.0, None, &mut c, &mut s);
+                let mut want = x.clone();
+                for head in want.chunks_exact_mut(head_dim) {
+                    if qk_norm {
+                        ops::rms_norm_inplace(head, &norm_w, 1e-6);
+                    }
+                    ops::rope_head(head, layout, &c, &s);
+                }
+                let what = format!("rope {layout:?} qk_norm={qk_norm}");
+                assert_close(&xb.read_f32(x.len()), &want, 1e-5, &what);
+            }
+        }
+    }
+}
+
+#[test]
+fn add_swiglu_and_softmax_match_cpu() {
+    let Some(dev) = device() else { return };
+    for gpu in Gpu::both(&dev) {
+        let n = 5000;
+        let a: Vec<f32> = noise(n, 1).iter().map(|v| v * 6.0).collect();
+        let b = noise(n, 2);
+        let (ab, bb) = (gpu.f32s(&a), gpu.f32s(&b));
+        gpu.kernels.record(|r| r.add(&ab, &bb, n as u32)).unwrap();
+        let mut want = a.clone();
+        ops::add_inplace(&mut want, &b);
+        // One f32 addition each: exact.
+        assert_eq!(ab.read_f32(n), want, "add");
+
+        let gb = gpu.f32s(&a);
+        gpu.kernels
+            .record(|r| r.swiglu(&gb, &bb, n as u32))
+            .unwrap();
+        let mut want = a.clone();
+        ops::swiglu_inplace(&mut want, &b);
+        // The GPU's exp is within a few ulp.
+        assert_close(&gb.read_f32(n), &want, 1e-5, "swiglu");
+
+        let rows = 3;
+        let s: Vec<f32> = noise(n * rows, 3).iter().map(|v| v * 20.0).collect();
+        let sb = gpu.f32s(&s);
+        gpu.kernels
+            .record(|r| r.softmax(&sb, n as u32, rows as u32))
+            .unwrap();
+        let mut want = s.clone();
+        want.chunks_exact_mut(n).for_each(ops::softmax);
+        let got = sb.read_f32(n * rows);
+        for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+            // Probabilities: within 1e-5 of each value, relative.
+            assert!(
+                (g - w).abs() <= 1e-5 * w + 1e-9,
+                "softmax[{i}]: gpu {g} cpu {w}"
+            );
+        }
+    }
+}
+
+// ---- KV cache and attention ----
+
+#[test]
+fn kv_store_and_gqa_attention_match_cpu() {
+    let Some(dev) = device() else { return };
+    for gpu in Gpu::both(&dev) {
+        let (n_heads, n_kv_heads, hd, ctx, n_kv) = (8usize, 2usize, 64usize, 64usize, 50usize);
+        let kvw = n_kv_heads * hd;
+        let k_cache =
+            Buffer::new_in(&gpu.alloc, (ctx * kvw * 2) as u64, MemoryUse::DeviceLocal).unwrap();
+        let v_cache =
+            Buffer::new_in(&gpu.alloc, (ctx * kvw * 2) as u64, MemoryUse::DeviceLocal).unwrap();
+        let keys: Vec<f32> = noise(n_kv * kvw, 1).iter().map(|v| v * 2.0).collect();
+        let values = noise(n_kv * kvw, 2);
+        let (mut kb, mut vb) = (gpu.zeros(kvw), gpu.zeros(kvw));
+        for p in 0..n_kv {
+            kb.write_f32(&keys[p * kvw..(p + 1) * kvw]);
+            vb.write_f32(&values[p * kvw..(p + 1) * kvw]);
+            gpu.kernels
+                .record(|r| r.kv_store((&kb, &vb), (&k_cache, &v_cache), kvw as u32, p as u32))
+                .unwrap();
+        }
+        // The cache holds the values rounded to f16, as the CPU's `KvCache::store` rounds them.
+        let halves = |b: &Buffer| -> Vec<f16> {
+            download(&gpu.alloc, b, 0, (n_kv * kvw * 2) as u64)
+                .unwrap()
+                .chunks_exact(2)
+                .map(|c| f16::from_le_bytes([c[0], c[1]]))
+                .collect()
+        };
+        let (kh, vh) = (halves(&k_cache), halves(&v_cache));
+        let k16: Vec<f16> = keys.iter().map(|&v| f16::from_f32(v)).collect();
+        let v16: Vec<f16> = values.iter().map(|&v| f16::from_f32(v)).collect();
+        assert!(
+            kh == k16 && vh == v16,
+            "f16 cache contents differ from round-to-nearest"
+        );
+
+        let q = noise(n_heads * hd, 3);
+        let (qb, out) = (gpu.f32s(&q), gpu.zeros(n_heads * hd));
+        let scores = gpu.zeros(n_heads * ctx);
+        let args = AttentionArgs {
+            n_heads: n_heads as u32,
+            n_kv_heads: n_kv_heads as u32,
+            head_dim: hd as u32,
+            n_kv: n_kv as u32,
+            scores_stride: ctx as u32,
+        };
+        gpu.kernels
+            .record(|r| r.attention(&qb, (&k_cache, &v_cache), &scores, &out, args))
+            .unwrap();
+
+        // The CPU engine's attention for one token (engine::forward).
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut want = vec![0f32; n_heads * hd];
+        for h in 0..n_heads {
+            let kvh = h / (n_heads / n_kv_heads);
+            let head = kvh * hd..(kvh + 1) * hd;
+            let qh: Vec<f32> = q[h * hd..(h + 1) * hd]
+                .iter()
+                .map(|&v| f16::from_f32(v).to_f32())
+                .collect();
+            let mut s: Vec<f32> = k16
+                .chunks_exact(kvw)
+                .map(|k| attn::dot_f32_f16(&qh, &k[head.clone()]) * scale)
+                .collect();
+            ops::softmax(&mut s);
+            let o = &mut want[h * hd..(h + 1) * hd];
+            for (&p, v) in s.iter().zip(v16.chunks_exact(kvw)) {
+                attn::axpy_f16(o, f16::from_f32(p).to_f32(), &v[head.clone()]);
+            }
+        }
+        // Sums in another order, and probabilities that may round to the other f16 neighbour.
+        assert_close(&out.read_f32(n_heads * hd), &want, 1e-3, "attention");
+    }
+}
+
+// ---- recording ----
+
+#[test]
+fn independent_dispatches_share_one_barrier_and_pipelines_are_cached() {
+    let Some(dev) = device() else { return };
+    let gpu = Gpu::new(&dev);
+    let n = 256;
+    let data = weight_rows(GgmlType::Q8_0, n, n, 4);
+    let (wq, wk) = (
+        gpu.matrix(GgmlType::Q8_0, n, n, &data),
+        gpu.matrix(GgmlType::Q8_0, n, n, &data),
+    );
+    let (x, w, xn) = (gpu.f32s(&noise(n, 1)), gpu.f32s(&noise(n, 2)), gpu.zeros(n));
+    let (q, k) = (gpu.zeros(n), gpu.zeros(n));
+    let record = || {
+        gpu.kernels
+            .record(|r| {
+                r.rms_norm(&x, &w, &xn, n as u32, 1, 1e-5)?;
+                // Both read `xn`, written above: one barrier before the first, none between.
+                r.matvec(&wq, &xn, &q)?;
+                r.matvec(&wk, &xn, &k)?;
+                // Reads `q`, written above: a second barrier.
+                r.add(&k, &q, n as u32)
+            })
+            .unwrap()
+    };
+    let stats = record();
+    assert_eq!((stats.dispatches, stats.barriers), (4, 2));
+    let cached = gpu.kernels.cached();
+    assert_eq!(cached, 3, "rms_norm, matvec_q8_0, add");
+    record();
+    assert_eq!(
+        gpu.kernels.cached(),
+        cached,
+        "the second recording creates no pipeline"
+    );
+    // The barriers did their job: k = Wk·xn + Wq·xn = 2 · (W·xn) with the same matrix.
+    let (qv, kv) = (q.read_f32(n), k.read_f32(n));
+    assert!(qv.iter().zip(&kv).all(|(&q, &k)| k == q + q));
+}

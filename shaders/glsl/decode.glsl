@@ -1,0 +1,98 @@
+// Decoding of one "unit" of 32 consecutive weights of a row, for every weight type: a whole block
+// of Q8_0/Q4_0, 32 halves of F16, an eighth of a Q4_K/Q6_K super-block. Matrix-vector products,
+// row lookups and dequantization all go through `decode_unit`, so they agree with each other and
+// (bit for bit) with the CPU's `dequantize_row`: `precise` keeps the compiler from fusing the
+// multiply-adds that the CPU rounds separately. Needs `weights` and common.glsl.
+
+#if defined(WTYPE_F16)
+// Bytes of a row of `n` weights.
+uint row_bytes(uint n) { return 2u * n; }
+void decode_unit(uint row, uint u, out float v[32]) {
+    const uint base = row + 64u * u;
+    for (uint i = 0u; i < 32u; ++i) {
+        v[i] = load_f16(base + 2u * i);
+    }
+}
+#elif defined(WTYPE_Q8_0)
+uint row_bytes(uint n) { return (n / 32u) * 34u; }
+void decode_unit(uint row, uint u, out float v[32]) {
+    const uint base = row + 34u * u;
+    const float d = load_f16(base);
+    for (uint i = 0u; i < 32u; i += 2u) {
+        const uint q = load_u16(base + 2u + i);
+        v[i] = float(int(q << 24) >> 24) * d;
+        v[i + 1u] = float(int(q << 16) >> 24) * d;
+    }
+}
+#elif defined(WTYPE_Q4_0)
+uint row_bytes(uint n) { return (n / 32u) * 18u; }
+void decode_unit(uint row, uint u, out float v[32]) {
+    const uint base = row + 18u * u;
+    const float d = load_f16(base);
+    for (uint i = 0u; i < 16u; i += 2u) {
+        const uint q = load_u16(base + 2u + i);
+        v[i] = float(int(q & 0xFu) - 8) * d;
+        v[i + 16u] = float(int((q >> 4) & 0xFu) - 8) * d;
+        v[i + 1u] = float(int((q >> 8) & 0xFu) - 8) * d;
+        v[i + 17u] = float(int((q >> 12) & 0xFu) - 8) * d;
+    }
+}
+#elif defined(WTYPE_Q4_K)
+// block_q4_K: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles.
+uint row_bytes(uint n) { return (n / 256u) * 144u; }
+void decode_unit(uint row, uint u, out float v[32]) {
+    const uint base = row + 144u * (u / 8u);
+    const uint j = u % 8u;
+    const float d = load_f16(base);
+    const float dmin = load_f16(base + 2u);
+    const uint sc_at = base + 4u;
+    uint sc, m;
+    if (j < 4u) {
+        sc = load_u8(sc_at + j) & 63u;
+        m = load_u8(sc_at + j + 4u) & 63u;
+    } else {
+        sc = (load_u8(sc_at + j + 4u) & 0xFu) | ((load_u8(sc_at + j - 4u) >> 6) << 4);
+        m = (load_u8(sc_at + j + 4u) >> 4) | ((load_u8(sc_at + j) >> 6) << 4);
+    }
+    precise float d1 = d * float(sc);
+    precise float m1 = dmin * float(m);
+    const uint qs = base + 16u + 32u * (j / 2u);
+    const uint shift = (j & 1u) * 4u;
+    for (uint l = 0u; l < 32u; l += 2u) {
+        const uint q = load_u16(qs + l);
+        precise float a = d1 * float((q >> shift) & 0xFu) - m1;
+        precise float b = d1 * float((q >> (8u + shift)) & 0xFu) - m1;
+        v[l] = a;
+        v[l + 1u] = b;
+    }
+}
+#elif defined(WTYPE_Q6_K)
+// block_q6_K: ql[128], qh[64], int8 scales[16], f16 d. Unit u%8 = 4 * half + quarter.
+uint row_bytes(uint n) { return (n / 256u) * 210u; }
+void decode_unit(uint row, uint u, out float v[32]) {
+    const uint base = row + 210u * (u / 8u);
+    const uint half_ = (u % 8u) / 4u;
+    const uint k = u % 4u;
+    const float d = load_f16(base + 208u);
+    const uint ql = base + 64u * half_ + 32u * (k & 1u);
+    const uint qh = base + 128u + 32u * half_;
+    const uint lo_shift = (k / 2u) * 4u;
+    const uint hi_shift = 2u * k;
+    const uint sc = base + 192u + 8u * half_ + 2u * k;
+    precise float d0 = d * float(load_i8(sc));
+    precise float d1 = d * float(load_i8(sc + 1u));
+    for (uint l = 0u; l < 32u; l += 2u) {
+        const uint lo = load_u16(ql + l);
+        const uint hi = load_u16(qh + l);
+        const int q0 = int(((lo >> lo_shift) & 0xFu) | (((hi >> hi_shift) & 3u) << 4)) - 32;
+        const int q1 = int(((lo >> (8u + lo_shift)) & 0xFu) | (((hi >> (8u + hi_shift)) & 3u) << 4)) - 32;
+        const float ds = l < 16u ? d0 : d1;
+        precise float a = ds * float(q0);
+        precise float b = ds * float(q1);
+        v[l] = a;
+        v[l + 1u] = b;
+    }
+}
+#else
+#error "decode.glsl needs a WTYPE_* define"
+#endif
