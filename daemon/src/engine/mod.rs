@@ -1,10 +1,12 @@
 //! The CPU inference engine: one sequence's KV cache ([`kv_cache`]), the forward pass
-//! ([`forward`]), element-wise ops ([`ops`]), sampling ([`sampling`]), and one request's
-//! generation with stop strings and streamed text ([`generate`], [`stop`]).
+//! ([`forward`]), element-wise ops ([`ops`]), sampling ([`sampling`]), one sequence's decoding a
+//! token at a time ([`decode`]), and one request's generation with stop strings and streamed
+//! text ([`generate`], [`stop`]).
 //!
 //! This is the project's reference path: everything runs on the CPU from the memory-mapped
 //! weights, and its logits are checked against llama.cpp's (`bench/tests/engine_llama_cpp.rs`).
 
+pub mod decode;
 pub mod forward;
 pub mod generate;
 pub mod kv_cache;
