@@ -199,7 +199,14 @@ impl Spillway for SpillwayService {
                 validate::MAX_PROMPT_BYTES
             )));
         }
-        let tokens = tok.encode(&req.text, req.add_special);
+        // As a text prompt is tokenized: control tokens written in the text are recognised.
+        let tokens = tok.encode_with(
+            &req.text,
+            crate::tokenizer::EncodeOptions {
+                add_special: req.add_special,
+                parse_special: true,
+            },
+        );
         Ok(Response::new(pb::TokenizeResponse { tokens }))
     }
 
