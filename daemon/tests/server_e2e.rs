@@ -373,7 +373,15 @@ async fn a_cancelled_stream_stops_and_the_next_request_works() {
 
 #[tokio::test]
 async fn a_request_beyond_the_queue_is_refused_at_once() {
-    let d = Daemon::with_test_model(&["--queue-depth", "1", "--ctx", LONG_CONTEXT]).await;
+    let d = Daemon::with_test_model(&[
+        "--queue-depth",
+        "1",
+        "--max-batch",
+        "1",
+        "--ctx",
+        LONG_CONTEXT,
+    ])
+    .await;
     let mut client = d.client().await;
     // One running (it has produced a token), one waiting.
     let mut running = client
@@ -404,6 +412,44 @@ async fn a_request_beyond_the_queue_is_refused_at_once() {
     assert_eq!(status.models[0].queue_capacity, 1);
     drop((running, waiting));
     wait_idle(&mut client).await;
+}
+
+#[tokio::test]
+async fn concurrent_requests_share_decode_steps_and_get_their_results_alone() {
+    let d = Daemon::with_test_model(&["--max-batch", "3"]).await;
+    let mut client = d.client().await;
+    let req = |ids: &[u32], n| pb::GenerateRequest {
+        input: tokens(ids),
+        max_tokens: n,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let reqs = [req(&[1, 2, 3], 8), req(&[9, 8], 5), req(&[4], 11)];
+    let mut alone = Vec::new();
+    for r in &reqs {
+        let msgs = collect(&mut client, r.clone()).await.unwrap();
+        alone.push(msgs.iter().map(|m| m.token).collect::<Vec<_>>());
+    }
+    let together = futures_join(&d, &reqs).await;
+    assert_eq!(together, alone);
+}
+
+/// Runs the requests at the same time, each on its own connection.
+async fn futures_join(d: &Daemon, reqs: &[pb::GenerateRequest]) -> Vec<Vec<u32>> {
+    let mut tasks = Vec::new();
+    for r in reqs {
+        let mut client = d.client().await;
+        let r = r.clone();
+        tasks.push(tokio::spawn(async move {
+            let msgs = collect(&mut client, r).await.unwrap();
+            msgs.iter().map(|m| m.token).collect::<Vec<_>>()
+        }));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
 }
 
 #[tokio::test]

@@ -140,7 +140,7 @@ pub async fn ps(client: &mut Client) -> Result<(), Failure> {
             m.device,
             weights,
             human_bytes(m.kv_cache_bytes),
-            format!("{}/{}", m.queue_depth, m.queue_capacity + 1),
+            format!("{}/{}", m.queue_depth, m.queue_capacity + m.max_batch),
             m.recent_tokens_per_second
         );
     }

@@ -38,10 +38,14 @@ pub struct ServeArgs {
     /// KV cache positions per model (default: the model's context, at most 4096).
     #[arg(long, default_value_t = 0)]
     pub ctx: usize,
-    /// Requests that may wait per model while one runs; more are refused with
+    /// Requests that may wait per model while --max-batch run; more are refused with
     /// RESOURCE_EXHAUSTED.
     #[arg(long, default_value_t = 8)]
     pub queue_depth: usize,
+    /// Requests per model decoded together, sharing each decode step (each has its own KV
+    /// cache of --ctx positions).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub max_batch: u16,
     /// Seconds in-flight requests may run on after SIGTERM before they are cancelled.
     #[arg(long, default_value_t = 10.0)]
     pub grace_period: f64,
@@ -93,6 +97,7 @@ impl ServeArgs {
                     .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
                     .max(1),
                 queue_capacity: self.queue_depth,
+                max_batch: self.max_batch as usize,
                 context: self.ctx,
             },
             grace: Duration::from_secs_f64(self.grace_period),

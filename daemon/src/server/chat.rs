@@ -43,7 +43,7 @@ impl ChatTemplate {
             eos: eos.to_string(),
         };
         match own {
-            Some(src) => match environment().template_from_str(&src) {
+            Some(src) => match environment().template_from_str(src) {
                 Ok(_) => ChatTemplate {
                     source: src.to_string(),
                     from_model: true,

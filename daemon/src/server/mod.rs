@@ -208,6 +208,7 @@ async fn load_startup_models(
             context: config.defaults.context,
             threads: config.defaults.threads,
             queue_capacity: config.defaults.queue_capacity,
+            max_batch: config.defaults.max_batch,
         };
         state
             .load_model(options, |_| {})

@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::chat::ChatTemplate;
 use super::worker::Worker;
-use crate::engine::{Engine, EngineOptions};
+use crate::engine::{BatchEngine, EngineOptions};
 use crate::model::{Model, ModelError};
 use crate::tokenizer::Tokenizer;
 
@@ -41,6 +41,8 @@ pub struct LoadOptions {
     pub context: usize,
     pub threads: usize,
     pub queue_capacity: usize,
+    /// Requests decoded together (sequences of the engine).
+    pub max_batch: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -116,17 +118,18 @@ pub fn load(
         if chat_template.from_model { "the model's own" } else { "ChatML (the model has none)" }
     );
     let model = Arc::new(model);
-    let engine = Engine::new(
+    let engine = BatchEngine::new(
         model.clone(),
         &EngineOptions {
             threads: options.threads,
             context: options.context,
         },
+        options.max_batch,
     );
     let context = engine.capacity();
     let c = &model.config;
-    // f16 keys and values per layer and position.
-    let kv_cache_bytes = (2 * c.n_layer * context * c.kv_width() * 2) as u64;
+    // f16 keys and values per layer and position, for every sequence.
+    let kv_cache_bytes = (2 * c.n_layer * context * c.kv_width() * 2 * engine.sequences()) as u64;
     let worker = Worker::spawn(
         &options.name,
         engine,
@@ -207,11 +210,11 @@ impl Registry {
         self.models.read().clone()
     }
 
-    /// Adds a model; false (and the model back) when the name is taken.
-    pub fn insert(&self, model: LoadedModel) -> Result<(), LoadedModel> {
+    /// Adds a model, or gives it back when the name is taken.
+    pub fn insert(&self, model: LoadedModel) -> Result<(), Box<LoadedModel>> {
         let mut models = self.models.write();
         if models.iter().any(|m| m.name == model.name) {
-            return Err(model);
+            return Err(Box::new(model));
         }
         models.push(Arc::new(model));
         Ok(())

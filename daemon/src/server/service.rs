@@ -28,6 +28,8 @@ pub const SERVICE_NAME: &str = "spillway.v1.Spillway";
 pub struct ModelDefaults {
     pub threads: usize,
     pub queue_capacity: usize,
+    /// Requests decoded together per model.
+    pub max_batch: usize,
     /// KV cache positions; 0: the model's context, at most 4096.
     pub context: usize,
 }
@@ -290,6 +292,7 @@ impl Spillway for SpillwayService {
             },
             threads: defaults.threads,
             queue_capacity: defaults.queue_capacity,
+            max_batch: defaults.max_batch,
         };
         let (tx, rx) = mpsc::channel(16);
         let state = self.state.clone();
@@ -365,6 +368,7 @@ impl Spillway for SpillwayService {
                     kv_cache_bytes: m.kv_cache_bytes,
                     queue_capacity: m.worker.queue_capacity() as u32,
                     generated_tokens: stats.generated.load(Ordering::Relaxed),
+                    max_batch: m.worker.max_batch() as u32,
                 }
             })
             .collect();

@@ -1,6 +1,9 @@
 //! A loaded model's worker: one thread owning the model's engine, taking generation jobs from a
-//! bounded queue and streaming each token to its caller. A job stops within one decode step when
-//! its caller goes away, its deadline passes, the model is unloaded or the daemon shuts down.
+//! bounded queue and streaming each token to its caller. Up to the engine's number of sequences
+//! run together (continuous batching): a job joins the running ones as soon as a sequence is
+//! free, and every decode step evaluates one token of each in a single forward pass. A job stops
+//! within one decode step when its caller goes away, its deadline passes, the model is unloaded
+//! or the daemon shuts down.
 
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
@@ -14,8 +17,8 @@ use tonic::Status;
 
 use super::stats::ModelStats;
 use crate::engine::decode::{DecodeOptions, Decoder, TokenStep};
-use crate::engine::generate::{eos_token, top_logprobs, FinishReason};
-use crate::engine::{Engine, MAX_BATCH};
+use crate::engine::generate::{top_logprobs, FinishReason};
+use crate::engine::{BatchEngine, MAX_BATCH};
 use crate::tokenizer::Tokenizer;
 
 /// What a generation stream carries.
@@ -40,6 +43,7 @@ pub struct Worker {
     unload: CancellationToken,
     stats: Arc<ModelStats>,
     queue_capacity: usize,
+    max_batch: usize,
 }
 
 /// Why a job stopped before its natural end.
@@ -50,16 +54,18 @@ enum Interrupt {
 }
 
 impl Worker {
-    /// Starts the worker thread. `queue_capacity` requests may wait while one runs; `shutdown`
+    /// Starts the worker thread. `queue_capacity` requests may wait while the engine's sequences
+    /// are all busy; `shutdown`
     /// is the daemon's token for cancelling in-flight work once the grace period is over.
     pub fn spawn(
         name: &str,
-        engine: Engine,
+        engine: BatchEngine,
         tokenizer: Option<Arc<Tokenizer>>,
         queue_capacity: usize,
         shutdown: CancellationToken,
     ) -> std::io::Result<Worker> {
         let (jobs, rx) = sync_channel(queue_capacity);
+        let max_batch = engine.sequences();
         let stats = Arc::new(ModelStats::default());
         let unload = CancellationToken::new();
         let ctx = WorkerContext {
@@ -77,6 +83,7 @@ impl Worker {
             unload,
             stats,
             queue_capacity,
+            max_batch,
         })
     }
 
@@ -93,9 +100,9 @@ impl Worker {
                 self.stats.in_queue.fetch_sub(1, Ordering::SeqCst);
                 Err(match e {
                     TrySendError::Full(_) => Status::resource_exhausted(format!(
-                        "the model's queue is full ({} waiting and one running); retry later \
-                         or start the daemon with a larger --queue-depth",
-                        self.queue_capacity
+                        "the model's queue is full ({} waiting, {} running); retry later or \
+                         start the daemon with a larger --queue-depth",
+                        self.queue_capacity, self.max_batch
                     )),
                     TrySendError::Disconnected(_) => {
                         Status::unavailable("the model's worker has stopped")
@@ -113,6 +120,11 @@ impl Worker {
         self.queue_capacity
     }
 
+    /// Requests that run together.
+    pub fn max_batch(&self) -> usize {
+        self.max_batch
+    }
+
     /// Ends the running and waiting jobs with ABORTED and refuses new ones.
     pub fn unload(&self) {
         self.unload.cancel();
@@ -121,23 +133,127 @@ impl Worker {
 
 /// What the worker thread owns.
 struct WorkerContext {
-    engine: Engine,
+    engine: BatchEngine,
     tokenizer: Option<Arc<Tokenizer>>,
     stats: Arc<ModelStats>,
     unload: CancellationToken,
     shutdown: CancellationToken,
 }
 
+/// A request being decoded in one of the engine's sequences.
+struct Active<'t> {
+    job: GenerateJob,
+    seq: usize,
+    decoder: Decoder<'t>,
+    started: Instant,
+    prompt_done: Instant,
+    first_token_at: Option<Instant>,
+    prompt_logprobs: Vec<pb::PromptLogprobs>,
+}
+
 impl WorkerContext {
+    /// Admits waiting jobs into free sequences (blocking only when none runs), then runs one
+    /// decode step for all running sequences together, until the queue is closed and drained.
     fn run(mut self, rx: Receiver<GenerateJob>) {
-        while let Ok(job) = rx.recv() {
-            let tx = job.tx.clone();
-            let result = self.generate(job);
-            self.stats.in_queue.fetch_sub(1, Ordering::SeqCst);
-            if let Err(Interrupt::Fail(status)) = result {
-                tracing::debug!(code = ?status.code(), "generation ended early: {}", status.message());
-                let _ = tx.blocking_send(Err(status));
+        let tokenizer = self.tokenizer.clone();
+        let tokenizer = tokenizer.as_deref();
+        let eos = self
+            .engine
+            .model()
+            .file()
+            .metadata()
+            .opt_u32("tokenizer.ggml.eos_token_id")
+            .ok()
+            .flatten();
+        let mut active: Vec<Active<'_>> = Vec::new();
+        let mut free: Vec<usize> = (0..self.engine.sequences()).rev().collect();
+        loop {
+            while let Some(&seq) = free.last() {
+                let job = if active.is_empty() {
+                    match rx.recv() {
+                        Ok(job) => job,
+                        Err(_) => return,
+                    }
+                } else {
+                    match rx.try_recv() {
+                        Ok(job) => job,
+                        Err(_) => break,
+                    }
+                };
+                let tx = job.tx.clone();
+                match self.start(job, seq, tokenizer, eos) {
+                    Ok(Some(a)) => {
+                        free.pop();
+                        active.push(a);
+                    }
+                    Ok(None) => self.done(&tx, Ok(())),
+                    Err(i) => self.done(&tx, Err(i)),
+                }
             }
+            if active.is_empty() {
+                continue;
+            }
+            // Requests whose caller left, whose deadline passed, or that must stop, end here:
+            // within one decode step.
+            let mut i = 0;
+            while i < active.len() {
+                if let Err(why) = self.interrupted(&active[i].job) {
+                    let a = active.swap_remove(i);
+                    free.push(a.seq);
+                    self.done(&a.job.tx, Err(why));
+                } else {
+                    i += 1;
+                }
+            }
+            if active.is_empty() {
+                continue;
+            }
+            let inputs: Vec<(usize, u32)> = active
+                .iter()
+                .map(|a| (a.seq, *a.decoder.tokens().last().expect("a sampled token")))
+                .collect();
+            let logits = match self.engine.step(&inputs) {
+                Ok(l) => l,
+                Err(e) => {
+                    for a in active.drain(..) {
+                        free.push(a.seq);
+                        self.done(
+                            &a.job.tx,
+                            Err(Interrupt::Fail(Status::internal(e.to_string()))),
+                        );
+                    }
+                    continue;
+                }
+            };
+            let n_vocab = self.engine.model().config.n_vocab;
+            let mut finished = Vec::new();
+            for (i, (a, l)) in active
+                .iter_mut()
+                .zip(logits.chunks_exact(n_vocab))
+                .enumerate()
+            {
+                let room = self.engine.position(a.seq) < self.engine.capacity();
+                let step = a.decoder.step(l, room);
+                match self.emit(a, step) {
+                    Ok(false) => {}
+                    Ok(true) => finished.push((i, Ok(()))),
+                    Err(why) => finished.push((i, Err(why))),
+                }
+            }
+            for (i, result) in finished.into_iter().rev() {
+                let a = active.swap_remove(i);
+                free.push(a.seq);
+                self.done(&a.job.tx, result);
+            }
+        }
+    }
+
+    /// A job has ended: count it out of the queue and tell its caller why it failed.
+    fn done(&self, tx: &mpsc::Sender<GenerateItem>, result: Result<(), Interrupt>) {
+        self.stats.in_queue.fetch_sub(1, Ordering::SeqCst);
+        if let Err(Interrupt::Fail(status)) = result {
+            tracing::debug!(code = ?status.code(), "generation ended early: {}", status.message());
+            let _ = tx.blocking_send(Err(status));
         }
     }
 
@@ -164,33 +280,41 @@ impl WorkerContext {
         Ok(())
     }
 
-    fn generate(&mut self, job: GenerateJob) -> Result<(), Interrupt> {
+    /// Evaluates a job's prompt in sequence `seq` and samples its first token. `None` when the
+    /// job already finished with that token.
+    fn start<'t>(
+        &mut self,
+        job: GenerateJob,
+        seq: usize,
+        tokenizer: Option<&'t Tokenizer>,
+        eos: Option<u32>,
+    ) -> Result<Option<Active<'t>>, Interrupt> {
         self.interrupted(&job)?;
         tracing::debug!(
             prompt_tokens = job.prompt.len(),
             max_tokens = job.options.max_tokens,
+            seq,
             "generate"
         );
         let started = Instant::now();
-        let queue_ms = ms(job.arrived, started);
         let n_vocab = self.engine.model().config.n_vocab;
         let want_all = job.prompt_logprobs > 0;
-        self.engine.reset();
+        self.engine.reset(seq);
 
         // The prompt in chunks, so that a long one can be interrupted too.
-        let mut prompt_lp = Vec::new();
+        let mut prompt_logprobs = Vec::new();
         let mut logits = Vec::new();
         for chunk in job.prompt.chunks(MAX_BATCH) {
             self.interrupted(&job)?;
             let out = self
                 .engine
-                .eval_batch(chunk, want_all)
+                .eval_sequence(seq, chunk, want_all)
                 .map_err(|e| Interrupt::Fail(Status::internal(e.to_string())))?;
             if want_all {
                 for l in out.chunks_exact(n_vocab) {
                     let top = top_logprobs(l, job.prompt_logprobs);
-                    prompt_lp.push(pb::PromptLogprobs {
-                        position: prompt_lp.len() as u32,
+                    prompt_logprobs.push(pb::PromptLogprobs {
+                        position: prompt_logprobs.len() as u32,
                         top: top.into_iter().map(to_pb_logprob).collect(),
                     });
                 }
@@ -198,54 +322,57 @@ impl WorkerContext {
             logits.clear();
             logits.extend_from_slice(&out[out.len() - n_vocab..]);
         }
-        let prompt_done = Instant::now();
+        let decoder = Decoder::new(tokenizer, eos, &job.prompt, job.options.clone());
+        let mut a = Active {
+            job,
+            seq,
+            decoder,
+            started,
+            prompt_done: Instant::now(),
+            first_token_at: None,
+            prompt_logprobs,
+        };
+        let room = self.engine.position(seq) < self.engine.capacity();
+        let step = a.decoder.step(&logits, room);
+        Ok(if self.emit(&mut a, step)? {
+            None
+        } else {
+            Some(a)
+        })
+    }
 
-        let tokenizer = self.tokenizer.clone();
-        let eos = eos_token(&self.engine);
-        let mut decoder = Decoder::new(tokenizer.as_deref(), eos, &job.prompt, job.options.clone());
-        let mut first_token_at = None;
-        let mut prompt_lp = Some(prompt_lp);
-        loop {
-            let room = self.engine.position() < self.engine.capacity();
-            let step = decoder.step(&logits, room);
-            let now = Instant::now();
-            self.stats.token(now);
-            first_token_at.get_or_insert(now);
-            let finish = step.finish;
-            let mut msg = to_pb_step(step);
-            msg.prompt_logprobs = prompt_lp.take().unwrap_or_default();
-            if let Some(reason) = finish {
-                let decode_ms = ms(prompt_done, now);
-                let generated = decoder.tokens().len();
-                msg.finish_reason = to_pb_finish(reason) as i32;
-                msg.timings = Some(pb::Timings {
-                    time_to_first_token_ms: ms(job.arrived, first_token_at.unwrap_or(now)),
-                    prefill_tokens_per_second: per_s(job.prompt.len(), ms(started, prompt_done)),
-                    // The last token is only sampled, never evaluated.
-                    decode_tokens_per_second: per_s(generated.saturating_sub(1), decode_ms),
-                    prompt_tokens: job.prompt.len() as u32,
-                    generated_tokens: generated as u32,
-                    queue_ms,
-                    prompt_ms: ms(started, prompt_done),
-                    decode_ms,
-                });
-            }
-            if job.tx.blocking_send(Ok(msg)).is_err() {
-                return Err(Interrupt::Gone);
-            }
-            let Some(token) = finish
-                .is_none()
-                .then_some(decoder.tokens()[decoder.tokens().len() - 1])
-            else {
-                return Ok(());
-            };
-            self.interrupted(&job)?;
-            logits = self
-                .engine
-                .eval(token)
-                .map_err(|e| Interrupt::Fail(Status::internal(e.to_string())))?
-                .to_vec();
+    /// Sends one step to the caller; true when it was the last.
+    fn emit(&self, a: &mut Active<'_>, step: TokenStep) -> Result<bool, Interrupt> {
+        let now = Instant::now();
+        self.stats.token(now);
+        a.first_token_at.get_or_insert(now);
+        let finish = step.finish;
+        let mut msg = to_pb_step(step);
+        msg.prompt_logprobs = std::mem::take(&mut a.prompt_logprobs);
+        if let Some(reason) = finish {
+            let job = &a.job;
+            let decode_ms = ms(a.prompt_done, now);
+            let generated = a.decoder.tokens().len();
+            msg.finish_reason = to_pb_finish(reason) as i32;
+            msg.timings = Some(pb::Timings {
+                time_to_first_token_ms: ms(job.arrived, a.first_token_at.unwrap_or(now)),
+                prefill_tokens_per_second: per_s(job.prompt.len(), ms(a.started, a.prompt_done)),
+                // The last token is only sampled, never evaluated.
+                decode_tokens_per_second: per_s(generated.saturating_sub(1), decode_ms),
+                prompt_tokens: job.prompt.len() as u32,
+                generated_tokens: generated as u32,
+                queue_ms: ms(job.arrived, a.started),
+                prompt_ms: ms(a.started, a.prompt_done),
+                decode_ms,
+            });
         }
+        // A slow reader holds up the whole batch while its channel is full; the channel is
+        // deep enough that a reader keeping up never does.
+        a.job
+            .tx
+            .blocking_send(Ok(msg))
+            .map_err(|_| Interrupt::Gone)?;
+        Ok(finish.is_some())
     }
 }
 
