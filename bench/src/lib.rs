@@ -1,9 +1,11 @@
 //! Benchmark harness and the synthetic model generator.
 //!
-//! - [`synth`]: random-weight GGUF models shaped exactly like real llama.cpp files.
+//! - [`synth`]: random-weight GGUF models shaped exactly like real llama.cpp files (it lives in
+//!   the daemon library, which writes its default model with it; re-exported here).
 //! - [`demo`]: the README's first command.
 //! - [`progress`]: a progress line for long jobs.
 
 pub mod demo;
 pub mod progress;
-pub mod synth;
+
+pub use spillway_daemon::synth;

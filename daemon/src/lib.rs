@@ -8,6 +8,8 @@
 //! - [`cpu`]: SIMD kernels over quantized rows and the persistent thread pool.
 //! - [`engine`]: the forward pass, KV cache and sampling.
 //! - [`gpu`]: the Vulkan backend through `ash`.
+//! - [`server`]: the gRPC daemon (`spillwayd serve`).
+//! - [`synth`]: synthetic GGUF models (random weights, real shapes and tokenizers).
 
 pub mod cpu;
 pub mod engine;
@@ -15,4 +17,6 @@ pub mod gguf;
 pub mod gpu;
 pub mod model;
 pub mod quant;
+pub mod server;
+pub mod synth;
 pub mod tokenizer;

@@ -13,6 +13,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run the daemon: serve models over gRPC until SIGTERM.
+    Serve(Box<cli::serve::ServeArgs>),
     /// Summarise a GGUF file: architecture, hyper-parameters, tokenizer, tensors.
     Inspect(cli::inspect::InspectArgs),
     /// Run one generation on the CPU engine, without a server.
@@ -27,6 +29,7 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
+        Command::Serve(args) => cli::serve::run(*args),
         Command::Inspect(args) => cli::inspect::run(&args),
         Command::Run(args) => cli::run::run(*args),
         Command::Tokenize(args) => cli::tokenize::run(args),

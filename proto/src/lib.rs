@@ -1,5 +1,7 @@
 //! The `spillway.v1` gRPC protocol: the protobuf definitions in `proto/` and the tonic/prost code
-//! generated from them at build time.
+//! generated from them at build time, and where the daemon listens by default ([`endpoint`]).
+
+pub mod endpoint;
 
 pub mod v1 {
     #![allow(clippy::all, missing_docs)]

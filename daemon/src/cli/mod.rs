@@ -1,7 +1,8 @@
-//! The one-shot subcommands of `spillwayd`, one file each.
+//! The subcommands of `spillwayd`, one file each.
 
 pub mod devices;
 pub mod inspect;
 pub mod plan;
 pub mod run;
+pub mod serve;
 pub mod tokenize;

@@ -3,9 +3,11 @@
 //! llama.cpp's graphs (`llm_build_llama`, `llm_build_qwen2`, `llm_build_qwen2moe`,
 //! `llm_build_qwen3`, `llm_build_qwen3moe`) operation by operation.
 //!
-//! Decoding is a batch of one. A longer batch (a prompt) multiplies every weight matrix with
-//! all its tokens at once; each token's arithmetic is the same as alone, so batching changes
-//! speed, not results.
+//! Decoding one sequence is a batch of one. A longer batch (a prompt, or one token of each of
+//! several sequences decoding together, see `batch`) multiplies every weight matrix with all its
+//! tokens at once; each token's arithmetic is the same as alone, so batching changes speed, not
+//! results. Every token carries its own sequence (whose KV cache it reads and appends to) and
+//! position.
 
 use half::f16;
 
@@ -26,14 +28,15 @@ struct Rope {
 }
 
 impl Rope {
-    fn new(model: &Model, start: usize, n: usize) -> Rope {
+    fn new(model: &Model, positions: &[usize]) -> Rope {
         let c = &model.config;
         let half = c.n_rot / 2;
+        let n = positions.len();
         let (mut cos, mut sin) = (vec![0.0; n * half], vec![0.0; n * half]);
-        for b in 0..n {
+        for (b, &pos) in positions.iter().enumerate() {
             let r = b * half..(b + 1) * half;
             rope_cache(
-                start + b,
+                pos,
                 c.n_rot,
                 c.rope_freq_base,
                 c.rope_freq_scale,
@@ -51,9 +54,9 @@ impl Rope {
     }
 }
 
-/// Runs `tokens` at positions `start..start + tokens.len()` through `model`, writing the
-/// next-token logits of every token (`all_logits`) or of the last one into `logits`. The
-/// caller has checked the positions against the cache and the token ids.
+/// Runs `tokens` at positions `start..start + tokens.len()` of one sequence through `model`,
+/// writing the next-token logits of every token (`all_logits`) or of the last one into
+/// `logits`. The caller has checked the positions against the cache and the token ids.
 pub(super) fn forward(
     model: &Model,
     pool: &ThreadPool,
@@ -63,17 +66,52 @@ pub(super) fn forward(
     all_logits: bool,
     logits: &mut Vec<f32>,
 ) -> Result<(), ModelError> {
+    let slots: Vec<Slot> = (0..tokens.len())
+        .map(|b| Slot {
+            seq: 0,
+            pos: start + b,
+        })
+        .collect();
+    let rows: Vec<usize> = if all_logits {
+        (0..tokens.len()).collect()
+    } else {
+        vec![tokens.len() - 1]
+    };
+    forward_slots(model, pool, &mut [kv], tokens, &slots, &rows, logits)
+}
+
+/// Where one token of a batch belongs: its sequence (an index into the caches) and position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Slot {
+    pub seq: usize,
+    pub pos: usize,
+}
+
+/// Runs a batch of tokens, each at its own sequence and position, through `model`, writing the
+/// next-token logits of the tokens at `rows` (batch indices, in that order) into `logits`.
+/// Within a sequence the batch's positions must be consecutive and follow what its cache holds;
+/// the caller has checked them and the token ids.
+pub(super) fn forward_slots(
+    model: &Model,
+    pool: &ThreadPool,
+    caches: &mut [&mut KvCache],
+    tokens: &[u32],
+    slots: &[Slot],
+    rows: &[usize],
+    logits: &mut Vec<f32>,
+) -> Result<(), ModelError> {
     let c = &model.config;
     let (n, e) = (tokens.len(), c.n_embd);
     let mut x = vec![0.0f32; n * e];
     for (row, &t) in x.chunks_exact_mut(e).zip(tokens) {
         model.embed(t, row)?;
     }
-    let rope = Rope::new(model, start, n);
+    let positions: Vec<usize> = slots.iter().map(|s| s.pos).collect();
+    let rope = Rope::new(model, &positions);
     let mut xn = vec![0.0f32; n * e];
     for (il, layer) in model.layers.iter().enumerate() {
         norm_rows(&x, &layer.attn.norm, c.rms_eps, &mut xn);
-        let proj = attention(model, pool, kv, &layer.attn, il, start, &xn, &rope);
+        let proj = attention(model, pool, caches, &layer.attn, il, slots, &xn, &rope);
         add_inplace(&mut x, &proj);
 
         norm_rows(&x, &layer.ffn_norm, c.rms_eps, &mut xn);
@@ -83,17 +121,15 @@ pub(super) fn forward(
         };
         add_inplace(&mut x, &out);
     }
-    let rows = if all_logits {
-        &mut x[..]
-    } else {
-        &mut x[(n - 1) * e..]
-    };
-    for row in rows.chunks_exact_mut(e) {
-        rms_norm_inplace(row, &model.output_norm, c.rms_eps);
+    let mut out_rows = Vec::with_capacity(rows.len() * e);
+    for &b in rows {
+        let mut row = x[b * e..(b + 1) * e].to_vec();
+        rms_norm_inplace(&mut row, &model.output_norm, c.rms_eps);
+        out_rows.extend_from_slice(&row);
     }
     logits.clear();
-    logits.resize(rows.len() / e * c.n_vocab, 0.0);
-    matmul(pool, model.mat(&model.output), rows, logits);
+    logits.resize(rows.len() * c.n_vocab, 0.0);
+    matmul(pool, model.mat(&model.output), &out_rows, logits);
     Ok(())
 }
 
@@ -119,10 +155,10 @@ fn add_bias_rows(x: &mut [f32], bias: &Option<Vec<f32>>) {
 fn attention(
     model: &Model,
     pool: &ThreadPool,
-    kv: &mut KvCache,
+    caches: &mut [&mut KvCache],
     a: &Attention,
     il: usize,
-    start: usize,
+    slots: &[Slot],
     xn: &[f32],
     rope: &Rope,
 ) -> Vec<f32> {
@@ -149,26 +185,27 @@ fn attention(
             }
         }
     }
-    for b in 0..n {
-        kv.store(
+    for (b, s) in slots.iter().enumerate() {
+        caches[s.seq].store(
             il,
-            start + b,
+            s.pos,
             &k[b * kvw..(b + 1) * kvw],
             &v[b * kvw..(b + 1) * kvw],
         );
     }
 
-    let keys = kv.keys(il, start + n);
-    let values = kv.values(il, start + n);
+    let caches: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
     let group = c.gqa_group();
     let scale = 1.0 / (hd as f32).sqrt();
     let mut attn = vec![0.0f32; n * qw];
     let isa = Isa::detect();
-    // One task per (token, head); token b sees positions 0..=start + b.
+    // One task per (token, head); token b sees positions 0..=pos of its own sequence.
     pool.for_each_chunk(&mut attn, hd, &|offset, out| {
         let (b, h) = (offset / qw, (offset % qw) / hd);
         let kvh = h / group;
-        let n_kv = start + b + 1;
+        let Slot { seq, pos } = slots[b];
+        let n_kv = pos + 1;
+        let (keys, values) = (caches[seq].keys(il, n_kv), caches[seq].values(il, n_kv));
         // llama.cpp multiplies Q with the f16 keys in f16 (`vec_dot_type` of F16 is F16): Q is
         // rounded to f16 once per head, then dotted in f32 with the f16 keys.
         let qh: Vec<f32> = q[offset..offset + hd]

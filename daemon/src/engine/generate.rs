@@ -5,10 +5,10 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use super::decode::{DecodeOptions, Decoder};
 use super::ops::log_softmax;
-use super::stop::StopScanner;
-use super::{Engine, EngineError, Sampler, SamplerConfig};
-use crate::tokenizer::{Detokenizer, EncodeOptions, Tokenizer};
+use super::{Engine, EngineError, SamplerConfig};
+use crate::tokenizer::{EncodeOptions, Tokenizer};
 
 /// What to generate from.
 #[derive(Debug, Clone, PartialEq)]
@@ -84,6 +84,48 @@ pub enum GenerateError {
     Engine(#[from] EngineError),
 }
 
+/// The prompt's token ids: text is tokenized (BOS as the metadata says, control tokens parsed).
+/// Checks that the prompt is not empty and leaves room in a context of `capacity` positions for
+/// at least one generated token.
+pub fn prompt_tokens(
+    prompt: &Prompt,
+    tokenizer: Option<&Tokenizer>,
+    capacity: usize,
+) -> Result<Vec<u32>, GenerateError> {
+    let tokens = match (prompt, tokenizer) {
+        (Prompt::Text(text), Some(tok)) => tok.encode_with(
+            text,
+            EncodeOptions {
+                add_special: true,
+                parse_special: true,
+            },
+        ),
+        (Prompt::Text(_), None) => return Err(GenerateError::NoTokenizer),
+        (Prompt::Tokens(ids), _) => ids.clone(),
+    };
+    if tokens.is_empty() {
+        return Err(GenerateError::EmptyPrompt);
+    }
+    if tokens.len() >= capacity {
+        return Err(GenerateError::PromptTooLong {
+            tokens: tokens.len(),
+            capacity,
+        });
+    }
+    Ok(tokens)
+}
+
+/// The end-of-sequence id the model's metadata names, if any.
+pub fn eos_token(engine: &Engine) -> Option<u32> {
+    engine
+        .model()
+        .file()
+        .metadata()
+        .opt_u32("tokenizer.ggml.eos_token_id")
+        .ok()
+        .flatten()
+}
+
 /// Runs `request` from the start of `engine`'s sequence (the engine is reset first), handing
 /// each piece of generated text to `on_text` as soon as it is complete UTF-8 and cannot be the
 /// start of a stop string. Checks the request before any compute.
@@ -96,36 +138,8 @@ pub fn generate(
     if request.stop.iter().any(String::is_empty) {
         return Err(GenerateError::EmptyStop);
     }
-    let prompt_tokens = match (&request.prompt, tokenizer) {
-        (Prompt::Text(text), Some(tok)) => tok.encode_with(
-            text,
-            EncodeOptions {
-                add_special: true,
-                parse_special: true,
-            },
-        ),
-        (Prompt::Text(_), None) => return Err(GenerateError::NoTokenizer),
-        (Prompt::Tokens(ids), _) => ids.clone(),
-    };
-    if prompt_tokens.is_empty() {
-        return Err(GenerateError::EmptyPrompt);
-    }
-    if prompt_tokens.len() >= engine.capacity() {
-        return Err(GenerateError::PromptTooLong {
-            tokens: prompt_tokens.len(),
-            capacity: engine.capacity(),
-        });
-    }
+    let prompt_tokens = prompt_tokens(&request.prompt, tokenizer, engine.capacity())?;
     engine.reset();
-    let eos = engine
-        .model()
-        .file()
-        .metadata()
-        .opt_u32("tokenizer.ggml.eos_token_id")
-        .ok()
-        .flatten();
-    let is_stop_token =
-        |t: u32| !request.ignore_eos && (Some(t) == eos || tokenizer.is_some_and(|k| k.is_eog(t)));
 
     let t_prompt = Instant::now();
     let n_vocab = engine.model().config.n_vocab;
@@ -143,42 +157,26 @@ pub fn generate(
     let prompt_ms = ms(t_prompt);
 
     let t_gen = Instant::now();
-    let mut sampler = Sampler::new(request.sampling.clone());
-    let mut history = prompt_tokens.clone();
-    let mut tokens = Vec::new();
-    let mut text = StopScanner::new(&request.stop);
-    let mut detok = tokenizer.map(|t| Detokenizer::new(t, false));
-    let mut finish_reason = FinishReason::MaxTokens;
-    while tokens.len() < request.max_tokens {
-        let next = sampler.sample(&logits, &history);
-        tokens.push(next);
-        history.push(next);
-        if is_stop_token(next) {
-            finish_reason = FinishReason::StopToken;
-            break;
+    let options = DecodeOptions {
+        max_tokens: request.max_tokens,
+        sampling: request.sampling.clone(),
+        stop: request.stop.clone(),
+        logprobs: false,
+        top_logprobs: 0,
+        ignore_eos: request.ignore_eos,
+    };
+    let mut decoder = Decoder::new(tokenizer, eos_token(engine), &prompt_tokens, options);
+    while decoder.finish_reason().is_none() {
+        let step = decoder.step(&logits, engine.position() < engine.capacity());
+        if !step.text.is_empty() {
+            on_text(&step.text);
         }
-        if let Some(d) = detok.as_mut() {
-            if text.push(&d.push(next), &mut on_text) {
-                finish_reason = FinishReason::StopString;
-                break;
-            }
-        }
-        if tokens.len() == request.max_tokens {
-            break;
-        }
-        if engine.position() >= engine.capacity() {
-            finish_reason = FinishReason::ContextFull;
-            break;
-        }
-        logits = engine.eval(next)?.to_vec();
-    }
-    if let Some(d) = detok {
-        if finish_reason != FinishReason::StopString {
-            text.push(&d.finish(), &mut on_text);
+        if step.finish.is_none() {
+            logits = engine.eval(step.token)?.to_vec();
         }
     }
-    let text = tokenizer.map(|_| text.finish(&mut on_text));
     let generate_ms = ms(t_gen);
+    let tokens = decoder.tokens().to_vec();
     let evaluated = tokens.len().saturating_sub(1).max(1);
     Ok(Generation {
         timings: Timings {
@@ -187,10 +185,10 @@ pub fn generate(
             generate_ms,
             tokens_per_s: per_s(evaluated, generate_ms),
         },
+        text: decoder.text().map(str::to_string),
+        finish_reason: decoder.finish_reason().unwrap_or(FinishReason::MaxTokens),
         prompt_tokens,
         tokens,
-        text,
-        finish_reason,
         prompt_logprobs,
     })
 }

@@ -1,10 +1,13 @@
 //! The CPU inference engine: one sequence's KV cache ([`kv_cache`]), the forward pass
-//! ([`forward`]), element-wise ops ([`ops`]), sampling ([`sampling`]), and one request's
-//! generation with stop strings and streamed text ([`generate`], [`stop`]).
+//! ([`forward`]), element-wise ops ([`ops`]), sampling ([`sampling`]), one sequence's decoding a
+//! token at a time ([`decode`]), several sequences sharing decode steps ([`batch`]), and one
+//! request's generation with stop strings and streamed text ([`generate`], [`stop`]).
 //!
 //! This is the project's reference path: everything runs on the CPU from the memory-mapped
 //! weights, and its logits are checked against llama.cpp's (`bench/tests/engine_llama_cpp.rs`).
 
+pub mod batch;
+pub mod decode;
 pub mod forward;
 pub mod generate;
 pub mod kv_cache;
@@ -17,6 +20,7 @@ use std::sync::Arc;
 use crate::cpu::ThreadPool;
 use crate::model::{Model, ModelError};
 
+pub use batch::BatchEngine;
 pub use kv_cache::KvCache;
 pub use sampling::{argmax, Sampler, SamplerConfig};
 

@@ -2,16 +2,16 @@
 //! in it, so a client never sees part of a stop string.
 
 /// Generated text, released to the caller only once no stop string can still begin in it.
-pub struct StopScanner<'s> {
-    stops: &'s [String],
+pub struct StopScanner {
+    stops: Vec<String>,
     text: String,
     released: usize,
 }
 
-impl<'s> StopScanner<'s> {
-    pub fn new(stops: &'s [String]) -> Self {
+impl StopScanner {
+    pub fn new(stops: &[String]) -> Self {
         StopScanner {
-            stops,
+            stops: stops.to_vec(),
             text: String::new(),
             released: 0,
         }

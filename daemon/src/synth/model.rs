@@ -1,8 +1,8 @@
 //! The tensor table and the architecture metadata of a preset, named and shaped as llama.cpp's
 //! converter writes them (gguf-py's `MODEL_TENSORS` and `Keys`).
 
-use spillway_daemon::gguf::writer::TensorSpec;
-use spillway_daemon::gguf::{GgmlType, Value};
+use crate::gguf::writer::TensorSpec;
+use crate::gguf::{GgmlType, Value};
 
 use super::mix::{choose, MixContext, Role, WeightType};
 use super::presets::{llama3_rope_factors, Arch, Preset};

@@ -16,8 +16,8 @@ pub mod weights;
 
 use std::path::Path;
 
-use spillway_daemon::gguf::writer::{GgufWriter, TensorSpec, WriteError};
-use spillway_daemon::gguf::Value;
+use crate::gguf::writer::{GgufWriter, TensorSpec, WriteError};
+use crate::gguf::Value;
 
 pub use mix::WeightType;
 pub use model::TensorPlan;

@@ -12,8 +12,8 @@
 //! - norm weights are F32, 1 + 0.02·N(0,1);
 //! - fixed tables (Llama 3 RoPE frequency factors) are written as computed.
 
+use crate::gguf::GgmlType;
 use half::{bf16, f16};
-use spillway_daemon::gguf::GgmlType;
 
 use super::rng::Xoshiro256;
 

@@ -18,7 +18,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use spillway_daemon::gguf::GgmlType;
+use crate::gguf::GgmlType;
 
 use super::weights::GENERATED_TYPES;
 

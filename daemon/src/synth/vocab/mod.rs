@@ -7,7 +7,7 @@
 
 mod bpe;
 
-use spillway_daemon::gguf::{Array, Value};
+use crate::gguf::{Array, Value};
 
 use super::presets::{Preset, SpecialLayout, TokenizerKind};
 use super::rng::Xoshiro256;

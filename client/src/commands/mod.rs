@@ -1,0 +1,5 @@
+//! One module per group of subcommands.
+
+pub mod chat;
+pub mod generate;
+pub mod models;

@@ -1,0 +1,194 @@
+//! Model management: `models`, `load` (with a progress bar), `unload`, `ps`.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+
+use clap::Args;
+use spillway_proto::v1 as pb;
+
+use crate::connect::Client;
+use crate::exit::Failure;
+
+#[derive(Debug, Clone, Args)]
+pub struct LoadArgs {
+    /// The GGUF file, as the daemon sees it (a relative path is made absolute here).
+    pub path: PathBuf,
+    /// Name to serve it under (default: the file name without `.gguf`).
+    #[arg(long, default_value = "")]
+    pub name: String,
+    /// KV cache positions (default: the model's context, at most 4096).
+    #[arg(long, default_value_t = 0)]
+    pub ctx: u32,
+}
+
+pub async fn models(client: &mut Client) -> Result<(), Failure> {
+    let list = client
+        .list_models(pb::ListModelsRequest {})
+        .await?
+        .into_inner();
+    if list.models.is_empty() {
+        println!("no model is loaded; load one with `spillway load MODEL.gguf`");
+        return Ok(());
+    }
+    println!(
+        "{:<24} {:<10} {:>10} {:>10} {:>8}  PATH",
+        "NAME", "ARCH", "PARAMS", "SIZE", "CONTEXT"
+    );
+    for m in list.models {
+        let name = if m.is_default {
+            format!("{} (default)", m.name)
+        } else {
+            m.name
+        };
+        println!(
+            "{:<24} {:<10} {:>10} {:>10} {:>8}  {}",
+            name,
+            m.architecture,
+            human_count(m.parameters),
+            human_bytes(m.file_bytes),
+            m.context_length,
+            m.path
+        );
+    }
+    Ok(())
+}
+
+pub async fn load(client: &mut Client, args: &LoadArgs) -> Result<(), Failure> {
+    let path = std::path::absolute(&args.path).unwrap_or_else(|_| args.path.clone());
+    let mut stream = client
+        .load_model(pb::LoadModelRequest {
+            path: path.display().to_string(),
+            name: args.name.clone(),
+            context_length: args.ctx,
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let bar = std::io::stderr().is_terminal();
+    let mut last_stage = String::new();
+    while let Some(p) = stream.message().await? {
+        if p.ready {
+            if bar {
+                eprint!("\r\x1b[K");
+            }
+            eprintln!("loaded {} ({})", path.display(), human_bytes(p.bytes_total));
+            return Ok(());
+        }
+        if bar {
+            eprint!("\r\x1b[K{}", progress_line(&p, 30));
+            let _ = std::io::stderr().flush();
+        } else if p.stage != last_stage {
+            eprintln!("{}", p.stage);
+            last_stage = p.stage.clone();
+        }
+    }
+    Err(Failure::new(
+        1,
+        "the load stream ended before the model was ready",
+    ))
+}
+
+/// `reading weights [#######-------]  42% 1.2 GiB / 2.9 GiB`
+fn progress_line(p: &pb::LoadModelProgress, width: usize) -> String {
+    let frac = if p.bytes_total > 0 {
+        (p.bytes_done as f64 / p.bytes_total as f64).clamp(0.0, 1.0)
+    } else {
+        0.0
+    };
+    let filled = (frac * width as f64).round() as usize;
+    format!(
+        "{} [{}{}] {:>3.0}% {} / {}",
+        p.stage,
+        "#".repeat(filled),
+        "-".repeat(width - filled),
+        frac * 100.0,
+        human_bytes(p.bytes_done),
+        human_bytes(p.bytes_total)
+    )
+}
+
+pub async fn unload(client: &mut Client, name: &str) -> Result<(), Failure> {
+    client
+        .unload_model(pb::UnloadModelRequest {
+            name: name.to_string(),
+        })
+        .await?;
+    eprintln!("unloaded {name}");
+    Ok(())
+}
+
+pub async fn ps(client: &mut Client) -> Result<(), Failure> {
+    let status = client.status(pb::StatusRequest {}).await?.into_inner();
+    if status.models.is_empty() {
+        println!("no model is loaded");
+        return Ok(());
+    }
+    println!(
+        "{:<24} {:<6} {:>20} {:>10} {:>7} {:>8}",
+        "NAME", "DEVICE", "WEIGHTS", "KV CACHE", "QUEUE", "TOK/S"
+    );
+    for m in status.models {
+        let weights = m
+            .tiers
+            .iter()
+            .map(|t| format!("{} {}", human_bytes(t.bytes), t.tier.to_uppercase()))
+            .collect::<Vec<_>>()
+            .join(", ");
+        println!(
+            "{:<24} {:<6} {:>20} {:>10} {:>7} {:>8.1}",
+            m.name,
+            m.device,
+            weights,
+            human_bytes(m.kv_cache_bytes),
+            format!("{}/{}", m.queue_depth, m.queue_capacity + m.max_batch),
+            m.recent_tokens_per_second
+        );
+    }
+    Ok(())
+}
+
+pub fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+fn human_count(n: u64) -> String {
+    match n {
+        0..1_000 => n.to_string(),
+        1_000..1_000_000 => format!("{:.1}K", n as f64 / 1e3),
+        1_000_000..1_000_000_000 => format!("{:.1}M", n as f64 / 1e6),
+        _ => format!("{:.1}B", n as f64 / 1e9),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_progress_read_naturally() {
+        assert_eq!(human_bytes(512), "512 B");
+        assert_eq!(human_bytes(3 << 30), "3.0 GiB");
+        assert_eq!(human_count(30_500_000_000), "30.5B");
+        let p = pb::LoadModelProgress {
+            bytes_done: 1 << 20,
+            bytes_total: 4 << 20,
+            stage: "reading weights".into(),
+            ready: false,
+        };
+        assert_eq!(
+            progress_line(&p, 8),
+            "reading weights [##------]  25% 1.0 MiB / 4.0 MiB"
+        );
+    }
+}

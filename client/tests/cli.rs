@@ -1,0 +1,264 @@
+//! The `spillway` binary against a real `spillwayd` (the one built next to it, as the client
+//! finds it) on Unix sockets in temporary directories. The daemons serve the default model,
+//! written once into a cache directory the tests share.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+const PATIENCE: Duration = Duration::from_secs(120);
+
+fn spillway() -> &'static str {
+    env!("CARGO_BIN_EXE_spillway")
+}
+
+/// `spillwayd` next to `spillway`: `cargo test --workspace` builds both.
+fn spillwayd() -> PathBuf {
+    let p = Path::new(spillway()).with_file_name("spillwayd");
+    assert!(
+        p.is_file(),
+        "{} is missing: build it with `cargo build -p spillway-daemon` (cargo test --workspace does)",
+        p.display()
+    );
+    p
+}
+
+/// One cache directory for all tests: the default model is written once.
+fn cache_dir() -> &'static Path {
+    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
+    DIR.get_or_init(|| tempfile::tempdir().unwrap()).path()
+}
+
+struct Daemon {
+    child: Child,
+    _dir: tempfile::TempDir,
+    socket: PathBuf,
+    log: PathBuf,
+}
+
+impl Daemon {
+    fn start(args: &[&str]) -> Daemon {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("s.sock");
+        let log = dir.path().join("daemon.log");
+        let child = Command::new(spillwayd())
+            .arg("serve")
+            .arg("--socket")
+            .arg(&socket)
+            .args(["--threads", "1", "--log-level", "debug"])
+            .args(args)
+            .env_remove("RUST_LOG")
+            .env("XDG_CACHE_HOME", cache_dir())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let d = Daemon {
+            child,
+            _dir: dir,
+            socket,
+            log,
+        };
+        d.wait_ready();
+        d
+    }
+
+    fn addr(&self) -> &str {
+        self.socket.to_str().unwrap()
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The daemon logs "ready" once its models are loaded and health is SERVING.
+    fn wait_ready(&self) {
+        let start = Instant::now();
+        while !self.log().contains(": ready") {
+            assert!(start.elapsed() < PATIENCE, "never ready:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        self.run_with_input(args, "")
+    }
+
+    fn run_with_input(&self, args: &[&str], input: &str) -> Output {
+        let mut child = Command::new(spillway())
+            .arg("--addr")
+            .arg(self.addr())
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+        child.wait_with_output().unwrap()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn generate_streams_text_and_json_reports_tokens_and_finish() {
+    let d = Daemon::start(&[]);
+    let args = ["generate", "--prompt-tokens", "1,2,3", "--max-tokens", "5"];
+    let mut json_args = args.to_vec();
+    json_args.extend(["--json", "--top-logprobs", "2", "--ignore-eos"]);
+    let out = d.run(&json_args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+    assert_eq!(v["tokens"].as_array().unwrap().len(), 5);
+    assert_eq!(v["finish_reason"], "max_tokens");
+    assert_eq!(v["top_logprobs"].as_array().unwrap().len(), 5);
+    assert_eq!(v["timings"]["generated_tokens"], 5);
+
+    let mut text_args = args.to_vec();
+    text_args.push("--ignore-eos");
+    let out = d.run(&text_args);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stdout(&out), format!("{}\n", v["text"].as_str().unwrap()));
+    assert!(
+        stderr(&out).contains("5 generated (max_tokens)"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn chat_keeps_the_history_across_turns() {
+    let d = Daemon::start(&[]);
+    let out = d.run_with_input(
+        &["chat", "--max-tokens", "3", "--system", "Be brief."],
+        "Hello\nAnd then?\n",
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(stdout(&out).lines().count(), 2, "one reply per turn");
+    // The daemon logs each request's prompt length: the second turn carries the first.
+    let prompts: Vec<usize> = d
+        .log()
+        .lines()
+        .filter_map(|l| l.split("prompt_tokens=").nth(1))
+        .map(|rest| {
+            rest.split(|c: char| !c.is_ascii_digit())
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(prompts.len(), 2, "{}", d.log());
+    assert!(prompts[1] > prompts[0] + 3, "{prompts:?}");
+}
+
+#[test]
+fn models_load_ps_and_unload() {
+    let d = Daemon::start(&[]);
+    let model = cache_dir().join("spillway/default-tiny-qwen3moe-q8_0-seed0.gguf");
+    let out = d.run(&["load", model.to_str().unwrap(), "--name", "again"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).contains("loaded"), "{}", stderr(&out));
+
+    let out = d.run(&["models"]);
+    let listing = stdout(&out);
+    assert!(
+        listing.contains("default (default)") && listing.contains("again"),
+        "{listing}"
+    );
+
+    let out = d.run(&["ps"]);
+    let ps = stdout(&out);
+    let line = ps.lines().find(|l| l.starts_with("again")).unwrap();
+    assert!(line.contains("cpu") && line.contains("RAM"), "{ps}");
+
+    let out = d.run(&["unload", "again"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(!stdout(&d.run(&["models"])).contains("again"));
+    let out = d.run(&["unload", "again"]);
+    assert_eq!(out.status.code(), Some(4), "an unknown model is refused");
+    assert!(stderr(&out).contains("not loaded"), "{}", stderr(&out));
+}
+
+#[test]
+fn exit_codes_tell_failures_apart() {
+    let d = Daemon::start(&["--ctx", "32"]);
+    let out = d.run(&["generate", "hi", "--max-tokens", "1000"]);
+    assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
+    assert!(stderr(&out).contains("max_tokens"), "{}", stderr(&out));
+
+    let dir = tempfile::tempdir().unwrap();
+    let nowhere = dir.path().join("none.sock");
+    let out = Command::new(spillway())
+        .args(["--addr", nowhere.to_str().unwrap(), "models"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    assert!(stderr(&out).contains("spillwayd serve"), "{}", stderr(&out));
+
+    let out = Command::new(spillway())
+        .args(["frobnicate"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let help = Command::new(spillway()).arg("--help").output().unwrap();
+    assert!(stdout(&help).contains("Exit codes"));
+}
+
+#[test]
+fn without_a_daemon_the_client_starts_one_on_the_default_socket() {
+    let runtime = tempfile::tempdir().unwrap();
+    let out = Command::new(spillway())
+        .arg("models")
+        .env("XDG_RUNTIME_DIR", runtime.path())
+        .env("XDG_CACHE_HOME", cache_dir())
+        .env_remove("SPILLWAY_ADDR")
+        .output()
+        .unwrap();
+    let err = stderr(&out);
+    // Stop the daemon it started, whatever happened.
+    let pid = err
+        .split("(pid ")
+        .nth(1)
+        .and_then(|r| r.split(')').next())
+        .and_then(|p| p.parse::<i32>().ok());
+    if let Some(pid) = pid {
+        let _ = Command::new("kill").arg(pid.to_string()).status();
+    }
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("started") && pid.is_some(), "{err}");
+    assert!(stdout(&out).contains("default"), "{}", stdout(&out));
+    assert!(runtime.path().join("spillway.sock").exists());
+}
+
+#[test]
+fn completions_are_printed_for_bash() {
+    let out = Command::new(spillway())
+        .args(["completions", "bash"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(stdout(&out).contains("_spillway"));
+}

@@ -1,0 +1,135 @@
+//! `spillwayd serve`: the resident daemon. Parses and checks the command line into a
+//! [`ServeConfig`], sets up logging and runs the server until SIGTERM or SIGINT.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use spillway_daemon::server::auth::read_token_file;
+use spillway_daemon::server::default_model;
+use spillway_daemon::server::models::name_from_path;
+use spillway_daemon::server::service::ModelDefaults;
+use spillway_daemon::server::{serve, ListenAddr, ServeConfig};
+use spillway_proto::endpoint::default_socket_path;
+
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// GGUF model to load at start (repeatable), as PATH or NAME=PATH; the first is the default
+    /// model. Without any, a small synthetic MoE model is written to the cache directory on
+    /// first start and served as `default`.
+    #[arg(long = "model", value_name = "[NAME=]PATH")]
+    pub models: Vec<String>,
+    /// Unix socket to listen on [default: $XDG_RUNTIME_DIR/spillway.sock, or
+    /// /tmp/spillway-$UID/spillway.sock].
+    #[arg(long, conflicts_with = "listen")]
+    pub socket: Option<PathBuf>,
+    /// Listen on TCP at this address instead (e.g. 127.0.0.1:50051). Addresses other than
+    /// loopback need --token-file.
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<SocketAddr>,
+    /// File whose first line is the bearer token TCP clients must send.
+    #[arg(long, requires = "listen")]
+    pub token_file: Option<PathBuf>,
+    /// Kernel threads per model (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// KV cache positions per model (default: the model's context, at most 4096).
+    #[arg(long, default_value_t = 0)]
+    pub ctx: usize,
+    /// Requests that may wait per model while --max-batch run; more are refused with
+    /// RESOURCE_EXHAUSTED.
+    #[arg(long, default_value_t = 8)]
+    pub queue_depth: usize,
+    /// Requests per model decoded together, sharing each decode step (each has its own KV
+    /// cache of --ctx positions).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub max_batch: u16,
+    /// Seconds in-flight requests may run on after SIGTERM before they are cancelled.
+    #[arg(long, default_value_t = 10.0)]
+    pub grace_period: f64,
+    /// Log level or filter (`info`, `debug`, `spillway_daemon=trace`); RUST_LOG wins when set.
+    #[arg(long, default_value = "info")]
+    pub log_level: String,
+}
+
+impl ServeArgs {
+    /// Checks the arguments once into the daemon's configuration.
+    fn config(&self) -> anyhow::Result<ServeConfig> {
+        let listen = match (&self.listen, &self.socket) {
+            (Some(addr), _) => ListenAddr::Tcp(*addr),
+            (None, Some(path)) => ListenAddr::Unix(path.clone()),
+            (None, None) => ListenAddr::Unix(default_socket_path()),
+        };
+        let token = match &self.token_file {
+            Some(path) => Some(
+                read_token_file(path)
+                    .with_context(|| format!("reading the token file {}", path.display()))?,
+            ),
+            None => None,
+        };
+        if !(self.grace_period.is_finite() && self.grace_period >= 0.0) {
+            bail!("--grace-period must be a number of seconds, 0 or more");
+        }
+        let models = self
+            .models
+            .iter()
+            .map(|m| match m.split_once('=') {
+                Some((name, path)) if !name.is_empty() && !name.contains('/') => {
+                    (name.to_string(), PathBuf::from(path))
+                }
+                _ => (name_from_path(m.as_ref()), PathBuf::from(m)),
+            })
+            .collect();
+        let cache_dir = default_model::cache_dir(
+            std::env::var_os("XDG_CACHE_HOME").map(PathBuf::from),
+            std::env::var_os("HOME").map(PathBuf::from),
+        );
+        Ok(ServeConfig {
+            listen,
+            token,
+            models,
+            cache_dir,
+            defaults: ModelDefaults {
+                threads: self
+                    .threads
+                    .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+                    .max(1),
+                queue_capacity: self.queue_depth,
+                max_batch: self.max_batch as usize,
+                context: self.ctx,
+            },
+            grace: Duration::from_secs_f64(self.grace_period),
+        })
+    }
+}
+
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    init_logging(&args.log_level)?;
+    let config = args.config()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .worker_threads(2)
+        .thread_name("spillwayd-rpc")
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(serve(config, |addr| {
+        eprintln!("spillwayd: listening on {addr}")
+    }))?;
+    Ok(())
+}
+
+fn init_logging(level: &str) -> anyhow::Result<()> {
+    use tracing_subscriber::EnvFilter;
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(f) if !f.is_empty() => EnvFilter::try_new(f).context("RUST_LOG")?,
+        _ => EnvFilter::try_new(level).context("--log-level")?,
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr)
+        .init();
+    Ok(())
+}

@@ -1,0 +1,199 @@
+//! Chat messages to prompt text. A model's own `tokenizer.chat_template` (Jinja, as Hugging Face
+//! tokenizers render it) is rendered with minijinja in a sandbox: no file or network access, a
+//! fuel limit on the work a template may do, and a bound on what it may output. A model without
+//! a template, or with one minijinja cannot compile, gets ChatML
+//! (`<|im_start|>role\ncontent<|im_end|>\n`, then an open assistant turn), which Qwen models use
+//! natively.
+
+use minijinja::{context, Environment, Error, ErrorKind};
+use spillway_proto::v1::ChatMessage;
+
+use crate::gguf::Metadata;
+
+/// Work a template may do per rendering (minijinja's instruction budget); real templates need
+/// a few thousand for a long conversation.
+const FUEL: u64 = 5_000_000;
+/// Longest prompt a template may render, in bytes.
+const MAX_OUTPUT: usize = super::validate::MAX_PROMPT_BYTES * 2;
+
+/// ChatML, as a template: what models without their own get.
+pub const CHATML: &str = "{% for message in messages %}<|im_start|>{{ message.role }}\n\
+{{ message.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n\
+{% endif %}";
+
+/// Which template a model's chats are rendered with.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatTemplate {
+    source: String,
+    /// True when this is the model's own template, false for the ChatML fallback.
+    pub from_model: bool,
+    bos: String,
+    eos: String,
+}
+
+impl ChatTemplate {
+    /// The model's `tokenizer.chat_template` when it has one that compiles, else ChatML.
+    /// `bos`/`eos` are the texts of the model's BOS and EOS tokens, which templates use.
+    pub fn from_metadata(md: &Metadata, bos: &str, eos: &str) -> ChatTemplate {
+        let own = md.opt_str("tokenizer.chat_template").ok().flatten();
+        let fallback = || ChatTemplate {
+            source: CHATML.to_string(),
+            from_model: false,
+            bos: bos.to_string(),
+            eos: eos.to_string(),
+        };
+        match own {
+            Some(src) => match environment().template_from_str(src) {
+                Ok(_) => ChatTemplate {
+                    source: src.to_string(),
+                    from_model: true,
+                    bos: bos.to_string(),
+                    eos: eos.to_string(),
+                },
+                Err(e) => {
+                    tracing::warn!("the model's chat template does not compile, using ChatML: {e}");
+                    fallback()
+                }
+            },
+            None => fallback(),
+        }
+    }
+
+    /// The ChatML fallback.
+    pub fn chatml() -> ChatTemplate {
+        ChatTemplate {
+            source: CHATML.to_string(),
+            from_model: false,
+            bos: String::new(),
+            eos: String::new(),
+        }
+    }
+
+    /// Renders `messages` with an open assistant turn for the model to complete.
+    pub fn render(&self, messages: &[ChatMessage]) -> Result<String, String> {
+        let env = environment();
+        let template = env
+            .template_from_str(&self.source)
+            .map_err(|e| e.to_string())?;
+        let messages: Vec<_> = messages
+            .iter()
+            .map(|m| context! { role => m.role.clone(), content => m.content.clone() })
+            .collect();
+        let out = template
+            .render(context! {
+                messages => messages,
+                add_generation_prompt => true,
+                bos_token => self.bos.clone(),
+                eos_token => self.eos.clone(),
+            })
+            .map_err(|e| match e.kind() {
+                ErrorKind::OutOfFuel => "the template needed too much work to render".to_string(),
+                _ => e.to_string(),
+            })?;
+        if out.len() > MAX_OUTPUT {
+            return Err(format!(
+                "the template rendered {} bytes, more than the {MAX_OUTPUT} allowed",
+                out.len()
+            ));
+        }
+        Ok(out)
+    }
+}
+
+/// A sandboxed environment with what Hugging Face templates expect: Jinja's block trimming,
+/// Python string methods, `raise_exception`.
+fn environment() -> Environment<'static> {
+    let mut env = Environment::new();
+    env.set_fuel(Some(FUEL));
+    let syntax = minijinja::syntax::SyntaxConfig::builder()
+        .trim_blocks(true)
+        .lstrip_blocks(true)
+        .build()
+        .expect("the default delimiters are valid");
+    env.set_syntax(syntax);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function("raise_exception", |msg: String| -> Result<String, Error> {
+        Err(Error::new(ErrorKind::InvalidOperation, msg))
+    });
+    env
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::Value;
+
+    fn m(role: &str, content: &str) -> ChatMessage {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+
+    fn with_template(src: &str) -> Metadata {
+        let mut md = Metadata::new();
+        md.insert("tokenizer.chat_template", Value::String(src.into()))
+            .unwrap();
+        md
+    }
+
+    #[test]
+    fn without_a_template_chats_are_chatml_with_an_open_assistant_turn() {
+        let t = ChatTemplate::from_metadata(&Metadata::new(), "", "");
+        assert!(!t.from_model);
+        let text = t
+            .render(&[m("system", "Be brief."), m("user", "Hi")])
+            .unwrap();
+        assert_eq!(
+            text,
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n\
+             <|im_start|>assistant\n"
+        );
+    }
+
+    #[test]
+    fn a_models_template_is_rendered_with_python_methods_and_special_tokens() {
+        let src = "{{ bos_token }}{% for message in messages %}\
+            {% if message.role == 'user' %}[INST] {{ message.content.strip() }} [/INST]\
+            {% else %}{{ message.content }}{{ eos_token }}{% endif %}{% endfor %}";
+        let t = ChatTemplate::from_metadata(&with_template(src), "<s>", "</s>");
+        assert!(t.from_model);
+        let text = t
+            .render(&[m("user", "  Hi "), m("assistant", "Hello")])
+            .unwrap();
+        assert_eq!(text, "<s>[INST] Hi [/INST]Hello</s>");
+    }
+
+    #[test]
+    fn raise_exception_and_runaway_templates_are_errors_not_hangs() {
+        let t = ChatTemplate::from_metadata(
+            &with_template("{{ raise_exception('roles must alternate') }}"),
+            "",
+            "",
+        );
+        let e = t.render(&[m("user", "x")]).unwrap_err();
+        assert!(e.contains("roles must alternate"), "{e}");
+        let t = ChatTemplate::from_metadata(
+            &with_template(
+                "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+            ),
+            "",
+            "",
+        );
+        let e = t.render(&[m("user", "x")]).unwrap_err();
+        assert!(e.contains("too much work"), "{e}");
+    }
+
+    #[test]
+    fn a_template_that_does_not_compile_falls_back_to_chatml() {
+        let t = ChatTemplate::from_metadata(&with_template("{% for %}"), "", "");
+        assert_eq!(
+            t,
+            ChatTemplate {
+                bos: String::new(),
+                eos: String::new(),
+                ..ChatTemplate::chatml()
+            }
+        );
+    }
+}

@@ -1,0 +1,251 @@
+//! The resident daemon: the `spillway.v1` gRPC service over the engine, with `grpc.health.v1`
+//! and server reflection.
+//!
+//! - [`listen`]: the Unix socket (default) or TCP listener.
+//! - [`auth`]: bearer tokens for TCP.
+//! - [`service`]: the service; requests are checked by [`validate`] before any compute.
+//! - [`models`]: loading and the registry of loaded models; [`worker`]: one thread per model
+//!   owning its engine, with a bounded queue; [`stats`]: what `Status` reports.
+//! - [`chat`]: chat messages to prompt text (the model's template, or ChatML); [`default_model`]: the model served when none is
+//!   configured.
+//!
+//! Shutdown (SIGTERM or SIGINT): health turns NOT_SERVING, new calls are refused, in-flight
+//! calls get the grace period to finish and are then cancelled, and [`serve`] returns.
+
+pub mod auth;
+pub mod chat;
+pub mod default_model;
+pub mod listen;
+pub mod models;
+pub mod service;
+pub mod stats;
+pub mod validate;
+pub mod worker;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use spillway_proto::v1::spillway_server::SpillwayServer;
+use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
+use tonic::transport::Server;
+
+use listen::Listener;
+use models::LoadOptions;
+use service::{DaemonState, ModelDefaults, SpillwayService};
+
+/// Largest request message accepted; prompts have their own, smaller limit
+/// ([`validate::MAX_PROMPT_BYTES`]).
+pub const MAX_MESSAGE_BYTES: usize = 4 << 20;
+
+/// Where to listen.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ListenAddr {
+    Unix(PathBuf),
+    Tcp(SocketAddr),
+}
+
+/// The daemon's configuration, validated from the command line.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    pub listen: ListenAddr,
+    /// Bearer token clients must send (TCP only).
+    pub token: Option<String>,
+    /// Models to load at start, with their names; empty: the default model.
+    pub models: Vec<(String, PathBuf)>,
+    /// Where the default model is written; needed when `models` is empty.
+    pub cache_dir: Option<PathBuf>,
+    pub defaults: ModelDefaults,
+    /// How long in-flight calls may run on after a shutdown signal.
+    pub grace: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("a daemon already listens on {}; stop it or use another --socket", .0.display())]
+    AlreadyRunning(PathBuf),
+    #[error("refusing to listen on {0} without --token-file: only loopback addresses may go without a token")]
+    OpenWithoutToken(SocketAddr),
+    #[error(
+        "no cache directory for the default model: set XDG_CACHE_HOME or HOME, or pass --model"
+    )]
+    NoCacheDir,
+    #[error(transparent)]
+    DefaultModel(#[from] default_model::DefaultModelError),
+    #[error("loading {name}: {message}")]
+    Load { name: String, message: String },
+    #[error("reflection: {0}")]
+    Reflection(String),
+    #[error("the gRPC server failed: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    #[error("installing the signal handlers: {0}")]
+    Signals(std::io::Error),
+}
+
+/// Runs the daemon until SIGTERM or SIGINT. `on_ready` is called with the address clients use
+/// once the listener is bound (models may still be loading).
+pub async fn serve(config: ServeConfig, on_ready: impl FnOnce(&str)) -> Result<(), ServeError> {
+    let listener = match &config.listen {
+        ListenAddr::Unix(path) => listen::bind_unix(path).await?,
+        ListenAddr::Tcp(addr) => listen::bind_tcp(*addr, config.token.is_some()).await?,
+    };
+    let describe = listener.describe().unwrap_or_default();
+
+    let (health, health_service) = tonic_health::server::health_reporter();
+    let state = DaemonState::new(health, config.defaults.clone());
+    // NOT_SERVING until the start-up models are loaded.
+    state
+        .health
+        .set_service_status("", tonic_health::ServingStatus::NotServing)
+        .await;
+    state
+        .health
+        .set_service_status(
+            service::SERVICE_NAME,
+            tonic_health::ServingStatus::NotServing,
+        )
+        .await;
+
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(spillway_proto::v1::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(|e| ServeError::Reflection(e.to_string()))?;
+    let auth = auth::BearerAuth::new(config.token.clone());
+    let spillway = SpillwayServer::new(SpillwayService::new(state.clone()))
+        .max_decoding_message_size(MAX_MESSAGE_BYTES);
+    let spillway =
+        tonic::service::interceptor::InterceptedService::new(spillway, move |r| auth.check(r));
+    let router = Server::builder()
+        .add_service(health_service)
+        .add_service(reflection)
+        .add_service(spillway);
+
+    let (stop_accepting, stopped) = tokio::sync::oneshot::channel::<()>();
+    let stop_signal = async {
+        let _ = stopped.await;
+    };
+    let server = match listener {
+        Listener::Unix { listener, .. } => tokio::spawn(
+            router.serve_with_incoming_shutdown(UnixListenerStream::new(listener), stop_signal),
+        ),
+        Listener::Tcp(listener) => tokio::spawn(
+            router.serve_with_incoming_shutdown(TcpListenerStream::new(listener), stop_signal),
+        ),
+    };
+    tracing::info!(addr = %describe, "listening");
+    on_ready(&describe);
+
+    let mut signals = Signals::install()?;
+    let startup = load_startup_models(&state, &config);
+    let interrupted = tokio::select! {
+        r = startup => r.map(|()| None),
+        sig = signals.next() => Ok(Some(sig)),
+    };
+    match interrupted {
+        Err(e) => {
+            let _ = stop_accepting.send(());
+            let _ = server.await;
+            cleanup(&config);
+            return Err(e);
+        }
+        Ok(Some(sig)) => tracing::info!("{sig} during start-up: shutting down"),
+        Ok(None) => {
+            state.update_health().await;
+            tracing::info!("ready");
+            let sig = signals.next().await;
+            tracing::info!("{sig}: shutting down");
+        }
+    }
+
+    // Refuse new calls and stop accepting connections; in-flight calls run on for the grace.
+    state.draining.store(true, Ordering::SeqCst);
+    state.update_health().await;
+    let _ = stop_accepting.send(());
+    let mut server = server;
+    let finished = tokio::time::timeout(config.grace, &mut server).await;
+    if finished.is_err() {
+        tracing::warn!(
+            grace_s = config.grace.as_secs_f64(),
+            "in-flight calls outlived the grace period: cancelling them"
+        );
+        state.shutdown.cancel();
+        // Cancelled streams end within a decode step; do not wait on a stuck client forever.
+        let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+    }
+    state.shutdown.cancel();
+    cleanup(&config);
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn load_startup_models(
+    state: &Arc<DaemonState>,
+    config: &ServeConfig,
+) -> Result<(), ServeError> {
+    let mut models = config.models.clone();
+    if models.is_empty() {
+        let dir = config.cache_dir.clone().ok_or(ServeError::NoCacheDir)?;
+        let path = tokio::task::spawn_blocking(move || default_model::ensure(&dir))
+            .await
+            .map_err(|e| ServeError::Load {
+                name: default_model::MODEL_NAME.into(),
+                message: e.to_string(),
+            })??;
+        models.push((default_model::MODEL_NAME.into(), path));
+    }
+    for (name, path) in models {
+        let options = LoadOptions {
+            name: name.clone(),
+            path,
+            context: config.defaults.context,
+            threads: config.defaults.threads,
+            queue_capacity: config.defaults.queue_capacity,
+            max_batch: config.defaults.max_batch,
+        };
+        state
+            .load_model(options, |_| {})
+            .await
+            .map_err(|status| ServeError::Load {
+                name,
+                message: status.message().to_string(),
+            })?;
+    }
+    Ok(())
+}
+
+fn cleanup(config: &ServeConfig) {
+    if let ListenAddr::Unix(path) = &config.listen {
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+/// SIGTERM and SIGINT.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> Result<Signals, ServeError> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Signals {
+            term: signal(SignalKind::terminate()).map_err(ServeError::Signals)?,
+            int: signal(SignalKind::interrupt()).map_err(ServeError::Signals)?,
+        })
+    }
+
+    async fn next(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
+        }
+    }
+}

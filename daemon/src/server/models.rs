@@ -1,0 +1,237 @@
+//! The daemon's loaded models: loading one (open and validate the file, read its weights into
+//! the page cache, start its worker), looking them up by name, unloading.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use parking_lot::RwLock;
+use tokio_util::sync::CancellationToken;
+
+use super::chat::ChatTemplate;
+use super::worker::Worker;
+use crate::engine::{BatchEngine, EngineOptions};
+use crate::model::{Model, ModelError};
+use crate::tokenizer::Tokenizer;
+
+/// Bytes read between two progress reports while the weights are paged in.
+const PROGRESS_STEP: u64 = 16 << 20;
+
+/// A model with its worker.
+pub struct LoadedModel {
+    pub name: String,
+    pub path: PathBuf,
+    pub model: Arc<Model>,
+    pub tokenizer: Option<Arc<Tokenizer>>,
+    /// Renders chat input: the model's own template, or ChatML.
+    pub chat_template: ChatTemplate,
+    /// KV cache positions of the worker's engine.
+    pub context: usize,
+    pub parameters: u64,
+    pub weight_bytes: u64,
+    pub tensors: u32,
+    pub kv_cache_bytes: u64,
+    pub worker: Worker,
+}
+
+/// How to load a model.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    pub name: String,
+    pub path: PathBuf,
+    pub context: usize,
+    pub threads: usize,
+    pub queue_capacity: usize,
+    /// Requests decoded together (sequences of the engine).
+    pub max_batch: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("{}: {source}", path.display())]
+    Model {
+        path: PathBuf,
+        #[source]
+        source: ModelError,
+    },
+    #[error("{}: no such file", .0.display())]
+    NotFound(PathBuf),
+    #[error("starting the model's worker thread: {0}")]
+    Thread(#[from] std::io::Error),
+}
+
+/// One load stage for progress reports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadProgress {
+    pub stage: &'static str,
+    pub bytes_done: u64,
+    pub bytes_total: u64,
+}
+
+/// Loads a model and starts its worker, reporting progress. Blocking: run it off the async
+/// threads.
+pub fn load(
+    options: &LoadOptions,
+    shutdown: CancellationToken,
+    mut progress: impl FnMut(LoadProgress),
+) -> Result<LoadedModel, LoadError> {
+    let path = &options.path;
+    if !path.exists() {
+        return Err(LoadError::NotFound(path.clone()));
+    }
+    let file_bytes = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+    progress(LoadProgress {
+        stage: "validating",
+        bytes_done: 0,
+        bytes_total: file_bytes,
+    });
+    let model = Model::open(path).map_err(|source| LoadError::Model {
+        path: path.clone(),
+        source,
+    })?;
+    let tensors = model.file().tensors();
+    let weight_bytes: u64 = tensors.iter().map(|t| t.n_bytes).sum();
+    let parameters: u64 = tensors.iter().map(|t| t.n_elements).sum();
+    let n_tensors = tensors.len() as u32;
+    page_in(&model, weight_bytes, &mut progress);
+    let tokenizer = match Tokenizer::from_metadata(model.file().metadata()) {
+        Ok(t) => Some(Arc::new(t)),
+        Err(e) => {
+            tracing::warn!(model = %options.name, "no usable tokenizer, token ids only: {e}");
+            None
+        }
+    };
+    let special = |id: Option<u32>| {
+        tokenizer
+            .as_ref()
+            .and_then(|t| id.and_then(|id| t.token_text(id)))
+            .unwrap_or("")
+            .to_string()
+    };
+    let (bos, eos) = match &tokenizer {
+        Some(t) => (special(t.bos()), special(t.eos())),
+        None => Default::default(),
+    };
+    let chat_template = ChatTemplate::from_metadata(model.file().metadata(), &bos, &eos);
+    tracing::info!(
+        model = %options.name,
+        "chat template: {}",
+        if chat_template.from_model { "the model's own" } else { "ChatML (the model has none)" }
+    );
+    let model = Arc::new(model);
+    let engine = BatchEngine::new(
+        model.clone(),
+        &EngineOptions {
+            threads: options.threads,
+            context: options.context,
+        },
+        options.max_batch,
+    );
+    let context = engine.capacity();
+    let c = &model.config;
+    // f16 keys and values per layer and position, for every sequence.
+    let kv_cache_bytes = (2 * c.n_layer * context * c.kv_width() * 2 * engine.sequences()) as u64;
+    let worker = Worker::spawn(
+        &options.name,
+        engine,
+        tokenizer.clone(),
+        options.queue_capacity,
+        shutdown,
+    )?;
+    Ok(LoadedModel {
+        name: options.name.clone(),
+        path: path.clone(),
+        parameters,
+        tensors: n_tensors,
+        weight_bytes,
+        kv_cache_bytes,
+        context,
+        tokenizer,
+        chat_template,
+        model,
+        worker,
+    })
+}
+
+/// Reads every page of the weights once, so they are in RAM before the first request rather
+/// than faulted in during it.
+fn page_in(model: &Model, total: u64, progress: &mut impl FnMut(LoadProgress)) {
+    const PAGE: usize = 4096;
+    let mut done = 0u64;
+    let mut next_report = 0u64;
+    let mut sink = 0u8;
+    for t in model.file().tensors() {
+        let data = model.file().tensor_data(t);
+        for page in data.chunks(PAGE) {
+            sink ^= page[0];
+            done += page.len() as u64;
+            if done >= next_report {
+                progress(LoadProgress {
+                    stage: "reading weights",
+                    bytes_done: done,
+                    bytes_total: total,
+                });
+                next_report = done + PROGRESS_STEP;
+            }
+        }
+    }
+    std::hint::black_box(sink);
+    progress(LoadProgress {
+        stage: "reading weights",
+        bytes_done: total,
+        bytes_total: total,
+    });
+}
+
+/// The loaded models, in load order; the first is the default.
+#[derive(Default)]
+pub struct Registry {
+    models: RwLock<Vec<Arc<LoadedModel>>>,
+}
+
+impl Registry {
+    /// The model called `name`, or the default one for an empty name.
+    pub fn get(&self, name: &str) -> Option<Arc<LoadedModel>> {
+        let models = self.models.read();
+        if name.is_empty() {
+            return models.first().cloned();
+        }
+        models.iter().find(|m| m.name == name).cloned()
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.models.read().iter().any(|m| m.name == name)
+    }
+
+    pub fn names(&self) -> Vec<String> {
+        self.models.read().iter().map(|m| m.name.clone()).collect()
+    }
+
+    pub fn all(&self) -> Vec<Arc<LoadedModel>> {
+        self.models.read().clone()
+    }
+
+    /// Adds a model, or gives it back when the name is taken.
+    pub fn insert(&self, model: LoadedModel) -> Result<(), Box<LoadedModel>> {
+        let mut models = self.models.write();
+        if models.iter().any(|m| m.name == model.name) {
+            return Err(Box::new(model));
+        }
+        models.push(Arc::new(model));
+        Ok(())
+    }
+
+    /// Removes a model from the registry; the caller stops its worker.
+    pub fn remove(&self, name: &str) -> Option<Arc<LoadedModel>> {
+        let mut models = self.models.write();
+        let i = models.iter().position(|m| m.name == name)?;
+        Some(models.remove(i))
+    }
+}
+
+/// A model's name from its file: the file stem (`qwen3-30b-q4_k_m.gguf` → `qwen3-30b-q4_k_m`).
+pub fn name_from_path(path: &Path) -> String {
+    path.file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "model".into())
+}

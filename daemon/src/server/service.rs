@@ -1,0 +1,387 @@
+//! The `spillway.v1.Spillway` service: requests are checked here, then generation goes to the
+//! model's worker and loading to a blocking task.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use spillway_proto::v1 as pb;
+use spillway_proto::v1::spillway_server::Spillway;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+use tonic_health::server::HealthReporter;
+use tonic_health::ServingStatus;
+
+use super::models::{self, LoadError, LoadOptions, LoadedModel, Registry};
+use super::validate::{self, ModelLimits};
+use super::worker::{GenerateItem, GenerateJob};
+use crate::tokenizer::DecodeOptions as DetokenizeOptions;
+
+/// Name under which the health service reports this service.
+pub const SERVICE_NAME: &str = "spillway.v1.Spillway";
+
+/// Settings every loaded model gets.
+#[derive(Debug, Clone)]
+pub struct ModelDefaults {
+    pub threads: usize,
+    pub queue_capacity: usize,
+    /// Requests decoded together per model.
+    pub max_batch: usize,
+    /// KV cache positions; 0: the model's context, at most 4096.
+    pub context: usize,
+}
+
+/// State shared by the service, the loader and shutdown.
+pub struct DaemonState {
+    pub registry: Registry,
+    pub health: HealthReporter,
+    pub defaults: ModelDefaults,
+    /// Set once shutdown begins: new calls are refused.
+    pub draining: AtomicBool,
+    /// Cancelled when the grace period is over: in-flight work stops.
+    pub shutdown: CancellationToken,
+    loads_running: AtomicUsize,
+}
+
+impl DaemonState {
+    pub fn new(health: HealthReporter, defaults: ModelDefaults) -> Arc<DaemonState> {
+        Arc::new(DaemonState {
+            registry: Registry::default(),
+            health,
+            defaults,
+            draining: AtomicBool::new(false),
+            shutdown: CancellationToken::new(),
+            loads_running: AtomicUsize::new(0),
+        })
+    }
+
+    /// Reports NOT_SERVING while a load runs or once draining, SERVING otherwise.
+    pub async fn update_health(&self) {
+        let serving =
+            !self.draining.load(Ordering::SeqCst) && self.loads_running.load(Ordering::SeqCst) == 0;
+        let status = if serving {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        };
+        self.health.set_service_status("", status).await;
+        self.health.set_service_status(SERVICE_NAME, status).await;
+    }
+
+    /// Loads a model (health NOT_SERVING meanwhile) and registers it. `progress` gets every
+    /// stage; it may fail once the caller has gone, which does not stop the load.
+    pub async fn load_model(
+        self: &Arc<Self>,
+        options: LoadOptions,
+        progress: impl FnMut(models::LoadProgress) + Send + 'static,
+    ) -> Result<Arc<LoadedModel>, Status> {
+        self.loads_running.fetch_add(1, Ordering::SeqCst);
+        self.update_health().await;
+        let shutdown = self.shutdown.clone();
+        let name = options.name.clone();
+        let result =
+            tokio::task::spawn_blocking(move || models::load(&options, shutdown, progress))
+                .await
+                .map_err(|e| Status::internal(format!("the loader failed: {e}")));
+        self.loads_running.fetch_sub(1, Ordering::SeqCst);
+        self.update_health().await;
+        let loaded = result?.map_err(|e| match e {
+            LoadError::NotFound(_) => Status::not_found(e.to_string()),
+            LoadError::Model { .. } => Status::invalid_argument(e.to_string()),
+            LoadError::Thread(_) => Status::internal(e.to_string()),
+        })?;
+        if let Err(model) = self.registry.insert(loaded) {
+            model.worker.unload();
+            return Err(name_taken(&name));
+        }
+        tracing::info!(model = %name, "loaded");
+        self.registry
+            .get(&name)
+            .ok_or_else(|| Status::internal("the model was unloaded while it loaded"))
+    }
+}
+
+fn name_taken(name: &str) -> Status {
+    Status::already_exists(format!(
+        "a model called {name:?} is loaded; unload it first or choose another name"
+    ))
+}
+
+pub struct SpillwayService {
+    state: Arc<DaemonState>,
+}
+
+impl SpillwayService {
+    pub fn new(state: Arc<DaemonState>) -> SpillwayService {
+        SpillwayService { state }
+    }
+
+    #[allow(clippy::result_large_err)]
+    fn check_open(&self) -> Result<(), Status> {
+        if self.state.draining.load(Ordering::SeqCst) {
+            return Err(Status::unavailable(
+                "the daemon is shutting down; retry against a running daemon",
+            ));
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::result_large_err)]
+    fn model(&self, name: &str) -> Result<Arc<LoadedModel>, Status> {
+        self.state.registry.get(name).ok_or_else(|| {
+            let names = self.state.registry.names();
+            if names.is_empty() {
+                Status::failed_precondition("no model is loaded; load one with `spillway load`")
+            } else {
+                Status::invalid_argument(format!(
+                    "model {name:?} is not loaded; loaded: {} (`spillway models`)",
+                    names.join(", ")
+                ))
+            }
+        })
+    }
+}
+
+type ResponseStream<T> = ReceiverStream<Result<T, Status>>;
+
+#[tonic::async_trait]
+impl Spillway for SpillwayService {
+    type GenerateStream = ResponseStream<pb::GenerateResponse>;
+    type LoadModelStream = ResponseStream<pb::LoadModelProgress>;
+
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let arrived = Instant::now();
+        self.check_open()?;
+        let deadline = request
+            .metadata()
+            .get("grpc-timeout")
+            .and_then(|v| v.to_str().ok())
+            .and_then(validate::grpc_timeout)
+            .map(|d| arrived + d);
+        let req = request.into_inner();
+        let model = self.model(&req.model)?;
+        let render = |m: &[pb::ChatMessage]| model.chat_template.render(m);
+        let limits = ModelLimits {
+            tokenizer: model.tokenizer.as_deref(),
+            n_vocab: model.model.config.n_vocab,
+            context: model.context,
+            render_chat: &render,
+        };
+        let valid = validate::generate_request(&req, &limits)?;
+        let (tx, rx) = mpsc::channel::<GenerateItem>(32);
+        model.worker.submit(GenerateJob {
+            prompt: valid.prompt,
+            options: valid.options,
+            prompt_logprobs: valid.prompt_logprobs,
+            deadline,
+            arrived,
+            tx,
+        })?;
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn tokenize(
+        &self,
+        request: Request<pb::TokenizeRequest>,
+    ) -> Result<Response<pb::TokenizeResponse>, Status> {
+        self.check_open()?;
+        let req = request.into_inner();
+        let model = self.model(&req.model)?;
+        let tok = tokenizer(&model)?;
+        if req.text.len() > validate::MAX_PROMPT_BYTES {
+            return Err(Status::invalid_argument(format!(
+                "the text has {} bytes; at most {} are accepted",
+                req.text.len(),
+                validate::MAX_PROMPT_BYTES
+            )));
+        }
+        // As a text prompt is tokenized: control tokens written in the text are recognised.
+        let tokens = tok.encode_with(
+            &req.text,
+            crate::tokenizer::EncodeOptions {
+                add_special: req.add_special,
+                parse_special: true,
+            },
+        );
+        Ok(Response::new(pb::TokenizeResponse { tokens }))
+    }
+
+    async fn detokenize(
+        &self,
+        request: Request<pb::DetokenizeRequest>,
+    ) -> Result<Response<pb::DetokenizeResponse>, Status> {
+        self.check_open()?;
+        let req = request.into_inner();
+        let model = self.model(&req.model)?;
+        let tok = tokenizer(&model)?;
+        if let Some(&bad) = req.tokens.iter().find(|&&t| t as usize >= tok.n_vocab()) {
+            return Err(Status::invalid_argument(format!(
+                "token id {bad} is outside the model's vocabulary of {} tokens",
+                tok.n_vocab()
+            )));
+        }
+        let bytes = tok.detokenize(&req.tokens, DetokenizeOptions::default());
+        Ok(Response::new(pb::DetokenizeResponse {
+            text: String::from_utf8_lossy(&bytes).into_owned(),
+        }))
+    }
+
+    async fn list_models(
+        &self,
+        _request: Request<pb::ListModelsRequest>,
+    ) -> Result<Response<pb::ListModelsResponse>, Status> {
+        let all = self.state.registry.all();
+        let models = all
+            .iter()
+            .enumerate()
+            .map(|(i, m)| pb::ModelInfo {
+                name: m.name.clone(),
+                path: m.path.display().to_string(),
+                architecture: m.model.file().architecture().unwrap_or("").to_string(),
+                parameters: m.parameters,
+                file_bytes: m.model.file().file_size(),
+                loaded: true,
+                is_default: i == 0,
+                context_length: m.context as u32,
+            })
+            .collect();
+        Ok(Response::new(pb::ListModelsResponse { models }))
+    }
+
+    async fn load_model(
+        &self,
+        request: Request<pb::LoadModelRequest>,
+    ) -> Result<Response<Self::LoadModelStream>, Status> {
+        self.check_open()?;
+        let req = request.into_inner();
+        if req.path.is_empty() {
+            return Err(Status::invalid_argument("give the path of a GGUF file"));
+        }
+        if !req.pins.is_empty()
+            || req
+                .budgets
+                .is_some_and(|b| b.vram_bytes != 0 || b.ram_bytes != 0)
+        {
+            return Err(Status::unimplemented(
+                "budgets and tensor pins are not supported yet: the CPU engine keeps every \
+                 weight in RAM; load without them",
+            ));
+        }
+        let path = PathBuf::from(&req.path);
+        let name = if req.name.is_empty() {
+            models::name_from_path(&path)
+        } else {
+            req.name.clone()
+        };
+        if self.state.registry.contains(&name) {
+            return Err(name_taken(&name));
+        }
+        let defaults = &self.state.defaults;
+        let options = LoadOptions {
+            name,
+            path,
+            context: match req.context_length {
+                0 => defaults.context,
+                n => n as usize,
+            },
+            threads: defaults.threads,
+            queue_capacity: defaults.queue_capacity,
+            max_batch: defaults.max_batch,
+        };
+        let (tx, rx) = mpsc::channel(16);
+        let state = self.state.clone();
+        tokio::spawn(async move {
+            let progress_tx = tx.clone();
+            let result = state
+                .load_model(options, move |p| {
+                    let _ = progress_tx.blocking_send(Ok(pb::LoadModelProgress {
+                        bytes_done: p.bytes_done,
+                        bytes_total: p.bytes_total,
+                        stage: p.stage.to_string(),
+                        ready: false,
+                    }));
+                })
+                .await;
+            let last = result.map(|m| pb::LoadModelProgress {
+                bytes_done: m.weight_bytes,
+                bytes_total: m.weight_bytes,
+                stage: "ready".into(),
+                ready: true,
+            });
+            let _ = tx.send(last).await;
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn unload_model(
+        &self,
+        request: Request<pb::UnloadModelRequest>,
+    ) -> Result<Response<pb::UnloadModelResponse>, Status> {
+        self.check_open()?;
+        let name = request.into_inner().name;
+        if name.is_empty() {
+            return Err(Status::invalid_argument(
+                "give the name of the model to unload",
+            ));
+        }
+        let model = self.state.registry.remove(&name).ok_or_else(|| {
+            Status::not_found(format!(
+                "model {name:?} is not loaded; loaded: {}",
+                self.state.registry.names().join(", ")
+            ))
+        })?;
+        model.worker.unload();
+        tracing::info!(model = %name, "unloaded");
+        Ok(Response::new(pb::UnloadModelResponse {}))
+    }
+
+    async fn status(
+        &self,
+        _request: Request<pb::StatusRequest>,
+    ) -> Result<Response<pb::StatusResponse>, Status> {
+        let now = Instant::now();
+        let models = self
+            .state
+            .registry
+            .all()
+            .iter()
+            .map(|m| {
+                let stats = m.worker.stats();
+                pb::ModelStatus {
+                    name: m.name.clone(),
+                    // The CPU engine reads every weight from RAM (the page cache).
+                    tiers: vec![pb::TierUsage {
+                        tier: "ram".into(),
+                        bytes: m.weight_bytes,
+                        tensors: m.tensors,
+                    }],
+                    expert_cache_hit_rate: Vec::new(),
+                    queue_depth: stats.in_queue.load(Ordering::SeqCst) as u32,
+                    recent_tokens_per_second: stats.recent_tokens_per_second(now),
+                    device: "cpu".into(),
+                    kv_cache_bytes: m.kv_cache_bytes,
+                    queue_capacity: m.worker.queue_capacity() as u32,
+                    generated_tokens: stats.generated.load(Ordering::Relaxed),
+                    max_batch: m.worker.max_batch() as u32,
+                }
+            })
+            .collect();
+        Ok(Response::new(pb::StatusResponse { models }))
+    }
+}
+
+#[allow(clippy::result_large_err)]
+fn tokenizer(model: &LoadedModel) -> Result<&crate::tokenizer::Tokenizer, Status> {
+    model.tokenizer.as_deref().ok_or_else(|| {
+        Status::failed_precondition(format!(
+            "model {:?} has no usable tokenizer; use token ids",
+            model.name
+        ))
+    })
+}

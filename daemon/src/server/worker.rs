@@ -1,0 +1,415 @@
+//! A loaded model's worker: one thread owning the model's engine, taking generation jobs from a
+//! bounded queue and streaming each token to its caller. Up to the engine's number of sequences
+//! run together (continuous batching): a job joins the running ones as soon as a sequence is
+//! free, and every decode step evaluates one token of each in a single forward pass. A job stops
+//! within one decode step when its caller goes away, its deadline passes, the model is unloaded
+//! or the daemon shuts down.
+
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::time::Instant;
+
+use spillway_proto::v1 as pb;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tonic::Status;
+
+use super::stats::ModelStats;
+use crate::engine::decode::{DecodeOptions, Decoder, TokenStep};
+use crate::engine::generate::{top_logprobs, FinishReason};
+use crate::engine::{BatchEngine, MAX_BATCH};
+use crate::tokenizer::Tokenizer;
+
+/// What a generation stream carries.
+pub type GenerateItem = Result<pb::GenerateResponse, Status>;
+
+/// One validated generation request.
+pub struct GenerateJob {
+    pub prompt: Vec<u32>,
+    pub options: DecodeOptions,
+    pub prompt_logprobs: usize,
+    pub deadline: Option<Instant>,
+    /// When the request arrived (time to first token counts from here).
+    pub arrived: Instant,
+    pub tx: mpsc::Sender<GenerateItem>,
+}
+
+/// The handle the service keeps: submit jobs, unload. The thread ends once the handle is
+/// dropped and its queue is drained.
+pub struct Worker {
+    jobs: SyncSender<GenerateJob>,
+    /// Cancelled when the model is unloaded: running and waiting jobs end with ABORTED.
+    unload: CancellationToken,
+    stats: Arc<ModelStats>,
+    queue_capacity: usize,
+    max_batch: usize,
+}
+
+/// Why a job stopped before its natural end.
+enum Interrupt {
+    /// The caller went away: nobody to tell.
+    Gone,
+    Fail(Status),
+}
+
+impl Worker {
+    /// Starts the worker thread. `queue_capacity` requests may wait while the engine's sequences
+    /// are all busy; `shutdown`
+    /// is the daemon's token for cancelling in-flight work once the grace period is over.
+    pub fn spawn(
+        name: &str,
+        engine: BatchEngine,
+        tokenizer: Option<Arc<Tokenizer>>,
+        queue_capacity: usize,
+        shutdown: CancellationToken,
+    ) -> std::io::Result<Worker> {
+        let (jobs, rx) = sync_channel(queue_capacity);
+        let max_batch = engine.sequences();
+        let stats = Arc::new(ModelStats::default());
+        let unload = CancellationToken::new();
+        let ctx = WorkerContext {
+            engine,
+            tokenizer,
+            stats: stats.clone(),
+            unload: unload.clone(),
+            shutdown,
+        };
+        std::thread::Builder::new()
+            .name(format!("model-{name}"))
+            .spawn(move || ctx.run(rx))?;
+        Ok(Worker {
+            jobs,
+            unload,
+            stats,
+            queue_capacity,
+            max_batch,
+        })
+    }
+
+    /// Queues a job, or refuses it at once with RESOURCE_EXHAUSTED when the queue is full.
+    #[allow(clippy::result_large_err)] // the error is the gRPC status the caller returns
+    pub fn submit(&self, job: GenerateJob) -> Result<(), Status> {
+        if self.unload.is_cancelled() {
+            return Err(Status::unavailable("the model is being unloaded"));
+        }
+        self.stats.in_queue.fetch_add(1, Ordering::SeqCst);
+        match self.jobs.try_send(job) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.stats.in_queue.fetch_sub(1, Ordering::SeqCst);
+                Err(match e {
+                    TrySendError::Full(_) => Status::resource_exhausted(format!(
+                        "the model's queue is full ({} waiting, {} running); retry later or \
+                         start the daemon with a larger --queue-depth",
+                        self.queue_capacity, self.max_batch
+                    )),
+                    TrySendError::Disconnected(_) => {
+                        Status::unavailable("the model's worker has stopped")
+                    }
+                })
+            }
+        }
+    }
+
+    pub fn stats(&self) -> &ModelStats {
+        &self.stats
+    }
+
+    pub fn queue_capacity(&self) -> usize {
+        self.queue_capacity
+    }
+
+    /// Requests that run together.
+    pub fn max_batch(&self) -> usize {
+        self.max_batch
+    }
+
+    /// Ends the running and waiting jobs with ABORTED and refuses new ones.
+    pub fn unload(&self) {
+        self.unload.cancel();
+    }
+}
+
+/// What the worker thread owns.
+struct WorkerContext {
+    engine: BatchEngine,
+    tokenizer: Option<Arc<Tokenizer>>,
+    stats: Arc<ModelStats>,
+    unload: CancellationToken,
+    shutdown: CancellationToken,
+}
+
+/// A request being decoded in one of the engine's sequences.
+struct Active<'t> {
+    job: GenerateJob,
+    seq: usize,
+    decoder: Decoder<'t>,
+    started: Instant,
+    prompt_done: Instant,
+    first_token_at: Option<Instant>,
+    prompt_logprobs: Vec<pb::PromptLogprobs>,
+}
+
+impl WorkerContext {
+    /// Admits waiting jobs into free sequences (blocking only when none runs), then runs one
+    /// decode step for all running sequences together, until the queue is closed and drained.
+    fn run(mut self, rx: Receiver<GenerateJob>) {
+        let tokenizer = self.tokenizer.clone();
+        let tokenizer = tokenizer.as_deref();
+        let eos = self
+            .engine
+            .model()
+            .file()
+            .metadata()
+            .opt_u32("tokenizer.ggml.eos_token_id")
+            .ok()
+            .flatten();
+        let mut active: Vec<Active<'_>> = Vec::new();
+        let mut free: Vec<usize> = (0..self.engine.sequences()).rev().collect();
+        loop {
+            while let Some(&seq) = free.last() {
+                let job = if active.is_empty() {
+                    match rx.recv() {
+                        Ok(job) => job,
+                        Err(_) => return,
+                    }
+                } else {
+                    match rx.try_recv() {
+                        Ok(job) => job,
+                        Err(_) => break,
+                    }
+                };
+                let tx = job.tx.clone();
+                match self.start(job, seq, tokenizer, eos) {
+                    Ok(Some(a)) => {
+                        free.pop();
+                        active.push(a);
+                    }
+                    Ok(None) => self.done(&tx, Ok(())),
+                    Err(i) => self.done(&tx, Err(i)),
+                }
+            }
+            if active.is_empty() {
+                continue;
+            }
+            // Requests whose caller left, whose deadline passed, or that must stop, end here:
+            // within one decode step.
+            let mut i = 0;
+            while i < active.len() {
+                if let Err(why) = self.interrupted(&active[i].job) {
+                    let a = active.swap_remove(i);
+                    free.push(a.seq);
+                    self.done(&a.job.tx, Err(why));
+                } else {
+                    i += 1;
+                }
+            }
+            if active.is_empty() {
+                continue;
+            }
+            let inputs: Vec<(usize, u32)> = active
+                .iter()
+                .map(|a| (a.seq, *a.decoder.tokens().last().expect("a sampled token")))
+                .collect();
+            let logits = match self.engine.step(&inputs) {
+                Ok(l) => l,
+                Err(e) => {
+                    for a in active.drain(..) {
+                        free.push(a.seq);
+                        self.done(
+                            &a.job.tx,
+                            Err(Interrupt::Fail(Status::internal(e.to_string()))),
+                        );
+                    }
+                    continue;
+                }
+            };
+            let n_vocab = self.engine.model().config.n_vocab;
+            let mut finished = Vec::new();
+            for (i, (a, l)) in active
+                .iter_mut()
+                .zip(logits.chunks_exact(n_vocab))
+                .enumerate()
+            {
+                let room = self.engine.position(a.seq) < self.engine.capacity();
+                let step = a.decoder.step(l, room);
+                match self.emit(a, step) {
+                    Ok(false) => {}
+                    Ok(true) => finished.push((i, Ok(()))),
+                    Err(why) => finished.push((i, Err(why))),
+                }
+            }
+            for (i, result) in finished.into_iter().rev() {
+                let a = active.swap_remove(i);
+                free.push(a.seq);
+                self.done(&a.job.tx, result);
+            }
+        }
+    }
+
+    /// A job has ended: count it out of the queue and tell its caller why it failed.
+    fn done(&self, tx: &mpsc::Sender<GenerateItem>, result: Result<(), Interrupt>) {
+        self.stats.in_queue.fetch_sub(1, Ordering::SeqCst);
+        if let Err(Interrupt::Fail(status)) = result {
+            tracing::debug!(code = ?status.code(), "generation ended early: {}", status.message());
+            let _ = tx.blocking_send(Err(status));
+        }
+    }
+
+    /// Checked before every forward pass.
+    fn interrupted(&self, job: &GenerateJob) -> Result<(), Interrupt> {
+        if job.tx.is_closed() {
+            return Err(Interrupt::Gone);
+        }
+        if self.unload.is_cancelled() {
+            return Err(Interrupt::Fail(Status::aborted(
+                "the model was unloaded while this request ran",
+            )));
+        }
+        if self.shutdown.is_cancelled() {
+            return Err(Interrupt::Fail(Status::unavailable(
+                "the daemon is shutting down; retry against a running daemon",
+            )));
+        }
+        if job.deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(Interrupt::Fail(Status::deadline_exceeded(
+                "the deadline passed before generation finished",
+            )));
+        }
+        Ok(())
+    }
+
+    /// Evaluates a job's prompt in sequence `seq` and samples its first token. `None` when the
+    /// job already finished with that token.
+    fn start<'t>(
+        &mut self,
+        job: GenerateJob,
+        seq: usize,
+        tokenizer: Option<&'t Tokenizer>,
+        eos: Option<u32>,
+    ) -> Result<Option<Active<'t>>, Interrupt> {
+        self.interrupted(&job)?;
+        tracing::debug!(
+            prompt_tokens = job.prompt.len(),
+            max_tokens = job.options.max_tokens,
+            seq,
+            "generate"
+        );
+        let started = Instant::now();
+        let n_vocab = self.engine.model().config.n_vocab;
+        let want_all = job.prompt_logprobs > 0;
+        self.engine.reset(seq);
+
+        // The prompt in chunks, so that a long one can be interrupted too.
+        let mut prompt_logprobs = Vec::new();
+        let mut logits = Vec::new();
+        for chunk in job.prompt.chunks(MAX_BATCH) {
+            self.interrupted(&job)?;
+            let out = self
+                .engine
+                .eval_sequence(seq, chunk, want_all)
+                .map_err(|e| Interrupt::Fail(Status::internal(e.to_string())))?;
+            if want_all {
+                for l in out.chunks_exact(n_vocab) {
+                    let top = top_logprobs(l, job.prompt_logprobs);
+                    prompt_logprobs.push(pb::PromptLogprobs {
+                        position: prompt_logprobs.len() as u32,
+                        top: top.into_iter().map(to_pb_logprob).collect(),
+                    });
+                }
+            }
+            logits.clear();
+            logits.extend_from_slice(&out[out.len() - n_vocab..]);
+        }
+        let decoder = Decoder::new(tokenizer, eos, &job.prompt, job.options.clone());
+        let mut a = Active {
+            job,
+            seq,
+            decoder,
+            started,
+            prompt_done: Instant::now(),
+            first_token_at: None,
+            prompt_logprobs,
+        };
+        let room = self.engine.position(seq) < self.engine.capacity();
+        let step = a.decoder.step(&logits, room);
+        Ok(if self.emit(&mut a, step)? {
+            None
+        } else {
+            Some(a)
+        })
+    }
+
+    /// Sends one step to the caller; true when it was the last.
+    fn emit(&self, a: &mut Active<'_>, step: TokenStep) -> Result<bool, Interrupt> {
+        let now = Instant::now();
+        self.stats.token(now);
+        a.first_token_at.get_or_insert(now);
+        let finish = step.finish;
+        let mut msg = to_pb_step(step);
+        msg.prompt_logprobs = std::mem::take(&mut a.prompt_logprobs);
+        if let Some(reason) = finish {
+            let job = &a.job;
+            let decode_ms = ms(a.prompt_done, now);
+            let generated = a.decoder.tokens().len();
+            msg.finish_reason = to_pb_finish(reason) as i32;
+            msg.timings = Some(pb::Timings {
+                time_to_first_token_ms: ms(job.arrived, a.first_token_at.unwrap_or(now)),
+                prefill_tokens_per_second: per_s(job.prompt.len(), ms(a.started, a.prompt_done)),
+                // The last token is only sampled, never evaluated.
+                decode_tokens_per_second: per_s(generated.saturating_sub(1), decode_ms),
+                prompt_tokens: job.prompt.len() as u32,
+                generated_tokens: generated as u32,
+                queue_ms: ms(job.arrived, a.started),
+                prompt_ms: ms(a.started, a.prompt_done),
+                decode_ms,
+            });
+        }
+        // A slow reader holds up the whole batch while its channel is full; the channel is
+        // deep enough that a reader keeping up never does.
+        a.job
+            .tx
+            .blocking_send(Ok(msg))
+            .map_err(|_| Interrupt::Gone)?;
+        Ok(finish.is_some())
+    }
+}
+
+fn to_pb_step(step: TokenStep) -> pb::GenerateResponse {
+    pb::GenerateResponse {
+        token: step.token,
+        text: step.text,
+        logprob: step.logprob,
+        top_logprobs: step.top_logprobs.into_iter().map(to_pb_logprob).collect(),
+        ..Default::default()
+    }
+}
+
+fn to_pb_logprob(t: crate::engine::generate::TokenLogprob) -> pb::TokenLogprob {
+    pb::TokenLogprob {
+        token: t.token,
+        logprob: t.logprob,
+    }
+}
+
+pub fn to_pb_finish(reason: FinishReason) -> pb::FinishReason {
+    match reason {
+        FinishReason::MaxTokens => pb::FinishReason::MaxTokens,
+        FinishReason::StopToken => pb::FinishReason::StopToken,
+        FinishReason::StopString => pb::FinishReason::StopString,
+        FinishReason::ContextFull => pb::FinishReason::ContextFull,
+    }
+}
+
+fn ms(from: Instant, to: Instant) -> f64 {
+    to.saturating_duration_since(from).as_secs_f64() * 1e3
+}
+
+fn per_s(n: usize, ms: f64) -> f64 {
+    if ms > 0.0 {
+        n as f64 * 1e3 / ms
+    } else {
+        0.0
+    }
+}
