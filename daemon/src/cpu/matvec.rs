@@ -18,6 +18,11 @@ fn rows_per_task(n_rows: usize, n_threads: usize) -> usize {
     (n_rows / (4 * n_threads)).clamp(8, 256)
 }
 
+/// Fewest tokens for which unpacking a row into a panel pays: below it (a few sequences
+/// decoding together, an expert few tokens chose) each row is dotted with each token directly.
+/// Both ways give the same bits.
+const MIN_PANEL_TOKENS: usize = 4;
+
 /// `out[i] = row_i(m) · x` for every row of `m`.
 ///
 /// # Panics
@@ -87,7 +92,7 @@ pub fn matmul_act(pool: &ThreadPool, m: MatRef<'_>, acts: &[Activation<'_>], out
     let rows_per = rows_per_task(m.n_out, pool.n_threads());
     let isa = Isa::detect();
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 && gemm_avx2::supports(m.ty) {
+    if isa == Isa::Avx2 && gemm_avx2::supports(m.ty) && n_tok >= MIN_PANEL_TOKENS {
         // SAFETY: `Isa::detect` found AVX2, FMA and F16C.
         let batch = unsafe { gemm_avx2::Batch::new(m.ty, acts) };
         let dst = OutPtr(out.as_mut_ptr());
@@ -251,14 +256,16 @@ pub(crate) mod tests {
     #[test]
     fn matmul_is_matvec_per_token() {
         // Bit-identical: the batched kernels do each token's arithmetic as the dot products do.
-        let (n_in, n_out, n_tok) = (512, 19, 5);
-        for (ty, d_at) in [
-            (GgmlType::F16, &[][..]),
-            (GgmlType::Q8_0, &[][..]),
-            (GgmlType::Q4_0, &[][..]),
-            (GgmlType::Q4K, &[0, 2][..]),
-            (GgmlType::Q5K, &[0, 2][..]),
-            (GgmlType::Q6K, &[208][..]),
+        let (n_in, n_out) = (512, 19);
+        for (ty, d_at, n_tok) in [
+            (GgmlType::F16, &[][..], 5),
+            (GgmlType::Q8_0, &[][..], 5),
+            (GgmlType::Q4_0, &[][..], 5),
+            (GgmlType::Q4_0, &[][..], 2),
+            (GgmlType::Q4K, &[0, 2][..], 5),
+            (GgmlType::Q4K, &[0, 2][..], 3),
+            (GgmlType::Q5K, &[0, 2][..], 5),
+            (GgmlType::Q6K, &[208][..], 5),
         ] {
             let bytes = rows_of(ty, n_in, n_out, d_at);
             let m = MatRef {

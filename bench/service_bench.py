@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""What the gRPC service costs, and what continuous batching buys: `spillwayd serve` against
+`spillwayd run` on the same request, then aggregate tokens/s of 1, 4 and 8 concurrent streams.
+
+Not part of CI: needs the release binaries (`cargo build --release -p spillway-daemon -p
+spillway-client`) and a model file. Both tests generate from the same pseudo-random token ids
+(greedy, end-of-generation ignored) so every run does the same work.
+
+  overhead    `spillwayd run --json` and `spillway generate --json` against a daemon serving
+              the same file with the same threads, alternated; medians of the decode tokens/s
+              and of the time to first token each reports (the daemon's includes queueing and
+              the prompt; the run's is its prompt time, as nothing queues there)
+  streams     N `spillway generate` processes started together; aggregate = all generated
+              tokens over the wall time from the first start to the last exit
+
+    python3 bench/service_bench.py --model models/small-qwen3moe-q4_k_m.gguf --threads 2
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def token_ids(n, seed, hi=100_000):
+    """Deterministic ids in [1000, hi) (a 64-bit LCG), as compare_llama_cpp.py makes them."""
+    x = seed * 6364136223846793005 + 1442695040888963407
+    out = []
+    for _ in range(n):
+        x = (x * 6364136223846793005 + 1442695040888963407) & (2**64 - 1)
+        out.append(1000 + (x >> 33) % (hi - 1000))
+    return out
+
+
+def run_json(cmd):
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--prompt", type=int, default=32, help="prompt tokens")
+    ap.add_argument("--tokens", type=int, default=64, help="generated tokens")
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--bin", default=os.path.join(ROOT, "target", "release"))
+    args = ap.parse_args()
+
+    spillwayd = os.path.join(args.bin, "spillwayd")
+    spillway = os.path.join(args.bin, "spillway")
+    prompt = ",".join(map(str, token_ids(args.prompt, 7)))
+    tmp = tempfile.mkdtemp(prefix="spillway-bench-")
+    sock = os.path.join(tmp, "spillway.sock")
+    max_batch = max(args.streams)
+    daemon = subprocess.Popen(
+        [spillwayd, "serve", "--model", f"bench={args.model}", "--socket", sock,
+         "--threads", str(args.threads), "--max-batch", str(max_batch),
+         "--queue-depth", str(2 * max_batch), "--log-level", "warn"],
+        stderr=subprocess.DEVNULL,
+    )
+    client = [spillway, "--addr", sock, "--no-autostart"]
+    try:
+        # Ready when a one-token request goes through (the model list answers while loading).
+        probe = client + ["generate", "--model", "bench", "--prompt-tokens", "1000",
+                          "--max-tokens", "1", "--json"]
+        deadline = time.time() + 120
+        while subprocess.run(probe, capture_output=True).returncode != 0:
+            if time.time() > deadline or daemon.poll() is not None:
+                sys.exit("the daemon did not come up")
+            time.sleep(0.2)
+
+        gen = client + ["generate", "--model", "bench", "--prompt-tokens", prompt,
+                        "--max-tokens", str(args.tokens), "--ignore-eos", "--json"]
+        run = [spillwayd, "run", "--model", args.model, "--prompt-tokens", prompt,
+               "--max-tokens", str(args.tokens + 1), "--ignore-eos", "--threads",
+               str(args.threads), "--json"]
+        run_json(gen)  # warm-up: page cache, first allocations
+        served, direct = [], []
+        for rep in range(args.reps):
+            r = run_json(run)["timings"]
+            direct.append((r["tokens_per_s"], r["prompt_ms"]))
+            g = run_json(gen)["timings"]
+            served.append((g["decode_tokens_per_second"], g["time_to_first_token_ms"]))
+            print(f"  rep {rep + 1}: run {direct[-1][0]:.2f} tok/s, ttft {direct[-1][1]:.1f} ms;"
+                  f" serve {served[-1][0]:.2f} tok/s, ttft {served[-1][1]:.1f} ms",
+                  file=sys.stderr)
+        med = lambda xs, i: statistics.median(x[i] for x in xs)
+        print(f"model {os.path.basename(args.model)}, {args.threads} threads, "
+              f"{args.prompt}-token prompt, {args.tokens} tokens, medians of {args.reps}\n")
+        print("| path | decode tok/s | time to first token ms |")
+        print("| --- | --- | --- |")
+        print(f"| spillwayd run | {med(direct, 0):.2f} | {med(direct, 1):.1f} |")
+        print(f"| spillwayd serve + spillway generate | {med(served, 0):.2f} | {med(served, 1):.1f} |")
+        print(f"\ndecode overhead {100 * (1 - med(served, 0) / med(direct, 0)):.1f}%, "
+              f"first token {med(served, 1) - med(direct, 1):+.1f} ms\n")
+
+        print("| streams | generated tokens | wall s | aggregate tok/s |")
+        print("| --- | --- | --- | --- |")
+        for n in args.streams:
+            walls = []
+            for _ in range(args.reps):
+                start = time.time()
+                procs = []
+                for i in range(n):
+                    p = ",".join(map(str, token_ids(args.prompt, 100 + i)))
+                    cmd = gen[:]
+                    cmd[cmd.index("--prompt-tokens") + 1] = p
+                    procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
+                total = 0
+                for p in procs:
+                    out, _ = p.communicate()
+                    if p.returncode != 0:
+                        sys.exit(f"a stream failed with exit code {p.returncode}")
+                    total += len(json.loads(out)["tokens"])
+                walls.append((time.time() - start, total))
+            wall, total = sorted(walls)[len(walls) // 2]
+            print(f"| {n} | {total} | {wall:.2f} | {total / wall:.2f} |")
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()
