@@ -280,13 +280,31 @@ pub(super) const Q6K_SCALE_SHUFFLE: [[u8; 16]; 8] = {
     t
 };
 
+/// The four 32-weight quarters of half `n` of a Q6_K block, as unsigned bytes (0..64), from
+/// its low bits `l0`, `l1` (ql[64 n..64 n + 64]) and high bits `h` (qh[32 n..32 n + 32]), in
+/// the element order of `dot::unpack_q6_k`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn q6_k_quarters(l0: __m256i, l1: __m256i, h: __m256i) -> [__m256i; 4] {
+    let m4 = _mm256_set1_epi8(0x0f);
+    let m2 = _mm256_set1_epi8(3);
+    let hi0 = _mm256_slli_epi16::<4>(_mm256_and_si256(h, m2));
+    let hi1 = _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<2>(h), m2));
+    let hi2 = _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<4>(h), m2));
+    let hi3 = _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<6>(h), m2));
+    [
+        _mm256_or_si256(_mm256_and_si256(l0, m4), hi0),
+        _mm256_or_si256(_mm256_and_si256(l1, m4), hi1),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(l0), m4), hi2),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(l1), m4), hi3),
+    ]
+}
+
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C. `row` holds whole Q6_K blocks, `y` at least as many.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_q6_k(row: &[u8], y: &[BlockQ8K]) -> f32 {
     assert!(y.len() * 210 >= row.len());
-    let m4 = _mm256_set1_epi8(0x0f);
-    let m2 = _mm256_set1_epi8(3);
     let m32 = _mm256_set1_epi8(32);
     let mut acc = _mm256_setzero_ps();
     for (b, y) in row.chunks_exact(210).zip(y) {
@@ -311,20 +329,7 @@ pub unsafe fn dot_q6_k(row: &[u8], y: &[BlockQ8K]) -> f32 {
                     ],
                 )
             };
-            let hi = |v: __m256i| _mm256_slli_epi16::<4>(_mm256_and_si256(v, m2));
-            // The element order of `dot::unpack_q6_k`: 32 weights per quarter of the half.
-            let q = [
-                _mm256_or_si256(_mm256_and_si256(l0, m4), hi(h)),
-                _mm256_or_si256(_mm256_and_si256(l1, m4), hi(_mm256_srli_epi16::<2>(h))),
-                _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi16::<4>(l0), m4),
-                    hi(_mm256_srli_epi16::<4>(h)),
-                ),
-                _mm256_or_si256(
-                    _mm256_and_si256(_mm256_srli_epi16::<4>(l1), m4),
-                    hi(_mm256_srli_epi16::<6>(h)),
-                ),
-            ];
+            let q = q6_k_quarters(l0, l1, h);
             for k in 0..4 {
                 // (q - 32) · y = q · y - 32 · y, both within i16 per pair.
                 let p16 = _mm256_sub_epi16(

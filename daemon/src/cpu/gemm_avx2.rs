@@ -24,7 +24,9 @@ use crate::gguf::GgmlType;
 use crate::quant::BlockQ8_0;
 
 use super::act::{Activation, BlockQ8K};
-use super::avx2::{broadcast_i16, f16_to_f32, hsum_ps, unpack_q4_k_scales, Q6K_SCALE_SHUFFLE};
+use super::avx2::{
+    broadcast_i16, f16_to_f32, hsum_ps, q6_k_quarters, unpack_q4_k_scales, Q6K_SCALE_SHUFFLE,
+};
 
 /// Rows unpacked and multiplied together.
 pub const PANEL_ROWS: usize = 4;
@@ -200,9 +202,6 @@ impl Panel {
                 self.scales.push(half(b, 2));
             }
             GgmlType::Q6K => {
-                let m4 = _mm256_set1_epi8(0x0f);
-                let m2 = _mm256_set1_epi8(3);
-                let hi = |v: __m256i| _mm256_slli_epi16::<4>(_mm256_and_si256(v, m2));
                 // SAFETY: the 16 scale bytes are b[192..208].
                 let scales = unsafe { _mm_loadu_si128(b.as_ptr().add(192) as *const _) };
                 for n in 0..2 {
@@ -215,19 +214,7 @@ impl Panel {
                             _mm256_loadu_si256(p.add(128 + 32 * n) as *const __m256i),
                         )
                     };
-                    // The element order of `dot::unpack_q6_k`, as in `avx2::dot_q6_k`.
-                    let q = [
-                        _mm256_or_si256(_mm256_and_si256(l0, m4), hi(h)),
-                        _mm256_or_si256(_mm256_and_si256(l1, m4), hi(_mm256_srli_epi16::<2>(h))),
-                        _mm256_or_si256(
-                            _mm256_and_si256(_mm256_srli_epi16::<4>(l0), m4),
-                            hi(_mm256_srli_epi16::<4>(h)),
-                        ),
-                        _mm256_or_si256(
-                            _mm256_and_si256(_mm256_srli_epi16::<4>(l1), m4),
-                            hi(_mm256_srli_epi16::<6>(h)),
-                        ),
-                    ];
+                    let q = q6_k_quarters(l0, l1, h);
                     for (k, q) in q.into_iter().enumerate() {
                         // SAFETY: a 16-byte row of the table.
                         let shuffle = unsafe {
