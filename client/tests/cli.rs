@@ -125,7 +125,16 @@ fn stderr(o: &Output) -> String {
 #[test]
 fn generate_streams_text_and_json_reports_tokens_and_finish() {
     let d = Daemon::start(&[]);
-    let args = ["generate", "--prompt-tokens", "1,2,3", "--max-tokens", "5"];
+    // Greedy, so that the JSON and the text runs generate the same tokens.
+    let args = [
+        "generate",
+        "--prompt-tokens",
+        "1,2,3",
+        "--max-tokens",
+        "5",
+        "--temperature",
+        "0",
+    ];
     let mut json_args = args.to_vec();
     json_args.extend(["--json", "--top-logprobs", "2", "--ignore-eos"]);
     let out = d.run(&json_args);
@@ -177,7 +186,8 @@ fn chat_keeps_the_history_across_turns() {
 #[test]
 fn models_load_ps_and_unload() {
     let d = Daemon::start(&[]);
-    let model = cache_dir().join("spillway/default-tiny-qwen3moe-q8_0-seed0.gguf");
+    // The daemon writes its embedded default model here (`default_model::FILE_NAME`).
+    let model = cache_dir().join("spillway/default-kjv-moe-q8_0-1.gguf");
     let out = d.run(&["load", model.to_str().unwrap(), "--name", "again"]);
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(stderr(&out).contains("loaded"), "{}", stderr(&out));

@@ -21,17 +21,17 @@ pub struct SamplingArgs {
     /// Tokens to generate (default: 256, fewer when the context is short).
     #[arg(long, default_value_t = 0)]
     pub max_tokens: u32,
-    /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
+    /// Sampling temperature; 0 is greedy. The sampling defaults are llama.cpp's.
+    #[arg(long, default_value_t = 0.8)]
     pub temperature: f32,
     /// Keep only the K most likely tokens (0: all).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 40)]
     pub top_k: u32,
     /// Nucleus sampling threshold (1: off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 0.95)]
     pub top_p: f32,
     /// Drop tokens below this fraction of the best one's probability (0: off).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.05)]
     pub min_p: f32,
     /// Repetition penalty (1: off).
     #[arg(long, default_value_t = 1.0)]

@@ -1,15 +1,14 @@
-//! The model served when none is configured: a tiny synthetic Qwen3-MoE (random weights, a real
-//! BPE vocabulary, Q8_0), written once into the cache directory. The same preset, type and seed
-//! always give the same file, so every installation has the same default model.
+//! The model served when none is configured: Spillway KJV MoE, a small Qwen3-MoE (8 experts, 2
+//! active, 18 M parameters, Q8_0) trained on the King James Bible. It is embedded in the binary
+//! and written once into the cache directory, so every installation serves the same file with no
+//! download. `train/` holds the script, the settings and the loss curve that made it.
 
 use std::path::{Path, PathBuf};
 
-use crate::synth::{SynthError, SynthModel, WeightType};
-
-pub const PRESET: &str = "tiny-qwen3moe";
-pub const SEED: u64 = 0;
-/// The file name under the cache directory; it names the preset, type and seed.
-pub const FILE_NAME: &str = "default-tiny-qwen3moe-q8_0-seed0.gguf";
+/// The embedded model file.
+pub static MODEL_BYTES: &[u8] = include_bytes!("../../assets/kjv-moe-q8_0.gguf");
+/// The file name under the cache directory; a retrained model gets a new name.
+pub const FILE_NAME: &str = "default-kjv-moe-q8_0-1.gguf";
 /// The name the default model is served under.
 pub const MODEL_NAME: &str = "default";
 
@@ -29,17 +28,21 @@ pub enum DefaultModelError {
         dir: PathBuf,
         source: std::io::Error,
     },
-    #[error("writing the default model: {0}")]
-    Synth(#[from] SynthError),
+    #[error("writing the default model to {}: {source}", path.display())]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("moving the default model into place: {0}")]
     Rename(std::io::Error),
 }
 
-/// The default model's path under `dir`, writing it first when it is not there yet. The file is
-/// written under a temporary name and renamed, so a crash never leaves half a model behind.
+/// The default model's path under `dir`, writing it first when it is not there yet (or has
+/// another size than the embedded file). The file is written under a temporary name and renamed,
+/// so a crash never leaves half a model behind.
 pub fn ensure(dir: &Path) -> Result<PathBuf, DefaultModelError> {
     let path = dir.join(FILE_NAME);
-    if path.is_file() {
+    if std::fs::metadata(&path).is_ok_and(|m| m.is_file() && m.len() == MODEL_BYTES.len() as u64) {
         return Ok(path);
     }
     std::fs::create_dir_all(dir).map_err(|source| DefaultModelError::Dir {
@@ -47,16 +50,10 @@ pub fn ensure(dir: &Path) -> Result<PathBuf, DefaultModelError> {
         source,
     })?;
     let tmp = dir.join(format!("{FILE_NAME}.{}.tmp", std::process::id()));
-    let model = SynthModel::from_name(
-        PRESET,
-        WeightType::Uniform(crate::gguf::GgmlType::Q8_0),
-        SEED,
-    )?;
     tracing::info!(path = %path.display(), "writing the default model (first start)");
-    let written = model.write(&tmp, false, |_, _| {});
-    if let Err(e) = written {
+    if let Err(source) = std::fs::write(&tmp, MODEL_BYTES) {
         let _ = std::fs::remove_file(&tmp);
-        return Err(e.into());
+        return Err(DefaultModelError::Write { path: tmp, source });
     }
     std::fs::rename(&tmp, &path).map_err(DefaultModelError::Rename)?;
     Ok(path)
@@ -82,6 +79,7 @@ mod tests {
         let pa = ensure(a.path()).unwrap();
         let pb = ensure(b.path()).unwrap();
         let bytes = std::fs::read(&pa).unwrap();
+        assert_eq!(bytes, MODEL_BYTES);
         assert_eq!(bytes, std::fs::read(&pb).unwrap());
         let modified = std::fs::metadata(&pa).unwrap().modified().unwrap();
         assert_eq!(ensure(a.path()).unwrap(), pa);

@@ -134,27 +134,61 @@ fn byte_level(preset: &Preset, rng: &mut Xoshiro256) -> Result<Vocab, VocabError
         });
     }
 
-    let table = byte_chars();
-    let mut map = ['\0'; 256];
-    for &(b, c) in &table {
-        map[b as usize] = c;
-    }
-    let mut bpe = Bpe::new(table.iter().map(|&(_, c)| c.to_string()).collect());
-    let words = count_words(pre_tokenize(CORPUS).into_iter().map(|w| {
-        w.bytes()
-            .map(|b| map[b as usize].to_string())
-            .collect::<Vec<_>>()
-    }));
     let n_merges = n_bpe - 256;
-    bpe.train(&words, n_merges);
-    let space = map[b' ' as usize];
+    let mut bpe = train_byte_level(CORPUS, n_merges);
+    let space = byte_chars()
+        .into_iter()
+        .find(|&(b, _)| b == b' ')
+        .map_or(' ', |(_, c)| c);
     bpe.fill(
         n_merges,
         rng,
         |s| s.starts_with(space) || s.starts_with(|c: char| c.is_ascii_alphabetic()),
         |s| s.len() <= 3 && s.chars().all(|c| c.is_ascii_lowercase()),
     );
+    Ok(byte_level_vocab(bpe, specials, n_vocab, qwen))
+}
 
+/// Byte-level BPE pieces learnt from `corpus`: the 256 byte symbols, then up to `n_merges`
+/// merges (fewer when no pair occurs twice any more).
+fn train_byte_level(corpus: &str, n_merges: usize) -> Bpe {
+    let table = byte_chars();
+    let mut map = ['\0'; 256];
+    for &(b, c) in &table {
+        map[b as usize] = c;
+    }
+    let mut bpe = Bpe::new(table.iter().map(|&(_, c)| c.to_string()).collect());
+    let words = count_words(pre_tokenize(corpus).into_iter().map(|w| {
+        w.bytes()
+            .map(|b| map[b as usize].to_string())
+            .collect::<Vec<_>>()
+    }));
+    bpe.train(&words, n_merges);
+    bpe
+}
+
+/// A Qwen2-style byte-level vocabulary of `n_vocab` tokens whose merges are all learnt from
+/// `corpus` (no seeded fill): for models trained on that corpus. The compact Qwen specials
+/// (`<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, `<think>`, `</think>`) follow the pieces.
+pub fn learned_byte_level(corpus: &str, n_vocab: u32) -> Result<Vocab, VocabError> {
+    let specials = special_tokens(&QWEN_COMPACT);
+    let needed = 256 + specials.len();
+    if (n_vocab as usize) < needed {
+        return Err(VocabError::TooSmall { n_vocab, needed });
+    }
+    let bpe = train_byte_level(corpus, n_vocab as usize - needed);
+    Ok(byte_level_vocab(bpe, specials, n_vocab as usize, true))
+}
+
+/// Only the tokenizer fields of this preset matter to [`special_tokens`].
+const QWEN_COMPACT: Preset = Preset {
+    tokenizer: TokenizerKind::Qwen2,
+    specials: SpecialLayout::Compact,
+    ..super::presets::PRESETS[0]
+};
+
+/// The `gpt2` vocabulary of `bpe`'s pieces and merges, then `specials`, padded to `n_vocab`.
+fn byte_level_vocab(bpe: Bpe, specials: Vec<(String, i32)>, n_vocab: usize, qwen: bool) -> Vocab {
     let merges = bpe
         .merges
         .iter()
@@ -183,7 +217,7 @@ fn byte_level(preset: &Preset, rng: &mut Xoshiro256) -> Result<Vocab, VocabError
             LLAMA3_TEMPLATE,
         )
     };
-    Ok(Vocab {
+    Vocab {
         model: "gpt2",
         pre: Some(if qwen { "qwen2" } else { "llama-bpe" }),
         tokens,
@@ -197,7 +231,7 @@ fn byte_level(preset: &Preset, rng: &mut Xoshiro256) -> Result<Vocab, VocabError
         // Llama 3 prepends <|begin_of_text|>; Qwen adds no BOS.
         add_bos: !qwen,
         chat_template: template,
-    })
+    }
 }
 
 /// Special tokens after the BPE pieces, in id order, with their token types.
