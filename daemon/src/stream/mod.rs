@@ -1,4 +1,4 @@
-//! Streaming weights from the SSD: the tile reader.
+//! Streaming weights from the SSD: the tile reader and the expert cache.
 //!
 //! What is here:
 //! - [`TileReader`] reads byte ranges ("tiles") of one model file into aligned host buffers
@@ -14,6 +14,9 @@
 //!   the file truncated, rewritten or replaced since open (checked with `fstat` and `stat` on
 //!   every request), cancellation. A failed read's buffer goes back to the pool, never out as a
 //!   partly filled tile; the reader keeps serving other requests.
+//! - [`ExpertCache`] keeps experts keyed by (layer, expert) in those buffers under a byte
+//!   budget, with LRU or LFU-with-aging replacement, pins (a held `Arc<Expert>`), per-layer
+//!   hit, miss, eviction and prefetch counters, `get_or_load` (demand) and `prefetch`.
 //!
 //! Not done yet:
 //! - Nothing calls this: the engine still reads weights from the memory map, and the planner's
@@ -24,10 +27,14 @@
 //!   before the dispatches are not written.
 //! - One reader serves one file; a split model needs a reader per shard, each with its own
 //!   ring and queue, so demand-before-prefetch holds per shard only.
+//! - The cache is a single RAM tier; the VRAM tier and learned policies belong with the engine
+//!   and the scheduler's cache model.
 
 mod buffer;
+mod cache;
 mod error;
 mod file;
+mod policy;
 mod pread;
 mod reader;
 mod request;
@@ -38,6 +45,8 @@ mod uring;
 mod tests;
 
 pub use buffer::{buffer_size_for_tile, AlignedRegion, BufferPool, HostRegion, TileBuffer, ALIGN};
+pub use cache::{Expert, ExpertCache, ExpertLocator, Extent};
 pub use error::StreamError;
+pub use policy::{ExpertKey, LayerStats, ReplacementPolicy};
 pub use reader::{Backend, BackendChoice, ReaderOptions, TileReader};
 pub use request::{Priority, ReadHandle, Tile, TileRequest};
