@@ -8,7 +8,7 @@ use spillway_bench::synth::{SynthModel, WeightType};
 use spillway_daemon::engine::{Engine, EngineOptions};
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
 use spillway_daemon::gpu::moe::LayerRouting;
-use spillway_daemon::gpu::{Device, Instance, REQUIRE_VULKAN_ENV};
+use spillway_daemon::gpu::{Device, GpuError, Instance, REQUIRE_VULKAN_ENV};
 use spillway_daemon::model::Model;
 
 fn device() -> Option<Arc<Device>> {
@@ -190,4 +190,33 @@ fn gpu_model_respects_the_vram_budget() {
         .err()
         .expect("a 256 KiB budget cannot hold the model");
     assert!(err.is_out_of_memory(), "{err}");
+}
+
+#[test]
+fn device_bytes_is_what_the_model_needs_within_the_budget() {
+    let Some(dev) = device() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("m.gguf");
+    SynthModel::from_name("tiny-qwen2moe", "Q4_K_M".parse().unwrap(), 5)
+        .unwrap()
+        .write(&path, false, |_, _| {})
+        .unwrap();
+    let model = Model::open(&path).unwrap();
+    let mut options = GpuModelOptions {
+        vram_budget: None,
+        context: 64,
+    };
+    let needed = GpuModel::device_bytes(&model, &options).total();
+    options.vram_budget = Some(needed - 1);
+    match GpuModel::new(&dev, &model, &options) {
+        Err(GpuError::ModelOverBudget { needed: n, budget }) => {
+            assert_eq!((n, budget), (needed, needed - 1));
+        }
+        Err(e) => panic!("refused for another reason: {e}"),
+        Ok(_) => panic!("loaded under a budget below what it needs"),
+    }
+    // What it needs, plus the upload staging (16 MiB, on the budget where the device's memory
+    // is all one heap, as lavapipe's) and the driver's alignment of each buffer.
+    options.vram_budget = Some(needed + (16 << 20) + (1 << 20));
+    GpuModel::new(&dev, &model, &options).unwrap();
 }

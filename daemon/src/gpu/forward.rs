@@ -18,6 +18,7 @@ use super::alloc::{Allocator, MemoryUse};
 use super::buffer::Buffer;
 use super::device::Device;
 use super::error::{GpuError, Result};
+use super::footprint::{device_bytes, DeviceBytes};
 use super::moe::{GpuMoe, LayerRouting, MoeScratch};
 use super::ops::{rope_table, upload_f32, AttentionArgs, GpuMatrix, RopeArgs};
 use super::record::{Kernels, RecordStats, Recorder};
@@ -117,13 +118,31 @@ fn opt_vec(
 }
 
 impl GpuModel {
-    /// Uploads `model`'s weights to `device` and makes room for `options.context` positions.
-    pub fn new(device: &Arc<Device>, model: &Model, options: &GpuModelOptions) -> Result<GpuModel> {
-        let c = model.config.clone();
-        let capacity = match options.context {
+    /// Device memory `model` would take with `options`, before any upload.
+    pub fn device_bytes(model: &Model, options: &GpuModelOptions) -> DeviceBytes {
+        device_bytes(model, Self::capacity_for(&model.config, options))
+    }
+
+    fn capacity_for(c: &Config, options: &GpuModelOptions) -> usize {
+        match options.context {
             0 => c.context_length.min(4096),
             n => n,
-        };
+        }
+    }
+
+    /// Uploads `model`'s weights to `device` and makes room for `options.context` positions.
+    /// A model that cannot fit `options.vram_budget` is refused before anything is uploaded
+    /// ([`GpuError::ModelOverBudget`]).
+    pub fn new(device: &Arc<Device>, model: &Model, options: &GpuModelOptions) -> Result<GpuModel> {
+        let c = model.config.clone();
+        let capacity = Self::capacity_for(&c, options);
+        let needed = device_bytes(model, capacity);
+        if let Some(budget) = options.vram_budget.filter(|&b| needed.total() > b) {
+            return Err(GpuError::ModelOverBudget {
+                needed: needed.total(),
+                budget,
+            });
+        }
         let allocator = Allocator::new(device, options.vram_budget);
         let kernels = Kernels::new(device);
         let mut up = Uploader::new(&allocator, DEFAULT_STAGING_BYTES.min(16 << 20))?;

@@ -16,6 +16,7 @@ pub mod alloc;
 mod buffer;
 mod device;
 mod error;
+pub mod footprint;
 pub mod forward;
 mod instance;
 pub mod moe;
