@@ -22,6 +22,8 @@ pub enum Op {
     Add,
     /// `a = silu(a) * b`.
     Swiglu,
+    /// `a += s * b`, `s` a push constant (weighted sums of MoE experts).
+    ScaleAdd,
     /// Softmax of rows in place.
     Softmax,
     /// Appends one token's K and V to the f16 caches.
@@ -36,7 +38,7 @@ impl Op {
     pub const fn bindings(self) -> u32 {
         match self {
             Op::Softmax => 1,
-            Op::Dequant | Op::GetRows | Op::Add | Op::Swiglu => 2,
+            Op::Dequant | Op::GetRows | Op::Add | Op::Swiglu | Op::ScaleAdd => 2,
             Op::Matmul | Op::MatVec | Op::RmsNorm | Op::RopeNorm | Op::RopeNeox => 3,
             Op::KvStore => 4,
             Op::Attention => 5,
@@ -47,6 +49,7 @@ impl Op {
 /// The weight type a variant reads (the ggml type of the same name).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum WeightType {
+    F32,
     F16,
     Q8_0,
     Q4_0,
@@ -99,16 +102,19 @@ const SG: (&str, &str) = ("USE_SUBGROUP", "1");
 
 #[rustfmt::skip]
 pub const VARIANTS: &[Variant] = &[
+    v("dequant_f32", "dequant.comp", Op::Dequant, Some(WeightType::F32), Feature::Base, &[("WTYPE_F32", "1")]),
     v("dequant_f16", "dequant.comp", Op::Dequant, Some(WeightType::F16), Feature::Base, &[("WTYPE_F16", "1")]),
     v("dequant_q8_0", "dequant.comp", Op::Dequant, Some(WeightType::Q8_0), Feature::Base, &[("WTYPE_Q8_0", "1")]),
     v("dequant_q4_0", "dequant.comp", Op::Dequant, Some(WeightType::Q4_0), Feature::Base, &[("WTYPE_Q4_0", "1")]),
     v("dequant_q4_k", "dequant.comp", Op::Dequant, Some(WeightType::Q4K), Feature::Base, &[("WTYPE_Q4_K", "1")]),
     v("dequant_q6_k", "dequant.comp", Op::Dequant, Some(WeightType::Q6K), Feature::Base, &[("WTYPE_Q6_K", "1")]),
+    v("matvec_f32", "matvec.comp", Op::MatVec, Some(WeightType::F32), Feature::Base, &[("WTYPE_F32", "1")]),
     v("matvec_f16", "matvec.comp", Op::MatVec, Some(WeightType::F16), Feature::Base, &[("WTYPE_F16", "1")]),
     v("matvec_q8_0", "matvec.comp", Op::MatVec, Some(WeightType::Q8_0), Feature::Base, &[("WTYPE_Q8_0", "1")]),
     v("matvec_q4_0", "matvec.comp", Op::MatVec, Some(WeightType::Q4_0), Feature::Base, &[("WTYPE_Q4_0", "1")]),
     v("matvec_q4_k", "matvec.comp", Op::MatVec, Some(WeightType::Q4K), Feature::Base, &[("WTYPE_Q4_K", "1")]),
     v("matvec_q6_k", "matvec.comp", Op::MatVec, Some(WeightType::Q6K), Feature::Base, &[("WTYPE_Q6_K", "1")]),
+    v("get_rows_f32", "get_rows.comp", Op::GetRows, Some(WeightType::F32), Feature::Base, &[("WTYPE_F32", "1")]),
     v("get_rows_f16", "get_rows.comp", Op::GetRows, Some(WeightType::F16), Feature::Base, &[("WTYPE_F16", "1")]),
     v("get_rows_q8_0", "get_rows.comp", Op::GetRows, Some(WeightType::Q8_0), Feature::Base, &[("WTYPE_Q8_0", "1")]),
     v("get_rows_q4_0", "get_rows.comp", Op::GetRows, Some(WeightType::Q4_0), Feature::Base, &[("WTYPE_Q4_0", "1")]),
@@ -119,9 +125,11 @@ pub const VARIANTS: &[Variant] = &[
     v("rope_neox", "rope.comp", Op::RopeNeox, None, Feature::Base, &[("ROPE_NEOX", "1")]),
     v("add", "eltwise.comp", Op::Add, None, Feature::Base, &[("OP_ADD", "1")]),
     v("swiglu", "eltwise.comp", Op::Swiglu, None, Feature::Base, &[("OP_SWIGLU", "1")]),
+    v("scale_add", "scale_add.comp", Op::ScaleAdd, None, Feature::Base, &[]),
     v("softmax", "softmax.comp", Op::Softmax, None, Feature::Base, &[]),
     v("kv_store", "kv_store.comp", Op::KvStore, None, Feature::Base, &[]),
     v("attention", "attention.comp", Op::Attention, None, Feature::Base, &[]),
+    v("matvec_f32_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::F32), Feature::Subgroup, &[("WTYPE_F32", "1"), SG]),
     v("matvec_f16_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::F16), Feature::Subgroup, &[("WTYPE_F16", "1"), SG]),
     v("matvec_q8_0_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::Q8_0), Feature::Subgroup, &[("WTYPE_Q8_0", "1"), SG]),
     v("matvec_q4_0_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::Q4_0), Feature::Subgroup, &[("WTYPE_Q4_0", "1"), SG]),

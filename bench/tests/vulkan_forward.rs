@@ -1,5 +1,5 @@
 //! The GPU decode step (`gpu::forward::GpuModel`) against the CPU engine on synthetic models,
-//! token by token, on whatever Vulkan device the machine has (lavapipe in CI). Without a device
+//! dense and MoE, token by token, on whatever Vulkan device the machine has (lavapipe in CI). Without a device
 //! these tests skip, unless `SPILLWAY_REQUIRE_VULKAN` is set, in which case they fail.
 
 use std::sync::Arc;
@@ -7,7 +7,8 @@ use std::sync::Arc;
 use spillway_bench::synth::{SynthModel, WeightType};
 use spillway_daemon::engine::{Engine, EngineOptions};
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
-use spillway_daemon::gpu::{Device, Instance, REQUIRE_VULKAN_ENV};
+use spillway_daemon::gpu::moe::LayerRouting;
+use spillway_daemon::gpu::{Device, GpuError, Instance, REQUIRE_VULKAN_ENV};
 use spillway_daemon::model::Model;
 
 fn device() -> Option<Arc<Device>> {
@@ -33,11 +34,36 @@ fn device() -> Option<Arc<Device>> {
 /// RoPE pair, a mis-read scale) moves logits by their whole range.
 const TOLERANCE: f32 = 0.03;
 
+/// With F16 weights the CPU rounds activations to f16 only, and the GPU's logits stay within
+/// 0.1% of the CPU's: a much closer check of the MoE arithmetic (expert offsets, weights, the
+/// shared expert's gate) than the quantized models allow.
+const TOLERANCE_F16: f32 = 0.003;
+
+/// A routing whose k-th and (k+1)-th router logits are closer than this fraction of its largest
+/// logit is a near tie: the CPU's logits differ from the GPU's by about the activations' error
+/// (the same ~1%), so the CPU may pick the other expert, and that token's logits then differ by
+/// one expert's contribution. Such a token is excused from the tolerance, not from the test: the
+/// tokens after it are compared as usual.
+const ROUTER_TIE: f32 = 0.02;
+
+fn near_tie(r: &LayerRouting) -> bool {
+    let mut l = r.router_logits.clone();
+    l.sort_by(|a, b| b.total_cmp(a));
+    let k = r.experts.len();
+    let top = l.iter().fold(0f32, |m, v| m.max(v.abs()));
+    k < l.len() && l[k - 1] - l[k] < ROUTER_TIE * top
+}
+
 fn compare(preset: &str, weights: &str) {
     let Some(dev) = device() else { return };
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp.path().join("m.gguf");
     let w: WeightType = weights.parse().unwrap();
+    let tolerance = if weights == "F16" {
+        TOLERANCE_F16
+    } else {
+        TOLERANCE
+    };
     SynthModel::from_name(preset, w, 5)
         .unwrap()
         .write(&path, false, |_, _| {})
@@ -53,8 +79,8 @@ fn compare(preset: &str, weights: &str) {
         context: 64,
     };
     let mut gpu = GpuModel::new(&dev, &model, &gpu_options).unwrap();
-    let tokens = [1u32, 17, 300, 5, 1000, 42, 7, 99];
-    let mut agree = 0;
+    let tokens = [1u32, 17, 300, 5, 1000, 42, 7, 99, 3, 800];
+    let (mut agree, mut excused) = (0, 0);
     for (i, &t) in tokens.iter().enumerate() {
         let want = cpu.eval(t).unwrap().to_vec();
         let got = gpu.eval(t).unwrap();
@@ -64,18 +90,34 @@ fn compare(preset: &str, weights: &str) {
             .iter()
             .zip(&want)
             .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        eprintln!("{preset} {weights} token {i}: max |diff| {diff} of {range}");
-        assert!(
-            diff <= TOLERANCE * range,
-            "{preset} {weights} token {i}: logits differ by {diff} (largest logit {range})"
-        );
+        let tie = gpu.last_routing().iter().any(near_tie);
+        eprintln!("{preset} {weights} token {i}: max |diff| {diff} of {range}, near tie: {tie}");
+        if diff > tolerance * range {
+            assert!(
+                tie,
+                "{preset} {weights} token {i}: logits differ by {diff} (largest logit {range})"
+            );
+            excused += 1;
+            continue;
+        }
         let argmax = |v: &[f32]| (0..v.len()).max_by(|&a, &b| v[a].total_cmp(&v[b])).unwrap();
         agree += usize::from(argmax(&got) == argmax(&want));
     }
     assert!(
-        agree >= tokens.len() - 1,
-        "{preset}: argmax agreed on {agree} tokens"
+        excused * 4 <= tokens.len(),
+        "{preset}: {excused} tokens excused by routing near-ties"
     );
+    assert!(
+        agree + 1 >= tokens.len() - excused,
+        "{preset}: argmax agreed on {agree} of {} tokens",
+        tokens.len() - excused
+    );
+    let moe_layers = if model.config.moe.is_some() {
+        model.config.n_layer
+    } else {
+        0
+    };
+    assert_eq!(gpu.last_routing().len(), moe_layers, "{preset}: routings");
     let stats = gpu.last_stats();
     assert!(
         stats.barriers < stats.dispatches,
@@ -99,6 +141,38 @@ fn gpu_decode_matches_cpu_engine_tiny_llama_q8_0() {
 }
 
 #[test]
+fn gpu_decode_matches_cpu_engine_tiny_qwen3moe_q4_k_m() {
+    compare("tiny-qwen3moe", "Q4_K_M");
+}
+
+#[test]
+fn gpu_decode_matches_cpu_engine_tiny_qwen2moe_q4_k_m() {
+    compare("tiny-qwen2moe", "Q4_K_M");
+}
+
+/// Q8_0, not Q4_K_M: the mix gives 8-expert models Q5_K attention outputs, which the GPU kernels
+/// do not read yet.
+#[test]
+fn gpu_decode_matches_cpu_engine_tiny_mixtral_q8_0() {
+    compare("tiny-mixtral", "Q8_0");
+}
+
+#[test]
+fn gpu_decode_matches_cpu_engine_tiny_qwen2moe_f16() {
+    compare("tiny-qwen2moe", "F16");
+}
+
+#[test]
+fn gpu_decode_matches_cpu_engine_tiny_qwen3moe_f16() {
+    compare("tiny-qwen3moe", "F16");
+}
+
+#[test]
+fn gpu_decode_matches_cpu_engine_tiny_mixtral_f16() {
+    compare("tiny-mixtral", "F16");
+}
+
+#[test]
 fn gpu_model_respects_the_vram_budget() {
     let Some(dev) = device() else { return };
     let tmp = tempfile::tempdir().unwrap();
@@ -116,4 +190,33 @@ fn gpu_model_respects_the_vram_budget() {
         .err()
         .expect("a 256 KiB budget cannot hold the model");
     assert!(err.is_out_of_memory(), "{err}");
+}
+
+#[test]
+fn device_bytes_is_what_the_model_needs_within_the_budget() {
+    let Some(dev) = device() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("m.gguf");
+    SynthModel::from_name("tiny-qwen2moe", "Q4_K_M".parse().unwrap(), 5)
+        .unwrap()
+        .write(&path, false, |_, _| {})
+        .unwrap();
+    let model = Model::open(&path).unwrap();
+    let mut options = GpuModelOptions {
+        vram_budget: None,
+        context: 64,
+    };
+    let needed = GpuModel::device_bytes(&model, &options).total();
+    options.vram_budget = Some(needed - 1);
+    match GpuModel::new(&dev, &model, &options) {
+        Err(GpuError::ModelOverBudget { needed: n, budget }) => {
+            assert_eq!((n, budget), (needed, needed - 1));
+        }
+        Err(e) => panic!("refused for another reason: {e}"),
+        Ok(_) => panic!("loaded under a budget below what it needs"),
+    }
+    // What it needs, plus the upload staging (16 MiB, on the budget where the device's memory
+    // is all one heap, as lavapipe's) and the driver's alignment of each buffer.
+    options.vram_budget = Some(needed + (16 << 20) + (1 << 20));
+    GpuModel::new(&dev, &model, &options).unwrap();
 }

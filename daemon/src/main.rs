@@ -17,7 +17,7 @@ enum Command {
     Serve(Box<cli::serve::ServeArgs>),
     /// Summarise a GGUF file: architecture, hyper-parameters, tokenizer, tensors.
     Inspect(cli::inspect::InspectArgs),
-    /// Run one generation on the CPU engine, without a server.
+    /// Run one generation on the CPU engine or a Vulkan GPU, without a server.
     Run(Box<cli::run::RunArgs>),
     /// Print the token ids of a text under a model's tokenizer.
     Tokenize(cli::tokenize::TokenizeArgs),

@@ -87,6 +87,11 @@ fn batched_moe_sequences_equal_sequences_run_alone() {
 }
 
 #[test]
+fn batched_shared_expert_moe_sequences_equal_sequences_run_alone() {
+    check("tiny-qwen2moe");
+}
+
+#[test]
 fn batched_dense_sequences_equal_sequences_run_alone() {
     check("tiny-llama");
 }

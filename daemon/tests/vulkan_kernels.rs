@@ -133,6 +133,11 @@ fn dequant_f16_matches_cpu() {
 }
 
 #[test]
+fn dequant_f32_matches_cpu() {
+    check_dequant(GgmlType::F32, WeightType::F32);
+}
+
+#[test]
 fn devices_are_listed_with_a_kind_and_a_name() {
     let Some(dev) = device() else { return };
     let listed = Instance::new().unwrap().devices().unwrap();

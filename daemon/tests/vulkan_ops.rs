@@ -73,6 +73,13 @@ fn weight_rows(ty: GgmlType, n_in: usize, n_out: usize, seed: u64) -> Vec<u8> {
                 }
             }
         }
+        // Routers stay F32 in model files.
+        GgmlType::F32 => {
+            out = noise(n_in * n_out, seed)
+                .iter()
+                .flat_map(|v| (v * 0.1).to_le_bytes())
+                .collect();
+        }
         _ => {
             let values = noise(n_in * n_out, seed);
             for (row, v) in out.chunks_exact_mut(rb).zip(values.chunks_exact(n_in)) {
@@ -194,6 +201,11 @@ fn check_matvec(ty: GgmlType) {
 }
 
 #[test]
+fn matvec_f32_matches_cpu() {
+    check_matvec(GgmlType::F32);
+}
+
+#[test]
 fn matvec_f16_matches_cpu() {
     check_matvec(GgmlType::F16);
 }
@@ -244,6 +256,41 @@ fn matvec_past_the_binding_limit_is_split_by_rows_with_the_same_results() {
             a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits()),
             "{ty}: split results differ"
         );
+    }
+}
+
+#[test]
+fn matvec_rows_of_one_expert_in_a_stack_match_the_whole_product() {
+    let Some(dev) = device() else { return };
+    let gpu = Gpu::new(&dev);
+    // Rows of 34 and 18 bytes: most experts start off every binding-offset alignment.
+    for ty in [GgmlType::Q8_0, GgmlType::Q4_0] {
+        let (n_in, rows, experts) = (32, 5, 7);
+        let data = weight_rows(ty, n_in, rows * experts, 4);
+        let m = gpu.matrix(ty, n_in, rows * experts, &data);
+        let x = gpu.f32s(&noise(n_in, 8));
+        let whole = gpu.zeros(rows * experts);
+        gpu.kernels.record(|r| r.matvec(&m, &x, &whole)).unwrap();
+        let whole = whole.read_f32(rows * experts);
+        for e in 0..experts {
+            let y = gpu.zeros(rows);
+            gpu.kernels
+                .record(|r| r.matvec_rows(&m, e * rows, rows, &x, &y))
+                .unwrap();
+            let got = y.read_f32(rows);
+            let want = &whole[e * rows..(e + 1) * rows];
+            assert!(
+                got.iter()
+                    .zip(want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{ty} expert {e}: {got:?} vs {want:?}"
+            );
+        }
+        let y = gpu.zeros(rows);
+        let past = gpu
+            .kernels
+            .record(|r| r.matvec_rows(&m, rows * experts - 1, 2, &x, &y));
+        assert!(past.is_err(), "{ty}: rows past the end are refused");
     }
 }
 
@@ -388,7 +435,7 @@ fn rope_matches_cpu_in_both_layouts_with_and_without_qk_norm() {
 }
 
 #[test]
-fn add_swiglu_and_softmax_match_cpu() {
+fn add_swiglu_scale_add_and_softmax_match_cpu() {
     let Some(dev) = device() else { return };
     for gpu in Gpu::both(&dev) {
         let n = 5000;
@@ -409,6 +456,14 @@ fn add_swiglu_and_softmax_match_cpu() {
         ops::swiglu_inplace(&mut want, &b);
         // The GPU's exp is within a few ulp.
         assert_close(&gb.read_f32(n), &want, 1e-5, "swiglu");
+
+        let sa = gpu.f32s(&a);
+        gpu.kernels
+            .record(|r| r.scale_add(&sa, &bb, 0.37, n as u32))
+            .unwrap();
+        let want: Vec<f32> = a.iter().zip(&b).map(|(a, b)| a + b * 0.37).collect();
+        // A product and a sum, each rounded once, as on the CPU: exact.
+        assert_eq!(sa.read_f32(n), want, "scale_add");
 
         let rows = 3;
         let s: Vec<f32> = noise(n * rows, 3).iter().map(|v| v * 20.0).collect();

@@ -4,7 +4,16 @@
 // (bit for bit) with the CPU's `dequantize_row`: `precise` keeps the compiler from fusing the
 // multiply-adds that the CPU rounds separately. Needs `weights` and common.glsl.
 
-#if defined(WTYPE_F16)
+#if defined(WTYPE_F32)
+// MoE routers stay F32 (llama.cpp never quantizes them); rows start on whole words.
+uint row_bytes(uint n) { return 4u * n; }
+void decode_unit(uint row, uint u, out float v[32]) {
+    const uint base = (row >> 2) + 32u * u;
+    for (uint i = 0u; i < 32u; ++i) {
+        v[i] = uintBitsToFloat(weights[base + i]);
+    }
+}
+#elif defined(WTYPE_F16)
 // Bytes of a row of `n` weights.
 uint row_bytes(uint n) { return 2u * n; }
 void decode_unit(uint row, uint u, out float v[32]) {

@@ -11,7 +11,7 @@ include!(concat!(env!("OUT_DIR"), "/shaders.rs"));
 
 pub use push::{
     AttentionParams, DequantParams, EltwiseParams, GetRowsParams, KvStoreParams, MatVecParams,
-    MatmulParams, PushConstants, RmsNormParams, RopeParams,
+    MatmulParams, PushConstants, RmsNormParams, RopeParams, ScaleAddParams,
 };
 
 /// One compiled variant.

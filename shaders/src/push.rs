@@ -74,6 +74,14 @@ pub struct EltwiseParams {
     pub n: u32,
 }
 
+/// `scale_add.comp`'s `Params`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ScaleAddParams {
+    pub n: u32,
+    pub scale: f32,
+}
+
 /// `kv_store.comp`'s `Params`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -142,6 +150,7 @@ push_constants!(RopeParams {
     qk_norm
 });
 push_constants!(EltwiseParams { n });
+push_constants!(ScaleAddParams { n, scale });
 push_constants!(KvStoreParams { kv_width, pos });
 push_constants!(AttentionParams {
     head_dim,

@@ -79,7 +79,7 @@ mod tests {
     use crate::push::PushConstants;
     use crate::{
         AttentionParams, DequantParams, EltwiseParams, GetRowsParams, KvStoreParams, MatVecParams,
-        MatmulParams, Op, RmsNormParams, RopeParams, ShaderId, SHADERS,
+        MatmulParams, Op, RmsNormParams, RopeParams, ScaleAddParams, ShaderId, SHADERS,
     };
 
     #[test]
@@ -102,6 +102,7 @@ mod tests {
                 Op::RmsNorm => RmsNormParams::layout(),
                 Op::RopeNorm | Op::RopeNeox => RopeParams::layout(),
                 Op::Add | Op::Swiglu | Op::Softmax => EltwiseParams::layout(),
+                Op::ScaleAdd => ScaleAddParams::layout(),
                 Op::KvStore => KvStoreParams::layout(),
                 Op::Attention => AttentionParams::layout(),
             };
@@ -119,6 +120,7 @@ mod tests {
         use crate::{Feature, WeightType};
         for op in [Op::Dequant, Op::MatVec, Op::GetRows] {
             for w in [
+                WeightType::F32,
                 WeightType::F16,
                 WeightType::Q8_0,
                 WeightType::Q4_0,

@@ -1,19 +1,62 @@
-//! `spillwayd run --model M (--prompt TEXT | --prompt-tokens 1,2,3)`: one generation on the CPU
-//! reference engine without a server, printing the generated text as it comes (or the ids, when
-//! the model has no usable tokenizer), or a JSON report.
+//! `spillwayd run --model M (--prompt TEXT | --prompt-tokens 1,2,3)`: one generation without a
+//! server, on the CPU reference engine or (`--device vulkan[:N]`) the GPU's decode path, printing
+//! the generated text as it comes (or the ids, when the model has no usable tokenizer), or a JSON
+//! report. Both devices share the request handling and the sampler.
 
+use std::fmt;
 use std::io::Write;
 use std::path::PathBuf;
+use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{bail, Context};
+use anyhow::{anyhow, bail, Context};
 use clap::Args;
 use serde::Serialize;
-use spillway_daemon::engine::generate::{generate, GenerateRequest, Generation, Prompt};
+use spillway_daemon::engine::generate::{
+    generate_with, model_eos_token, GenerateRequest, Generation, Prompt,
+};
 use spillway_daemon::engine::{Engine, EngineOptions, SamplerConfig};
+use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
+use spillway_daemon::gpu::{Device, GpuError, Instance};
 use spillway_daemon::model::Model;
 use spillway_daemon::tokenizer::Tokenizer;
+use spillway_sched::ByteSize;
+
+/// Where `run` computes: `cpu`, `vulkan` (the preferred Vulkan device) or `vulkan:N` (device N
+/// of `spillwayd devices`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunDevice {
+    Cpu,
+    Vulkan(Option<usize>),
+}
+
+impl FromStr for RunDevice {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("`{s}` is not a device: use cpu, vulkan or vulkan:N");
+        match s.split_once(':') {
+            None if s == "cpu" => Ok(RunDevice::Cpu),
+            None if s == "vulkan" => Ok(RunDevice::Vulkan(None)),
+            Some(("vulkan", n)) => n
+                .parse()
+                .map(|n| RunDevice::Vulkan(Some(n)))
+                .map_err(|_| bad()),
+            _ => Err(bad()),
+        }
+    }
+}
+
+impl fmt::Display for RunDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RunDevice::Cpu => f.write_str("cpu"),
+            RunDevice::Vulkan(None) => f.write_str("vulkan"),
+            RunDevice::Vulkan(Some(n)) => write!(f, "vulkan:{n}"),
+        }
+    }
+}
 
 #[derive(Debug, Clone, Args)]
 pub struct RunArgs {
@@ -34,9 +77,13 @@ pub struct RunArgs {
     /// Stop when the generated text contains this string (repeatable); the string is not output.
     #[arg(long)]
     pub stop: Vec<String>,
-    /// Where to run: `cpu` (the only device of the reference engine).
+    /// Where to run: `cpu` (the reference engine), `vulkan` (the preferred Vulkan device) or
+    /// `vulkan:N` (device N of `spillwayd devices`; the whole model must fit its memory).
     #[arg(long, default_value = "cpu")]
-    pub device: String,
+    pub device: RunDevice,
+    /// Ceiling on the device memory the model may take with `--device vulkan` (e.g. 512MiB, 8G).
+    #[arg(long)]
+    pub vram_budget: Option<ByteSize>,
     /// Tokens to generate.
     #[arg(long, default_value_t = 16)]
     pub max_tokens: usize,
@@ -75,22 +122,27 @@ pub struct RunArgs {
     pub json: bool,
 }
 
-/// What `--json` prints: the generation, plus how long loading took and the threads used.
+/// What `--json` prints: the generation, plus how long loading took, the device and (on the
+/// CPU) the threads used.
 #[derive(Debug, Serialize)]
 struct RunReport {
     #[serde(flatten)]
     generation: Generation,
     load_ms: f64,
-    threads: usize,
+    device: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    threads: Option<usize>,
+}
+
+/// The model loaded on the device `run` was given.
+enum Loaded {
+    Cpu { engine: Engine, threads: usize },
+    Gpu { model: Box<GpuModel>, name: String },
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
-    if args.device != "cpu" {
-        bail!(
-            "--device {}: only `cpu` runs models so far (the Vulkan backend lists devices with \
-             `spillwayd devices` but does not run a forward pass yet)",
-            args.device
-        );
+    if args.vram_budget.is_some() && args.device == RunDevice::Cpu {
+        bail!("--vram-budget applies to --device vulkan, not cpu");
     }
     let start = Instant::now();
     let model =
@@ -99,15 +151,36 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     if let (Some(_), Err(e)) = (&args.prompt, &tokenizer) {
         bail!("--prompt needs the model's tokenizer, which is unusable: {e}");
     }
-    let mut options = EngineOptions {
-        context: args.ctx,
-        ..EngineOptions::default()
+    let eos = model_eos_token(&model);
+    let mut loaded = match args.device {
+        RunDevice::Cpu => {
+            let mut options = EngineOptions {
+                context: args.ctx,
+                ..EngineOptions::default()
+            };
+            if let Some(t) = args.threads {
+                options.threads = t.max(1);
+            }
+            let threads = options.threads;
+            let engine = Engine::new(Arc::new(model), &options);
+            Loaded::Cpu { engine, threads }
+        }
+        RunDevice::Vulkan(index) => {
+            let device = open_vulkan(index)?;
+            let info = device.info();
+            let name = format!("vulkan:{} ({})", info.index, info.name);
+            let options = GpuModelOptions {
+                vram_budget: args.vram_budget.map(|b| b.0),
+                context: args.ctx,
+            };
+            let gpu = load_on_gpu(&device, &model, &options)
+                .with_context(|| format!("loading {} onto {name}", args.model.display()))?;
+            Loaded::Gpu {
+                model: Box::new(gpu),
+                name,
+            }
+        }
     };
-    if let Some(t) = args.threads {
-        options.threads = t.max(1);
-    }
-    let threads = options.threads;
-    let mut engine = Engine::new(Arc::new(model), &options);
     let load_ms = start.elapsed().as_secs_f64() * 1e3;
 
     let request = GenerateRequest {
@@ -130,15 +203,27 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         ignore_eos: args.ignore_eos,
     };
     let stream_text = !args.json;
-    let generation = generate(&mut engine, tokenizer.as_ref().ok(), &request, |piece| {
+    let on_text = |piece: &str| {
         if stream_text {
             print_out(piece);
         }
-    })?;
+    };
+    let tokenizer = tokenizer.as_ref().ok();
+    let generation = match &mut loaded {
+        Loaded::Cpu { engine, .. } => generate_with(engine, eos, tokenizer, &request, on_text)?,
+        Loaded::Gpu { model, .. } => {
+            generate_with(model.as_mut(), eos, tokenizer, &request, on_text)?
+        }
+    };
+    let (device, threads) = match &loaded {
+        Loaded::Cpu { threads, .. } => ("cpu".to_string(), Some(*threads)),
+        Loaded::Gpu { name, .. } => (name.clone(), None),
+    };
     if args.json {
         let report = RunReport {
             generation,
             load_ms,
+            device,
             threads,
         };
         print_out(&(serde_json::to_string(&report)? + "\n"));
@@ -151,19 +236,77 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         print_out(&(ids.join(",") + "\n"));
     }
     let t = &generation.timings;
+    let on = match threads {
+        Some(n) => format!("{n} threads"),
+        None => device,
+    };
     eprintln!(
         "prompt: {} tokens in {:.1} ms ({:.1} tok/s); generated {} tokens in {:.1} ms \
-         ({:.2} tok/s); {} threads; {:?}",
+         ({:.2} tok/s); {on}; {:?}",
         generation.prompt_tokens.len(),
         t.prompt_ms,
         t.prompt_tokens_per_s,
         generation.tokens.len(),
         t.generate_ms,
         t.tokens_per_s,
-        threads,
         generation.finish_reason
     );
     Ok(())
+}
+
+/// The Vulkan device `--device vulkan[:N]` names, with errors that say what the machine has.
+fn open_vulkan(index: Option<usize>) -> anyhow::Result<Arc<Device>> {
+    let wanted = RunDevice::Vulkan(index);
+    let instance = Instance::new().map_err(|e| {
+        anyhow!(
+            "--device {wanted}: Vulkan is not usable on this machine ({e}); install a Vulkan \
+                 driver or use --device cpu"
+        )
+    })?;
+    match Device::open(instance.clone(), index) {
+        Ok(d) => Ok(d),
+        Err(GpuError::NoSuchDevice { index, count }) => {
+            let devices = instance.devices().unwrap_or_default();
+            let list: Vec<String> = devices
+                .iter()
+                .map(|d| format!("vulkan:{} ({})", d.index, d.name))
+                .collect();
+            bail!(
+                "--device vulkan:{index}: no such device; this machine has {count}: {}",
+                if list.is_empty() {
+                    "none".to_string()
+                } else {
+                    list.join(", ")
+                }
+            )
+        }
+        Err(GpuError::NoDevice) => {
+            bail!("--device {wanted}: no Vulkan device found (`spillwayd devices` lists them)")
+        }
+        Err(e) => Err(anyhow!(e).context(format!("--device {wanted}: opening the device"))),
+    }
+}
+
+/// Uploads `model`; running out of the budget while uploading says what the model needs.
+fn load_on_gpu(
+    device: &Arc<Device>,
+    model: &Model,
+    options: &GpuModelOptions,
+) -> anyhow::Result<GpuModel> {
+    GpuModel::new(device, model, options).map_err(|e| match e {
+        GpuError::OverBudget { .. } => {
+            let need = GpuModel::device_bytes(model, options);
+            anyhow!(
+                "{e}: the model needs {} bytes of device memory ({} of weights, {} of KV \
+                 cache, {} of activations) plus alignment and upload staging",
+                need.total(),
+                need.weights,
+                need.kv_cache,
+                need.activations
+            )
+        }
+        e => anyhow!(e),
+    })
 }
 
 fn print_out(text: &str) {

@@ -19,6 +19,7 @@ use super::kv_cache::KvCache;
 use super::ops::{
     add_inplace, rms_norm, rms_norm_inplace, rope_cache, rope_head, softmax, swiglu_inplace,
 };
+use super::routing::{route, shared_expert_gate};
 
 /// RoPE angles of every token of a batch: `half` cosines and sines per token.
 struct Rope {
@@ -269,8 +270,8 @@ fn swiglu_ffn_act(
     out
 }
 
-/// Routed experts (softmax router, top-k, optional renormalisation), plus Qwen2-MoE's
-/// sigmoid-gated shared expert, for every row of `xn`.
+/// Routed experts (routed as [`route`] says), plus Qwen2-MoE's sigmoid-gated shared expert, for
+/// every row of `xn`.
 fn moe_ffn(model: &Model, pool: &ThreadPool, moe: &MoeWeights, xn: &[f32]) -> Vec<f32> {
     let cfg = model.config.moe.expect("MoE layer in a MoE model");
     let (e, k) = (model.config.n_embd, cfg.n_expert_used);
@@ -281,16 +282,11 @@ fn moe_ffn(model: &Model, pool: &ThreadPool, moe: &MoeWeights, xn: &[f32]) -> Ve
     // Per token: the chosen experts in rank order and their weights.
     let mut chosen = Vec::with_capacity(n * k);
     let mut weights = Vec::with_capacity(n * k);
-    for p in probs.chunks_exact_mut(cfg.n_expert) {
-        softmax(p);
-        let sel = top_k(p, k);
-        let mut w: Vec<f32> = sel.iter().map(|&x| p[x]).collect();
-        if cfg.norm_weights {
-            let sum: f32 = w.iter().sum();
-            w.iter_mut().for_each(|w| *w /= sum);
+    for p in probs.chunks_exact(cfg.n_expert) {
+        for r in route(&cfg, p) {
+            chosen.push(r.expert);
+            weights.push(r.weight);
         }
-        chosen.extend(sel);
-        weights.extend(w);
     }
 
     // Each expert runs once over the tokens that chose it; results land at (token, rank).
@@ -333,19 +329,11 @@ fn moe_ffn(model: &Model, pool: &ThreadPool, moe: &MoeWeights, xn: &[f32]) -> Ve
         matmul(pool, model.mat(&sh.gate_inp), xn, &mut logit);
         let y = swiglu_ffn(model, pool, (&sh.gate, &sh.up, &sh.down), 0, xn);
         for ((o, y), &l) in out.chunks_exact_mut(e).zip(y.chunks_exact(e)).zip(&logit) {
-            let g = 1.0 / (1.0 + (-l).exp());
+            let g = shared_expert_gate(l);
             for (o, &y) in o.iter_mut().zip(y) {
                 *o += y * g;
             }
         }
     }
     out
-}
-
-/// Indices of the `k` largest values, largest first (ties to the lower index).
-pub(crate) fn top_k(x: &[f32], k: usize) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..x.len()).collect();
-    idx.sort_by(|&a, &b| x[b].total_cmp(&x[a]).then(a.cmp(&b)));
-    idx.truncate(k);
-    idx
 }

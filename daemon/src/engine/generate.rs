@@ -1,5 +1,6 @@
-//! One generation request on an [`Engine`]: prompt evaluation, optional prompt log-probabilities,
-//! sampling until a stop condition, and streamed, stop-string-safe text.
+//! One generation request on an [`Engine`] (or any [`SequenceModel`], such as the GPU's): prompt
+//! evaluation, optional prompt log-probabilities, sampling until a stop condition, and streamed,
+//! stop-string-safe text.
 
 use std::time::Instant;
 
@@ -8,6 +9,9 @@ use serde::Serialize;
 use super::decode::{DecodeOptions, Decoder};
 use super::ops::log_softmax;
 use super::{Engine, EngineError, SamplerConfig};
+use crate::gpu::forward::GpuModel;
+use crate::gpu::GpuError;
+use crate::model::Model;
 use crate::tokenizer::{EncodeOptions, Tokenizer};
 
 /// What to generate from.
@@ -82,6 +86,83 @@ pub enum GenerateError {
     PromptTooLong { tokens: usize, capacity: usize },
     #[error(transparent)]
     Engine(#[from] EngineError),
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+}
+
+/// One sequence of a model that turns tokens into next-token logits: the CPU [`Engine`] or a
+/// [`GpuModel`].
+pub trait SequenceModel {
+    fn n_vocab(&self) -> usize;
+    /// Positions the sequence may hold.
+    fn capacity(&self) -> usize;
+    /// Tokens evaluated so far.
+    fn position(&self) -> usize;
+    /// Forgets the sequence.
+    fn reset(&mut self);
+    /// Evaluates `tokens` at the next positions; the logits after every one of them
+    /// (`all_logits`, `n_vocab` each) or after the last.
+    fn eval_tokens(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>, GenerateError>;
+}
+
+impl SequenceModel for Engine {
+    fn n_vocab(&self) -> usize {
+        self.model().config.n_vocab
+    }
+
+    fn capacity(&self) -> usize {
+        Engine::capacity(self)
+    }
+
+    fn position(&self) -> usize {
+        Engine::position(self)
+    }
+
+    fn reset(&mut self) {
+        Engine::reset(self);
+    }
+
+    fn eval_tokens(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>, GenerateError> {
+        Ok(self.eval_batch(tokens, all_logits)?.to_vec())
+    }
+}
+
+/// Token by token: the GPU path has no batched prompt yet.
+impl SequenceModel for GpuModel {
+    fn n_vocab(&self) -> usize {
+        self.config().n_vocab
+    }
+
+    fn capacity(&self) -> usize {
+        GpuModel::capacity(self)
+    }
+
+    fn position(&self) -> usize {
+        GpuModel::position(self)
+    }
+
+    fn reset(&mut self) {
+        GpuModel::reset(self);
+    }
+
+    fn eval_tokens(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>, GenerateError> {
+        let n_vocab = self.config().n_vocab;
+        if let Some(&token) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
+            return Err(EngineError::TokenOutOfRange { token, n_vocab }.into());
+        }
+        if self.position() + tokens.len() > self.capacity() {
+            let capacity = self.capacity();
+            return Err(EngineError::ContextFull { capacity }.into());
+        }
+        let mut out = Vec::with_capacity(if all_logits { tokens.len() } else { 1 } * n_vocab);
+        for (i, &t) in tokens.iter().enumerate() {
+            let logits = self.eval(t)?;
+            if all_logits || i + 1 == tokens.len() {
+                out.extend_from_slice(&logits);
+            }
+        }
+        Ok(out)
+    }
 }
 
 /// The prompt's token ids: text is tokenized (BOS as the metadata says, control tokens parsed).
@@ -117,8 +198,12 @@ pub fn prompt_tokens(
 
 /// The end-of-sequence id the model's metadata names, if any.
 pub fn eos_token(engine: &Engine) -> Option<u32> {
-    engine
-        .model()
+    model_eos_token(engine.model())
+}
+
+/// The end-of-sequence id `model`'s metadata names, if any.
+pub fn model_eos_token(model: &Model) -> Option<u32> {
+    model
         .file()
         .metadata()
         .opt_u32("tokenizer.ggml.eos_token_id")
@@ -133,6 +218,19 @@ pub fn generate(
     engine: &mut Engine,
     tokenizer: Option<&Tokenizer>,
     request: &GenerateRequest,
+    on_text: impl FnMut(&str),
+) -> Result<Generation, GenerateError> {
+    let eos = eos_token(engine);
+    generate_with(engine, eos, tokenizer, request, on_text)
+}
+
+/// [`generate`] on any [`SequenceModel`]; `eos` is the end-of-sequence id of its metadata
+/// ([`model_eos_token`]), for models without a usable tokenizer.
+pub fn generate_with(
+    engine: &mut impl SequenceModel,
+    eos: Option<u32>,
+    tokenizer: Option<&Tokenizer>,
+    request: &GenerateRequest,
     mut on_text: impl FnMut(&str),
 ) -> Result<Generation, GenerateError> {
     if request.stop.iter().any(String::is_empty) {
@@ -142,9 +240,9 @@ pub fn generate(
     engine.reset();
 
     let t_prompt = Instant::now();
-    let n_vocab = engine.model().config.n_vocab;
+    let n_vocab = engine.n_vocab();
     let want_all = request.prompt_logprobs > 0;
-    let prompt_logits = engine.eval_batch(&prompt_tokens, want_all)?;
+    let prompt_logits = engine.eval_tokens(&prompt_tokens, want_all)?;
     let prompt_logprobs = if want_all {
         prompt_logits
             .chunks_exact(n_vocab)
@@ -165,14 +263,14 @@ pub fn generate(
         top_logprobs: 0,
         ignore_eos: request.ignore_eos,
     };
-    let mut decoder = Decoder::new(tokenizer, eos_token(engine), &prompt_tokens, options);
+    let mut decoder = Decoder::new(tokenizer, eos, &prompt_tokens, options);
     while decoder.finish_reason().is_none() {
         let step = decoder.step(&logits, engine.position() < engine.capacity());
         if !step.text.is_empty() {
             on_text(&step.text);
         }
         if step.finish.is_none() {
-            logits = engine.eval(step.token)?.to_vec();
+            logits = engine.eval_tokens(&[step.token], false)?;
         }
     }
     let generate_ms = ms(t_gen);

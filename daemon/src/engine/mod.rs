@@ -1,7 +1,8 @@
 //! The CPU inference engine: one sequence's KV cache ([`kv_cache`]), the forward pass
-//! ([`forward`]), element-wise ops ([`ops`]), sampling ([`sampling`]), one sequence's decoding a
-//! token at a time ([`decode`]), several sequences sharing decode steps ([`batch`]), and one
-//! request's generation with stop strings and streamed text ([`generate`], [`stop`]).
+//! ([`forward`]), element-wise ops ([`ops`]), MoE routing ([`routing`], shared with the GPU),
+//! sampling ([`sampling`]), one sequence's decoding a token at a time ([`decode`]), several
+//! sequences sharing decode steps ([`batch`]), and one request's generation with stop strings
+//! and streamed text ([`generate`], [`stop`]).
 //!
 //! This is the project's reference path: everything runs on the CPU from the memory-mapped
 //! weights, and its logits are checked against llama.cpp's (`bench/tests/engine_llama_cpp.rs`).
@@ -12,6 +13,7 @@ pub mod forward;
 pub mod generate;
 pub mod kv_cache;
 pub mod ops;
+pub mod routing;
 pub mod sampling;
 pub mod stop;
 

@@ -19,6 +19,14 @@ pub enum GpuError {
         held: u64,
         budget: u64,
     },
+    /// A model larger than the budget, found before loading it.
+    #[error(
+        "the model needs {needed} bytes ({}) of device memory, more than the VRAM budget of \
+         {budget} bytes ({})",
+        mib(*needed),
+        mib(*budget)
+    )]
+    ModelOverBudget { needed: u64, budget: u64 },
     #[error("the Vulkan device was lost")]
     DeviceLost,
     #[error("unsupported: {0}")]
@@ -30,8 +38,17 @@ pub enum GpuError {
 impl GpuError {
     /// Whether memory ran out, the driver's or our budget's.
     pub fn is_out_of_memory(&self) -> bool {
-        matches!(self, GpuError::OutOfMemory(_) | GpuError::OverBudget { .. })
+        matches!(
+            self,
+            GpuError::OutOfMemory(_)
+                | GpuError::OverBudget { .. }
+                | GpuError::ModelOverBudget { .. }
+        )
     }
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

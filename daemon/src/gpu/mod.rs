@@ -6,8 +6,9 @@
 //! Layers, bottom up: instance and device choice; the memory sub-allocator under a VRAM budget
 //! ([`alloc`]); buffers and staging uploads; pipelines from the shader table, cached per variant,
 //! and recordings of many dispatches with barriers only on real dependencies ([`record`]); the
-//! ops of a decode step ([`ops`]); a dense model's whole decode step on the GPU ([`forward`]).
-//! Not yet: the transfer queue, batched prompts, MoE layers.
+//! ops of a decode step ([`ops`]); a model's whole decode step on the GPU ([`forward`]), with
+//! MoE layers routed on the host between command buffers ([`moe`]). Not yet: the transfer
+//! queue, batched prompts, expert offloading.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
@@ -15,8 +16,10 @@ pub mod alloc;
 mod buffer;
 mod device;
 mod error;
+pub mod footprint;
 pub mod forward;
 mod instance;
+pub mod moe;
 pub mod ops;
 mod pipeline;
 pub mod record;

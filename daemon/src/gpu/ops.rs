@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use spillway_shaders::{
     AttentionParams, EltwiseParams, GetRowsParams, KvStoreParams, MatVecParams, Op, RmsNormParams,
-    RopeParams, ShaderId, WeightType,
+    RopeParams, ScaleAddParams, ShaderId, WeightType,
 };
 
 use super::alloc::{Allocator, MemoryUse};
@@ -20,6 +20,7 @@ use crate::model::RopeLayout;
 /// The shader weight type of a GGUF type, if the GPU kernels read it.
 pub fn weight_type(ty: GgmlType) -> Option<WeightType> {
     Some(match ty {
+        GgmlType::F32 => WeightType::F32,
         GgmlType::F16 => WeightType::F16,
         GgmlType::Q8_0 => WeightType::Q8_0,
         GgmlType::Q4_0 => WeightType::Q4_0,
@@ -128,14 +129,37 @@ pub struct AttentionArgs {
 impl Recorder<'_> {
     /// `y = W · x` (f32 vectors of `n_in` and `n_out`).
     pub fn matvec(&mut self, w: &GpuMatrix, x: &Buffer, y: &Buffer) -> Result<()> {
+        self.matvec_rows(w, 0, w.n_out, x, y)
+    }
+
+    /// `y = W[first..first + n] · x`: rows `first..first + n` of `w` only, their results at
+    /// `y[0..n]` (one expert of a stack uploaded as one matrix). Rows need not start on a
+    /// binding-offset boundary: the binding starts at the boundary below and the kernel skips
+    /// to the row.
+    pub fn matvec_rows(
+        &mut self,
+        w: &GpuMatrix,
+        first: usize,
+        n: usize,
+        x: &Buffer,
+        y: &Buffer,
+    ) -> Result<()> {
+        if first + n > w.n_out {
+            return Err(GpuError::Unsupported(format!(
+                "rows {first}..{} of a matrix of {} rows",
+                first + n,
+                w.n_out
+            )));
+        }
         let id = self.variant(Op::MatVec, Some(w.wtype))?;
         let (rb, align) = (w.row_bytes, self.align);
         let max_rows = (self.max_range.saturating_sub(align) / rb).max(1);
-        let mut r0 = 0u64;
-        while r0 < w.n_out as u64 {
+        let end = (first + n) as u64;
+        let mut r0 = first as u64;
+        while r0 < end {
             let start = r0 * rb;
             let bound = start / align * align;
-            let rows = (w.n_out as u64 - r0).min(max_rows);
+            let rows = (end - r0).min(max_rows);
             let range = (start - bound + rows * rb)
                 .next_multiple_of(4)
                 .min(w.buffer.size() - bound);
@@ -149,7 +173,7 @@ impl Recorder<'_> {
                 n_in: w.n_in as u32,
                 n_rows: rows as u32,
                 w_offset: (start - bound) as u32,
-                y_offset: r0 as u32,
+                y_offset: (r0 - first as u64) as u32,
             };
             let bindings = [weights, Binding::read(x), Binding::write(y)];
             self.dispatch(id, &bindings, &push, grid(rows as u32))?;
@@ -251,6 +275,18 @@ impl Recorder<'_> {
         let push = EltwiseParams { n };
         let bindings = [Binding::write(a), Binding::read(b)];
         self.dispatch(ShaderId::Add, &bindings, &push, [n.div_ceil(256), 1, 1])
+    }
+
+    /// `a += scale * b` over `n` values.
+    pub fn scale_add(&mut self, a: &Buffer, b: &Buffer, scale: f32, n: u32) -> Result<()> {
+        let push = ScaleAddParams { n, scale };
+        let bindings = [Binding::write(a), Binding::read(b)];
+        self.dispatch(
+            ShaderId::ScaleAdd,
+            &bindings,
+            &push,
+            [n.div_ceil(256), 1, 1],
+        )
     }
 
     /// `gate = silu(gate) * up` over `n` values.

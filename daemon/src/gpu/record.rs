@@ -445,6 +445,14 @@ impl Recorder<'_> {
         Ok(())
     }
 
+    /// Makes what earlier submissions' dispatches wrote visible to this recording's: a recording
+    /// that continues work an earlier one left (after the host read something back) starts with
+    /// this. A pipeline barrier orders everything before it on the queue, earlier command
+    /// buffers included; a fence wait alone does not make device writes visible to the device.
+    pub fn after_earlier_submissions(&mut self) {
+        self.barrier();
+    }
+
     /// Compute writes before it are visible to compute reads and writes after it.
     fn barrier(&mut self) {
         let barrier = vk::MemoryBarrier::default()

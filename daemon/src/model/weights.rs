@@ -179,6 +179,19 @@ impl Model {
         }
     }
 
+    /// Every matrix of a stack as one matrix of `n_mat × n_out` rows (expert `e`'s rows are
+    /// `e * n_out..(e + 1) * n_out`), as the file stores them.
+    pub fn stacked(&self, m: &Matrix) -> MatRef<'_> {
+        let info = &self.file.tensors()[m.tensor];
+        let size = row_bytes(m.ty, m.n_in) * m.n_out * m.n_mat;
+        MatRef {
+            ty: m.ty,
+            n_in: m.n_in,
+            n_out: m.n_out * m.n_mat,
+            data: &self.file.tensor_data(info)[..size],
+        }
+    }
+
     /// Row `token` of the embedding, dequantized into `out` (ggml's `get_rows`).
     pub fn embed(&self, token: u32, out: &mut [f32]) -> Result<(), ModelError> {
         let m = self.mat(&self.token_embd);

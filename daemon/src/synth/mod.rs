@@ -1,6 +1,6 @@
 //! Synthetic GGUF models: random weights with the exact tensor names, shapes, metadata keys,
-//! weight types and tokenizer layout of llama.cpp-converted Llama 3, Mixtral, Qwen3 and
-//! Qwen3-MoE files, streamed to disk so that a 120 GB model never sits in memory.
+//! weight types and tokenizer layout of llama.cpp-converted Llama 3, Mixtral, Qwen3, Qwen3-MoE
+//! and Qwen2-MoE files, streamed to disk so that a 120 GB model never sits in memory.
 //!
 //! The same preset, type and seed give the same file byte for byte. With `sparse`, tensors of
 //! two or more dimensions are left as holes (they read as zeros and take no disk space), so the

@@ -73,6 +73,12 @@ pub fn tensors(preset: &Preset, weights: WeightType) -> (Vec<TensorPlan>, Vec<St
             &[q_width, embd],
             random(),
         );
+        if p.arch == Arch::Qwen2Moe {
+            let bias = |t: &str| format!("blk.{l}.{t}.bias");
+            add(bias("attn_q"), Role::Vector, l, &[q_width], random());
+            add(bias("attn_k"), Role::Vector, l, &[kv_width], random());
+            add(bias("attn_v"), Role::Vector, l, &[kv_width], random());
+        }
         if matches!(p.arch, Arch::Qwen3 | Arch::Qwen3Moe) {
             let hd = u64::from(p.head_dim);
             add(blk("attn_q_norm"), Role::Vector, l, &[hd], Init::NearOne);
@@ -98,6 +104,30 @@ pub fn tensors(preset: &Preset, weights: WeightType) -> (Vec<TensorPlan>, Vec<St
                     &[ff, embd, n],
                     random(),
                 );
+                if let Some(sff) = e.shared_n_ff.map(u64::from) {
+                    add(
+                        blk("ffn_gate_inp_shexp"),
+                        Role::Router,
+                        l,
+                        &[embd],
+                        random(),
+                    );
+                    add(
+                        blk("ffn_gate_shexp"),
+                        Role::FfnGate,
+                        l,
+                        &[embd, sff],
+                        random(),
+                    );
+                    add(blk("ffn_up_shexp"), Role::FfnUp, l, &[embd, sff], random());
+                    add(
+                        blk("ffn_down_shexp"),
+                        Role::FfnDown,
+                        l,
+                        &[sff, embd],
+                        random(),
+                    );
+                }
             }
             None => {
                 let ff = u64::from(p.n_ff);
@@ -162,8 +192,11 @@ pub fn arch_metadata(preset: &Preset, weights: WeightType, seed: u64) -> Vec<(St
     if let Some(e) = p.experts {
         put("expert_count", Value::U32(e.count));
         put("expert_used_count", Value::U32(e.used));
-        if p.arch == Arch::Qwen3Moe {
+        if matches!(p.arch, Arch::Qwen3Moe | Arch::Qwen2Moe) {
             put("expert_feed_forward_length", Value::U32(e.n_ff));
+        }
+        if let Some(sff) = e.shared_n_ff {
+            put("expert_shared_feed_forward_length", Value::U32(sff));
         }
     }
     m.push(("general.file_type".into(), Value::U32(weights.file_type())));

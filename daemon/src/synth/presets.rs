@@ -10,6 +10,8 @@ pub enum Arch {
     Qwen3,
     /// Qwen3 MoE: routed experts only (no shared expert).
     Qwen3Moe,
+    /// Qwen2 MoE (Qwen1.5-MoE): Q/K/V biases, routed experts plus a sigmoid-gated shared expert.
+    Qwen2Moe,
 }
 
 impl Arch {
@@ -18,6 +20,7 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen3 => "qwen3",
             Arch::Qwen3Moe => "qwen3moe",
+            Arch::Qwen2Moe => "qwen2moe",
         }
     }
 }
@@ -53,6 +56,8 @@ pub struct Experts {
     pub used: u32,
     /// Hidden size of one expert (`expert_feed_forward_length`); Mixtral's equals `n_ff`.
     pub n_ff: u32,
+    /// Hidden size of the shared expert (`expert_shared_feed_forward_length`, Qwen2-MoE).
+    pub shared_n_ff: Option<u32>,
 }
 
 /// Llama 3.1's "llama3" RoPE scaling, which the converter bakes into `rope_freqs.weight`.
@@ -149,6 +154,7 @@ pub const PRESETS: &[Preset] = &[
             count: 8,
             used: 2,
             n_ff: 256,
+            shared_n_ff: None,
         }),
         ..LLAMA
     },
@@ -171,6 +177,21 @@ pub const PRESETS: &[Preset] = &[
             count: 16,
             used: 4,
             n_ff: 128,
+            shared_n_ff: None,
+        }),
+        ..QWEN3
+    },
+    Preset {
+        name: "tiny-qwen2moe",
+        model_name: "Tiny Qwen2 MoE (synthetic)",
+        summary: "Qwen2-MoE layout, Q/K/V biases, 16 experts top-4 and a gated shared expert",
+        arch: Arch::Qwen2Moe,
+        n_layer: 2,
+        experts: Some(Experts {
+            count: 16,
+            used: 4,
+            n_ff: 128,
+            shared_n_ff: Some(256),
         }),
         ..QWEN3
     },
@@ -243,6 +264,7 @@ pub const PRESETS: &[Preset] = &[
             count: 128,
             used: 8,
             n_ff: 768,
+            shared_n_ff: None,
         }),
         ..QWEN3
     },
@@ -265,6 +287,7 @@ pub const PRESETS: &[Preset] = &[
             count: 32,
             used: 8,
             n_ff: 512,
+            shared_n_ff: None,
         }),
         tied_embeddings: true,
         ..QWEN3
@@ -287,6 +310,7 @@ pub const PRESETS: &[Preset] = &[
             count: 8,
             used: 2,
             n_ff: 14336,
+            shared_n_ff: None,
         }),
         ..LLAMA
     },
@@ -307,6 +331,7 @@ pub const PRESETS: &[Preset] = &[
             count: 128,
             used: 8,
             n_ff: 1536,
+            shared_n_ff: None,
         }),
         ..QWEN3
     },

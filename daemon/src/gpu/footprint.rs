@@ -1,0 +1,83 @@
+//! The device memory a [`GpuModel`](super::forward::GpuModel) takes, computed from the model
+//! before anything is uploaded, so that a model over the VRAM budget is refused with what it
+//! needs rather than failing halfway through its upload.
+
+use crate::model::{Config, Ffn, Matrix, Model};
+
+/// Bytes of device memory, by what they hold. Buffers are counted as allocated (whole words);
+/// the driver's alignment of each buffer and the upload staging (freed once loaded) come on top.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceBytes {
+    /// Weights, norms, biases and the RoPE table.
+    pub weights: u64,
+    pub kv_cache: u64,
+    /// One token's activations, MoE scratch and the host-visible logits.
+    pub activations: u64,
+}
+
+impl DeviceBytes {
+    pub fn total(&self) -> u64 {
+        self.weights + self.kv_cache + self.activations
+    }
+}
+
+/// A buffer of `bytes`, as `Buffer::new_in` rounds it.
+fn buffer(bytes: u64) -> u64 {
+    bytes.max(4).next_multiple_of(4)
+}
+
+fn f32s(n: usize) -> u64 {
+    buffer(n as u64 * 4)
+}
+
+/// Device memory of `model` with a KV cache of `capacity` positions.
+pub fn device_bytes(model: &Model, capacity: usize) -> DeviceBytes {
+    let c = &model.config;
+    let mat = |m: &Matrix| buffer(model.stacked(m).data.len() as u64);
+    let opt = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| f32s(v.len()));
+    let mut weights = mat(&model.token_embd) + f32s(model.output_norm.len());
+    if model.output != model.token_embd {
+        weights += mat(&model.output);
+    }
+    // The RoPE table: a cosine and a sine per rotated pair and position.
+    weights += f32s(capacity * c.n_rot);
+    let (mut dense_ff, mut shared_ff) = (0, 0);
+    for l in &model.layers {
+        let a = &l.attn;
+        weights += f32s(a.norm.len()) + f32s(l.ffn_norm.len());
+        weights += mat(&a.wq) + mat(&a.wk) + mat(&a.wv) + mat(&a.wo);
+        weights += opt(&a.bq) + opt(&a.bk) + opt(&a.bv) + opt(&a.q_norm) + opt(&a.k_norm);
+        weights += match &l.ffn {
+            Ffn::Dense { gate, up, down } => {
+                dense_ff = dense_ff.max(gate.n_out);
+                mat(gate) + mat(up) + mat(down)
+            }
+            Ffn::Moe(m) => {
+                let shared = m.shared.as_ref().map_or(0, |s| {
+                    shared_ff = shared_ff.max(s.gate.n_out);
+                    mat(&s.gate_inp) + mat(&s.gate) + mat(&s.up) + mat(&s.down)
+                });
+                mat(&m.router) + mat(&m.gate) + mat(&m.up) + mat(&m.down) + shared
+            }
+        };
+    }
+    let kv_cache = c.n_layer as u64 * 2 * buffer((capacity * c.kv_width() * 2) as u64);
+    DeviceBytes {
+        weights,
+        kv_cache,
+        activations: activation_bytes(c, capacity, dense_ff, shared_ff),
+    }
+}
+
+/// The buffers `GpuModel::new` makes for one token's activations (and MoE scratch).
+fn activation_bytes(c: &Config, capacity: usize, dense_ff: usize, shared_ff: usize) -> u64 {
+    let (e, qw, kvw) = (c.n_embd, c.q_width(), c.kv_width());
+    let mut n = 4 * f32s(e) + 2 * f32s(qw) + 2 * f32s(kvw) + 2 * f32s(dense_ff);
+    n += f32s(c.n_head * capacity) + f32s(c.n_vocab);
+    if let Some(m) = &c.moe {
+        n += f32s(m.n_expert) + f32s(1);
+        n += m.n_expert_used as u64 * (2 * f32s(m.n_ff_expert) + f32s(e));
+        n += 2 * f32s(shared_ff) + f32s(if shared_ff > 0 { e } else { 0 });
+    }
+    n
+}

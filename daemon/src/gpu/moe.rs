@@ -1,0 +1,225 @@
+//! MoE layers of a [`GpuModel`](super::forward::GpuModel)'s decode step. A MoE layer is
+//! recorded in two parts with the host between them:
+//!
+//! 1. [`GpuMoe::record_router`]: the router logits (`ffn_gate_inp · xn`) into a host-visible
+//!    buffer, and Qwen2-MoE's shared expert with its gate logit, which need no routing; the
+//!    step's command buffer is submitted and waited for there.
+//! 2. [`GpuMoe::route`] on the host, with the CPU engine's own routing
+//!    ([`engine::routing::route`](crate::engine::routing::route)), so both pick the same experts
+//!    from the same logits; then [`GpuMoe::record_experts`] opens the next command buffer with
+//!    the chosen experts' gate/up/SwiGLU/down and adds each to the residual with its weight.
+//!
+//! The read-back is where a placement will decide, per routed expert, where it runs: the caller
+//! passes [`GpuMoe::record_experts`] the experts it wants on the GPU, and an expert computed
+//! elsewhere (the CPU, from RAM) would be added to the residual the same way, from an uploaded
+//! vector, with [`Recorder::scale_add`].
+//!
+//! Expert weights stay stacked as in the file: each stack is one [`GpuMatrix`] of
+//! `n_expert × n_out` rows, and expert `e` is rows `e * n_out..(e + 1) * n_out`, bound from the
+//! offset boundary below its first row (the kernel skips to the row, so experts need not start
+//! on `minStorageBufferOffsetAlignment`).
+//!
+//! Partial: every expert of every layer must be resident in VRAM (no offloading, no expert
+//! cache); one token per step, so one read-back per MoE layer per token; the experts of a token
+//! run one after another through per-rank scratch (independent dispatches share barriers, but
+//! nothing batches experts into one dispatch).
+
+use std::sync::Arc;
+
+use super::alloc::{Allocator, MemoryUse};
+use super::buffer::Buffer;
+use super::error::Result;
+use super::ops::GpuMatrix;
+use super::record::Recorder;
+use super::upload::Uploader;
+use crate::engine::routing::{route, shared_expert_gate, RoutedExpert};
+use crate::model::{Matrix, Model, MoeConfig, MoeWeights};
+
+/// Qwen2-MoE's always-on expert and the weight (`[n_embd, 1]`) of its sigmoid gate.
+struct SharedExpert {
+    gate_inp: GpuMatrix,
+    gate: GpuMatrix,
+    up: GpuMatrix,
+    down: GpuMatrix,
+}
+
+/// One MoE layer's weights in device-local memory.
+pub(super) struct GpuMoe {
+    /// `n_expert` rows (F32 in llama.cpp's files).
+    router: GpuMatrix,
+    /// Stacks of `n_expert` matrices, each uploaded as one matrix.
+    gate: GpuMatrix,
+    up: GpuMatrix,
+    down: GpuMatrix,
+    /// Rows of one expert's gate and up (its hidden width).
+    n_ff: usize,
+    /// Rows of one expert's down.
+    n_embd: usize,
+    shared: Option<SharedExpert>,
+}
+
+/// Where one token's MoE layer goes: the routed experts, best first, and the shared expert's
+/// weight (Qwen2-MoE), decided from the router logits read back.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerRouting {
+    pub layer: usize,
+    pub router_logits: Vec<f32>,
+    pub experts: Vec<RoutedExpert>,
+    pub shared_gate: Option<f32>,
+}
+
+/// Buffers every MoE layer of a step reuses.
+pub(super) struct MoeScratch {
+    /// Host-visible: the router logits, read back between the two parts of a layer.
+    router_logits: Buffer,
+    /// Host-visible: the shared expert's gate logit.
+    shared_logit: Buffer,
+    /// Per rank of the top k: gate (then SwiGLU), up and the expert's output, so the k experts
+    /// are independent dispatches.
+    gate: Vec<Buffer>,
+    up: Vec<Buffer>,
+    out: Vec<Buffer>,
+    /// The shared expert's gate, up and output (empty without one).
+    shared_gate: Buffer,
+    shared_up: Buffer,
+    shared_out: Buffer,
+}
+
+fn upload_matrix(
+    model: &Model,
+    alloc: &Arc<Allocator>,
+    up: &mut Uploader,
+    m: &Matrix,
+) -> Result<GpuMatrix> {
+    let r = model.stacked(m);
+    GpuMatrix::upload(alloc, up, r.ty, r.n_in, r.n_out, r.data)
+}
+
+impl GpuMoe {
+    /// Uploads one layer's router, expert stacks and shared expert.
+    pub(super) fn upload(
+        model: &Model,
+        alloc: &Arc<Allocator>,
+        up: &mut Uploader,
+        moe: &MoeWeights,
+    ) -> Result<GpuMoe> {
+        let mut m = |w: &Matrix| upload_matrix(model, alloc, up, w);
+        let shared = match &moe.shared {
+            Some(s) => Some(SharedExpert {
+                gate_inp: m(&s.gate_inp)?,
+                gate: m(&s.gate)?,
+                up: m(&s.up)?,
+                down: m(&s.down)?,
+            }),
+            None => None,
+        };
+        Ok(GpuMoe {
+            router: m(&moe.router)?,
+            gate: m(&moe.gate)?,
+            up: m(&moe.up)?,
+            down: m(&moe.down)?,
+            n_ff: moe.gate.n_out,
+            n_embd: moe.down.n_out,
+            shared,
+        })
+    }
+
+    /// The shared expert's hidden width (0 without one).
+    pub(super) fn shared_ff(&self) -> usize {
+        self.shared.as_ref().map_or(0, |s| s.gate.n_out)
+    }
+
+    /// Part 1: router logits of `xn` into the host-visible scratch, and the shared expert's
+    /// output and gate logit. The caller submits after this and calls [`GpuMoe::route`].
+    pub(super) fn record_router(
+        &self,
+        rec: &mut Recorder<'_>,
+        xn: &Buffer,
+        s: &MoeScratch,
+    ) -> Result<()> {
+        rec.matvec(&self.router, xn, &s.router_logits)?;
+        if let Some(sh) = &self.shared {
+            rec.matvec(&sh.gate_inp, xn, &s.shared_logit)?;
+            let ff = sh.gate.n_out as u32;
+            rec.matvec(&sh.gate, xn, &s.shared_gate)?;
+            rec.matvec(&sh.up, xn, &s.shared_up)?;
+            rec.swiglu(&s.shared_gate, &s.shared_up, ff)?;
+            rec.matvec(&sh.down, &s.shared_gate, &s.shared_out)?;
+        }
+        Ok(())
+    }
+
+    /// The routing of the logits [`GpuMoe::record_router`] left, once its submission has
+    /// completed.
+    pub(super) fn route(&self, layer: usize, cfg: &MoeConfig, s: &MoeScratch) -> LayerRouting {
+        let router_logits = s.router_logits.read_f32(cfg.n_expert);
+        LayerRouting {
+            layer,
+            experts: route(cfg, &router_logits),
+            router_logits,
+            shared_gate: self
+                .shared
+                .as_ref()
+                .map(|_| shared_expert_gate(s.shared_logit.read_f32(1)[0])),
+        }
+    }
+
+    /// Part 2: `experts` (some or all of a routing's) from `xn`, each added to `x` with its
+    /// weight in the order given, then the shared expert with `shared_gate`, as the CPU sums
+    /// them. Call [`Recorder::after_earlier_submissions`] first.
+    pub(super) fn record_experts(
+        &self,
+        rec: &mut Recorder<'_>,
+        experts: &[RoutedExpert],
+        shared_gate: Option<f32>,
+        (xn, x): (&Buffer, &Buffer),
+        s: &MoeScratch,
+    ) -> Result<()> {
+        assert!(experts.len() <= s.out.len(), "more experts than ranks");
+        let (ff, n_embd) = (self.n_ff, self.n_embd);
+        for (r, ex) in experts.iter().enumerate() {
+            let first = ex.expert * ff;
+            rec.matvec_rows(&self.gate, first, ff, xn, &s.gate[r])?;
+            rec.matvec_rows(&self.up, first, ff, xn, &s.up[r])?;
+        }
+        for r in 0..experts.len() {
+            rec.swiglu(&s.gate[r], &s.up[r], ff as u32)?;
+        }
+        for (r, ex) in experts.iter().enumerate() {
+            let first = ex.expert * n_embd;
+            rec.matvec_rows(&self.down, first, n_embd, &s.gate[r], &s.out[r])?;
+        }
+        for (r, ex) in experts.iter().enumerate() {
+            rec.scale_add(x, &s.out[r], ex.weight, n_embd as u32)?;
+        }
+        if let Some(g) = shared_gate {
+            rec.scale_add(x, &s.shared_out, g, n_embd as u32)?;
+        }
+        Ok(())
+    }
+}
+
+impl MoeScratch {
+    /// Scratch for layers of `cfg` with experts of `n_embd` outputs and a shared expert of
+    /// `shared_ff` hidden rows (0: none).
+    pub(super) fn new(
+        alloc: &Arc<Allocator>,
+        cfg: &MoeConfig,
+        n_embd: usize,
+        shared_ff: usize,
+    ) -> Result<MoeScratch> {
+        let f32s = |n: usize| Buffer::new_in(alloc, n as u64 * 4, MemoryUse::DeviceLocal);
+        let ranks =
+            |n: usize| -> Result<Vec<Buffer>> { (0..cfg.n_expert_used).map(|_| f32s(n)).collect() };
+        Ok(MoeScratch {
+            router_logits: Buffer::new_in(alloc, cfg.n_expert as u64 * 4, MemoryUse::Staging)?,
+            shared_logit: Buffer::new_in(alloc, 4, MemoryUse::Staging)?,
+            gate: ranks(cfg.n_ff_expert)?,
+            up: ranks(cfg.n_ff_expert)?,
+            out: ranks(n_embd)?,
+            shared_gate: f32s(shared_ff)?,
+            shared_up: f32s(shared_ff)?,
+            shared_out: f32s(if shared_ff > 0 { n_embd } else { 0 })?,
+        })
+    }
+}
