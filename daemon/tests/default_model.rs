@@ -108,3 +108,63 @@ fn greedy_continuation_is_english_words_from_the_vocabulary_of_the_bible() {
         words.len()
     );
 }
+
+/// Greedy tokens after `prompt` from a step function that evaluates one token.
+fn greedy(prompt: &[u32], n: usize, mut eval: impl FnMut(u32) -> Vec<f32>) -> Vec<u32> {
+    let mut logits = Vec::new();
+    for &t in prompt {
+        logits = eval(t);
+    }
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let next = logits
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .unwrap()
+            .0 as u32;
+        out.push(next);
+        logits = eval(next);
+    }
+    out
+}
+
+#[test]
+fn greedy_continuation_is_the_same_on_the_cpu_and_on_vulkan() {
+    use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
+    use spillway_daemon::gpu::{Device, Instance, REQUIRE_VULKAN_ENV};
+
+    let device = match Instance::new().and_then(|i| Device::open(i, None)) {
+        Ok(d) => d,
+        Err(e) => {
+            let required = std::env::var(REQUIRE_VULKAN_ENV).is_ok_and(|v| v != "0");
+            assert!(
+                !required,
+                "{REQUIRE_VULKAN_ENV} is set but no Vulkan device: {e}"
+            );
+            eprintln!("skipping: no Vulkan device ({e})");
+            return;
+        }
+    };
+    let (model, tokenizer, _dir) = load();
+    let prompt = tokenizer.encode("In the beginning", false);
+    let n = 32;
+    let options = EngineOptions {
+        threads: 2,
+        context: 64,
+    };
+    let mut cpu = Engine::new(model.clone(), &options);
+    let on_cpu = greedy(&prompt, n, |t| cpu.eval(t).unwrap().to_vec());
+    let gpu_options = GpuModelOptions {
+        context: 64,
+        ..Default::default()
+    };
+    let mut gpu = GpuModel::new(&device, &model, &gpu_options).unwrap();
+    let on_gpu = greedy(&prompt, n, |t| gpu.eval(t).unwrap());
+    assert_eq!(
+        tokenizer.decode(&on_gpu),
+        tokenizer.decode(&on_cpu),
+        "the GPU's greedy continuation left the CPU's"
+    );
+    assert_eq!(on_gpu, on_cpu);
+}
