@@ -81,6 +81,7 @@ fn preset(c: &ModelConfig) -> Preset {
             count: c.n_expert,
             used: c.n_expert_used,
             n_ff: c.n_ff_expert,
+            shared_n_ff: None,
         }),
         tied_embeddings: true,
         rope_scaling: None,
