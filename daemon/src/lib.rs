@@ -12,6 +12,7 @@
 //! - [`server`]: the gRPC daemon (`spillwayd serve`).
 //! - [`synth`]: synthetic GGUF models (random weights, real shapes and tokenizers).
 
+pub mod calibrate;
 pub mod cpu;
 pub mod engine;
 pub mod gguf;

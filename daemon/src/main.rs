@@ -25,6 +25,8 @@ enum Command {
     Devices(cli::devices::DevicesArgs),
     /// Print where each tensor would go under memory budgets, and the predicted decode speed.
     Plan(cli::plan::PlanArgs),
+    /// Measure this machine's GPU, CPU, memory and disk into a hardware profile for `plan`.
+    Calibrate(cli::calibrate::CalibrateArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -35,5 +37,6 @@ fn main() -> anyhow::Result<()> {
         Command::Tokenize(args) => cli::tokenize::run(args),
         Command::Devices(args) => cli::devices::run(&args),
         Command::Plan(args) => cli::plan::run(&args),
+        Command::Calibrate(args) => cli::calibrate::run(&args),
     }
 }

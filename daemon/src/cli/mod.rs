@@ -1,5 +1,6 @@
 //! The subcommands of `spillwayd`, one file each.
 
+pub mod calibrate;
 pub mod devices;
 pub mod inspect;
 pub mod plan;

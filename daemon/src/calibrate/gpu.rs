@@ -1,0 +1,116 @@
+//! The GPU half of calibration, on one Vulkan device.
+
+use std::sync::Arc;
+
+use ash::vk;
+use spillway_sched::model::WeightType;
+
+use super::{ggml_type, median_seconds, random_matrix, CalibrateError};
+use crate::gpu::ops::GpuMatrix;
+use crate::gpu::upload::DEFAULT_STAGING_BYTES;
+use crate::gpu::{Allocator, Buffer, Device, DeviceInfo, Instance, Kernels, MemoryUse, Uploader};
+
+pub struct GpuBench {
+    device: Arc<Device>,
+    allocator: Arc<Allocator>,
+    kernels: Arc<Kernels>,
+}
+
+impl GpuBench {
+    /// Opens device `index` (the preferred device when `None`).
+    pub fn open(index: Option<usize>) -> Result<GpuBench, CalibrateError> {
+        let device = Device::open(Instance::new()?, index)?;
+        Ok(GpuBench {
+            allocator: Allocator::new(&device, None),
+            kernels: Kernels::new(&device),
+            device,
+        })
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        self.device.info()
+    }
+
+    /// Seconds to copy `from` into `to` (`bytes` of each) on the device.
+    fn copy(&self, from: &Buffer, to: &Buffer, bytes: u64) -> Result<f64, CalibrateError> {
+        let raw = &self.device.raw;
+        Ok(median_seconds(|| {
+            self.device.run_once(|cmd| {
+                let region = [vk::BufferCopy {
+                    src_offset: 0,
+                    dst_offset: 0,
+                    size: bytes,
+                }];
+                // SAFETY: `cmd` is recording, both buffers outlive the submission (run_once
+                // waits for it), and the region lies inside both (each holds `bytes`).
+                unsafe { raw.cmd_copy_buffer(cmd, from.raw, to.raw, &region) };
+            })
+        })?)
+    }
+
+    /// Device-memory traffic of `bytes`: a device-local copy of `bytes / 2` (read once,
+    /// written once). Includes one submit, which the fit separates as its fixed cost.
+    pub fn read(&mut self, bytes: u64) -> Result<f64, CalibrateError> {
+        let half = (bytes / 2).max(4) & !3;
+        let src = Buffer::new_in(&self.allocator, half, MemoryUse::DeviceLocal)?;
+        let dst = Buffer::new_in(&self.allocator, half, MemoryUse::DeviceLocal)?;
+        self.copy(&src, &dst, half)
+    }
+
+    /// `batch` products of a `k`-wide, `n`-tall matrix of `t` with a vector, in one command
+    /// buffer; GPU time from timestamps where the queue has them, else wall time.
+    pub fn matvec(
+        &mut self,
+        t: &WeightType,
+        k: u64,
+        n: u64,
+        batch: u64,
+    ) -> Result<f64, CalibrateError> {
+        let ty = ggml_type(t)
+            .ok_or_else(|| CalibrateError::Unsupported(format!("weight type {}", t.name())))?;
+        let data = random_matrix(ty, k, n)?;
+        let mut uploader = Uploader::new(&self.allocator, DEFAULT_STAGING_BYTES)?;
+        let w = GpuMatrix::upload(
+            &self.allocator,
+            &mut uploader,
+            ty,
+            k as usize,
+            n as usize,
+            &data,
+        )?;
+        let mut x = Buffer::new_in(&self.allocator, k * 4, MemoryUse::Staging)?;
+        x.write_f32(&vec![0.5; k as usize]);
+        let y = Buffer::new_in(&self.allocator, n * 4, MemoryUse::DeviceLocal)?;
+        uploader.flush()?;
+        let mut gpu_s = Vec::new();
+        let wall = median_seconds(|| {
+            let stats = self.kernels.record_timed(|r| {
+                for _ in 0..batch {
+                    r.matvec(&w, &x, &y)?;
+                }
+                Ok(())
+            })?;
+            if let Some(ns) = stats.gpu_ns {
+                gpu_s.push(ns as f64 * 1e-9);
+            }
+            Ok::<(), CalibrateError>(())
+        })?;
+        // The first entry is the warm-up's.
+        let mut timed: Vec<f64> = gpu_s.into_iter().skip(1).collect();
+        timed.sort_by(f64::total_cmp);
+        Ok(timed.get(timed.len() / 2).copied().unwrap_or(wall))
+    }
+
+    /// An empty command buffer submitted and waited for.
+    pub fn submit(&mut self) -> Result<f64, CalibrateError> {
+        Ok(median_seconds(|| self.device.run_once(|_| {}))?)
+    }
+
+    /// `bytes` from host-visible staging memory into device-local memory.
+    pub fn host_to_device(&mut self, bytes: u64) -> Result<f64, CalibrateError> {
+        let bytes = bytes.max(4) & !3;
+        let src = Buffer::new_in(&self.allocator, bytes, MemoryUse::Staging)?;
+        let dst = Buffer::new_in(&self.allocator, bytes, MemoryUse::DeviceLocal)?;
+        self.copy(&src, &dst, bytes)
+    }
+}

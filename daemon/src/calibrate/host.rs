@@ -1,0 +1,159 @@
+//! The host half of calibration: CPU kernels, host memory, and the disk.
+
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use spillway_sched::model::WeightType;
+
+use super::{ggml_type, median_seconds, random_matrix, CalibrateError};
+use crate::cpu::matvec::matvec;
+use crate::cpu::pool::ThreadPool;
+use crate::model::MatRef;
+use crate::stream::{Priority, ReaderOptions, TileReader, TileRequest};
+
+/// Tiles kept in flight by the disk measurement (the reader's default queue depth).
+const IN_FLIGHT: usize = 32;
+
+pub struct HostBench {
+    pools: HashMap<u32, ThreadPool>,
+    /// The last matrix made, reused while the shape and type stay the same.
+    matrix: Option<((String, u64, u64), Vec<u8>)>,
+    /// The file the disk is read from, and whether it is ours to delete.
+    file: PathBuf,
+    owned: bool,
+}
+
+impl HostBench {
+    /// Reads from `file` (a model file, ideally on the disk models load from) or, when `None`,
+    /// from a file of `scratch_bytes` random bytes written under `scratch_dir`.
+    pub fn new(
+        file: Option<&Path>,
+        scratch_dir: &Path,
+        scratch_bytes: u64,
+    ) -> Result<HostBench, CalibrateError> {
+        let (file, owned) = match file {
+            Some(f) => (f.to_path_buf(), false),
+            None => {
+                std::fs::create_dir_all(scratch_dir)?;
+                let path = scratch_dir.join(format!("calibrate-{}.bin", std::process::id()));
+                let mut rng = crate::synth::rng::Xoshiro256::seed_from(1);
+                let mut data = vec![0u8; scratch_bytes as usize];
+                rng.fill_bytes(&mut data);
+                std::fs::write(&path, &data)?;
+                (path, true)
+            }
+        };
+        Ok(HostBench {
+            pools: HashMap::new(),
+            matrix: None,
+            file,
+            owned,
+        })
+    }
+
+    fn pool(&mut self, threads: u32) -> &ThreadPool {
+        self.pools
+            .entry(threads)
+            .or_insert_with(|| ThreadPool::new(threads as usize))
+    }
+
+    /// One product of a `k`-wide, `n`-tall matrix of `t` with a vector on `threads` threads.
+    pub fn matvec(
+        &mut self,
+        t: &WeightType,
+        k: u64,
+        n: u64,
+        threads: u32,
+    ) -> Result<f64, CalibrateError> {
+        let ty = ggml_type(t)
+            .ok_or_else(|| CalibrateError::Unsupported(format!("weight type {}", t.name())))?;
+        let key = (t.name().to_string(), k, n);
+        if self.matrix.as_ref().is_none_or(|(k2, _)| *k2 != key) {
+            self.matrix = Some((key, random_matrix(ty, k, n)?));
+        }
+        let data = std::mem::take(&mut self.matrix.as_mut().expect("made above").1);
+        let m = MatRef {
+            ty,
+            n_in: k as usize,
+            n_out: n as usize,
+            data: &data,
+        };
+        let x = vec![0.5f32; k as usize];
+        let mut out = vec![0f32; n as usize];
+        let pool = self.pool(threads);
+        let secs = median_seconds(|| {
+            matvec(pool, m, &x, &mut out);
+            Ok::<(), CalibrateError>(())
+        });
+        self.matrix.as_mut().expect("made above").1 = data;
+        secs
+    }
+
+    /// Sums `bytes` of host memory as 8-byte words on `threads` threads.
+    pub fn read(&mut self, bytes: u64, threads: u32) -> Result<f64, CalibrateError> {
+        let words = vec![1u64; (bytes / 8) as usize];
+        let pool = self.pool(threads);
+        let tasks = threads.max(1) as usize;
+        let chunk = words.len().div_ceil(tasks);
+        median_seconds(|| {
+            pool.run(tasks, &|i| {
+                let part = &words[(i * chunk).min(words.len())..((i + 1) * chunk).min(words.len())];
+                let sum = part.iter().fold(0u64, |a, &w| a.wrapping_add(w));
+                std::hint::black_box(sum);
+            });
+            Ok::<(), CalibrateError>(())
+        })
+    }
+
+    /// `count` tiles of `tile` bytes read from the file through the tile reader, up to
+    /// [`IN_FLIGHT`] at once, the file's pages dropped from the page cache before each run.
+    /// Tiles past the end of the file wrap around to its start.
+    pub fn ssd_read(&mut self, tile: u64, count: u64) -> Result<f64, CalibrateError> {
+        let options = ReaderOptions {
+            max_tile: tile as usize,
+            buffers: IN_FLIGHT,
+            ..ReaderOptions::default()
+        };
+        let reader = TileReader::open(&self.file, &options)?;
+        let len = reader.file_len();
+        if len < tile {
+            return Err(CalibrateError::Unsupported(format!(
+                "{} holds {len} bytes, less than one {tile}-byte tile",
+                self.file.display()
+            )));
+        }
+        let tiles_in_file = len / tile;
+        let file = std::fs::File::open(&self.file)?;
+        median_seconds(|| {
+            // SAFETY: a valid descriptor; the advice has no memory-safety effect.
+            unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+            let mut in_flight = VecDeque::with_capacity(IN_FLIGHT);
+            for i in 0..count {
+                if in_flight.len() == IN_FLIGHT {
+                    let h: crate::stream::ReadHandle =
+                        in_flight.pop_front().expect("the queue is full");
+                    drop(h.wait()?);
+                }
+                in_flight.push_back(reader.read_tile(TileRequest {
+                    offset: (i % tiles_in_file) * tile,
+                    len: tile as usize,
+                    priority: Priority::Demand,
+                    tag: i,
+                }));
+            }
+            for h in in_flight {
+                drop(h.wait()?);
+            }
+            Ok::<(), CalibrateError>(())
+        })
+    }
+}
+
+impl Drop for HostBench {
+    fn drop(&mut self) {
+        if self.owned {
+            let _ = std::fs::remove_file(&self.file);
+        }
+    }
+}

@@ -1,0 +1,173 @@
+//! Calibration: the scheduler's micro-benchmarks ([`spillway_sched::calibrate::MicroBench`]) run
+//! on this machine's Vulkan device, CPU kernels, memory and disk, so that plans and predictions
+//! use measured figures instead of a described profile.
+//!
+//! - [`gpu::GpuBench`]: device-memory bandwidth (a device-local copy), the project's own
+//!   matrix-vector kernels per weight type, an empty submit, and staging-to-device copies.
+//! - [`host::HostBench`]: the CPU engine's matrix-vector kernels on its thread pool, a parallel
+//!   read of host memory, and tile reads from a file through the [`crate::stream`] reader with
+//!   the page cache dropped for that file first.
+//!
+//! Each case is run once to warm up, then [`REPEATS`] times; the median is reported.
+//!
+//! Partial: the GPU has no batched (matrix-matrix) kernel yet, so a batch of `b` vectors is `b`
+//! matrix-vector products recorded into one command buffer: the fitted compute roof is that of
+//! the matrix-vector kernel. Weight types the GPU cannot read are left out of the plan.
+
+pub mod gpu;
+pub mod host;
+
+use std::time::Instant;
+
+use spillway_sched::calibrate::{CalibrationPlan, MicroBench};
+use spillway_sched::model::WeightType;
+
+use crate::gguf::GgmlType;
+
+/// Timed runs of each case after the warm-up.
+pub const REPEATS: usize = 3;
+
+/// Runs `f` once to warm up, then [`REPEATS`] times, and returns the median seconds.
+pub fn median_seconds<E>(mut f: impl FnMut() -> Result<(), E>) -> Result<f64, E> {
+    f()?;
+    let mut times = Vec::with_capacity(REPEATS);
+    for _ in 0..REPEATS {
+        let t = Instant::now();
+        f()?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+/// The ggml type a scheduler weight type names.
+pub fn ggml_type(t: &WeightType) -> Option<GgmlType> {
+    GgmlType::from_name(t.name())
+}
+
+/// Weight types both the GPU kernels and the CPU kernels read.
+pub const TYPES: [&str; 5] = ["F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K"];
+
+/// The scheduler's default plan, restricted to the types the GPU reads.
+pub fn full_plan() -> CalibrationPlan {
+    CalibrationPlan {
+        weight_types: TYPES.into_iter().map(WeightType::new).collect(),
+        ..CalibrationPlan::default()
+    }
+}
+
+/// A plan of a few seconds on a software Vulkan device: small matrices, short batches, and
+/// 16 MiB read per tile size. Its figures are coarse; it is for checking the machinery.
+pub fn quick_plan() -> CalibrationPlan {
+    CalibrationPlan {
+        weight_types: ["Q8_0", "Q4_K"].into_iter().map(WeightType::new).collect(),
+        matrices: vec![(256, 256), (512, 1024), (1024, 1024)],
+        batches: vec![1, 4],
+        copy_sizes: vec![64 << 10, 1 << 20, 4 << 20],
+        ssd_tiles: vec![256 << 10, 1 << 20, 4 << 20],
+        ssd_bytes: 16 << 20,
+    }
+}
+
+/// Why a measurement could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum CalibrateError {
+    #[error(transparent)]
+    Gpu(#[from] crate::gpu::GpuError),
+    #[error(transparent)]
+    Stream(#[from] crate::stream::StreamError),
+    #[error("{0}")]
+    Unsupported(String),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// The GPU and the host together, as the scheduler's calibration drives them.
+pub struct Bench {
+    pub gpu: gpu::GpuBench,
+    pub host: host::HostBench,
+}
+
+impl MicroBench for Bench {
+    type Error = CalibrateError;
+
+    fn gpu_read(&mut self, bytes: u64) -> Result<f64, CalibrateError> {
+        self.gpu.read(bytes)
+    }
+    fn gpu_matvec(
+        &mut self,
+        t: &WeightType,
+        k: u64,
+        n: u64,
+        batch: u64,
+    ) -> Result<f64, CalibrateError> {
+        self.gpu.matvec(t, k, n, batch)
+    }
+    fn gpu_submit(&mut self) -> Result<f64, CalibrateError> {
+        self.gpu.submit()
+    }
+    fn host_to_device(&mut self, bytes: u64) -> Result<f64, CalibrateError> {
+        self.gpu.host_to_device(bytes)
+    }
+    fn cpu_matvec(
+        &mut self,
+        t: &WeightType,
+        k: u64,
+        n: u64,
+        threads: u32,
+    ) -> Result<f64, CalibrateError> {
+        self.host.matvec(t, k, n, threads)
+    }
+    fn cpu_read(&mut self, bytes: u64, threads: u32) -> Result<f64, CalibrateError> {
+        self.host.read(bytes, threads)
+    }
+    fn ssd_read(&mut self, tile: u64, count: u64) -> Result<f64, CalibrateError> {
+        self.host.ssd_read(tile, count)
+    }
+}
+
+/// Random blocks of `ty` for an `n_out × n_in` matrix (weights of a plausible scale).
+pub fn random_matrix(ty: GgmlType, n_in: u64, n_out: u64) -> Result<Vec<u8>, CalibrateError> {
+    let bytes = ty
+        .row_bytes(n_in)
+        .and_then(|r| r.checked_mul(n_out))
+        .ok_or_else(|| CalibrateError::Unsupported(format!("{n_out}×{n_in} {ty}")))?;
+    let mut data = vec![0u8; bytes as usize];
+    let mut rng = crate::synth::rng::Xoshiro256::seed_from(n_in ^ (n_out << 20));
+    crate::synth::weights::fill_blocks(ty, 0.02, &mut rng, &mut data)
+        .map_err(|e| CalibrateError::Unsupported(e.to_string()))?;
+    Ok(data)
+}
+
+/// What this machine says about itself: the GPU's name, driver and device-local memory, the
+/// CPU's model name, total RAM and the threads available.
+pub fn machine_facts(gpu: &crate::gpu::DeviceInfo) -> spillway_sched::calibrate::MachineFacts {
+    use spillway_sched::profile::ProfileKey;
+    use spillway_sched::ByteSize;
+
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let cpu = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .and_then(|l| l.split_once(':'))
+        .map_or_else(
+            || std::env::consts::ARCH.to_string(),
+            |(_, v)| v.trim().to_string(),
+        );
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let ram_kib: u64 = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0);
+    spillway_sched::calibrate::MachineFacts {
+        key: ProfileKey {
+            device: gpu.name.clone(),
+            driver: gpu.driver.clone(),
+            cpu,
+        },
+        vram: ByteSize(gpu.device_local_bytes),
+        ram: ByteSize(ram_kib * 1024),
+        cpu_threads: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
+    }
+}

@@ -1,0 +1,65 @@
+//! Calibration on this machine's Vulkan device (lavapipe in CI) and CPU: the quick plan runs
+//! every micro-benchmark and yields a valid hardware profile that the planner reads back.
+//! Without a device the test skips, unless `SPILLWAY_REQUIRE_VULKAN` is set.
+
+use spillway_daemon::calibrate::{
+    gpu::GpuBench, host::HostBench, machine_facts, quick_plan, Bench,
+};
+use spillway_daemon::gpu::REQUIRE_VULKAN_ENV;
+use spillway_sched::calibrate::calibrate;
+use spillway_sched::model::WeightType;
+use spillway_sched::profile::HardwareProfile;
+
+#[test]
+fn the_quick_plan_measures_every_part_and_gives_a_valid_profile() {
+    let gpu = match GpuBench::open(None) {
+        Ok(g) => g,
+        Err(e) => {
+            let required = std::env::var(REQUIRE_VULKAN_ENV).is_ok_and(|v| v != "0");
+            assert!(
+                !required,
+                "{REQUIRE_VULKAN_ENV} is set but no Vulkan device: {e}"
+            );
+            eprintln!("skipping: no Vulkan device ({e})");
+            return;
+        }
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let plan = quick_plan();
+    let facts = machine_facts(gpu.info());
+    assert!(facts.cpu_threads >= 1 && facts.ram.0 > 0, "{facts:?}");
+    let host = HostBench::new(None, dir.path(), plan.ssd_bytes).unwrap();
+    let mut bench = Bench { gpu, host };
+    let mut steps = Vec::new();
+    let profile = calibrate(&facts, &mut bench, &plan, &mut |p| steps.push(p.done)).unwrap();
+    assert_eq!(steps, (1..=plan.steps()).collect::<Vec<_>>());
+
+    for (what, v) in [
+        ("GPU bandwidth", profile.gpu.bandwidth),
+        ("host-to-device bandwidth", profile.pcie.bandwidth),
+        ("CPU memory bandwidth", profile.cpu.memory_bandwidth),
+    ] {
+        assert!(v.is_finite() && v > 0.0, "{what}: {v}");
+    }
+    assert_eq!(profile.ssd.reads.len(), plan.ssd_tiles.len());
+    for t in &plan.weight_types {
+        assert!(
+            profile.gpu.matvec.contains_key(t),
+            "no GPU fit for {}",
+            t.name()
+        );
+        assert!(
+            profile.cpu.matvec.contains_key(t),
+            "no CPU fit for {}",
+            t.name()
+        );
+    }
+    assert!(!profile.gpu.matvec.contains_key(&WeightType::new("Q6_K")));
+    // The scratch file is gone once the bench is.
+    drop(bench);
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+
+    let back = HardwareProfile::from_toml(&profile.to_toml()).unwrap();
+    assert_eq!(back.key, profile.key);
+    assert_eq!(back.ssd.reads.len(), profile.ssd.reads.len());
+}
