@@ -10,6 +10,8 @@ pub enum Op {
     Matmul,
     /// Quantized matrix × f32 vector (decode).
     MatVec,
+    /// Quantized matrix × a batch of f32 vectors, token-major (prompts).
+    MatVecBatch,
     /// One weight row to f32 (the token embedding).
     GetRows,
     /// RMSNorm of rows, times a weight vector.
@@ -39,7 +41,7 @@ impl Op {
         match self {
             Op::Softmax => 1,
             Op::Dequant | Op::GetRows | Op::Add | Op::Swiglu | Op::ScaleAdd => 2,
-            Op::Matmul | Op::MatVec | Op::RmsNorm | Op::RopeNorm | Op::RopeNeox => 3,
+            Op::Matmul | Op::MatVec | Op::MatVecBatch | Op::RmsNorm | Op::RopeNorm | Op::RopeNeox => 3,
             Op::KvStore => 4,
             Op::Attention => 5,
         }
@@ -140,5 +142,17 @@ pub const VARIANTS: &[Variant] = &[
     v("rope_neox_subgroup", "rope.comp", Op::RopeNeox, None, Feature::Subgroup, &[("ROPE_NEOX", "1"), SG]),
     v("softmax_subgroup", "softmax.comp", Op::Softmax, None, Feature::Subgroup, &[SG]),
     v("attention_subgroup", "attention.comp", Op::Attention, None, Feature::Subgroup, &[SG]),
+    v("matvec_batch_f32", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::F32), Feature::Base, &[("WTYPE_F32", "1")]),
+    v("matvec_batch_f16", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::F16), Feature::Base, &[("WTYPE_F16", "1")]),
+    v("matvec_batch_q8_0", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::Q8_0), Feature::Base, &[("WTYPE_Q8_0", "1")]),
+    v("matvec_batch_q4_0", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::Q4_0), Feature::Base, &[("WTYPE_Q4_0", "1")]),
+    v("matvec_batch_q4_k", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::Q4K), Feature::Base, &[("WTYPE_Q4_K", "1")]),
+    v("matvec_batch_q6_k", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::Q6K), Feature::Base, &[("WTYPE_Q6_K", "1")]),
+    v("matvec_batch_f32_subgroup", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::F32), Feature::Subgroup, &[("WTYPE_F32", "1"), SG]),
+    v("matvec_batch_f16_subgroup", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::F16), Feature::Subgroup, &[("WTYPE_F16", "1"), SG]),
+    v("matvec_batch_q8_0_subgroup", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::Q8_0), Feature::Subgroup, &[("WTYPE_Q8_0", "1"), SG]),
+    v("matvec_batch_q4_0_subgroup", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::Q4_0), Feature::Subgroup, &[("WTYPE_Q4_0", "1"), SG]),
+    v("matvec_batch_q4_k_subgroup", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::Q4K), Feature::Subgroup, &[("WTYPE_Q4_K", "1"), SG]),
+    v("matvec_batch_q6_k_subgroup", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::Q6K), Feature::Subgroup, &[("WTYPE_Q6_K", "1"), SG]),
     v("matmul_f16_coopmat", "matmul_coopmat.comp", Op::Matmul, None, Feature::CoopMat, &[]),
 ];

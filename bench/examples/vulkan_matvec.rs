@@ -2,7 +2,10 @@
 //! from GPU timestamps around one recording of many products. Each product reads another copy
 //! of the matrix (at least 512 MiB of copies in all, ten times the L2 of an H100/H200), so the weights come from VRAM, not L2.
 //!
-//! `cargo run --release -p spillway-bench --example vulkan_matvec [-- N_IN N_OUT ...]`
+//! With `tokens=T` (T > 1), each product is the batched kernel over T tokens (prompts), and
+//! GB/s counts the weights once per product: the tile of eight tokens shares each weight read.
+//!
+//! `cargo run --release -p spillway-bench --example vulkan_matvec [-- [tokens=T] N_IN N_OUT ...]`
 
 use std::sync::Arc;
 
@@ -35,8 +38,16 @@ fn rows(ty: GgmlType, n_in: usize, n_out: usize) -> Vec<u8> {
 }
 
 fn main() {
+    let mut tokens = 1;
     let args: Vec<usize> = std::env::args()
         .skip(1)
+        .filter(|a| match a.strip_prefix("tokens=") {
+            Some(t) => {
+                tokens = t.parse().unwrap();
+                false
+            }
+            None => true,
+        })
         .map(|a| a.parse().unwrap())
         .collect();
     let shapes: Vec<(usize, usize)> = if args.is_empty() {
@@ -46,8 +57,8 @@ fn main() {
     };
     let device = Device::open(Instance::new().unwrap(), None).unwrap();
     println!("device: {}", device.info().name);
-    println!("| weights | n_in × n_out | matrix MiB | copies | GPU µs / product | GB/s |");
-    println!("| --- | --- | --- | --- | --- | --- |");
+    println!("| weights | n_in × n_out | tokens | matrix MiB | copies | GPU µs / product | GB/s |");
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
     for (n_in, n_out) in shapes {
         for ty in [
             GgmlType::Q4_0,
@@ -56,12 +67,12 @@ fn main() {
             GgmlType::Q8_0,
             GgmlType::F16,
         ] {
-            measure(&device, ty, n_in, n_out);
+            measure(&device, ty, n_in, n_out, tokens);
         }
     }
 }
 
-fn measure(device: &Arc<Device>, ty: GgmlType, n_in: usize, n_out: usize) {
+fn measure(device: &Arc<Device>, ty: GgmlType, n_in: usize, n_out: usize, tokens: usize) {
     let alloc = Allocator::new(device, None);
     let kernels = Kernels::new(device);
     let data = rows(ty, n_in, n_out);
@@ -71,15 +82,20 @@ fn measure(device: &Arc<Device>, ty: GgmlType, n_in: usize, n_out: usize) {
         .map(|_| GpuMatrix::upload(&alloc, &mut up, ty, n_in, n_out, &data).unwrap())
         .collect();
     up.flush().unwrap();
-    let x = Buffer::new_in(&alloc, n_in as u64 * 4, MemoryUse::DeviceLocal).unwrap();
+    let t = tokens as u64;
+    let x = Buffer::new_in(&alloc, t * n_in as u64 * 4, MemoryUse::DeviceLocal).unwrap();
     let ys: Vec<Buffer> = (0..copies)
-        .map(|_| Buffer::new_in(&alloc, n_out as u64 * 4, MemoryUse::DeviceLocal).unwrap())
+        .map(|_| Buffer::new_in(&alloc, t * n_out as u64 * 4, MemoryUse::DeviceLocal).unwrap())
         .collect();
     let run = || {
         kernels
             .record_timed(|r| {
                 for (m, y) in mats.iter().zip(&ys) {
-                    r.matvec(m, &x, y)?;
+                    if tokens > 1 {
+                        r.matvec_batch(m, &x, y, tokens)?;
+                    } else {
+                        r.matvec(m, &x, y)?;
+                    }
                 }
                 Ok(())
             })
@@ -93,7 +109,7 @@ fn measure(device: &Arc<Device>, ty: GgmlType, n_in: usize, n_out: usize) {
     let per = best as f64 / copies as f64;
     let gbs = data.len() as f64 / per;
     println!(
-        "| {} | {n_in} × {n_out} | {:.1} | {copies} | {:.1} | {:.0} |",
+        "| {} | {n_in} × {n_out} | {tokens} | {:.1} | {copies} | {:.1} | {:.0} |",
         ty.name(),
         data.len() as f64 / (1 << 20) as f64,
         per / 1e3,

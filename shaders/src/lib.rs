@@ -10,8 +10,8 @@ include!("../variants.rs");
 include!(concat!(env!("OUT_DIR"), "/shaders.rs"));
 
 pub use push::{
-    AttentionParams, DequantParams, EltwiseParams, GetRowsParams, KvStoreParams, MatVecParams,
-    MatmulParams, PushConstants, RmsNormParams, RopeParams, ScaleAddParams,
+    AttentionParams, DequantParams, EltwiseParams, GetRowsParams, KvStoreParams, MatVecBatchParams,
+    MatVecParams, MatmulParams, PushConstants, RmsNormParams, RopeParams, ScaleAddParams,
 };
 
 /// One compiled variant.

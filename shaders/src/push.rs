@@ -37,6 +37,23 @@ pub struct MatVecParams {
     pub y_offset: u32,
 }
 
+/// `matvec_batch.comp`'s `Params`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MatVecBatchParams {
+    pub n_in: u32,
+    pub n_rows: u32,
+    /// Byte offset of row 0 in the bound weight range.
+    pub w_offset: u32,
+    /// Element offset of row 0's result for the first token.
+    pub y_offset: u32,
+    pub n_tok: u32,
+    /// Floats from one token's input vector to the next.
+    pub x_stride: u32,
+    /// Floats from one token's results to the next.
+    pub y_stride: u32,
+}
+
 /// `get_rows.comp`'s `Params`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -135,6 +152,15 @@ push_constants!(MatVecParams {
     n_rows,
     w_offset,
     y_offset
+});
+push_constants!(MatVecBatchParams {
+    n_in,
+    n_rows,
+    w_offset,
+    y_offset,
+    n_tok,
+    x_stride,
+    y_stride
 });
 push_constants!(GetRowsParams {
     n,

@@ -78,8 +78,9 @@ mod tests {
     use super::*;
     use crate::push::PushConstants;
     use crate::{
-        AttentionParams, DequantParams, EltwiseParams, GetRowsParams, KvStoreParams, MatVecParams,
-        MatmulParams, Op, RmsNormParams, RopeParams, ScaleAddParams, ShaderId, SHADERS,
+        AttentionParams, DequantParams, EltwiseParams, GetRowsParams, KvStoreParams,
+        MatVecBatchParams, MatVecParams, MatmulParams, Op, RmsNormParams, RopeParams,
+        ScaleAddParams, ShaderId, SHADERS,
     };
 
     #[test]
@@ -98,6 +99,7 @@ mod tests {
                 Op::Dequant => DequantParams::layout(),
                 Op::Matmul => MatmulParams::layout(),
                 Op::MatVec => MatVecParams::layout(),
+                Op::MatVecBatch => MatVecBatchParams::layout(),
                 Op::GetRows => GetRowsParams::layout(),
                 Op::RmsNorm => RmsNormParams::layout(),
                 Op::RopeNorm | Op::RopeNeox => RopeParams::layout(),
@@ -118,7 +120,7 @@ mod tests {
     #[test]
     fn every_weight_op_has_every_weight_type() {
         use crate::{Feature, WeightType};
-        for op in [Op::Dequant, Op::MatVec, Op::GetRows] {
+        for op in [Op::Dequant, Op::MatVec, Op::MatVecBatch, Op::GetRows] {
             for w in [
                 WeightType::F32,
                 WeightType::F16,

@@ -21,6 +21,7 @@ pub mod forward;
 mod instance;
 pub mod moe;
 pub mod ops;
+pub mod ops_batch;
 mod pipeline;
 pub mod record;
 pub mod upload;

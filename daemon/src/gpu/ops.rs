@@ -93,7 +93,7 @@ pub fn upload_f32(
 
 /// A grid of `n` workgroups, folded into two dimensions past 65535 (the smallest limit Vulkan
 /// guarantees per dimension); kernels that use it rebuild the index from both.
-fn grid(n: u32) -> [u32; 3] {
+pub(crate) fn grid(n: u32) -> [u32; 3] {
     const MAX: u32 = 65535;
     if n <= MAX {
         [n.max(1), 1, 1]

@@ -1,0 +1,95 @@
+//! Operations over several tokens at once, for prompts: today the batched matrix product,
+//! which decodes each weight once per tile of eight tokens (`matvec_batch.comp`).
+//!
+//! Partial: the rest of a batched forward step (norms, RoPE, the KV append and causal attention
+//! over several positions) still runs one token at a time, so `GpuModel` does not use this yet.
+
+use spillway_shaders::{MatVecBatchParams, Op};
+
+use super::buffer::Buffer;
+use super::error::{GpuError, Result};
+use super::ops::{grid, GpuMatrix};
+use super::record::{Access, Binding, Recorder};
+
+/// Tokens one workgroup of `matvec_batch.comp` serves (its `TILE`).
+pub const TOKEN_TILE: u32 = 8;
+
+impl Recorder<'_> {
+    /// `Y[t] = W · X[t]` for `n_tok` tokens; `x` holds them token-major (`n_tok × n_in`), `y`
+    /// receives `n_tok × n_out`, token-major.
+    pub fn matvec_batch(
+        &mut self,
+        w: &GpuMatrix,
+        x: &Buffer,
+        y: &Buffer,
+        n_tok: usize,
+    ) -> Result<()> {
+        self.matvec_batch_rows(w, 0, w.n_out, x, y, n_tok)
+    }
+
+    /// [`Recorder::matvec_batch`] over rows `first..first + n` of `w` only (one expert of a
+    /// stack); token `t`'s results land at `y[t * n..(t + 1) * n]`.
+    pub fn matvec_batch_rows(
+        &mut self,
+        w: &GpuMatrix,
+        first: usize,
+        n: usize,
+        x: &Buffer,
+        y: &Buffer,
+        n_tok: usize,
+    ) -> Result<()> {
+        if first + n > w.n_out {
+            return Err(GpuError::Unsupported(format!(
+                "rows {first}..{} of a matrix of {} rows",
+                first + n,
+                w.n_out
+            )));
+        }
+        let floats = |b: &Buffer| b.size() / 4;
+        if floats(x) < (n_tok * w.n_in) as u64 || floats(y) < (n_tok * n) as u64 {
+            return Err(GpuError::Unsupported(format!(
+                "{n_tok} tokens of {} inputs and {n} outputs do not fit buffers of {} and {} floats",
+                w.n_in,
+                floats(x),
+                floats(y)
+            )));
+        }
+        if n_tok == 0 || n == 0 {
+            return Ok(());
+        }
+        let id = self.variant(Op::MatVecBatch, Some(w.wtype))?;
+        let (rb, align) = (w.row_bytes, self.align);
+        let max_rows = (self.max_range.saturating_sub(align) / rb).max(1);
+        let end = (first + n) as u64;
+        let mut r0 = first as u64;
+        while r0 < end {
+            let start = r0 * rb;
+            let bound = start / align * align;
+            let rows = (end - r0).min(max_rows);
+            let range = (start - bound + rows * rb)
+                .next_multiple_of(4)
+                .min(w.buffer.size() - bound);
+            let weights = Binding {
+                buffer: &w.buffer,
+                offset: bound,
+                range,
+                access: Access::Read,
+            };
+            let push = MatVecBatchParams {
+                n_in: w.n_in as u32,
+                n_rows: rows as u32,
+                w_offset: (start - bound) as u32,
+                y_offset: (r0 - first as u64) as u32,
+                n_tok: n_tok as u32,
+                x_stride: w.n_in as u32,
+                y_stride: n as u32,
+            };
+            let [gx, gy, _] = grid(rows as u32);
+            let groups = [gx, gy, (n_tok as u32).div_ceil(TOKEN_TILE)];
+            let bindings = [weights, Binding::read(x), Binding::write(y)];
+            self.dispatch(id, &bindings, &push, groups)?;
+            r0 += rows;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,171 @@
+//! The batched matrix product for prompts (`Recorder::matvec_batch`) against the one-token
+//! product (`Recorder::matvec`, itself checked against the CPU in `vulkan_ops.rs`), for every
+//! weight type, token counts around the kernel's tile of eight, a row range of a stack, and a
+//! matrix split over several bindings. On whatever Vulkan device the machine has (lavapipe in
+//! CI); without one these tests skip, unless `SPILLWAY_REQUIRE_VULKAN` is set.
+
+use std::sync::Arc;
+
+use spillway_daemon::calibrate::random_matrix;
+use spillway_daemon::gguf::GgmlType;
+use spillway_daemon::gpu::ops::GpuMatrix;
+use spillway_daemon::gpu::{
+    Allocator, Buffer, Device, Instance, Kernels, MemoryUse, Uploader, REQUIRE_VULKAN_ENV,
+};
+
+fn device() -> Option<Arc<Device>> {
+    match Instance::new().and_then(|i| Device::open(i, None)) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            let required = std::env::var(REQUIRE_VULKAN_ENV).is_ok_and(|v| v != "0");
+            assert!(
+                !required,
+                "{REQUIRE_VULKAN_ENV} is set but no Vulkan device: {e}"
+            );
+            eprintln!("skipping: no Vulkan device ({e})");
+            None
+        }
+    }
+}
+
+fn inputs(n: usize, seed: u32) -> Vec<f32> {
+    (0..n)
+        .map(|i| (((i as u32).wrapping_mul(2_654_435_761) ^ seed) % 2001) as f32 / 1000.0 - 1.0)
+        .collect()
+}
+
+struct Setup {
+    allocator: Arc<Allocator>,
+    kernels: Arc<Kernels>,
+    w: GpuMatrix,
+}
+
+fn setup(dev: &Arc<Device>, ty: GgmlType, n_in: usize, n_out: usize) -> Setup {
+    let allocator = Allocator::new(dev, None);
+    let mut up = Uploader::new(&allocator, 1 << 20).unwrap();
+    let data = random_matrix(ty, n_in as u64, n_out as u64).unwrap();
+    let w = GpuMatrix::upload(&allocator, &mut up, ty, n_in, n_out, &data).unwrap();
+    up.flush().unwrap();
+    Setup {
+        kernels: Kernels::new(dev),
+        allocator,
+        w,
+    }
+}
+
+fn host(s: &Setup, values: &[f32]) -> Buffer {
+    let mut b =
+        Buffer::new_in(&s.allocator, (values.len() * 4) as u64, MemoryUse::Staging).unwrap();
+    b.write_f32(values);
+    b
+}
+
+/// Each token's product alone, through the one-token kernel.
+fn one_by_one(s: &Setup, xs: &[f32], n_tok: usize) -> Vec<f32> {
+    let (n_in, n_out) = (s.w.n_in, s.w.n_out);
+    let mut out = Vec::with_capacity(n_tok * n_out);
+    for t in 0..n_tok {
+        let x = host(s, &xs[t * n_in..(t + 1) * n_in]);
+        let y = host(s, &vec![0.0; n_out]);
+        s.kernels.record(|r| r.matvec(&s.w, &x, &y)).unwrap();
+        out.extend(y.read_f32(n_out));
+    }
+    out
+}
+
+/// Equal up to float reassociation: within 1e-5 of the largest result.
+fn assert_close(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= 1e-5 * scale, "{what}: [{i}] {g} vs {w}");
+    }
+}
+
+fn check(ty: GgmlType) {
+    let Some(dev) = device() else { return };
+    let (n_in, n_out) = (512, 67);
+    let s = setup(&dev, ty, n_in, n_out);
+    for n_tok in [1, 7, 8, 9, 20] {
+        let xs = inputs(n_tok * n_in, n_tok as u32);
+        let want = one_by_one(&s, &xs, n_tok);
+        let x = host(&s, &xs);
+        let y = host(&s, &vec![f32::NAN; n_tok * n_out]);
+        s.kernels
+            .record(|r| r.matvec_batch(&s.w, &x, &y, n_tok))
+            .unwrap();
+        assert_close(
+            &y.read_f32(n_tok * n_out),
+            &want,
+            &format!("{ty} × {n_tok} tokens"),
+        );
+    }
+}
+
+#[test]
+fn batched_f32_products_equal_one_token_products() {
+    check(GgmlType::F32);
+}
+
+#[test]
+fn batched_f16_products_equal_one_token_products() {
+    check(GgmlType::F16);
+}
+
+#[test]
+fn batched_q8_0_products_equal_one_token_products() {
+    check(GgmlType::Q8_0);
+}
+
+#[test]
+fn batched_q4_0_products_equal_one_token_products() {
+    check(GgmlType::Q4_0);
+}
+
+#[test]
+fn batched_q4_k_products_equal_one_token_products() {
+    check(GgmlType::Q4K);
+}
+
+#[test]
+fn batched_q6_k_products_equal_one_token_products() {
+    check(GgmlType::Q6K);
+}
+
+#[test]
+fn a_row_range_and_a_split_binding_give_the_same_rows() {
+    let Some(dev) = device() else { return };
+    let (n_in, n_out, n_tok) = (256, 96, 11);
+    let s = setup(&dev, GgmlType::Q8_0, n_in, n_out);
+    let xs = inputs(n_tok * n_in, 5);
+    let whole = one_by_one(&s, &xs, n_tok);
+    let x = host(&s, &xs);
+
+    // Rows 40..72 only, as one expert of a stack would be.
+    let (first, n) = (40, 32);
+    let y = host(&s, &vec![f32::NAN; n_tok * n]);
+    s.kernels
+        .record(|r| r.matvec_batch_rows(&s.w, first, n, &x, &y, n_tok))
+        .unwrap();
+    let want: Vec<f32> = (0..n_tok)
+        .flat_map(|t| whole[t * n_out + first..t * n_out + first + n].to_vec())
+        .collect();
+    assert_close(&y.read_f32(n_tok * n), &want, "rows 40..72");
+
+    // A binding limit of a third of the matrix (still above the input's size) splits it into
+    // several dispatches.
+    let limit = 12_000;
+    assert!(limit < 96 * s.w.row_bytes / 2 && limit > x.size());
+    let y = host(&s, &vec![f32::NAN; n_tok * n_out]);
+    s.kernels
+        .record_with_max_range(limit, |r| r.matvec_batch(&s.w, &x, &y, n_tok))
+        .unwrap();
+    assert_close(&y.read_f32(n_tok * n_out), &whole, "split binding");
+
+    // Buffers too small for the tokens are refused, not overrun.
+    let small = host(&s, &vec![0.0; n_out]);
+    assert!(s
+        .kernels
+        .record(|r| r.matvec_batch(&s.w, &x, &small, n_tok))
+        .is_err());
+}
