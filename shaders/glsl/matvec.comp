@@ -3,11 +3,14 @@
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_arithmetic : require
 #endif
-// y[r] = row_r(W) · x for quantized rows, one workgroup per row (decode: a batch of one).
-// Each invocation takes units of 32 weights in turn, so neighbours read neighbouring blocks.
-// Rows come in a 2-D grid because a vocabulary can exceed the 65535 groups of one dimension.
+// y[r] = row_r(W) · x for quantized rows (decode: a batch of one), NROWS rows per workgroup.
+// Each invocation takes units of 32 weights in turn, so neighbours read neighbouring blocks; the
+// 32 inputs of a unit are loaded once and used for every row of the workgroup, and a workgroup
+// has NROWS rows of work between its reductions instead of one. Workgroups come in a 2-D grid
+// because a vocabulary can exceed the 65535 groups of one dimension.
 
 #define WG 64u
+#define NROWS 4u
 layout(local_size_x = 64) in;
 
 layout(std430, binding = 0) readonly buffer Weights { uint weights[]; };
@@ -26,21 +29,35 @@ layout(push_constant) uniform Params {
 #include "reduce.glsl"
 
 void main() {
-    const uint r = gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x;
-    if (r >= p.n_rows) {
+    const uint r0 = NROWS * (gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x);
+    if (r0 >= p.n_rows) {
         return; // whole workgroups leave together, so the barriers below stay uniform
     }
-    const uint row = p.w_offset + r * row_bytes(p.n_in);
-    float acc = 0.0;
+    const uint nr = min(NROWS, p.n_rows - r0);
+    const uint rb = row_bytes(p.n_in);
+    float acc[NROWS];
+    for (uint j = 0u; j < NROWS; ++j) {
+        acc[j] = 0.0;
+    }
     float v[32];
+    float xv[32];
     for (uint u = gl_LocalInvocationID.x; u < p.n_in / 32u; u += WG) {
-        decode_unit(row, u, v);
         for (uint i = 0u; i < 32u; ++i) {
-            acc += v[i] * x[32u * u + i];
+            xv[i] = x[32u * u + i];
+        }
+        for (uint j = 0u; j < nr; ++j) {
+            decode_unit(p.w_offset + (r0 + j) * rb, u, v);
+            float a = acc[j];
+            for (uint i = 0u; i < 32u; ++i) {
+                a += v[i] * xv[i];
+            }
+            acc[j] = a;
         }
     }
-    acc = wg_sum(acc);
-    if (gl_LocalInvocationID.x == 0u) {
-        y[p.y_offset + r] = acc;
+    for (uint j = 0u; j < NROWS; ++j) {
+        const float s = wg_sum(acc[j]);
+        if (gl_LocalInvocationID.x == 0u && j < nr) {
+            y[p.y_offset + r0 + j] = s;
+        }
     }
 }

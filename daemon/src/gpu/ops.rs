@@ -91,6 +91,9 @@ pub fn upload_f32(
     Ok(buffer)
 }
 
+/// Rows one workgroup of `matvec.comp` computes (its `NROWS`).
+pub const MATVEC_ROWS: u32 = 4;
+
 /// A grid of `n` workgroups, folded into two dimensions past 65535 (the smallest limit Vulkan
 /// guarantees per dimension); kernels that use it rebuild the index from both.
 pub(crate) fn grid(n: u32) -> [u32; 3] {
@@ -176,7 +179,8 @@ impl Recorder<'_> {
                 y_offset: (r0 - first as u64) as u32,
             };
             let bindings = [weights, Binding::read(x), Binding::write(y)];
-            self.dispatch(id, &bindings, &push, grid(rows as u32))?;
+            let groups = (rows as u32).div_ceil(MATVEC_ROWS);
+            self.dispatch(id, &bindings, &push, grid(groups))?;
             r0 += rows;
         }
         Ok(())
