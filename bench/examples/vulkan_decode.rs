@@ -33,8 +33,8 @@ fn main() {
     let context = n_tokens + 8;
     let t0 = Instant::now();
     let options = GpuModelOptions {
-        vram_budget: None,
         context,
+        ..GpuModelOptions::default()
     };
     let mut gpu = GpuModel::new(&device, &model, &options).unwrap();
     let budget = gpu.allocator().budget();

@@ -75,8 +75,8 @@ fn compare(preset: &str, weights: &str) {
     };
     let mut cpu = Engine::new(model.clone(), &options);
     let gpu_options = GpuModelOptions {
-        vram_budget: None,
         context: 64,
+        ..GpuModelOptions::default()
     };
     let mut gpu = GpuModel::new(&dev, &model, &gpu_options).unwrap();
     let tokens = [1u32, 17, 300, 5, 1000, 42, 7, 99, 3, 800];
@@ -181,10 +181,11 @@ fn gpu_model_respects_the_vram_budget() {
         .unwrap()
         .write(&path, false, |_, _| {})
         .unwrap();
-    let model = Model::open(&path).unwrap();
+    let model = Arc::new(Model::open(&path).unwrap());
     let options = GpuModelOptions {
         vram_budget: Some(256 << 10),
         context: 64,
+        ..GpuModelOptions::default()
     };
     let err = GpuModel::new(&dev, &model, &options)
         .err()
@@ -192,19 +193,21 @@ fn gpu_model_respects_the_vram_budget() {
     assert!(err.is_out_of_memory(), "{err}");
 }
 
+/// A dense model: a MoE model under its whole size keeps fewer experts in VRAM instead
+/// (`daemon/tests/vulkan_offload.rs`).
 #[test]
 fn device_bytes_is_what_the_model_needs_within_the_budget() {
     let Some(dev) = device() else { return };
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp.path().join("m.gguf");
-    SynthModel::from_name("tiny-qwen2moe", "Q4_K_M".parse().unwrap(), 5)
+    SynthModel::from_name("tiny-qwen3", "Q4_K_M".parse().unwrap(), 5)
         .unwrap()
         .write(&path, false, |_, _| {})
         .unwrap();
-    let model = Model::open(&path).unwrap();
+    let model = Arc::new(Model::open(&path).unwrap());
     let mut options = GpuModelOptions {
-        vram_budget: None,
         context: 64,
+        ..GpuModelOptions::default()
     };
     let needed = GpuModel::device_bytes(&model, &options).total();
     options.vram_budget = Some(needed - 1);

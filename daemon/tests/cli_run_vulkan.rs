@@ -1,6 +1,7 @@
 //! `spillwayd run --device vulkan`: the same greedy tokens and prompt log-probabilities as
-//! `--device cpu` on a tiny synthetic MoE model, and clear errors for a device that does not
-//! exist, a model over `--vram-budget` and a machine without a Vulkan driver. The GPU tests run
+//! `--device cpu` on a tiny synthetic MoE model, also with only some experts in VRAM
+//! (`--vram-budget`, `--moe-miss`), and clear errors for a device that does not exist, a budget
+//! below what the model needs and a machine without a Vulkan driver. The GPU tests run
 //! on whatever Vulkan device the machine has (lavapipe in CI) and skip without one, unless
 //! `SPILLWAY_REQUIRE_VULKAN` is set.
 
@@ -8,7 +9,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use serde_json::Value;
+use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
 use spillway_daemon::gpu::{Device, Instance, REQUIRE_VULKAN_ENV};
+use spillway_daemon::model::Model;
 use spillway_daemon::synth::SynthModel;
 
 fn has_vulkan() -> bool {
@@ -49,27 +52,39 @@ fn spillwayd(model: &Path, args: &[&str]) -> Output {
 }
 
 fn run_json(model: &Path, device: &str) -> Value {
+    run_json_with(model, &["--device", device])
+}
+
+fn run_json_with(model: &Path, extra: &[&str]) -> Value {
     let out = spillwayd(
         model,
         &[
-            "--device",
-            device,
-            "--prompt-tokens",
-            "1,17,300,5,1000",
-            "--max-tokens",
-            "8",
-            "--temperature",
-            "0",
-            "--prompt-logprobs",
-            "3",
-            "--ignore-eos",
-            "--json",
-            "--threads",
-            "2",
-        ],
+            extra,
+            &[
+                "--prompt-tokens",
+                "1,17,300,5,1000",
+                "--max-tokens",
+                "8",
+                "--temperature",
+                "0",
+                "--prompt-logprobs",
+                "3",
+                "--ignore-eos",
+                "--json",
+                "--threads",
+                "2",
+            ],
+        ]
+        .concat(),
     );
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "--device {device}: {stderr}");
+    assert!(out.status.success(), "{extra:?}: {stderr}");
+    if extra.contains(&"vulkan") {
+        assert!(
+            stderr.contains("experts: "),
+            "a MoE model's summary: {stderr}"
+        );
+    }
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
@@ -126,6 +141,43 @@ fn vulkan_run_generates_the_cpu_runs_greedy_tokens() {
 }
 
 #[test]
+fn experts_beyond_the_vram_budget_give_the_same_greedy_tokens() {
+    let Some(device) = Instance::new().and_then(|i| Device::open(i, None)).ok() else {
+        assert!(!has_vulkan());
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = tiny_moe(dir.path());
+    let model = Model::open(&path).unwrap();
+    let options = GpuModelOptions::default();
+    let whole = GpuModel::device_bytes(&model, &options).total();
+    let minimum = GpuModel::minimum_budget(&device, &model, &options)
+        .unwrap()
+        .total();
+    let budget = (minimum + (whole - minimum) / 3).to_string();
+    let all = run_json(&path, "vulkan");
+    assert_eq!(all["experts"]["misses"], 0);
+    for miss in ["cpu", "fetch"] {
+        let args = [
+            "--device",
+            "vulkan",
+            "--vram-budget",
+            &budget,
+            "--moe-miss",
+            miss,
+        ];
+        let got = run_json_with(&path, &args);
+        assert_eq!(got["tokens"], all["tokens"], "--moe-miss {miss}");
+        let e = &got["experts"];
+        assert_eq!(e["miss"], miss);
+        assert!(e["slots_per_layer"].as_u64().unwrap() < e["n_expert"].as_u64().unwrap());
+        assert!(e["misses"].as_u64().unwrap() > 0, "{e}");
+        let path_taken = if miss == "cpu" { "cpu" } else { "fetched" };
+        assert!(e[path_taken].as_u64().unwrap() > 0, "{e}");
+    }
+}
+
+#[test]
 fn a_missing_vulkan_device_index_names_the_devices_there_are() {
     if !has_vulkan() {
         return;
@@ -141,7 +193,7 @@ fn a_missing_vulkan_device_index_names_the_devices_there_are() {
 }
 
 #[test]
-fn a_model_over_the_vram_budget_is_refused_with_what_it_needs() {
+fn a_budget_below_the_models_minimum_is_refused_with_what_it_needs() {
     if !has_vulkan() {
         return;
     }
@@ -158,8 +210,9 @@ fn a_model_over_the_vram_budget_is_refused_with_what_it_needs() {
             "1,2",
         ],
     ));
-    assert!(err.contains("the model needs"), "{err}");
+    assert!(err.contains("the model needs at least"), "{err}");
     assert!(err.contains("VRAM budget of 1048576 bytes"), "{err}");
+    assert!(err.contains("one expert slot per MoE layer"), "{err}");
 }
 
 #[test]

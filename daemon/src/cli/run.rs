@@ -17,9 +17,12 @@ use spillway_daemon::engine::generate::{
     generate_with, model_eos_token, GenerateRequest, Generation, Prompt,
 };
 use spillway_daemon::engine::{Engine, EngineOptions, SamplerConfig};
+use spillway_daemon::gpu::expert_cache::ExpertStats;
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
+use spillway_daemon::gpu::placement::MoeMiss;
 use spillway_daemon::gpu::{Device, GpuError, Instance};
 use spillway_daemon::model::Model;
+use spillway_daemon::stream::ReplacementPolicy;
 use spillway_daemon::tokenizer::Tokenizer;
 use spillway_sched::ByteSize;
 
@@ -78,12 +81,20 @@ pub struct RunArgs {
     #[arg(long)]
     pub stop: Vec<String>,
     /// Where to run: `cpu` (the reference engine), `vulkan` (the preferred Vulkan device) or
-    /// `vulkan:N` (device N of `spillwayd devices`; the whole model must fit its memory).
+    /// `vulkan:N` (device N of `spillwayd devices`).
     #[arg(long, default_value = "cpu")]
     pub device: RunDevice,
     /// Ceiling on the device memory the model may take with `--device vulkan` (e.g. 512MiB, 8G).
+    /// A MoE model over it keeps as many routed experts per layer in VRAM as fit.
     #[arg(long)]
     pub vram_budget: Option<ByteSize>,
+    /// A routed expert not in VRAM: `cpu` computes it on the CPU while the GPU runs the others,
+    /// `fetch` copies it into a VRAM slot first.
+    #[arg(long, default_value = "cpu")]
+    pub moe_miss: MoeMiss,
+    /// Which VRAM expert a fetch replaces: `lru` or `lfu`.
+    #[arg(long, default_value = "lru", value_parser = parse_policy)]
+    pub expert_cache: ReplacementPolicy,
     /// Tokens to generate.
     #[arg(long, default_value_t = 16)]
     pub max_tokens: usize,
@@ -132,6 +143,48 @@ struct RunReport {
     device: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     threads: Option<usize>,
+    /// Where a MoE model's routed experts ran (GPU only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    experts: Option<ExpertsReport>,
+}
+
+/// `--json`'s summary of [`ExpertStats`].
+#[derive(Debug, Serialize)]
+struct ExpertsReport {
+    miss: String,
+    slots_per_layer: usize,
+    n_expert: usize,
+    hits: u64,
+    misses: u64,
+    cpu: u64,
+    fetched: u64,
+    evictions: u64,
+    bytes_uploaded: u64,
+}
+
+impl From<&ExpertStats> for ExpertsReport {
+    fn from(s: &ExpertStats) -> ExpertsReport {
+        let t = s.total();
+        ExpertsReport {
+            miss: s.miss.to_string(),
+            slots_per_layer: s.slots,
+            n_expert: s.n_expert,
+            hits: t.hits,
+            misses: t.misses,
+            cpu: t.cpu,
+            fetched: t.fetched,
+            evictions: t.evictions,
+            bytes_uploaded: t.bytes_uploaded,
+        }
+    }
+}
+
+fn parse_policy(s: &str) -> Result<ReplacementPolicy, String> {
+    match s {
+        "lru" => Ok(ReplacementPolicy::Lru),
+        "lfu" => Ok(ReplacementPolicy::LFU),
+        _ => Err(format!("`{s}` is not a cache policy: use lru or lfu")),
+    }
 }
 
 /// The model loaded on the device `run` was given.
@@ -145,8 +198,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         bail!("--vram-budget applies to --device vulkan, not cpu");
     }
     let start = Instant::now();
-    let model =
-        Model::open(&args.model).with_context(|| format!("loading {}", args.model.display()))?;
+    let model = Arc::new(
+        Model::open(&args.model).with_context(|| format!("loading {}", args.model.display()))?,
+    );
     let tokenizer = Tokenizer::from_metadata(model.file().metadata());
     if let (Some(_), Err(e)) = (&args.prompt, &tokenizer) {
         bail!("--prompt needs the model's tokenizer, which is unusable: {e}");
@@ -162,7 +216,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 options.threads = t.max(1);
             }
             let threads = options.threads;
-            let engine = Engine::new(Arc::new(model), &options);
+            let engine = Engine::new(model.clone(), &options);
             Loaded::Cpu { engine, threads }
         }
         RunDevice::Vulkan(index) => {
@@ -172,6 +226,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             let options = GpuModelOptions {
                 vram_budget: args.vram_budget.map(|b| b.0),
                 context: args.ctx,
+                moe_miss: args.moe_miss,
+                expert_policy: args.expert_cache,
+                threads: args.threads.unwrap_or(0),
             };
             let gpu = load_on_gpu(&device, &model, &options)
                 .with_context(|| format!("loading {} onto {name}", args.model.display()))?;
@@ -215,16 +272,20 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             generate_with(model.as_mut(), eos, tokenizer, &request, on_text)?
         }
     };
-    let (device, threads) = match &loaded {
-        Loaded::Cpu { threads, .. } => ("cpu".to_string(), Some(*threads)),
-        Loaded::Gpu { name, .. } => (name.clone(), None),
+    let (device, threads, experts) = match &loaded {
+        Loaded::Cpu { threads, .. } => ("cpu".to_string(), Some(*threads), None),
+        Loaded::Gpu { name, model } => (name.clone(), None, model.expert_stats()),
     };
+    if let Some(e) = &experts {
+        eprintln!("{}", e.summary());
+    }
     if args.json {
         let report = RunReport {
             generation,
             load_ms,
             device,
             threads,
+            experts: experts.as_ref().map(ExpertsReport::from),
         };
         print_out(&(serde_json::to_string(&report)? + "\n"));
         return Ok(());
@@ -290,7 +351,7 @@ fn open_vulkan(index: Option<usize>) -> anyhow::Result<Arc<Device>> {
 /// Uploads `model`; running out of the budget while uploading says what the model needs.
 fn load_on_gpu(
     device: &Arc<Device>,
-    model: &Model,
+    model: &Arc<Model>,
     options: &GpuModelOptions,
 ) -> anyhow::Result<GpuModel> {
     GpuModel::new(device, model, options).map_err(|e| match e {

@@ -270,6 +270,18 @@ fn swiglu_ffn_act(
     out
 }
 
+/// Expert `expert` of `moe`'s routed stacks for the token rows of `xs`, unweighted, with the
+/// arithmetic of [`moe_ffn`] (the GPU's CPU experts use it, so both engines agree).
+pub(crate) fn expert_ffn(
+    model: &Model,
+    pool: &ThreadPool,
+    moe: &MoeWeights,
+    expert: usize,
+    xs: &[f32],
+) -> Vec<f32> {
+    swiglu_ffn(model, pool, (&moe.gate, &moe.up, &moe.down), expert, xs)
+}
+
 /// Routed experts (routed as [`route`] says), plus Qwen2-MoE's sigmoid-gated shared expert, for
 /// every row of `xn`.
 fn moe_ffn(model: &Model, pool: &ThreadPool, moe: &MoeWeights, xn: &[f32]) -> Vec<f32> {

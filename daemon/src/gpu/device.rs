@@ -1,5 +1,6 @@
 //! The logical device, its compute queue and a command pool for one-shot submissions.
 
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use ash::vk;
@@ -118,17 +119,39 @@ impl Device {
             .command_buffer_count(1);
         // SAFETY: the pool is externally synchronised by its mutex, held for this whole call.
         let cmd = unsafe { self.raw.allocate_command_buffers(&alloc) }.map_err(map_vk)?[0];
-        let result = self.record_submit_wait(cmd, record);
+        let result = self.record_submit_wait(cmd, record, || ());
+        // SAFETY: the fence wait (or a failure before submit) means `cmd` is not pending.
+        unsafe { self.raw.free_command_buffers(*pool, &[cmd]) };
+        result.map(|(value, ())| value)
+    }
+
+    /// As [`Device::try_run_once`], running `meanwhile` on this thread between the submission
+    /// and the wait, so host work (CPU experts) overlaps the device's. `meanwhile` does not run
+    /// when the recording or the submission fails; a panic in it is re-raised after the wait.
+    pub fn try_run_overlapped<T, R>(
+        &self,
+        record: impl FnOnce(vk::CommandBuffer) -> Result<T>,
+        meanwhile: impl FnOnce() -> R,
+    ) -> Result<(T, R)> {
+        let pool = self.pool.lock();
+        let alloc = vk::CommandBufferAllocateInfo::default()
+            .command_pool(*pool)
+            .level(vk::CommandBufferLevel::PRIMARY)
+            .command_buffer_count(1);
+        // SAFETY: the pool is externally synchronised by its mutex, held for this whole call.
+        let cmd = unsafe { self.raw.allocate_command_buffers(&alloc) }.map_err(map_vk)?[0];
+        let result = self.record_submit_wait(cmd, record, meanwhile);
         // SAFETY: the fence wait (or a failure before submit) means `cmd` is not pending.
         unsafe { self.raw.free_command_buffers(*pool, &[cmd]) };
         result
     }
 
-    fn record_submit_wait<T>(
+    fn record_submit_wait<T, R>(
         &self,
         cmd: vk::CommandBuffer,
         record: impl FnOnce(vk::CommandBuffer) -> Result<T>,
-    ) -> Result<T> {
+        meanwhile: impl FnOnce() -> R,
+    ) -> Result<(T, R)> {
         let begin = vk::CommandBufferBeginInfo::default()
             .flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT);
         // SAFETY: `cmd` is a freshly allocated primary command buffer of this device.
@@ -142,19 +165,25 @@ impl Device {
             .map_err(map_vk)?;
         let cmds = [cmd];
         let submit = [vk::SubmitInfo::default().command_buffers(&cmds)];
-        let result = {
+        let submitted = {
             let queue = self.queue.lock();
             // SAFETY: the queue is externally synchronised by its mutex; `cmd` is executable.
             unsafe { self.raw.queue_submit(*queue, &submit, fence) }
-        }
-        .and_then(|()| {
+        };
+        // The device runs while the host does its part; the wait below happens even if that
+        // part panics, so `cmd` and the fence are never freed while pending.
+        let host = submitted
+            .is_ok()
+            .then(|| catch_unwind(AssertUnwindSafe(meanwhile)));
+        let result = submitted.and_then(|()| {
             // SAFETY: the fence belongs to this device.
             unsafe { self.raw.wait_for_fences(&[fence], true, u64::MAX) }
         });
         // SAFETY: the wait finished (or the submit failed), so the fence is not in use.
         unsafe { self.raw.destroy_fence(fence, None) };
+        let host = host.map(|h| h.unwrap_or_else(|panic| resume_unwind(panic)));
         result.map_err(map_vk)?;
-        Ok(value)
+        Ok((value, host.expect("ran after a successful submission")))
     }
 
     /// Alignment of storage-buffer binding offsets.

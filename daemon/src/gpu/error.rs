@@ -2,6 +2,8 @@
 
 use ash::vk;
 
+use super::placement::MinimumBudget;
+
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {
     #[error("the Vulkan loader (libvulkan.so.1) could not be loaded: {0}")]
@@ -27,6 +29,30 @@ pub enum GpuError {
         mib(*budget)
     )]
     ModelOverBudget { needed: u64, budget: u64 },
+    /// A MoE model whose non-expert weights, KV cache, scratch and one expert slot per layer do
+    /// not fit the budget, found before loading it.
+    #[error(
+        "the model needs at least {} bytes ({}) of device memory, more than the VRAM budget of \
+         {budget} bytes ({}): {} of weights other than routed experts, {} of KV cache, {} of \
+         activations and scratch, {} for one expert slot per MoE layer, {} of upload staging and \
+         {} of alignment margin (a shorter context needs less KV cache); with every expert in \
+         VRAM it needs {needed} bytes ({})",
+        minimum.total(),
+        mib(minimum.total()),
+        mib(*budget),
+        mib(minimum.non_expert),
+        mib(minimum.kv_cache),
+        mib(minimum.activations),
+        mib(minimum.one_slot_per_layer),
+        mib(minimum.staging),
+        mib(minimum.margin),
+        mib(*needed)
+    )]
+    BelowMinimumBudget {
+        budget: u64,
+        needed: u64,
+        minimum: Box<MinimumBudget>,
+    },
     #[error("the Vulkan device was lost")]
     DeviceLost,
     #[error("unsupported: {0}")]
@@ -43,12 +69,13 @@ impl GpuError {
             GpuError::OutOfMemory(_)
                 | GpuError::OverBudget { .. }
                 | GpuError::ModelOverBudget { .. }
+                | GpuError::BelowMinimumBudget { .. }
         )
     }
 }
 
 fn mib(bytes: u64) -> String {
-    format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+    format!("{:.2} MiB", bytes as f64 / (1u64 << 20) as f64)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,6 +1,7 @@
 //! The device memory a [`GpuModel`](super::forward::GpuModel) takes, computed from the model
 //! before anything is uploaded, so that a model over the VRAM budget is refused with what it
-//! needs rather than failing halfway through its upload.
+//! needs rather than failing halfway through its upload. What a MoE model needs with only some
+//! of its routed experts in VRAM is in [`super::placement`].
 
 use crate::model::{Config, Ffn, Matrix, Model};
 
@@ -10,6 +11,8 @@ use crate::model::{Config, Ffn, Matrix, Model};
 pub struct DeviceBytes {
     /// Weights, norms, biases and the RoPE table.
     pub weights: u64,
+    /// The part of `weights` that is routed experts (the stacks of MoE layers).
+    pub experts: u64,
     pub kv_cache: u64,
     /// One token's activations, MoE scratch and the host-visible logits.
     pub activations: u64,
@@ -41,7 +44,7 @@ pub fn device_bytes(model: &Model, capacity: usize) -> DeviceBytes {
     }
     // The RoPE table: a cosine and a sine per rotated pair and position.
     weights += f32s(capacity * c.n_rot);
-    let (mut dense_ff, mut shared_ff) = (0, 0);
+    let (mut dense_ff, mut shared_ff, mut experts) = (0, 0, 0);
     for l in &model.layers {
         let a = &l.attn;
         weights += f32s(a.norm.len()) + f32s(l.ffn_norm.len());
@@ -57,13 +60,16 @@ pub fn device_bytes(model: &Model, capacity: usize) -> DeviceBytes {
                     shared_ff = shared_ff.max(s.gate.n_out);
                     mat(&s.gate_inp) + mat(&s.gate) + mat(&s.up) + mat(&s.down)
                 });
-                mat(&m.router) + mat(&m.gate) + mat(&m.up) + mat(&m.down) + shared
+                let stacks = mat(&m.gate) + mat(&m.up) + mat(&m.down);
+                experts += stacks;
+                mat(&m.router) + stacks + shared
             }
         };
     }
     let kv_cache = c.n_layer as u64 * 2 * buffer((capacity * c.kv_width() * 2) as u64);
     DeviceBytes {
         weights,
+        experts,
         kv_cache,
         activations: activation_bytes(c, capacity, dense_ff, shared_ff),
     }
@@ -75,7 +81,9 @@ fn activation_bytes(c: &Config, capacity: usize, dense_ff: usize, shared_ff: usi
     let mut n = 4 * f32s(e) + 2 * f32s(qw) + 2 * f32s(kvw) + 2 * f32s(dense_ff);
     n += f32s(c.n_head * capacity) + f32s(c.n_vocab);
     if let Some(m) = &c.moe {
-        n += f32s(m.n_expert) + f32s(1);
+        // Router logits, the shared gate's logit, and the host-visible copy of the layer's
+        // input and the CPU experts' sum.
+        n += f32s(m.n_expert) + f32s(1) + 2 * f32s(e);
         n += m.n_expert_used as u64 * (2 * f32s(m.n_ff_expert) + f32s(e));
         n += 2 * f32s(shared_ff) + f32s(if shared_ff > 0 { e } else { 0 });
     }

@@ -1,37 +1,64 @@
-//! A model's decode step on the GPU: every weight uploaded to device-local memory once,
-//! the KV cache kept there in f16, and each token's whole forward pass (embedding, every layer,
-//! output norm and head) recorded into one command buffer, with barriers only where a dispatch
-//! reads what an earlier one wrote. It follows `engine::forward` operation by operation, so its
-//! logits track the CPU engine's; it differs in that activations stay f32 in the matrix-vector
-//! products (the CPU quantizes them to Q8_0/Q8_K, as ggml's CPU backend does).
+//! A model's decode step on the GPU: weights uploaded to device-local memory once, the KV cache
+//! kept there in f16, and each token's whole forward pass (embedding, every layer, output norm
+//! and head) recorded into one command buffer, with barriers only where a dispatch reads what an
+//! earlier one wrote. It follows `engine::forward` operation by operation, so its logits track
+//! the CPU engine's; it differs in that activations stay f32 in the matrix-vector products (the
+//! CPU quantizes them to Q8_0/Q8_K, as ggml's CPU backend does).
 //!
 //! MoE layers (`qwen2moe`, `qwen3moe`, Mixtral-style `llama`) are in [`super::moe`]: the step
 //! is then one command buffer per MoE layer plus one, since the routing is decided on the host
-//! from the router logits read back.
+//! from the router logits read back. A MoE model larger than the VRAM budget keeps only some
+//! routed experts in VRAM ([`super::placement`]); a routed expert that is not there is computed
+//! on the CPU while the GPU runs the resident ones of the same layer ([`super::cpu_experts`]:
+//! the layer then takes one more command buffer, whose first dispatch adds the CPU's sum), or
+//! fetched into a VRAM slot first ([`super::expert_cache`]).
 //!
-//! Partial: one token per step (prompts go token by token), every weight must fit the VRAM
-//! budget (no streaming, no expert offloading yet).
+//! Partial: one token per step (prompts go token by token); a dense model must fit the VRAM
+//! budget whole (no streamed tensors).
 
 use std::sync::Arc;
 
 use super::alloc::{Allocator, MemoryUse};
 use super::buffer::Buffer;
+use super::cpu_experts::CpuExperts;
 use super::device::Device;
 use super::error::{GpuError, Result};
+use super::expert_cache::{ExpertStats, LayerExpertStats, LayerSlots, SlotExpert};
 use super::footprint::{device_bytes, DeviceBytes};
 use super::moe::{GpuMoe, LayerRouting, MoeScratch};
 use super::ops::{rope_table, upload_f32, AttentionArgs, GpuMatrix, RopeArgs};
+use super::placement::{plan, MinimumBudget, MoeMiss, Placement};
 use super::record::{Kernels, RecordStats, Recorder};
-use super::upload::{Uploader, DEFAULT_STAGING_BYTES};
+use super::upload::Uploader;
+use crate::engine::routing::RoutedExpert;
 use crate::model::{Config, Ffn, Matrix, Model};
+use crate::stream::ReplacementPolicy;
 
 /// Settings of a [`GpuModel`].
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct GpuModelOptions {
     /// Hard ceiling on device memory held (`--vram-budget`); `None`: the device's own.
     pub vram_budget: Option<u64>,
     /// KV cache positions; 0 means the model's context length, capped at 4096.
     pub context: usize,
+    /// What happens to a routed expert that is not in VRAM (`--moe-miss`).
+    pub moe_miss: MoeMiss,
+    /// Which resident expert a fetch replaces.
+    pub expert_policy: ReplacementPolicy,
+    /// CPU threads for experts computed on the CPU, the caller's included; 0: every core.
+    pub threads: usize,
+}
+
+impl Default for GpuModelOptions {
+    fn default() -> GpuModelOptions {
+        GpuModelOptions {
+            vram_budget: None,
+            context: 0,
+            moe_miss: MoeMiss::default(),
+            expert_policy: ReplacementPolicy::Lru,
+            threads: 0,
+        }
+    }
 }
 
 struct GpuLayer {
@@ -81,8 +108,38 @@ struct Activations {
     moe: Option<MoeScratch>,
 }
 
-/// A model resident on one GPU, with one sequence's KV cache.
+/// Where the routed experts of a MoE model run, and what they did.
+struct Experts {
+    /// Per layer; `None` for dense layers.
+    slots: Vec<Option<LayerSlots>>,
+    stats: Vec<LayerExpertStats>,
+    miss: MoeMiss,
+    /// Present when some experts are not in VRAM.
+    cpu: Option<CpuExperts>,
+    /// Kept for fetches.
+    uploader: Option<Uploader>,
+}
+
+/// Where a step's next command buffer starts.
+enum Resume {
+    /// The token's embedding.
+    Start,
+    /// Layer `layer`'s experts in VRAM slots, then its shared expert. With `cpu` experts the
+    /// command buffer ends there, and the CPU computes those from `xn` while it runs.
+    Experts {
+        layer: usize,
+        gpu: Vec<SlotExpert>,
+        cpu: Vec<RoutedExpert>,
+        shared_gate: Option<f32>,
+        xn: Vec<f32>,
+    },
+    /// The CPU experts' sum of `layer`, waiting in the host-visible scratch.
+    CpuSum { layer: usize },
+}
+
+/// A model on one GPU, with one sequence's KV cache.
 pub struct GpuModel {
+    model: Arc<Model>,
     kernels: Arc<Kernels>,
     allocator: Arc<Allocator>,
     config: Config,
@@ -97,6 +154,9 @@ pub struct GpuModel {
     pos: usize,
     last_stats: RecordStats,
     last_routing: Vec<LayerRouting>,
+    placement: Placement,
+    /// Present for MoE models.
+    experts: Option<Experts>,
 }
 
 fn matrix(
@@ -130,23 +190,67 @@ impl GpuModel {
         }
     }
 
-    /// Uploads `model`'s weights to `device` and makes room for `options.context` positions.
-    /// A model that cannot fit `options.vram_budget` is refused before anything is uploaded
-    /// ([`GpuError::ModelOverBudget`]).
-    pub fn new(device: &Arc<Device>, model: &Model, options: &GpuModelOptions) -> Result<GpuModel> {
-        let c = model.config.clone();
-        let capacity = Self::capacity_for(&c, options);
-        let needed = device_bytes(model, capacity);
-        if let Some(budget) = options.vram_budget.filter(|&b| needed.total() > b) {
-            return Err(GpuError::ModelOverBudget {
-                needed: needed.total(),
-                budget,
-            });
+    /// The smallest VRAM budget that runs `model` with `options` on `device` (`None` for a
+    /// dense model: it needs [`GpuModel::device_bytes`] whole).
+    pub fn minimum_budget(
+        device: &Arc<Device>,
+        model: &Model,
+        options: &GpuModelOptions,
+    ) -> Option<MinimumBudget> {
+        let needed = Self::device_bytes(model, options);
+        let counts = Allocator::new(device, None).budget_counts(MemoryUse::Staging);
+        // A budget of 0 is under any model: the plan says what it would have needed.
+        match plan(model, &needed, Some(0), counts, MoeMiss::Cpu) {
+            Err(GpuError::BelowMinimumBudget { minimum, .. }) => Some(*minimum),
+            _ => None,
         }
+    }
+
+    /// Uploads `model`'s weights to `device` and makes room for `options.context` positions.
+    /// A MoE model larger than `options.vram_budget` keeps what is not a routed expert in VRAM
+    /// and as many experts per layer as the rest of the budget holds ([`super::placement`]).
+    /// A model that cannot run within the budget is refused before anything is uploaded
+    /// ([`GpuError::ModelOverBudget`], [`GpuError::BelowMinimumBudget`]).
+    pub fn new(
+        device: &Arc<Device>,
+        model: &Arc<Model>,
+        options: &GpuModelOptions,
+    ) -> Result<GpuModel> {
+        let capacity = Self::capacity_for(&model.config, options);
+        let needed = device_bytes(model, capacity);
         let allocator = Allocator::new(device, options.vram_budget);
-        let kernels = Kernels::new(device);
-        let mut up = Uploader::new(&allocator, DEFAULT_STAGING_BYTES.min(16 << 20))?;
-        let al = &allocator;
+        let counts = allocator.budget_counts(MemoryUse::Staging);
+        let mut placement = plan(
+            model,
+            &needed,
+            options.vram_budget,
+            counts,
+            options.moe_miss,
+        )?;
+        loop {
+            match Self::load(&allocator, model, options, &placement, capacity) {
+                // The alignment margin was short (fragmented blocks): fewer slots.
+                Err(GpuError::OverBudget { .. })
+                    if placement.is_partial() && placement.slots > 1 =>
+                {
+                    placement.slots -= (placement.slots / 8).max(1);
+                }
+                r => return r,
+            }
+        }
+    }
+
+    fn load(
+        allocator: &Arc<Allocator>,
+        model: &Arc<Model>,
+        options: &GpuModelOptions,
+        placement: &Placement,
+        capacity: usize,
+    ) -> Result<GpuModel> {
+        let c = model.config.clone();
+        let kernels = Kernels::new(allocator.device());
+        let mut up = Uploader::new(allocator, placement.staging_bytes)?;
+        let al = allocator;
         let token_embd = matrix(model, al, &mut up, &model.token_embd)?;
         let output = if model.output == model.token_embd {
             None
@@ -167,7 +271,9 @@ impl GpuModel {
                     up: matrix(model, al, &mut up, w_up)?,
                     down: matrix(model, al, &mut up, down)?,
                 },
-                Ffn::Moe(moe) => GpuFfn::Moe(GpuMoe::upload(model, al, &mut up, moe)?),
+                Ffn::Moe(moe) => {
+                    GpuFfn::Moe(GpuMoe::upload(model, al, &mut up, moe, placement.slots)?)
+                }
             };
             let a = &layer.attn;
             layers.push(GpuLayer {
@@ -226,10 +332,45 @@ impl GpuModel {
             logits: Buffer::new_in(al, c.n_vocab as u64 * 4, MemoryUse::Staging)?,
             moe,
         };
-        drop(up);
+        let experts = c.moe.map(|cfg| {
+            let partial = placement.is_partial();
+            let threads = match options.threads {
+                0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+                n => n,
+            };
+            Experts {
+                slots: model
+                    .layers
+                    .iter()
+                    .enumerate()
+                    .map(|(il, l)| {
+                        matches!(l.ffn, Ffn::Moe(_)).then(|| {
+                            LayerSlots::new(
+                                il,
+                                cfg.n_expert,
+                                placement.slots,
+                                options.expert_policy,
+                            )
+                        })
+                    })
+                    .collect(),
+                stats: vec![LayerExpertStats::default(); c.n_layer],
+                miss: options.moe_miss,
+                cpu: partial.then(|| CpuExperts::new(model.clone(), threads)),
+                uploader: None,
+            }
+        });
+        let mut experts = experts;
+        match experts.as_mut() {
+            Some(e) if placement.is_partial() && options.moe_miss == MoeMiss::Fetch => {
+                e.uploader = Some(up);
+            }
+            _ => drop(up),
+        }
         Ok(GpuModel {
+            model: model.clone(),
             kernels,
-            allocator,
+            allocator: allocator.clone(),
             config: c,
             token_embd,
             output,
@@ -241,6 +382,8 @@ impl GpuModel {
             pos: 0,
             last_stats: RecordStats::default(),
             last_routing: Vec::new(),
+            placement: placement.clone(),
+            experts,
         })
     }
 
@@ -277,6 +420,22 @@ impl GpuModel {
         &self.last_routing
     }
 
+    /// Where the routed experts live: slots per layer, and the minimum budget when partial.
+    pub fn placement(&self) -> &Placement {
+        &self.placement
+    }
+
+    /// Where the routed experts ran since loading, per layer (`None` for dense models).
+    pub fn expert_stats(&self) -> Option<ExpertStats> {
+        let e = self.experts.as_ref()?;
+        Some(ExpertStats {
+            miss: e.miss,
+            slots: self.placement.slots,
+            n_expert: self.placement.n_expert,
+            layers: e.stats.clone(),
+        })
+    }
+
     /// Evaluates `token` at the next position; the logits of the token after it.
     pub fn eval(&mut self, token: u32) -> Result<Vec<f32>> {
         let c = &self.config;
@@ -292,65 +451,160 @@ impl GpuModel {
                 self.capacity
             )));
         }
-        let (a, e, eps) = (&self.act, c.n_embd as u32, c.rms_eps);
         let mut stats = RecordStats::default();
-        // After a MoE layer's router, the next command buffer starts with its experts.
         let mut routings: Vec<LayerRouting> = Vec::new();
+        let mut resume = Resume::Start;
         loop {
             let mut paused_at = None;
-            let part = self.kernels.record(|rec| {
-                let from = match routings.last() {
-                    None => {
-                        rec.get_rows(&self.token_embd, token, &a.x)?;
-                        0
-                    }
-                    Some(routing) => {
-                        rec.after_earlier_submissions();
-                        let moe = self.moe_layer(routing.layer);
-                        // Every routed expert runs here; a placement would pass only those
-                        // resident on the GPU and add the others' outputs from elsewhere.
-                        moe.record_experts(
-                            rec,
-                            &routing.experts,
-                            routing.shared_gate,
-                            (&a.xn, &a.x),
-                            self.moe_scratch(),
-                        )?;
-                        routing.layer + 1
-                    }
-                };
-                for (il, l) in self.layers.iter().enumerate().skip(from) {
-                    self.record_attention(rec, l)?;
-                    rec.rms_norm(&a.x, &l.ffn_norm, &a.xn, e, 1, eps)?;
-                    match &l.ffn {
-                        GpuFfn::Dense { gate, up, down } => {
-                            rec.matvec(gate, &a.xn, &a.gate)?;
-                            rec.matvec(up, &a.xn, &a.up)?;
-                            rec.swiglu(&a.gate, &a.up, gate.n_out as u32)?;
-                            rec.matvec(down, &a.gate, &a.ffn_out)?;
-                            rec.add(&a.x, &a.ffn_out, e)?;
-                        }
-                        GpuFfn::Moe(moe) => {
-                            moe.record_router(rec, &a.xn, self.moe_scratch())?;
-                            paused_at = Some(il);
-                            return Ok(());
-                        }
-                    }
+            let cpu_job = match &resume {
+                Resume::Experts { layer, cpu, xn, .. } if !cpu.is_empty() => {
+                    Some((*layer, cpu.as_slice(), xn.as_slice()))
                 }
-                rec.rms_norm(&a.x, &self.output_norm, &a.xn, e, 1, eps)?;
-                let head = self.output.as_ref().unwrap_or(&self.token_embd);
-                rec.matvec(head, &a.xn, &a.logits)
-            })?;
+                _ => None,
+            };
+            let cpu = self.experts.as_ref().and_then(|e| e.cpu.as_ref());
+            // The CPU's experts run between this part's submission and its completion.
+            let (part, cpu_sum) = self.kernels.record_overlapped(
+                |rec| self.record_part(rec, token, &resume, &mut paused_at),
+                || {
+                    cpu_job.map(|(layer, experts, xn)| {
+                        let cpu = cpu.expect("a partial placement has CPU experts");
+                        cpu.weighted_sum(layer, xn, experts)
+                    })
+                },
+            )?;
             stats.dispatches += part.dispatches;
             stats.barriers += part.barriers;
+            if let Some(sum) = cpu_sum {
+                let Resume::Experts { layer, .. } = resume else {
+                    unreachable!("CPU experts run after a routing")
+                };
+                let scratch = self.act.moe.as_mut().expect("MoE scratch");
+                scratch.cpu_sum.write_f32(&sum);
+                resume = Resume::CpuSum { layer };
+                continue;
+            }
             let Some(il) = paused_at else { break };
-            let cfg = c.moe.as_ref().expect("MoE layers have a MoE config");
-            routings.push(self.moe_layer(il).route(il, cfg, self.moe_scratch()));
+            let cfg = self
+                .config
+                .moe
+                .as_ref()
+                .expect("MoE layers have a MoE config");
+            let routing = self.moe_layer(il).route(il, cfg, self.moe_scratch());
+            resume = self.place_experts(&routing)?;
+            routings.push(routing);
         }
         self.last_stats = stats;
         self.last_routing = routings;
         self.pos += 1;
         Ok(self.act.logits.read_f32(self.config.n_vocab))
+    }
+
+    /// Records one command buffer of a step: from `resume` to the next MoE router (setting
+    /// `paused_at` to its layer) or to the logits.
+    fn record_part(
+        &self,
+        rec: &mut Recorder<'_>,
+        token: u32,
+        resume: &Resume,
+        paused_at: &mut Option<usize>,
+    ) -> Result<()> {
+        let c = &self.config;
+        let (a, e, eps) = (&self.act, c.n_embd as u32, c.rms_eps);
+        let from = match resume {
+            Resume::Start => {
+                rec.get_rows(&self.token_embd, token, &a.x)?;
+                0
+            }
+            Resume::Experts {
+                layer,
+                gpu,
+                cpu,
+                shared_gate,
+                ..
+            } => {
+                rec.after_earlier_submissions();
+                let moe = self.moe_layer(*layer);
+                moe.record_experts(rec, gpu, *shared_gate, (&a.xn, &a.x), self.moe_scratch())?;
+                if !cpu.is_empty() {
+                    return Ok(());
+                }
+                layer + 1
+            }
+            Resume::CpuSum { layer } => {
+                rec.after_earlier_submissions();
+                rec.scale_add(&a.x, &self.moe_scratch().cpu_sum, 1.0, e)?;
+                layer + 1
+            }
+        };
+        for (il, l) in self.layers.iter().enumerate().skip(from) {
+            self.record_attention(rec, l)?;
+            rec.rms_norm(&a.x, &l.ffn_norm, &a.xn, e, 1, eps)?;
+            match &l.ffn {
+                GpuFfn::Dense { gate, up, down } => {
+                    rec.matvec(gate, &a.xn, &a.gate)?;
+                    rec.matvec(up, &a.xn, &a.up)?;
+                    rec.swiglu(&a.gate, &a.up, gate.n_out as u32)?;
+                    rec.matvec(down, &a.gate, &a.ffn_out)?;
+                    rec.add(&a.x, &a.ffn_out, e)?;
+                }
+                GpuFfn::Moe(moe) => {
+                    let s = self.moe_scratch();
+                    if self.placement.is_partial() {
+                        // The same norm again, into memory the CPU experts read.
+                        rec.rms_norm(&a.x, &l.ffn_norm, &s.xn_host, e, 1, eps)?;
+                    }
+                    moe.record_router(rec, &a.xn, s)?;
+                    *paused_at = Some(il);
+                    return Ok(());
+                }
+            }
+        }
+        rec.rms_norm(&a.x, &self.output_norm, &a.xn, e, 1, eps)?;
+        let head = self.output.as_ref().unwrap_or(&self.token_embd);
+        rec.matvec(head, &a.xn, &a.logits)
+    }
+
+    /// Where `routing`'s experts run: slots, fetches (copied here, before the GPU part is
+    /// recorded) and the CPU; counted per layer.
+    fn place_experts(&mut self, routing: &LayerRouting) -> Result<Resume> {
+        let il = routing.layer;
+        let GpuModel {
+            experts,
+            layers,
+            model,
+            act,
+            config,
+            ..
+        } = self;
+        let ex = experts.as_mut().expect("MoE models track their experts");
+        let stats = &mut ex.stats[il];
+        let slots = ex.slots[il].as_mut().expect("a MoE layer has slots");
+        let token = slots.place(&routing.experts, ex.miss, stats);
+        if !token.fetch.is_empty() {
+            let (GpuFfn::Moe(moe), Ffn::Moe(weights)) = (&layers[il].ffn, &model.layers[il].ffn)
+            else {
+                unreachable!("layer {il} is MoE");
+            };
+            let up = ex.uploader.as_mut().expect("fetching keeps an uploader");
+            for &(slot, expert) in &token.fetch {
+                stats.bytes_uploaded += moe.fill_slot(model, weights, up, slot, expert)?;
+            }
+            up.flush()?;
+        }
+        let xn = if token.cpu.is_empty() {
+            Vec::new()
+        } else {
+            let s = act.moe.as_ref().expect("MoE scratch");
+            s.xn_host.read_f32(config.n_embd)
+        };
+        Ok(Resume::Experts {
+            layer: il,
+            gpu: token.gpu,
+            cpu: token.cpu,
+            shared_gate: routing.shared_gate,
+            xn,
+        })
     }
 
     /// Attention of layer `l` at the current position, its output added to `x`.

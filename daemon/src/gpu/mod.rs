@@ -7,15 +7,19 @@
 //! ([`alloc`]); buffers and staging uploads; pipelines from the shader table, cached per variant,
 //! and recordings of many dispatches with barriers only on real dependencies ([`record`]); the
 //! ops of a decode step ([`ops`]); a model's whole decode step on the GPU ([`forward`]), with
-//! MoE layers routed on the host between command buffers ([`moe`]). Not yet: the transfer
-//! queue, batched prompts, expert offloading.
+//! MoE layers routed on the host between command buffers ([`moe`]); under a VRAM budget, a MoE
+//! model's routed experts partly in VRAM slots ([`placement`], [`expert_cache`]) and the rest
+//! computed on the CPU at the same time ([`cpu_experts`]) or fetched into slots. Not yet: the
+//! transfer queue, batched prompts, streaming from the SSD.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod alloc;
 mod buffer;
+pub mod cpu_experts;
 mod device;
 mod error;
+pub mod expert_cache;
 pub mod footprint;
 pub mod forward;
 mod instance;
@@ -23,6 +27,7 @@ pub mod moe;
 pub mod ops;
 pub mod ops_batch;
 mod pipeline;
+pub mod placement;
 pub mod record;
 pub mod upload;
 

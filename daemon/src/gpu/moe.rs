@@ -6,29 +6,29 @@
 //!    step's command buffer is submitted and waited for there.
 //! 2. [`GpuMoe::route`] on the host, with the CPU engine's own routing
 //!    ([`engine::routing::route`](crate::engine::routing::route)), so both pick the same experts
-//!    from the same logits; then [`GpuMoe::record_experts`] opens the next command buffer with
-//!    the chosen experts' gate/up/SwiGLU/down and adds each to the residual with its weight.
+//!    from the same logits; the expert cache ([`super::expert_cache`]) says which are in VRAM
+//!    slots; then [`GpuMoe::record_experts`] opens the next command buffer with those experts'
+//!    gate/up/SwiGLU/down and adds each to the residual with its weight. Experts computed on
+//!    the CPU meanwhile ([`super::cpu_experts`]) are added from the host-visible
+//!    [`MoeScratch::cpu_sum`] with [`Recorder::scale_add`].
 //!
-//! The read-back is where a placement will decide, per routed expert, where it runs: the caller
-//! passes [`GpuMoe::record_experts`] the experts it wants on the GPU, and an expert computed
-//! elsewhere (the CPU, from RAM) would be added to the residual the same way, from an uploaded
-//! vector, with [`Recorder::scale_add`].
+//! A layer's routed experts live in slot stacks: each of gate, up and down is one
+//! [`GpuMatrix`] of `n_slots × n_out` rows, slot `s` being rows `s * n_out..(s + 1) * n_out`,
+//! bound from the offset boundary below its first row (the kernel skips to the row, so slots
+//! need not start on `minStorageBufferOffsetAlignment`). With every expert resident the stacks
+//! are the file's and slot `e` holds expert `e`; under a VRAM budget there are fewer slots
+//! ([`super::placement`]) and [`GpuMoe::fill_slot`] replaces a slot's expert.
 //!
-//! Expert weights stay stacked as in the file: each stack is one [`GpuMatrix`] of
-//! `n_expert × n_out` rows, and expert `e` is rows `e * n_out..(e + 1) * n_out`, bound from the
-//! offset boundary below its first row (the kernel skips to the row, so experts need not start
-//! on `minStorageBufferOffsetAlignment`).
-//!
-//! Partial: every expert of every layer must be resident in VRAM (no offloading, no expert
-//! cache); one token per step, so one read-back per MoE layer per token; the experts of a token
-//! run one after another through per-rank scratch (independent dispatches share barriers, but
-//! nothing batches experts into one dispatch).
+//! Partial: one token per step, so one read-back per MoE layer per token; the experts of a
+//! token run one after another through per-rank scratch (independent dispatches share
+//! barriers, but nothing batches experts into one dispatch).
 
 use std::sync::Arc;
 
 use super::alloc::{Allocator, MemoryUse};
 use super::buffer::Buffer;
 use super::error::Result;
+use super::expert_cache::SlotExpert;
 use super::ops::GpuMatrix;
 use super::record::Recorder;
 use super::upload::Uploader;
@@ -47,10 +47,11 @@ struct SharedExpert {
 pub(super) struct GpuMoe {
     /// `n_expert` rows (F32 in llama.cpp's files).
     router: GpuMatrix,
-    /// Stacks of `n_expert` matrices, each uploaded as one matrix.
+    /// Slot stacks: `n_slots` experts' matrices, each stack one matrix.
     gate: GpuMatrix,
     up: GpuMatrix,
     down: GpuMatrix,
+    n_slots: usize,
     /// Rows of one expert's gate and up (its hidden width).
     n_ff: usize,
     /// Rows of one expert's down.
@@ -74,6 +75,10 @@ pub(super) struct MoeScratch {
     router_logits: Buffer,
     /// Host-visible: the shared expert's gate logit.
     shared_logit: Buffer,
+    /// Host-visible: the layer's normalised input, for experts computed on the CPU.
+    pub(super) xn_host: Buffer,
+    /// Host-visible: the weighted sum of the experts computed on the CPU.
+    pub(super) cpu_sum: Buffer,
     /// Per rank of the top k: gate (then SwiGLU), up and the expert's output, so the k experts
     /// are independent dispatches.
     gate: Vec<Buffer>,
@@ -95,14 +100,32 @@ fn upload_matrix(
     GpuMatrix::upload(alloc, up, r.ty, r.n_in, r.n_out, r.data)
 }
 
+/// Experts `0..n` of a stack, as one matrix.
+fn upload_experts(
+    model: &Model,
+    alloc: &Arc<Allocator>,
+    up: &mut Uploader,
+    m: &Matrix,
+    n: usize,
+) -> Result<GpuMatrix> {
+    let r = model.stacked(m);
+    let bytes = r.data.len() / m.n_mat * n;
+    GpuMatrix::upload(alloc, up, r.ty, r.n_in, m.n_out * n, &r.data[..bytes])
+}
+
 impl GpuMoe {
-    /// Uploads one layer's router, expert stacks and shared expert.
+    /// Uploads one layer's router and shared expert, and `n_slots` slots holding experts
+    /// `0..n_slots` (all of them: the file's stacks).
     pub(super) fn upload(
         model: &Model,
         alloc: &Arc<Allocator>,
         up: &mut Uploader,
         moe: &MoeWeights,
+        n_slots: usize,
     ) -> Result<GpuMoe> {
+        let n_slots = n_slots.clamp(1, moe.gate.n_mat);
+        let mut experts = |w: &Matrix| upload_experts(model, alloc, up, w, n_slots);
+        let (gate, w_up, down) = (experts(&moe.gate)?, experts(&moe.up)?, experts(&moe.down)?);
         let mut m = |w: &Matrix| upload_matrix(model, alloc, up, w);
         let shared = match &moe.shared {
             Some(s) => Some(SharedExpert {
@@ -115,13 +138,38 @@ impl GpuMoe {
         };
         Ok(GpuMoe {
             router: m(&moe.router)?,
-            gate: m(&moe.gate)?,
-            up: m(&moe.up)?,
-            down: m(&moe.down)?,
+            gate,
+            up: w_up,
+            down,
+            n_slots,
             n_ff: moe.gate.n_out,
             n_embd: moe.down.n_out,
             shared,
         })
+    }
+
+    /// Copies expert `expert` of `moe` (this layer's weights) into slot `slot`; the bytes
+    /// copied. The copies may still be pending in `up`: flush it before recording.
+    pub(super) fn fill_slot(
+        &self,
+        model: &Model,
+        moe: &MoeWeights,
+        up: &mut Uploader,
+        slot: usize,
+        expert: usize,
+    ) -> Result<u64> {
+        assert!(slot < self.n_slots, "slot {slot} of {}", self.n_slots);
+        let mut bytes = 0;
+        for (stack, m) in [
+            (&self.gate, &moe.gate),
+            (&self.up, &moe.up),
+            (&self.down, &moe.down),
+        ] {
+            let data = model.expert(m, expert).data;
+            up.upload(&stack.buffer, (slot * data.len()) as u64, data)?;
+            bytes += data.len() as u64;
+        }
+        Ok(bytes)
     }
 
     /// The shared expert's hidden width (0 without one).
@@ -164,13 +212,13 @@ impl GpuMoe {
         }
     }
 
-    /// Part 2: `experts` (some or all of a routing's) from `xn`, each added to `x` with its
-    /// weight in the order given, then the shared expert with `shared_gate`, as the CPU sums
-    /// them. Call [`Recorder::after_earlier_submissions`] first.
+    /// Part 2: the experts in `experts`' slots (some or all of a routing's) from `xn`, each
+    /// added to `x` with its weight in the order given, then the shared expert with
+    /// `shared_gate`, as the CPU sums them. Call [`Recorder::after_earlier_submissions`] first.
     pub(super) fn record_experts(
         &self,
         rec: &mut Recorder<'_>,
-        experts: &[RoutedExpert],
+        experts: &[SlotExpert],
         shared_gate: Option<f32>,
         (xn, x): (&Buffer, &Buffer),
         s: &MoeScratch,
@@ -178,7 +226,7 @@ impl GpuMoe {
         assert!(experts.len() <= s.out.len(), "more experts than ranks");
         let (ff, n_embd) = (self.n_ff, self.n_embd);
         for (r, ex) in experts.iter().enumerate() {
-            let first = ex.expert * ff;
+            let first = ex.slot * ff;
             rec.matvec_rows(&self.gate, first, ff, xn, &s.gate[r])?;
             rec.matvec_rows(&self.up, first, ff, xn, &s.up[r])?;
         }
@@ -186,7 +234,7 @@ impl GpuMoe {
             rec.swiglu(&s.gate[r], &s.up[r], ff as u32)?;
         }
         for (r, ex) in experts.iter().enumerate() {
-            let first = ex.expert * n_embd;
+            let first = ex.slot * n_embd;
             rec.matvec_rows(&self.down, first, n_embd, &s.gate[r], &s.out[r])?;
         }
         for (r, ex) in experts.iter().enumerate() {
@@ -214,6 +262,8 @@ impl MoeScratch {
         Ok(MoeScratch {
             router_logits: Buffer::new_in(alloc, cfg.n_expert as u64 * 4, MemoryUse::Staging)?,
             shared_logit: Buffer::new_in(alloc, 4, MemoryUse::Staging)?,
+            xn_host: Buffer::new_in(alloc, n_embd as u64 * 4, MemoryUse::Staging)?,
+            cpu_sum: Buffer::new_in(alloc, n_embd as u64 * 4, MemoryUse::Staging)?,
             gate: ranks(cfg.n_ff_expert)?,
             up: ranks(cfg.n_ff_expert)?,
             out: ranks(n_embd)?,

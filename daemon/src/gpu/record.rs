@@ -80,6 +80,24 @@ impl Kernels {
         self.record_with_max_range(self.device.max_storage_buffer_range(), f)
     }
 
+    /// [`Kernels::record`], running `meanwhile` on the host while the device runs the
+    /// recording (see [`Device::try_run_overlapped`]); its result comes back with the stats.
+    pub fn record_overlapped<R>(
+        &self,
+        f: impl FnOnce(&mut Recorder<'_>) -> Result<()>,
+        meanwhile: impl FnOnce() -> R,
+    ) -> Result<(RecordStats, R)> {
+        let max_range = self.device.max_storage_buffer_range();
+        let mut arena = DescriptorArena {
+            pools: Vec::new(),
+            device: self.device.clone(),
+        };
+        self.device.try_run_overlapped(
+            |cmd| self.record_into(cmd, &mut arena, max_range, None, f),
+            meanwhile,
+        )
+    }
+
     /// [`Kernels::record`] with GPU timestamps around the whole recording: `gpu_ns` of the
     /// stats is the time the GPU took (for benchmarks; `None` where the queue has no
     /// timestamps).
@@ -114,28 +132,38 @@ impl Kernels {
             pools: Vec::new(),
             device: self.device.clone(),
         };
-        self.device.try_run_once(|cmd| {
-            let mut rec = Recorder {
-                kernels: self,
-                cmd,
-                arena: &mut arena,
-                hazards: Hazards::default(),
-                stats: RecordStats::default(),
-                pipelines: Vec::new(),
-                max_range: max_range.min(self.device.max_storage_buffer_range()),
-                align: self.device.storage_offset_alignment(),
-            };
-            if let Some(t) = timer {
-                t.begin(cmd);
-            }
-            f(&mut rec)?;
-            if let Some(t) = timer {
-                t.end(cmd);
-            }
-            rec.finish();
-            Ok(rec.stats)
-        })
+        self.device
+            .try_run_once(|cmd| self.record_into(cmd, &mut arena, max_range, timer, f))
         // `arena` (the descriptor sets) drops here, after the wait.
+    }
+
+    fn record_into(
+        &self,
+        cmd: vk::CommandBuffer,
+        arena: &mut DescriptorArena,
+        max_range: u64,
+        timer: Option<&Timer>,
+        f: impl FnOnce(&mut Recorder<'_>) -> Result<()>,
+    ) -> Result<RecordStats> {
+        let mut rec = Recorder {
+            kernels: self,
+            cmd,
+            arena,
+            hazards: Hazards::default(),
+            stats: RecordStats::default(),
+            pipelines: Vec::new(),
+            max_range: max_range.min(self.device.max_storage_buffer_range()),
+            align: self.device.storage_offset_alignment(),
+        };
+        if let Some(t) = timer {
+            t.begin(cmd);
+        }
+        f(&mut rec)?;
+        if let Some(t) = timer {
+            t.end(cmd);
+        }
+        rec.finish();
+        Ok(rec.stats)
     }
 }
 

@@ -47,6 +47,7 @@ mod tests;
 pub use buffer::{buffer_size_for_tile, AlignedRegion, BufferPool, HostRegion, TileBuffer, ALIGN};
 pub use cache::{Expert, ExpertCache, ExpertLocator, Extent};
 pub use error::StreamError;
+pub(crate) use policy::Residency;
 pub use policy::{ExpertKey, LayerStats, ReplacementPolicy};
 pub use reader::{Backend, BackendChoice, ReaderOptions, TileReader};
 pub use request::{Priority, ReadHandle, Tile, TileRequest};

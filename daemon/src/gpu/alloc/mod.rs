@@ -143,6 +143,14 @@ impl Allocator {
         s.blocks.iter().flatten().filter(|b| b.is_some()).count()
     }
 
+    /// Whether buffers of `usage` count against the VRAM budget on this device: host-visible
+    /// staging does where all memory is one device-local heap (integrated GPUs, lavapipe).
+    pub fn budget_counts(&self, usage: MemoryUse) -> bool {
+        let types =
+            &self.device.memory.memory_types[..self.device.memory.memory_type_count as usize];
+        choose_memory_type(types, u32::MAX, usage).is_none_or(|t| self.counts_against_budget(t))
+    }
+
     fn counts_against_budget(&self, type_index: u32) -> bool {
         let ty = self.device.memory.memory_types[type_index as usize];
         let heap = self.device.memory.memory_heaps[ty.heap_index as usize];

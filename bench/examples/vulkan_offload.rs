@@ -1,0 +1,117 @@
+//! Decode speed of a synthetic MoE model with only some routed experts in VRAM: for budgets
+//! from the smallest that runs the model to its whole size, and for misses computed on the CPU
+//! and fetched into VRAM slots, tokens/s and where the experts ran, as a table.
+//!
+//! `cargo run --release -p spillway-bench --example vulkan_offload -- PRESET TYPE TOKENS [DIR]`
+//! e.g. `small-qwen3moe Q4_K_M 32 /tmp` (0.8 B parameters, about 0.5 GB written once and
+//! reused) or `qwen3-30b-a3b Q4_K_M 32 /data` (about 17 GB of real weights: the disk and RAM
+//! must hold it). Budgets are the minimum, then a quarter, half and three quarters of the way
+//! to the whole model, the whole model's bytes, and no budget.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use spillway_bench::synth::{SynthModel, WeightType};
+use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
+use spillway_daemon::gpu::placement::MoeMiss;
+use spillway_daemon::gpu::{Device, Instance};
+use spillway_daemon::model::Model;
+
+/// Steps before the clock starts: pipelines are created on first use.
+const WARMUP: usize = 2;
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1u64 << 20) as f64
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let preset = args.first().map_or("small-qwen3moe", String::as_str);
+    let type_name = args.get(1).map_or("Q4_K_M", String::as_str);
+    let weights: WeightType = type_name.parse().unwrap();
+    let n_tokens: usize = args.get(2).map_or(32, |s| s.parse().unwrap());
+    let dir = std::path::PathBuf::from(args.get(3).map_or("/tmp", String::as_str));
+    let path = dir.join(format!("{preset}-{type_name}-synth.gguf"));
+    if !path.exists() {
+        let t0 = Instant::now();
+        SynthModel::from_name(preset, weights, 7)
+            .unwrap()
+            .write(&path, false, |_, _| {})
+            .unwrap();
+        println!(
+            "wrote {} in {:.1} s",
+            path.display(),
+            t0.elapsed().as_secs_f64()
+        );
+    }
+    let model = Arc::new(Model::open(&path).unwrap());
+    assert!(model.config.moe.is_some(), "{preset} is not a MoE model");
+    let device = Device::open(Instance::new().unwrap(), None).unwrap();
+    let base = GpuModelOptions {
+        context: n_tokens + WARMUP + 1,
+        ..GpuModelOptions::default()
+    };
+    let whole = GpuModel::device_bytes(&model, &base).total();
+    let minimum = GpuModel::minimum_budget(&device, &model, &base)
+        .unwrap()
+        .total();
+    println!(
+        "{preset} {type_name} on {}: {:.1} MiB whole, {:.1} MiB at least; {n_tokens} tokens",
+        device.info().name,
+        mib(whole),
+        mib(minimum)
+    );
+    let mut budgets: Vec<Option<u64>> = [0, 1, 2, 3, 4]
+        .iter()
+        .map(|q| Some(minimum + (whole - minimum) * q / 4))
+        .collect();
+    budgets.push(None);
+
+    println!(
+        "{:>10} {:>7} {:>6} {:>8} {:>7} {:>9} {:>9} {:>11}",
+        "budget", "slots", "miss", "tok/s", "hits", "cpu/tok", "fetch/tok", "MiB up/tok"
+    );
+    let tokens: Vec<u32> = (0..(n_tokens + WARMUP) as u32)
+        .map(|i| (i * 7919 + 13) % 1000)
+        .collect();
+    for budget in budgets {
+        for miss in [MoeMiss::Cpu, MoeMiss::Fetch] {
+            let options = GpuModelOptions {
+                vram_budget: budget,
+                moe_miss: miss,
+                ..base.clone()
+            };
+            let mut gpu = match GpuModel::new(&device, &model, &options) {
+                Ok(g) => g,
+                Err(e) => {
+                    println!("{budget:?} {miss}: {e}");
+                    continue;
+                }
+            };
+            for &t in &tokens[..WARMUP] {
+                gpu.eval(t).unwrap();
+            }
+            let before = gpu.expert_stats().unwrap().total();
+            let t0 = Instant::now();
+            for &t in &tokens[WARMUP..] {
+                gpu.eval(t).unwrap();
+            }
+            let s = t0.elapsed().as_secs_f64();
+            let stats = gpu.expert_stats().unwrap();
+            let after = stats.total();
+            let per_tok = |a: u64, b: u64| (a - b) as f64 / n_tokens as f64;
+            let lookups = (after.hits + after.misses) - (before.hits + before.misses);
+            println!(
+                "{:>10} {:>7} {:>6} {:>8.2} {:>6.1}% {:>9.2} {:>9.2} {:>11.2}",
+                budget.map_or("none".into(), |b| format!("{:.1}M", mib(b))),
+                format!("{}/{}", stats.slots, stats.n_expert),
+                miss.to_string(),
+                n_tokens as f64 / s,
+                100.0 * (after.hits - before.hits) as f64 / lookups.max(1) as f64,
+                per_tok(after.cpu, before.cpu),
+                per_tok(after.fetched, before.fetched),
+                mib(after.bytes_uploaded - before.bytes_uploaded) / n_tokens as f64,
+            );
+        }
+    }
+}

@@ -1,0 +1,315 @@
+//! The VRAM expert cache of a [`GpuModel`](super::forward::GpuModel): per MoE layer, which
+//! expert each of the layer's slots holds, where each routed expert of a token runs (a slot on
+//! the GPU, the CPU, or a slot it is fetched into), which resident to give up on a fetch (LRU or
+//! LFU, the bookkeeping of [`crate::stream`]'s cache), and counters per layer. Pure
+//! bookkeeping: the copies into slots are [`super::moe::GpuMoe::fill_slot`]'s, the CPU's
+//! experts [`super::cpu_experts`]'.
+//!
+//! Partial: a fetched expert's bytes come from the memory-mapped file (the page cache); experts
+//! not in RAM would come from the SSD through [`crate::stream::ExpertCache::get_or_load`], whose
+//! buffers would feed the same upload (the seam is `GpuModel`'s fetch, which asks the model for
+//! the expert's bytes). No prefetch of the next layer's likely experts; in CPU mode the slots
+//! keep the experts they were loaded with; a fetch waits for its copy (no transfer queue).
+
+use super::placement::MoeMiss;
+use crate::engine::routing::RoutedExpert;
+use crate::stream::{ExpertKey, ReplacementPolicy, Residency};
+
+/// Counters of one layer's routed experts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LayerExpertStats {
+    /// Routed experts found in a VRAM slot.
+    pub hits: u64,
+    /// Routed experts not in a slot when routed.
+    pub misses: u64,
+    /// Misses computed on the CPU.
+    pub cpu: u64,
+    /// Misses copied into a slot and run on the GPU.
+    pub fetched: u64,
+    /// Residents given up for a fetch.
+    pub evictions: u64,
+    /// Expert weight bytes copied into slots.
+    pub bytes_uploaded: u64,
+}
+
+impl LayerExpertStats {
+    pub fn hit_rate(&self) -> f64 {
+        let n = self.hits + self.misses;
+        if n == 0 {
+            0.0
+        } else {
+            self.hits as f64 / n as f64
+        }
+    }
+
+    fn add(&mut self, o: &LayerExpertStats) {
+        self.hits += o.hits;
+        self.misses += o.misses;
+        self.cpu += o.cpu;
+        self.fetched += o.fetched;
+        self.evictions += o.evictions;
+        self.bytes_uploaded += o.bytes_uploaded;
+    }
+}
+
+/// Where a MoE model's routed experts ran since it was loaded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpertStats {
+    pub miss: MoeMiss,
+    /// VRAM slots per MoE layer.
+    pub slots: usize,
+    pub n_expert: usize,
+    /// One per layer of the model (zeros for dense layers).
+    pub layers: Vec<LayerExpertStats>,
+}
+
+impl ExpertStats {
+    pub fn total(&self) -> LayerExpertStats {
+        let mut t = LayerExpertStats::default();
+        self.layers.iter().for_each(|l| t.add(l));
+        t
+    }
+
+    /// One line for a person: hit rate, where the misses went, bytes copied.
+    pub fn summary(&self) -> String {
+        let t = self.total();
+        format!(
+            "experts: {} of {} per layer in VRAM, misses {}; {} routed, {:.1}% hits, {} on \
+             the CPU, {} fetched ({:.1} MiB uploaded, {} evictions)",
+            self.slots,
+            self.n_expert,
+            self.miss,
+            t.hits + t.misses,
+            100.0 * t.hit_rate(),
+            t.cpu,
+            t.fetched,
+            t.bytes_uploaded as f64 / (1u64 << 20) as f64,
+            t.evictions
+        )
+    }
+}
+
+/// A routed expert in a VRAM slot, with its weight in the layer's sum.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SlotExpert {
+    pub slot: usize,
+    pub weight: f32,
+}
+
+/// Where one token's routed experts of one layer run.
+#[derive(Debug, Default, PartialEq)]
+pub struct TokenExperts {
+    /// In rank order: residents, and misses fetched into slots.
+    pub gpu: Vec<SlotExpert>,
+    /// Misses computed on the CPU, in rank order.
+    pub cpu: Vec<RoutedExpert>,
+    /// (slot, expert) copies to make before the GPU part runs.
+    pub fetch: Vec<(usize, usize)>,
+}
+
+/// One MoE layer's slots: which expert each holds, and the replacement policy's view of them.
+pub struct LayerSlots {
+    layer: u32,
+    slot_of: Vec<Option<usize>>,
+    residency: Residency,
+}
+
+impl LayerSlots {
+    /// `n_slots` slots of `n_expert` experts, slot `i` holding expert `i`.
+    pub fn new(
+        layer: usize,
+        n_expert: usize,
+        n_slots: usize,
+        policy: ReplacementPolicy,
+    ) -> LayerSlots {
+        let mut residency = Residency::new(policy);
+        let n_slots = n_slots.min(n_expert);
+        for e in 0..n_slots {
+            residency.insert(ExpertKey::new(layer as u32, e as u32), 1, false);
+        }
+        LayerSlots {
+            layer: layer as u32,
+            slot_of: (0..n_expert).map(|e| (e < n_slots).then_some(e)).collect(),
+            residency,
+        }
+    }
+
+    fn key(&self, expert: usize) -> ExpertKey {
+        ExpertKey::new(self.layer, expert as u32)
+    }
+
+    /// The slot holding `expert`, if any.
+    pub fn slot_of(&self, expert: usize) -> Option<usize> {
+        self.slot_of[expert]
+    }
+
+    /// Decides where each of `routed` runs, counting into `stats`: residents on the GPU; misses
+    /// on the CPU, or with [`MoeMiss::Fetch`] into a slot no expert of this token uses (on the
+    /// CPU when every slot is taken by this token's own experts).
+    pub fn place(
+        &mut self,
+        routed: &[RoutedExpert],
+        miss: MoeMiss,
+        stats: &mut LayerExpertStats,
+    ) -> TokenExperts {
+        let mut slots: Vec<Option<usize>> = routed.iter().map(|r| self.slot_of[r.expert]).collect();
+        for (r, s) in routed.iter().zip(&slots) {
+            if s.is_some() {
+                stats.hits += 1;
+                self.residency.touch(self.key(r.expert));
+            } else {
+                stats.misses += 1;
+            }
+        }
+        let mut out = TokenExperts::default();
+        for i in 0..routed.len() {
+            if slots[i].is_some() {
+                continue;
+            }
+            let r = routed[i];
+            let fetched = match miss {
+                MoeMiss::Fetch => self.admit(r.expert, &slots, stats),
+                MoeMiss::Cpu => None,
+            };
+            match fetched {
+                Some(slot) => {
+                    slots[i] = Some(slot);
+                    out.fetch.push((slot, r.expert));
+                    stats.fetched += 1;
+                }
+                None => {
+                    out.cpu.push(r);
+                    stats.cpu += 1;
+                }
+            }
+        }
+        out.gpu = routed
+            .iter()
+            .zip(&slots)
+            .filter_map(|(r, s)| {
+                s.map(|slot| SlotExpert {
+                    slot,
+                    weight: r.weight,
+                })
+            })
+            .collect();
+        out
+    }
+
+    /// Gives `expert` the slot of the resident the policy evicts first among those `busy`
+    /// (this token's) does not hold.
+    fn admit(
+        &mut self,
+        expert: usize,
+        busy: &[Option<usize>],
+        stats: &mut LayerExpertStats,
+    ) -> Option<usize> {
+        let slot_of = &self.slot_of;
+        let victim = self
+            .residency
+            .victim(|k| !busy.contains(&slot_of[k.expert as usize]))?;
+        let slot = self.slot_of[victim.expert as usize].take()?;
+        self.residency.remove(victim);
+        stats.evictions += 1;
+        self.slot_of[expert] = Some(slot);
+        self.residency.insert(self.key(expert), 1, true);
+        Some(slot)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn routed(experts: &[usize]) -> Vec<RoutedExpert> {
+        experts
+            .iter()
+            .enumerate()
+            .map(|(i, &expert)| RoutedExpert {
+                expert,
+                weight: 1.0 / (i + 1) as f32,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn residents_hit_and_misses_go_to_the_cpu() {
+        let mut s = LayerSlots::new(0, 8, 3, ReplacementPolicy::Lru);
+        let mut st = LayerExpertStats::default();
+        let t = s.place(&routed(&[5, 1]), MoeMiss::Cpu, &mut st);
+        assert_eq!(
+            t.gpu,
+            vec![SlotExpert {
+                slot: 1,
+                weight: 0.5
+            }]
+        );
+        assert_eq!(t.cpu, vec![routed(&[5])[0]]);
+        assert!(t.fetch.is_empty());
+        assert_eq!((st.hits, st.misses, st.cpu, st.fetched), (1, 1, 1, 0));
+        // CPU mode never changes the residents.
+        assert_eq!(s.slot_of(5), None);
+    }
+
+    #[test]
+    fn fetch_evicts_the_least_recently_used_keeping_rank_order() {
+        let mut s = LayerSlots::new(3, 8, 3, ReplacementPolicy::Lru);
+        let mut st = LayerExpertStats::default();
+        s.place(&routed(&[0, 2]), MoeMiss::Fetch, &mut st);
+        // Expert 1 is the least recently used resident.
+        let t = s.place(&routed(&[6, 0]), MoeMiss::Fetch, &mut st);
+        assert_eq!(t.fetch, vec![(1, 6)]);
+        assert_eq!(
+            t.gpu,
+            vec![
+                SlotExpert {
+                    slot: 1,
+                    weight: 1.0
+                },
+                SlotExpert {
+                    slot: 0,
+                    weight: 0.5
+                }
+            ]
+        );
+        assert!(t.cpu.is_empty());
+        assert_eq!((s.slot_of(6), s.slot_of(1)), (Some(1), None));
+        assert_eq!((st.hits, st.misses, st.fetched, st.evictions), (3, 1, 1, 1));
+    }
+
+    #[test]
+    fn a_fetch_never_evicts_an_expert_of_the_same_token() {
+        let mut s = LayerSlots::new(0, 8, 1, ReplacementPolicy::LFU);
+        let mut st = LayerExpertStats::default();
+        // Slot 0 holds expert 0, which this token uses: the miss goes to the CPU.
+        let t = s.place(&routed(&[0, 4]), MoeMiss::Fetch, &mut st);
+        assert_eq!(t.gpu.len(), 1);
+        assert_eq!(t.cpu, vec![routed(&[0, 4])[1]]);
+        // Two misses, one slot: the first is fetched, the second computed on the CPU.
+        let t = s.place(&routed(&[5, 6]), MoeMiss::Fetch, &mut st);
+        assert_eq!(t.fetch, vec![(0, 5)]);
+        assert_eq!(t.cpu.len(), 1);
+        assert_eq!(t.cpu[0].expert, 6);
+    }
+
+    #[test]
+    fn all_slots_means_all_hits() {
+        let mut s = LayerSlots::new(0, 4, 4, ReplacementPolicy::Lru);
+        let mut st = LayerExpertStats::default();
+        let t = s.place(&routed(&[3, 2, 1]), MoeMiss::Cpu, &mut st);
+        assert_eq!(t.gpu.iter().map(|g| g.slot).collect::<Vec<_>>(), [3, 2, 1]);
+        assert_eq!((st.hits, st.misses), (3, 0));
+        let stats = ExpertStats {
+            miss: MoeMiss::Cpu,
+            slots: 4,
+            n_expert: 4,
+            layers: vec![st, LayerExpertStats::default()],
+        };
+        assert_eq!(stats.total().hits, 3);
+        assert!(
+            stats.summary().contains("100.0% hits"),
+            "{}",
+            stats.summary()
+        );
+    }
+}

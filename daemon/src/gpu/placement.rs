@@ -1,0 +1,271 @@
+//! Where a MoE model's routed experts live when the whole model does not fit the VRAM budget.
+//!
+//! Everything but the routed experts goes to VRAM first: attention, norms, routers, embeddings
+//! and output, Qwen2-MoE's shared experts, the KV cache and the scratch. What the budget leaves
+//! becomes expert slots: the same number in every MoE layer, each holding one whole expert (its
+//! gate, up and down rows), slot `i` holding expert `i` at load. A routed expert found in a slot
+//! runs on the GPU; a miss runs on the CPU ([`MoeMiss::Cpu`], the default: for one token at
+//! decode, the CPU's pass over the expert's bytes in RAM costs less than copying them over
+//! PCIe) or is fetched into a slot the cache policy gives up ([`MoeMiss::Fetch`]).
+//!
+//! The smallest budget that runs a MoE model ([`MinimumBudget`]) is its non-expert weights, KV
+//! cache and scratch, one expert slot per MoE layer, the upload staging where it counts against
+//! the budget, and a margin for the driver's alignment of each buffer.
+//!
+//! Partial: one slot count for every layer (no per-layer sizing from hit rates, and the
+//! scheduler's planner and predictors are not consulted: the CPU-or-fetch choice is the
+//! `--moe-miss` switch, not a predicted cost); the initial residents are experts `0..slots`, not
+//! the most used; dense models still refuse a budget they do not fit (no streamed tensors).
+
+use std::fmt;
+use std::str::FromStr;
+
+use super::error::{GpuError, Result};
+use super::footprint::DeviceBytes;
+use crate::model::{Ffn, Model, MoeWeights};
+
+/// What happens to a routed expert that is not in a VRAM slot.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum MoeMiss {
+    /// Computed on the CPU from the memory-mapped file while the GPU runs the resident ones.
+    #[default]
+    Cpu,
+    /// Copied into a slot (evicting by the cache policy), then run on the GPU.
+    Fetch,
+}
+
+impl FromStr for MoeMiss {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "cpu" => Ok(MoeMiss::Cpu),
+            "fetch" => Ok(MoeMiss::Fetch),
+            _ => Err(format!("`{s}` is not a miss policy: use cpu or fetch")),
+        }
+    }
+}
+
+impl fmt::Display for MoeMiss {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            MoeMiss::Cpu => "cpu",
+            MoeMiss::Fetch => "fetch",
+        })
+    }
+}
+
+/// Upload staging while everything fits: big batches load fastest.
+pub(super) const FULL_STAGING_BYTES: u64 = 16 << 20;
+
+/// Bytes of one routed expert in each of a layer's three stacks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct ExpertShape {
+    pub gate: u64,
+    pub up: u64,
+    pub down: u64,
+    pub n_expert: usize,
+    pub moe_layers: usize,
+}
+
+impl ExpertShape {
+    /// The largest of `model`'s MoE layers (they are all alike in the architectures we read);
+    /// `None` for a dense model.
+    pub fn of(model: &Model) -> Option<ExpertShape> {
+        let bytes = |m: &MoeWeights| {
+            let b = |w| model.expert(w, 0).data.len() as u64;
+            (b(&m.gate), b(&m.up), b(&m.down), m.gate.n_mat)
+        };
+        let mut shape: Option<ExpertShape> = None;
+        for l in &model.layers {
+            let Ffn::Moe(m) = &l.ffn else { continue };
+            let (gate, up, down, n) = bytes(m);
+            let s = shape.get_or_insert(ExpertShape {
+                gate,
+                up,
+                down,
+                n_expert: n,
+                moe_layers: 0,
+            });
+            s.gate = s.gate.max(gate);
+            s.up = s.up.max(up);
+            s.down = s.down.max(down);
+            s.n_expert = s.n_expert.max(n);
+            s.moe_layers += 1;
+        }
+        shape
+    }
+
+    pub fn expert_bytes(&self) -> u64 {
+        self.gate + self.up + self.down
+    }
+
+    /// Device memory of `slots` slots in every MoE layer, as the stacks' buffers round it.
+    pub fn slot_bytes(&self, slots: usize) -> u64 {
+        let n = slots as u64;
+        let stack = |b: u64| (n * b).max(4).next_multiple_of(4);
+        self.moe_layers as u64 * (stack(self.gate) + stack(self.up) + stack(self.down))
+    }
+
+    /// Staging for loading and for fetching one expert at a time: one expert's bytes, at least
+    /// 256 KiB (fewer submissions while loading) and at most the full staging.
+    pub fn staging_bytes(&self) -> u64 {
+        self.expert_bytes()
+            .next_multiple_of(4)
+            .clamp(256 << 10, FULL_STAGING_BYTES)
+    }
+}
+
+/// The smallest VRAM budget that runs a MoE model, by what it holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MinimumBudget {
+    /// Weights other than routed experts: attention, norms, routers, embeddings and output,
+    /// shared experts, the RoPE table.
+    pub non_expert: u64,
+    pub kv_cache: u64,
+    pub activations: u64,
+    /// One expert slot in every MoE layer.
+    pub one_slot_per_layer: u64,
+    /// Upload staging, where host-visible memory counts against the budget (0 elsewhere).
+    pub staging: u64,
+    /// For the driver's alignment of each buffer.
+    pub margin: u64,
+}
+
+impl MinimumBudget {
+    pub fn total(&self) -> u64 {
+        self.non_expert
+            + self.kv_cache
+            + self.activations
+            + self.one_slot_per_layer
+            + self.staging
+            + self.margin
+    }
+}
+
+/// Where a model's routed experts go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    /// Expert slots per MoE layer: `n_expert` when all are resident (0 for dense models).
+    pub slots: usize,
+    pub n_expert: usize,
+    /// Staging for uploads, kept after loading when experts are fetched.
+    pub staging_bytes: u64,
+    /// Set when not every expert is resident.
+    pub minimum: Option<MinimumBudget>,
+}
+
+impl Placement {
+    /// Whether some routed experts are not in VRAM.
+    pub fn is_partial(&self) -> bool {
+        self.slots < self.n_expert
+    }
+}
+
+/// Alignment slack: drivers align each buffer (256 bytes is the largest
+/// `minStorageBufferOffsetAlignment` in practice), about 24 buffers per layer and 32 more.
+fn margin(n_layer: usize) -> u64 {
+    (64 << 10) + 256 * (24 * n_layer as u64 + 32)
+}
+
+/// The placement of `model`, needing `needed` with every expert resident, under `budget`;
+/// `staging_counts` says whether upload staging counts against it on this device.
+pub(super) fn plan(
+    model: &Model,
+    needed: &DeviceBytes,
+    budget: Option<u64>,
+    staging_counts: bool,
+    miss: MoeMiss,
+) -> Result<Placement> {
+    let counted = |b: u64| if staging_counts { b } else { 0 };
+    let margin = margin(model.config.n_layer);
+    let Some(shape) = ExpertShape::of(model) else {
+        if let Some(budget) = budget.filter(|&b| needed.total() > b) {
+            return Err(GpuError::ModelOverBudget {
+                needed: needed.total(),
+                budget,
+            });
+        }
+        return Ok(Placement {
+            slots: 0,
+            n_expert: 0,
+            staging_bytes: FULL_STAGING_BYTES,
+            minimum: None,
+        });
+    };
+    let whole = Placement {
+        slots: shape.n_expert,
+        n_expert: shape.n_expert,
+        staging_bytes: FULL_STAGING_BYTES,
+        minimum: None,
+    };
+    let Some(budget) = budget else {
+        return Ok(whole);
+    };
+    if needed.total() + counted(FULL_STAGING_BYTES) + margin <= budget {
+        return Ok(whole);
+    }
+    let staging = shape.staging_bytes();
+    let minimum = MinimumBudget {
+        non_expert: needed.weights - needed.experts,
+        kv_cache: needed.kv_cache,
+        activations: needed.activations,
+        one_slot_per_layer: shape.slot_bytes(1),
+        staging: counted(staging),
+        margin,
+    };
+    if minimum.total() > budget {
+        return Err(GpuError::BelowMinimumBudget {
+            budget,
+            needed: needed.total(),
+            minimum: Box::new(minimum),
+        });
+    }
+    let fixed = minimum.total() - minimum.one_slot_per_layer;
+    let per_slot = shape.slot_bytes(1);
+    let slots = (((budget - fixed) / per_slot) as usize).clamp(1, shape.n_expert);
+    let misaligned = [shape.gate, shape.up, shape.down]
+        .iter()
+        .any(|b| !b.is_multiple_of(4));
+    if miss == MoeMiss::Fetch && slots < shape.n_expert && misaligned {
+        return Err(GpuError::Unsupported(format!(
+            "fetching experts whose stacks take {}/{}/{} bytes per expert (uploads are whole \
+             words): use --moe-miss cpu",
+            shape.gate, shape.up, shape.down
+        )));
+    }
+    Ok(Placement {
+        slots,
+        n_expert: shape.n_expert,
+        staging_bytes: staging,
+        minimum: Some(minimum),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn miss_policies_parse_and_print() {
+        for m in [MoeMiss::Cpu, MoeMiss::Fetch] {
+            assert_eq!(m.to_string().parse::<MoeMiss>(), Ok(m));
+        }
+        assert!("gpu".parse::<MoeMiss>().is_err());
+        assert_eq!(MoeMiss::default(), MoeMiss::Cpu);
+    }
+
+    #[test]
+    fn slots_round_each_stack_to_words_per_layer() {
+        let s = ExpertShape {
+            gate: 6,
+            up: 6,
+            down: 10,
+            n_expert: 8,
+            moe_layers: 2,
+        };
+        assert_eq!(s.slot_bytes(1), 2 * (8 + 8 + 12));
+        assert_eq!(s.slot_bytes(2), 2 * (12 + 12 + 20));
+        assert_eq!(s.staging_bytes(), 256 << 10);
+    }
+}
