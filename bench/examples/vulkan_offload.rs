@@ -6,7 +6,8 @@
 //! e.g. `small-qwen3moe Q4_K_M 32 /tmp` (0.8 B parameters, about 0.5 GB written once and
 //! reused) or `qwen3-30b-a3b Q4_K_M 32 /data` (about 17 GB of real weights: the disk and RAM
 //! must hold it). Budgets are the minimum, then a quarter, half and three quarters of the way
-//! to the whole model, the whole model's bytes, and no budget.
+//! to the whole model, the whole model's bytes, and no budget; or, with `budgets=8192,1024`,
+//! those budgets in MiB. `modes=cpu` (or `fetch`) runs one miss mode only.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -25,7 +26,33 @@ fn mib(b: u64) -> f64 {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut given_budgets: Option<Vec<u64>> = None;
+    let mut modes = vec![MoeMiss::Cpu, MoeMiss::Fetch];
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| {
+            if let Some(list) = a.strip_prefix("budgets=") {
+                given_budgets = Some(
+                    list.split(',')
+                        .map(|m| m.parse::<u64>().unwrap() << 20)
+                        .collect(),
+                );
+                false
+            } else if let Some(m) = a.strip_prefix("modes=") {
+                modes = m
+                    .split(',')
+                    .map(|m| match m {
+                        "cpu" => MoeMiss::Cpu,
+                        "fetch" => MoeMiss::Fetch,
+                        other => panic!("modes={other}: cpu or fetch"),
+                    })
+                    .collect();
+                false
+            } else {
+                true
+            }
+        })
+        .collect();
     let preset = args.first().map_or("small-qwen3moe", String::as_str);
     let type_name = args.get(1).map_or("Q4_K_M", String::as_str);
     let weights: WeightType = type_name.parse().unwrap();
@@ -61,10 +88,13 @@ fn main() {
         mib(whole),
         mib(minimum)
     );
-    let mut budgets: Vec<Option<u64>> = [0, 1, 2, 3, 4]
-        .iter()
-        .map(|q| Some(minimum + (whole - minimum) * q / 4))
-        .collect();
+    let mut budgets: Vec<Option<u64>> = match given_budgets {
+        Some(list) => list.into_iter().map(Some).collect(),
+        None => [0, 1, 2, 3, 4]
+            .iter()
+            .map(|q| Some(minimum + (whole - minimum) * q / 4))
+            .collect(),
+    };
     budgets.push(None);
 
     println!(
@@ -75,7 +105,7 @@ fn main() {
         .map(|i| (i * 7919 + 13) % 1000)
         .collect();
     for budget in budgets {
-        for miss in [MoeMiss::Cpu, MoeMiss::Fetch] {
+        for &miss in &modes {
             let options = GpuModelOptions {
                 vram_budget: budget,
                 moe_miss: miss,
