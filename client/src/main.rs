@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use clap::{CommandFactory, Parser, Subcommand};
 
-use commands::{chat, generate, models};
+use commands::{chat, generate, models, profile};
 use exit::Failure;
 
 #[derive(Parser)]
@@ -51,6 +51,9 @@ enum Command {
     },
     /// Show what runs where: per model, device, where the weights live, queue and speed.
     Ps,
+    /// Time every layer's op groups over a prompt and some decode steps; print the table,
+    /// the totals and the bottleneck (--json for scripts, --trace for Perfetto).
+    Profile(Box<profile::ProfileArgs>),
     /// Print shell completions (bash, zsh, fish, elvish, powershell).
     Completions { shell: clap_complete::Shell },
 }
@@ -96,6 +99,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
             Command::Load(args) => models::load(client, args).await,
             Command::Unload { name } => models::unload(client, name).await,
             Command::Ps => models::ps(client).await,
+            Command::Profile(args) => profile::run(client, args).await,
             Command::Completions { .. } => unreachable!("handled above"),
         }
     })

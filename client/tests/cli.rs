@@ -266,6 +266,106 @@ fn without_a_daemon_the_client_starts_one_on_the_default_socket() {
 }
 
 #[test]
+fn profile_json_has_rows_for_every_layer_and_the_trace_nests() {
+    let d = Daemon::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace.json");
+    let out = d.run(&[
+        "profile",
+        "--steps",
+        "2",
+        "--tokens",
+        "5",
+        "--json",
+        "--trace",
+        trace.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+    assert_eq!(
+        (v["decode_steps"].as_u64(), v["prompt_tokens"].as_u64()),
+        (Some(2), Some(5))
+    );
+    let layers = v["layers"].as_u64().unwrap();
+    assert!(layers >= 1);
+    let rows = v["rows"].as_array().unwrap();
+    for l in 0..layers {
+        let ops: Vec<&str> = rows
+            .iter()
+            .filter(|r| r["layer"].as_u64() == Some(l))
+            .map(|r| r["op"].as_str().unwrap())
+            .collect();
+        assert!(
+            ops.contains(&"qkv") && ops.contains(&"attention") && ops.contains(&"experts"),
+            "layer {l}: {ops:?}"
+        );
+    }
+    let experts = rows.iter().find(|r| r["op"] == "experts").unwrap();
+    assert_eq!(
+        experts["experts"].as_array().unwrap().len(),
+        2,
+        "one list per step"
+    );
+    assert!(rows.iter().all(|r| r["predicted_us"].is_null()));
+    let share: f64 = rows.iter().map(|r| r["share"].as_f64().unwrap()).sum();
+    assert!(share > 0.0 && share <= 1.0 + 1e-9, "{share}");
+    assert!(v["bottleneck"].as_str().unwrap().starts_with("cpu "));
+
+    let t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let events: Vec<&serde_json::Value> = t["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .collect();
+    let span = |e: &serde_json::Value| {
+        let ts = e["ts"].as_f64().unwrap();
+        (ts, ts + e["dur"].as_f64().unwrap())
+    };
+    // Microseconds from integer nanoseconds: a rounding's slack, no more.
+    let eps = 1e-6;
+    let within = |(s, e): (f64, f64), (ps, pe): (f64, f64)| s >= ps - eps && e <= pe + eps;
+    // Perfetto's rule for complete events on one track: any two are disjoint or one holds
+    // the other.
+    for a in &events {
+        for b in &events {
+            if a["tid"] == b["tid"] {
+                let (sa, sb) = (span(a), span(b));
+                let disjoint = sa.1 <= sb.0 + eps || sb.1 <= sa.0 + eps;
+                assert!(
+                    disjoint || within(sa, sb) || within(sb, sa),
+                    "{a} overlaps {b}"
+                );
+            }
+        }
+    }
+    // And every layer lies in a step, every op group in a layer of its number or a step.
+    let of = |cat: &'static str| events.iter().filter(move |e| e["cat"] == cat);
+    let steps = of("step").count();
+    let layer_events = of("layer").count();
+    for l in of("layer") {
+        assert!(of("step").any(|s| within(span(l), span(s))), "{l}");
+    }
+    for op in of("op") {
+        assert!(
+            of("layer")
+                .chain(of("step"))
+                .any(|p| within(span(op), span(p))),
+            "{op}"
+        );
+    }
+    assert_eq!(steps, 3, "the prompt and two decode steps");
+    assert_eq!(layer_events as u64, 3 * layers);
+
+    let out = d.run(&["profile", "--tokens", "0"]);
+    assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
+    let out = d.run(&["profile", "--tokens", "3", "--steps", "1"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("bottleneck:"), "{}", stdout(&out));
+}
+
+#[test]
 fn completions_are_printed_for_bash() {
     let out = Command::new(spillway())
         .args(["completions", "bash"])

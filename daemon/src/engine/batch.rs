@@ -10,7 +10,7 @@ use crate::cpu::ThreadPool;
 use crate::model::Model;
 
 use super::forward::{forward_slots, Slot};
-use super::{EngineError, EngineOptions, KvCache, MAX_BATCH};
+use super::{EngineError, EngineOptions, KvCache, StepProfile, MAX_BATCH};
 
 /// A model with a thread pool and the state of up to `max_sequences` sequences.
 #[derive(Debug)]
@@ -84,7 +84,22 @@ impl BatchEngine {
         tokens: &[u32],
         all_logits: bool,
     ) -> Result<Vec<f32>, EngineError> {
+        self.eval_sequence_with(seq, tokens, all_logits, None)
+    }
+
+    /// [`BatchEngine::eval_sequence`], timing every op group of every layer into `profile`
+    /// when given.
+    pub fn eval_sequence_with(
+        &mut self,
+        seq: usize,
+        tokens: &[u32],
+        all_logits: bool,
+        mut profile: Option<&mut StepProfile>,
+    ) -> Result<Vec<f32>, EngineError> {
         self.check(seq, tokens)?;
+        if let Some(p) = profile.as_deref_mut() {
+            p.begin(tokens.len());
+        }
         let mut logits = Vec::new();
         let mut part = Vec::new();
         for chunk in tokens.chunks(MAX_BATCH) {
@@ -108,12 +123,16 @@ impl BatchEngine {
                 &slots,
                 &rows,
                 &mut part,
+                profile.as_deref_mut(),
             )?;
             self.positions[seq] += chunk.len();
             if !all_logits {
                 logits.clear();
             }
             logits.extend_from_slice(&part);
+        }
+        if let Some(p) = profile {
+            p.finish();
         }
         Ok(logits)
     }
@@ -156,6 +175,7 @@ impl BatchEngine {
                 &slots,
                 &rows,
                 &mut part,
+                None,
             )?;
             for &(seq, _) in chunk {
                 self.positions[seq] += 1;

@@ -8,6 +8,9 @@
 //! tokens at once; each token's arithmetic is the same as alone, so batching changes speed, not
 //! results. Every token carries its own sequence (whose KV cache it reads and appends to) and
 //! position.
+//!
+//! An optional [`StepProfile`] times every op group of every layer (see `profile`); without one
+//! nothing is timed.
 
 use half::f16;
 
@@ -19,6 +22,7 @@ use super::kv_cache::KvCache;
 use super::ops::{
     add_inplace, rms_norm, rms_norm_inplace, rope_cache, rope_head, softmax, swiglu_inplace,
 };
+use super::profile::{Laps, OpGroup, StepProfile};
 use super::routing::{route, shared_expert_gate};
 
 /// RoPE angles of every token of a batch: `half` cosines and sines per token.
@@ -58,6 +62,7 @@ impl Rope {
 /// Runs `tokens` at positions `start..start + tokens.len()` of one sequence through `model`,
 /// writing the next-token logits of every token (`all_logits`) or of the last one into
 /// `logits`. The caller has checked the positions against the cache and the token ids.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn forward(
     model: &Model,
     pool: &ThreadPool,
@@ -66,6 +71,7 @@ pub(super) fn forward(
     start: usize,
     all_logits: bool,
     logits: &mut Vec<f32>,
+    profile: Option<&mut StepProfile>,
 ) -> Result<(), ModelError> {
     let slots: Vec<Slot> = (0..tokens.len())
         .map(|b| Slot {
@@ -78,7 +84,16 @@ pub(super) fn forward(
     } else {
         vec![tokens.len() - 1]
     };
-    forward_slots(model, pool, &mut [kv], tokens, &slots, &rows, logits)
+    forward_slots(
+        model,
+        pool,
+        &mut [kv],
+        tokens,
+        &slots,
+        &rows,
+        logits,
+        profile,
+    )
 }
 
 /// Where one token of a batch belongs: its sequence (an index into the caches) and position.
@@ -92,6 +107,7 @@ pub(super) struct Slot {
 /// next-token logits of the tokens at `rows` (batch indices, in that order) into `logits`.
 /// Within a sequence the batch's positions must be consecutive and follow what its cache holds;
 /// the caller has checked them and the token ids.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn forward_slots(
     model: &Model,
     pool: &ThreadPool,
@@ -100,7 +116,10 @@ pub(super) fn forward_slots(
     slots: &[Slot],
     rows: &[usize],
     logits: &mut Vec<f32>,
+    profile: Option<&mut StepProfile>,
 ) -> Result<(), ModelError> {
+    let mut laps = Laps(profile);
+    laps.mark();
     let c = &model.config;
     let (n, e) = (tokens.len(), c.n_embd);
     let mut x = vec![0.0f32; n * e];
@@ -110,17 +129,30 @@ pub(super) fn forward_slots(
     let positions: Vec<usize> = slots.iter().map(|s| s.pos).collect();
     let rope = Rope::new(model, &positions);
     let mut xn = vec![0.0f32; n * e];
+    laps.lap(None, OpGroup::Embedding, || {
+        n as u64 * model.token_embd.row_bytes()
+    });
     for (il, layer) in model.layers.iter().enumerate() {
-        norm_rows(&x, &layer.attn.norm, c.rms_eps, &mut xn);
-        let proj = attention(model, pool, caches, &layer.attn, il, slots, &xn, &rope);
+        let a = &layer.attn;
+        norm_rows(&x, &a.norm, c.rms_eps, &mut xn);
+        let proj = attention(model, pool, caches, a, il, slots, &xn, &rope, &mut laps);
         add_inplace(&mut x, &proj);
+        laps.lap(Some(il), OpGroup::AttnOutput, || a.wo.bytes());
 
         norm_rows(&x, &layer.ffn_norm, c.rms_eps, &mut xn);
-        let out = match &layer.ffn {
-            Ffn::Dense { gate, up, down } => swiglu_ffn(model, pool, (gate, up, down), 0, &xn),
-            Ffn::Moe(moe) => moe_ffn(model, pool, moe, &xn),
-        };
-        add_inplace(&mut x, &out);
+        match &layer.ffn {
+            Ffn::Dense { gate, up, down } => {
+                let out = swiglu_ffn(model, pool, (gate, up, down), 0, &xn);
+                add_inplace(&mut x, &out);
+                laps.lap(Some(il), OpGroup::Ffn, || {
+                    gate.bytes() + up.bytes() + down.bytes()
+                });
+            }
+            Ffn::Moe(moe) => {
+                let out = moe_ffn(model, pool, moe, &xn, il, &mut laps);
+                add_inplace(&mut x, &out);
+            }
+        }
     }
     let mut out_rows = Vec::with_capacity(rows.len() * e);
     for &b in rows {
@@ -131,6 +163,7 @@ pub(super) fn forward_slots(
     logits.clear();
     logits.resize(rows.len() * c.n_vocab, 0.0);
     matmul(pool, model.mat(&model.output), &out_rows, logits);
+    laps.lap(None, OpGroup::OutputHead, || model.output.bytes());
     Ok(())
 }
 
@@ -162,6 +195,7 @@ fn attention(
     slots: &[Slot],
     xn: &[f32],
     rope: &Rope,
+    laps: &mut Laps<'_>,
 ) -> Vec<f32> {
     let c = &model.config;
     let (hd, qw, kvw) = (c.head_dim, c.q_width(), c.kv_width());
@@ -175,6 +209,9 @@ fn attention(
     add_bias_rows(&mut q, &a.bq);
     add_bias_rows(&mut k, &a.bk);
     add_bias_rows(&mut v, &a.bv);
+    laps.lap(Some(il), OpGroup::Qkv, || {
+        a.wq.bytes() + a.wk.bytes() + a.wv.bytes()
+    });
     for (x, width, norm) in [(&mut q, qw, &a.q_norm), (&mut k, kvw, &a.k_norm)] {
         for (b, row) in x.chunks_exact_mut(width).enumerate() {
             let (cos, sin) = rope.token(b);
@@ -194,6 +231,7 @@ fn attention(
             &v[b * kvw..(b + 1) * kvw],
         );
     }
+    laps.lap(Some(il), OpGroup::RopeCache, || 0);
 
     let caches: Vec<&KvCache> = caches.iter().map(|c| &**c).collect();
     let group = c.gqa_group();
@@ -226,6 +264,7 @@ fn attention(
         }
         weighted_sum_f16_with(isa, out, &scores, values, kvw, head.start);
     });
+    laps.lap(Some(il), OpGroup::Attention, || 0);
     let mut proj = vec![0.0f32; n * c.n_embd];
     matmul(pool, model.mat(&a.wo), &attn, &mut proj);
     proj
@@ -283,8 +322,15 @@ pub(crate) fn expert_ffn(
 }
 
 /// Routed experts (routed as [`route`] says), plus Qwen2-MoE's sigmoid-gated shared expert, for
-/// every row of `xn`.
-fn moe_ffn(model: &Model, pool: &ThreadPool, moe: &MoeWeights, xn: &[f32]) -> Vec<f32> {
+/// every row of `xn`, in layer `il`.
+fn moe_ffn(
+    model: &Model,
+    pool: &ThreadPool,
+    moe: &MoeWeights,
+    xn: &[f32],
+    il: usize,
+    laps: &mut Laps<'_>,
+) -> Vec<f32> {
     let cfg = model.config.moe.expect("MoE layer in a MoE model");
     let (e, k) = (model.config.n_embd, cfg.n_expert_used);
     let n = xn.len() / e;
@@ -300,6 +346,7 @@ fn moe_ffn(model: &Model, pool: &ThreadPool, moe: &MoeWeights, xn: &[f32]) -> Ve
             weights.push(r.weight);
         }
     }
+    laps.lap(Some(il), OpGroup::Router, || moe.router.bytes());
 
     // Each expert runs once over the tokens that chose it; results land at (token, rank).
     // Every token is converted for the experts' weights once, not once per expert.
@@ -336,6 +383,9 @@ fn moe_ffn(model: &Model, pool: &ThreadPool, moe: &MoeWeights, xn: &[f32]) -> Ve
             }
         }
     }
+    laps.lap_experts(il, &chosen, || {
+        moe.gate.bytes() + moe.up.bytes() + moe.down.bytes()
+    });
     if let Some(sh) = &moe.shared {
         let mut logit = vec![0.0f32; n];
         matmul(pool, model.mat(&sh.gate_inp), xn, &mut logit);
@@ -346,6 +396,9 @@ fn moe_ffn(model: &Model, pool: &ThreadPool, moe: &MoeWeights, xn: &[f32]) -> Ve
                 *o += y * g;
             }
         }
+        laps.lap(Some(il), OpGroup::SharedExpert, || {
+            sh.gate_inp.bytes() + sh.gate.bytes() + sh.up.bytes() + sh.down.bytes()
+        });
     }
     out
 }

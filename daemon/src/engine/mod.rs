@@ -1,8 +1,8 @@
 //! The CPU inference engine: one sequence's KV cache ([`kv_cache`]), the forward pass
 //! ([`forward`]), element-wise ops ([`ops`]), MoE routing ([`routing`], shared with the GPU),
 //! sampling ([`sampling`]), one sequence's decoding a token at a time ([`decode`]), several
-//! sequences sharing decode steps ([`batch`]), and one request's generation with stop strings
-//! and streamed text ([`generate`], [`stop`]).
+//! sequences sharing decode steps ([`batch`]), one request's generation with stop strings
+//! and streamed text ([`generate`], [`stop`]), and per-layer profiling of a step ([`profile`]).
 //!
 //! This is the project's reference path: everything runs on the CPU from the memory-mapped
 //! weights, and its logits are checked against llama.cpp's (`bench/tests/engine_llama_cpp.rs`).
@@ -13,6 +13,7 @@ pub mod forward;
 pub mod generate;
 pub mod kv_cache;
 pub mod ops;
+pub mod profile;
 pub mod routing;
 pub mod sampling;
 pub mod stop;
@@ -24,6 +25,7 @@ use crate::model::{Model, ModelError};
 
 pub use batch::BatchEngine;
 pub use kv_cache::KvCache;
+pub use profile::{OpGroup, StepProfile};
 pub use sampling::{argmax, Sampler, SamplerConfig};
 
 /// Most tokens one forward pass takes; longer prompts go in several (bounds the activations).
@@ -114,6 +116,16 @@ impl Engine {
     /// token) or after the last. Nothing is evaluated if a token is out of range or the
     /// context is too short.
     pub fn eval_batch(&mut self, tokens: &[u32], all_logits: bool) -> Result<&[f32], EngineError> {
+        self.eval_batch_with(tokens, all_logits, None)
+    }
+
+    /// [`Engine::eval_batch`], timing every op group of every layer into `profile` when given.
+    pub fn eval_batch_with(
+        &mut self,
+        tokens: &[u32],
+        all_logits: bool,
+        mut profile: Option<&mut StepProfile>,
+    ) -> Result<&[f32], EngineError> {
         let n_vocab = self.model.config.n_vocab;
         if let Some(&token) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
             return Err(EngineError::TokenOutOfRange { token, n_vocab });
@@ -122,6 +134,9 @@ impl Engine {
             return Err(EngineError::ContextFull {
                 capacity: self.kv.capacity(),
             });
+        }
+        if let Some(p) = profile.as_deref_mut() {
+            p.begin(tokens.len());
         }
         self.logits.clear();
         let mut part = Vec::new();
@@ -134,12 +149,16 @@ impl Engine {
                 self.pos,
                 all_logits,
                 &mut part,
+                profile.as_deref_mut(),
             )?;
             self.pos += chunk.len();
             if !all_logits {
                 self.logits.clear();
             }
             self.logits.extend_from_slice(&part);
+        }
+        if let Some(p) = profile {
+            p.finish();
         }
         Ok(&self.logits)
     }

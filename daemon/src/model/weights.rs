@@ -22,6 +22,18 @@ pub struct Matrix {
     pub n_mat: usize,
 }
 
+impl Matrix {
+    /// Bytes of one matrix of the stack (one expert's) in the file's encoding.
+    pub fn bytes(&self) -> u64 {
+        (row_bytes(self.ty, self.n_in) * self.n_out) as u64
+    }
+
+    /// Bytes of one row.
+    pub fn row_bytes(&self) -> u64 {
+        row_bytes(self.ty, self.n_in) as u64
+    }
+}
+
 /// A borrowed matrix: `n_out` rows of `row_bytes` bytes each.
 #[derive(Debug, Clone, Copy)]
 pub struct MatRef<'a> {

@@ -5,7 +5,8 @@
 //! - [`auth`]: bearer tokens for TCP.
 //! - [`service`]: the service; requests are checked by [`validate`] before any compute.
 //! - [`models`]: loading and the registry of loaded models; [`worker`]: one thread per model
-//!   owning its engine, with a bounded queue; [`stats`]: what `Status` reports.
+//!   owning its engine, with a bounded queue; [`stats`]: what `Status` reports; [`profile`]:
+//!   the `Profile` RPC's steps on the worker.
 //! - [`chat`]: chat messages to prompt text (the model's template, or ChatML); [`default_model`]: the model served when none is
 //!   configured.
 //!
@@ -17,6 +18,7 @@ pub mod chat;
 pub mod default_model;
 pub mod listen;
 pub mod models;
+pub mod profile;
 pub mod service;
 pub mod stats;
 pub mod validate;

@@ -16,6 +16,7 @@ use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
 
 use super::models::{self, LoadError, LoadOptions, LoadedModel, Registry};
+use super::profile::{ProfileItem, ProfileJob};
 use super::validate::{self, ModelLimits};
 use super::worker::{GenerateItem, GenerateJob};
 use crate::tokenizer::DecodeOptions as DetokenizeOptions;
@@ -151,6 +152,7 @@ type ResponseStream<T> = ReceiverStream<Result<T, Status>>;
 impl Spillway for SpillwayService {
     type GenerateStream = ResponseStream<pb::GenerateResponse>;
     type LoadModelStream = ResponseStream<pb::LoadModelProgress>;
+    type ProfileStream = ResponseStream<pb::ProfileStep>;
 
     async fn generate(
         &self,
@@ -181,6 +183,38 @@ impl Spillway for SpillwayService {
             prompt_logprobs: valid.prompt_logprobs,
             deadline,
             arrived,
+            tx,
+        })?;
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn profile(
+        &self,
+        request: Request<pb::ProfileRequest>,
+    ) -> Result<Response<Self::ProfileStream>, Status> {
+        let arrived = Instant::now();
+        self.check_open()?;
+        let deadline = request
+            .metadata()
+            .get("grpc-timeout")
+            .and_then(|v| v.to_str().ok())
+            .and_then(validate::grpc_timeout)
+            .map(|d| arrived + d);
+        let req = request.into_inner();
+        let model = self.model(&req.model)?;
+        let render = |m: &[pb::ChatMessage]| model.chat_template.render(m);
+        let limits = ModelLimits {
+            tokenizer: model.tokenizer.as_deref(),
+            n_vocab: model.model.config.n_vocab,
+            context: model.context,
+            render_chat: &render,
+        };
+        let valid = validate::profile_request(&req, &limits)?;
+        let (tx, rx) = mpsc::channel::<ProfileItem>(32);
+        model.worker.submit_profile(ProfileJob {
+            prompt: valid.prompt,
+            steps: valid.steps,
+            deadline,
             tx,
         })?;
         Ok(Response::new(ReceiverStream::new(rx)))

@@ -1,5 +1,6 @@
-//! Checks a generation request against the model before any compute, turning it into a job's
-//! prompt tokens and decode options; every refusal is INVALID_ARGUMENT saying what to change.
+//! Checks a generation or profile request against the model before any compute, turning it
+//! into a job's prompt tokens and decode options (or decode steps); every refusal is
+//! INVALID_ARGUMENT saying what to change.
 
 use std::time::Duration;
 
@@ -18,6 +19,9 @@ pub const MAX_STOP_BYTES: usize = 256;
 pub const MAX_TOP_LOGPROBS: u32 = 20;
 /// Tokens generated when the request gives no `max_tokens` (fewer when the context is short).
 pub const DEFAULT_MAX_TOKENS: usize = 256;
+/// Decode steps a profile runs when the request gives none (fewer when the context is short).
+pub const DEFAULT_PROFILE_STEPS: usize = 8;
+pub const MAX_PROFILE_STEPS: usize = 1024;
 
 /// A request that passed the checks.
 #[derive(Debug)]
@@ -107,17 +111,7 @@ pub fn generate_request(
             Prompt::Text(text)
         }
     };
-    let tokens = prompt_tokens(&prompt, model.tokenizer, model.context).map_err(|e| match e {
-        GenerateError::EmptyPrompt => invalid("the prompt is empty: give some text or token ids"),
-        GenerateError::NoTokenizer => {
-            invalid("this model has no usable tokenizer: send token ids (`tokens`) instead of text")
-        }
-        GenerateError::PromptTooLong { tokens, capacity } => invalid(format!(
-            "the prompt has {tokens} tokens but the context holds {capacity}: shorten it, or \
-             load the model with a larger context"
-        )),
-        other => invalid(other.to_string()),
-    })?;
+    let tokens = prompt_tokens(&prompt, model.tokenizer, model.context).map_err(prompt_error)?;
     let room = model.context - tokens.len();
     let max_tokens = match req.max_tokens as usize {
         0 => DEFAULT_MAX_TOKENS.min(room),
@@ -143,6 +137,99 @@ pub fn generate_request(
         },
         prompt_logprobs: req.prompt_logprobs as usize,
     })
+}
+
+fn prompt_error(e: GenerateError) -> Status {
+    match e {
+        GenerateError::EmptyPrompt => invalid("the prompt is empty: give some text or token ids"),
+        GenerateError::NoTokenizer => {
+            invalid("this model has no usable tokenizer: send token ids (`tokens`) instead of text")
+        }
+        GenerateError::PromptTooLong { tokens, capacity } => invalid(format!(
+            "the prompt has {tokens} tokens but the context holds {capacity}: shorten it, or \
+             load the model with a larger context"
+        )),
+        other => invalid(other.to_string()),
+    }
+}
+
+/// A profile request that passed the checks.
+#[derive(Debug, PartialEq, Eq)]
+pub struct ValidProfile {
+    pub prompt: Vec<u32>,
+    /// Decode steps after the prompt.
+    pub steps: usize,
+}
+
+/// Checks a profile request: a prompt (text, token ids or a token count) that leaves room in
+/// the context for the decode steps.
+#[allow(clippy::result_large_err)]
+pub fn profile_request(
+    req: &pb::ProfileRequest,
+    model: &ModelLimits<'_>,
+) -> Result<ValidProfile, Status> {
+    use pb::profile_request::Input;
+    if req.steps as usize > MAX_PROFILE_STEPS {
+        return Err(invalid(format!(
+            "steps is {}; at most {MAX_PROFILE_STEPS} are allowed",
+            req.steps
+        )));
+    }
+    let prompt = match &req.input {
+        None => {
+            return Err(invalid(
+                "the request has no input: set `text`, `tokens` or `token_count`",
+            ))
+        }
+        Some(Input::Text(t)) => {
+            check_prompt_bytes(t.len())?;
+            Prompt::Text(t.clone())
+        }
+        Some(Input::Tokens(t)) => {
+            if let Some(&bad) = t.ids.iter().find(|&&id| id as usize >= model.n_vocab) {
+                return Err(invalid(format!(
+                    "token id {bad} is outside the model's vocabulary of {} tokens",
+                    model.n_vocab
+                )));
+            }
+            Prompt::Tokens(t.ids.clone())
+        }
+        Some(Input::TokenCount(0)) => {
+            return Err(invalid("token_count is 0: give at least one prompt token"))
+        }
+        Some(Input::TokenCount(n)) => {
+            let n = *n as usize;
+            if n >= model.context {
+                return Err(invalid(format!(
+                    "token_count is {n} but the context holds {}: leave room for a decode \
+                     step",
+                    model.context
+                )));
+            }
+            // Any ids will do: the profile times the model, not the text.
+            Prompt::Tokens(
+                (0..n)
+                    .map(|i| ((i * 7919 + 13) % model.n_vocab) as u32)
+                    .collect(),
+            )
+        }
+    };
+    let prompt = prompt_tokens(&prompt, model.tokenizer, model.context).map_err(prompt_error)?;
+    let room = model.context - prompt.len();
+    let steps = match req.steps as usize {
+        0 => DEFAULT_PROFILE_STEPS.min(room),
+        n => n,
+    };
+    if steps == 0 || steps > room {
+        return Err(invalid(format!(
+            "the prompt has {} tokens and {} decode steps were asked for, beyond the context \
+             of {}: ask for at most {room} steps or shorten the prompt",
+            prompt.len(),
+            steps.max(1),
+            model.context
+        )));
+    }
+    Ok(ValidProfile { prompt, steps })
 }
 
 #[allow(clippy::result_large_err)]
@@ -371,6 +458,61 @@ mod tests {
             },
             "tokenizer",
         );
+    }
+
+    #[test]
+    fn profile_requests_need_an_input_that_leaves_room_for_the_steps() {
+        use pb::profile_request::Input;
+        let check = |input: Option<Input>, steps: u32| {
+            profile_request(
+                &pb::ProfileRequest {
+                    model: String::new(),
+                    input,
+                    steps,
+                },
+                &limits(&|_| Ok(String::new())),
+            )
+        };
+        let ok = check(Some(Input::TokenCount(4)), 0).unwrap();
+        assert_eq!((ok.prompt.len(), ok.steps), (4, 8));
+        assert!(ok.prompt.iter().all(|&t| t < 100));
+        let ok = check(Some(Input::Tokens(pb::TokenIds { ids: vec![1, 2] })), 3);
+        assert_eq!(
+            ok.unwrap(),
+            ValidProfile {
+                prompt: vec![1, 2],
+                steps: 3
+            }
+        );
+        // The default is capped by the context.
+        assert_eq!(check(Some(Input::TokenCount(12)), 0).unwrap().steps, 4);
+        for (input, steps, says) in [
+            (None, 1, "no input"),
+            (Some(Input::TokenCount(0)), 1, "token_count is 0"),
+            (Some(Input::TokenCount(16)), 1, "context holds 16"),
+            (Some(Input::TokenCount(u32::MAX)), 1, "context holds 16"),
+            (Some(Input::TokenCount(4)), 13, "at most 12 steps"),
+            (Some(Input::TokenCount(4)), 5000, "at most 1024"),
+            (
+                Some(Input::Tokens(pb::TokenIds { ids: vec![] })),
+                1,
+                "empty",
+            ),
+            (
+                Some(Input::Tokens(pb::TokenIds { ids: vec![100] })),
+                1,
+                "vocabulary",
+            ),
+            (Some(Input::Text("hi".into())), 1, "tokenizer"),
+        ] {
+            let e = check(input, steps).unwrap_err();
+            assert_eq!(e.code(), tonic::Code::InvalidArgument);
+            assert!(
+                e.message().contains(says),
+                "{:?} lacks {says:?}",
+                e.message()
+            );
+        }
     }
 
     #[test]

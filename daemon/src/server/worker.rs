@@ -3,7 +3,7 @@
 //! run together (continuous batching): a job joins the running ones as soon as a sequence is
 //! free, and every decode step evaluates one token of each in a single forward pass. A job stops
 //! within one decode step when its caller goes away, its deadline passes, the model is unloaded
-//! or the daemon shuts down.
+//! or the daemon shuts down. A profile job (`profile`) runs alone, between decode steps.
 
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
@@ -15,10 +15,11 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
+use super::profile::{step_message, totals_message, ProfileJob};
 use super::stats::ModelStats;
 use crate::engine::decode::{DecodeOptions, Decoder, TokenStep};
 use crate::engine::generate::{top_logprobs, FinishReason};
-use crate::engine::{BatchEngine, MAX_BATCH};
+use crate::engine::{argmax, BatchEngine, StepProfile, MAX_BATCH};
 use crate::tokenizer::Tokenizer;
 
 /// What a generation stream carries.
@@ -35,10 +36,16 @@ pub struct GenerateJob {
     pub tx: mpsc::Sender<GenerateItem>,
 }
 
+/// What the worker's queue carries.
+enum Job {
+    Generate(GenerateJob),
+    Profile(ProfileJob),
+}
+
 /// The handle the service keeps: submit jobs, unload. The thread ends once the handle is
 /// dropped and its queue is drained.
 pub struct Worker {
-    jobs: SyncSender<GenerateJob>,
+    jobs: SyncSender<Job>,
     /// Cancelled when the model is unloaded: running and waiting jobs end with ABORTED.
     unload: CancellationToken,
     stats: Arc<ModelStats>,
@@ -90,6 +97,17 @@ impl Worker {
     /// Queues a job, or refuses it at once with RESOURCE_EXHAUSTED when the queue is full.
     #[allow(clippy::result_large_err)] // the error is the gRPC status the caller returns
     pub fn submit(&self, job: GenerateJob) -> Result<(), Status> {
+        self.enqueue(Job::Generate(job))
+    }
+
+    /// Queues a profile job as [`Worker::submit`] does a generation.
+    #[allow(clippy::result_large_err)]
+    pub fn submit_profile(&self, job: ProfileJob) -> Result<(), Status> {
+        self.enqueue(Job::Profile(job))
+    }
+
+    #[allow(clippy::result_large_err)]
+    fn enqueue(&self, job: Job) -> Result<(), Status> {
         if self.unload.is_cancelled() {
             return Err(Status::unavailable("the model is being unloaded"));
         }
@@ -154,7 +172,7 @@ struct Active<'t> {
 impl WorkerContext {
     /// Admits waiting jobs into free sequences (blocking only when none runs), then runs one
     /// decode step for all running sequences together, until the queue is closed and drained.
-    fn run(mut self, rx: Receiver<GenerateJob>) {
+    fn run(mut self, rx: Receiver<Job>) {
         let tokenizer = self.tokenizer.clone();
         let tokenizer = tokenizer.as_deref();
         let eos = self
@@ -178,6 +196,18 @@ impl WorkerContext {
                     match rx.try_recv() {
                         Ok(job) => job,
                         Err(_) => break,
+                    }
+                };
+                let job = match job {
+                    Job::Generate(job) => job,
+                    Job::Profile(job) => {
+                        let result = self.profile(&job, seq);
+                        self.stats.in_queue.fetch_sub(1, Ordering::SeqCst);
+                        if let Err(Interrupt::Fail(status)) = result {
+                            tracing::debug!(code = ?status.code(), "profile ended early: {}", status.message());
+                            let _ = job.tx.blocking_send(Err(status));
+                        }
+                        continue;
                     }
                 };
                 let tx = job.tx.clone();
@@ -259,7 +289,12 @@ impl WorkerContext {
 
     /// Checked before every forward pass.
     fn interrupted(&self, job: &GenerateJob) -> Result<(), Interrupt> {
-        if job.tx.is_closed() {
+        self.check(job.tx.is_closed(), job.deadline)
+    }
+
+    /// Whether a job whose caller is gone (`closed`), with `deadline`, must stop.
+    fn check(&self, closed: bool, deadline: Option<Instant>) -> Result<(), Interrupt> {
+        if closed {
             return Err(Interrupt::Gone);
         }
         if self.unload.is_cancelled() {
@@ -272,9 +307,9 @@ impl WorkerContext {
                 "the daemon is shutting down; retry against a running daemon",
             )));
         }
-        if job.deadline.is_some_and(|d| Instant::now() >= d) {
+        if deadline.is_some_and(|d| Instant::now() >= d) {
             return Err(Interrupt::Fail(Status::deadline_exceeded(
-                "the deadline passed before generation finished",
+                "the deadline passed before the request finished",
             )));
         }
         Ok(())
@@ -339,6 +374,50 @@ impl WorkerContext {
         } else {
             Some(a)
         })
+    }
+
+    /// Runs a profile job in sequence `seq`: the prompt, then greedy decode steps, each sent
+    /// with its records as it completes; the last carries the totals.
+    fn profile(&mut self, job: &ProfileJob, seq: usize) -> Result<(), Interrupt> {
+        let check = |w: &Self| w.check(job.tx.is_closed(), job.deadline);
+        check(self)?;
+        tracing::debug!(
+            prompt_tokens = job.prompt.len(),
+            steps = job.steps,
+            seq,
+            "profile"
+        );
+        let fail = |e: crate::engine::EngineError| Interrupt::Fail(Status::internal(e.to_string()));
+        let layers = self.engine.model().config.n_layer;
+        let send =
+            |msg: pb::ProfileStep| job.tx.blocking_send(Ok(msg)).map_err(|_| Interrupt::Gone);
+        self.engine.reset(seq);
+        let origin = Instant::now();
+        let mut prefill = StepProfile::default();
+        let logits = self
+            .engine
+            .eval_sequence_with(seq, &job.prompt, false, Some(&mut prefill))
+            .map_err(fail)?;
+        let mut next = argmax(&logits) as u32;
+        send(step_message(0, &prefill, origin))?;
+        let mut decode: Vec<StepProfile> = Vec::with_capacity(job.steps);
+        for i in 1..=job.steps {
+            check(self)?;
+            let mut p = StepProfile::default();
+            let logits = self
+                .engine
+                .eval_sequence_with(seq, &[next], false, Some(&mut p))
+                .map_err(fail)?;
+            next = argmax(&logits) as u32;
+            let mut msg = step_message(i, &p, origin);
+            decode.push(p);
+            if i == job.steps {
+                msg.totals = Some(totals_message(&prefill, &decode, layers));
+            }
+            send(msg)?;
+        }
+        self.engine.reset(seq);
+        Ok(())
     }
 
     /// Sends one step to the caller; true when it was the last.

@@ -1,0 +1,415 @@
+//! `spillway profile`: a prompt and some decode steps with the daemon's per-layer timers on.
+//! Prints one row per layer and op group, averaged over the decode steps, then the totals and
+//! the bottleneck; `--json` prints the same for scripts; `--trace FILE` writes the steps as
+//! Chrome trace events (ui.perfetto.dev opens them): step ⊃ layer ⊃ op group, one track per
+//! thread that ran them.
+//!
+//! Partial: the daemon profiles its CPU engine only, on one track (the model's worker thread);
+//! bytes moved between tiers, cache hits and predicted times are shown once it reports them.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::PathBuf;
+
+use clap::Args;
+use serde::Serialize;
+use serde_json::{json, Value};
+use spillway_proto::v1 as pb;
+use tonic::Request;
+
+use crate::connect::Client;
+use crate::exit::{self, Failure};
+
+#[derive(Debug, Clone, Args)]
+pub struct ProfileArgs {
+    /// Model name (`spillway models`); default: the daemon's default model.
+    #[arg(long, default_value = "")]
+    pub model: String,
+    /// The prompt text (tokenized by the daemon).
+    #[arg(long, conflicts_with = "tokens")]
+    pub prompt: Option<String>,
+    /// A prompt of this many tokens [default: 32 when no --prompt is given].
+    #[arg(long)]
+    pub tokens: Option<u32>,
+    /// Decode steps after the prompt.
+    #[arg(long, default_value_t = 8)]
+    pub steps: u32,
+    /// Print the table as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    /// Write the steps as Chrome trace-event JSON to FILE (opens in ui.perfetto.dev).
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+}
+
+/// One layer's op group over the decode steps.
+#[derive(Debug, Serialize)]
+struct Row {
+    layer: Option<u32>,
+    op: String,
+    device: String,
+    /// Mean per decode step.
+    weight_bytes: f64,
+    mean_us: f64,
+    /// Of the decode steps' time.
+    share: f64,
+    /// Per decode step (MoE layers' routed experts).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    experts: Vec<Vec<u32>>,
+    /// Means per decode step; null while the daemon does not report them.
+    predicted_us: Option<f64>,
+    ssd_to_ram_bytes: Option<f64>,
+    ram_to_vram_bytes: Option<f64>,
+    cache_hits: Option<f64>,
+    cache_misses: Option<f64>,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    model: String,
+    layers: u32,
+    prompt_tokens: u32,
+    decode_steps: u32,
+    prefill_ms: f64,
+    prefill_tokens_per_second: f64,
+    decode_tokens_per_second: f64,
+    mean_step_us: f64,
+    /// Mean per decode step.
+    device_us: BTreeMap<String, f64>,
+    cpu_bandwidth_bytes_per_second: f64,
+    bottleneck: String,
+    rows: Vec<Row>,
+}
+
+pub async fn run(client: &mut Client, args: &ProfileArgs) -> Result<(), Failure> {
+    use pb::profile_request::Input;
+    let input = match (&args.prompt, args.tokens) {
+        (Some(text), _) => Input::Text(text.clone()),
+        (None, n) => Input::TokenCount(n.unwrap_or(32)),
+    };
+    let req = pb::ProfileRequest {
+        model: args.model.clone(),
+        input: Some(input),
+        steps: args.steps,
+    };
+    let mut stream = client.profile(Request::new(req)).await?.into_inner();
+    let mut steps = Vec::new();
+    while let Some(msg) = stream.message().await? {
+        steps.push(msg);
+    }
+    let Some(totals) = steps.last().and_then(|s| s.totals.clone()) else {
+        return Err(Failure::new(
+            exit::FAILED,
+            "the stream ended before the totals",
+        ));
+    };
+    let model = if args.model.is_empty() {
+        "the default model".to_string()
+    } else {
+        args.model.clone()
+    };
+    let report = report(model, &steps, totals);
+    if let Some(path) = &args.trace {
+        let text = serde_json::to_string(&trace(&report.model, &steps))
+            .map_err(|e| Failure::new(exit::FAILED, e.to_string()))?;
+        std::fs::write(path, text)
+            .map_err(|e| Failure::new(exit::FAILED, format!("writing {}: {e}", path.display())))?;
+    }
+    let mut out = std::io::stdout().lock();
+    // A closed pipe (`| head`) ends the output, not the program with an error.
+    let _ = if args.json {
+        let json = serde_json::to_string(&report)
+            .map_err(|e| Failure::new(exit::FAILED, e.to_string()))?;
+        writeln!(out, "{json}")
+    } else {
+        out.write_all(table(&report).as_bytes())
+    };
+    if let Some(path) = &args.trace {
+        eprintln!(
+            "spillway: trace written to {} (open it in ui.perfetto.dev)",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+fn report(model: String, steps: &[pb::ProfileStep], totals: pb::ProfileTotals) -> Report {
+    let decode: Vec<&pb::ProfileStep> = steps.iter().filter(|s| s.step > 0).collect();
+    let n = decode.len().max(1) as f64;
+    let decode_ns: f64 = decode.iter().map(|s| s.duration_ns as f64).sum();
+    let mut order: Vec<(Option<u32>, String)> = Vec::new();
+    let mut rows: BTreeMap<(Option<u32>, String), Row> = BTreeMap::new();
+    for r in decode.iter().flat_map(|s| &s.rows) {
+        let key = (r.layer, r.op.clone());
+        let row = rows.entry(key.clone()).or_insert_with(|| {
+            order.push(key);
+            Row {
+                layer: r.layer,
+                op: r.op.clone(),
+                device: r.device.clone(),
+                weight_bytes: 0.0,
+                mean_us: 0.0,
+                share: 0.0,
+                experts: Vec::new(),
+                predicted_us: None,
+                ssd_to_ram_bytes: None,
+                ram_to_vram_bytes: None,
+                cache_hits: None,
+                cache_misses: None,
+            }
+        });
+        row.weight_bytes += r.weight_bytes as f64 / n;
+        row.mean_us += r.measured_ns as f64 / 1e3 / n;
+        if decode_ns > 0.0 {
+            row.share += r.measured_ns as f64 / decode_ns;
+        }
+        if !r.experts.is_empty() {
+            row.experts.push(r.experts.clone());
+        }
+        // Means per decode step of what the daemon reports; absent while it reports none.
+        let mean = |acc: &mut Option<f64>, v: Option<f64>| {
+            if let Some(v) = v {
+                *acc = Some(acc.unwrap_or(0.0) + v / n);
+            }
+        };
+        mean(
+            &mut row.predicted_us,
+            r.predicted_ns.map(|v| v as f64 / 1e3),
+        );
+        mean(
+            &mut row.ssd_to_ram_bytes,
+            r.ssd_to_ram_bytes.map(|v| v as f64),
+        );
+        mean(
+            &mut row.ram_to_vram_bytes,
+            r.ram_to_vram_bytes.map(|v| v as f64),
+        );
+        mean(&mut row.cache_hits, r.cache_hits.map(f64::from));
+        mean(&mut row.cache_misses, r.cache_misses.map(f64::from));
+    }
+    let prefill = steps.iter().find(|s| s.step == 0);
+    Report {
+        model,
+        layers: totals.layers,
+        prompt_tokens: totals.prompt_tokens,
+        decode_steps: totals.decode_steps,
+        prefill_ms: prefill.map_or(0.0, |p| p.duration_ns as f64 / 1e6),
+        prefill_tokens_per_second: totals.prefill_tokens_per_second,
+        decode_tokens_per_second: totals.decode_tokens_per_second,
+        mean_step_us: decode_ns / n / 1e3,
+        device_us: totals
+            .device_times
+            .iter()
+            .map(|d| (d.device.clone(), d.ns as f64 / 1e3))
+            .collect(),
+        cpu_bandwidth_bytes_per_second: totals.cpu_bandwidth_bytes_per_second,
+        bottleneck: totals.bottleneck,
+        rows: order
+            .into_iter()
+            .map(|k| rows.remove(&k).expect("a row per key"))
+            .collect(),
+    }
+}
+
+/// Distinct experts over the steps, shortened to fit a column.
+fn experts_cell(per_step: &[Vec<u32>]) -> String {
+    let mut all: Vec<u32> = per_step.iter().flatten().copied().collect();
+    all.sort_unstable();
+    all.dedup();
+    let mut s = all.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    if s.len() > 24 {
+        let cut = s[..21].rfind(',').unwrap_or(21);
+        s.truncate(cut);
+        s.push_str(",…");
+    }
+    s
+}
+
+fn table(r: &Report) -> String {
+    let mut t = format!(
+        "{}: {} layers, {} prompt tokens, {} decode steps; per decode step, means over the steps\n",
+        r.model, r.layers, r.prompt_tokens, r.decode_steps
+    );
+    t.push_str(&format!(
+        "{:>5}  {:<13} {:<6} {:>10} {:>10} {:>6}  {:>10}  {}\n",
+        "layer", "op", "device", "weight MB", "mean µs", "share", "predicted", "experts"
+    ));
+    for row in &r.rows {
+        let layer = row.layer.map_or("-".to_string(), |l| l.to_string());
+        let predicted = row
+            .predicted_us
+            .map_or("-".to_string(), |p| format!("{p:.1}"));
+        t.push_str(&format!(
+            "{layer:>5}  {:<13} {:<6} {:>10.3} {:>10.1} {:>5.1}%  {predicted:>10}  {}\n",
+            row.op,
+            row.device,
+            row.weight_bytes / 1e6,
+            row.mean_us,
+            100.0 * row.share,
+            experts_cell(&row.experts)
+        ));
+    }
+    let devices = r
+        .device_us
+        .iter()
+        .map(|(d, us)| format!("{d} {:.2} ms", us / 1e3))
+        .collect::<Vec<_>>()
+        .join(", ");
+    t.push_str(&format!(
+        "prefill: {} tokens in {:.2} ms, {:.1} tok/s\n",
+        r.prompt_tokens, r.prefill_ms, r.prefill_tokens_per_second
+    ));
+    t.push_str(&format!(
+        "decode: {:.1} tok/s, {:.2} ms per step ({devices}); CPU weight bandwidth {:.2} GB/s\n",
+        r.decode_tokens_per_second,
+        r.mean_step_us / 1e3,
+        r.cpu_bandwidth_bytes_per_second / 1e9
+    ));
+    if r.rows.iter().all(|row| row.predicted_us.is_none()) {
+        t.push_str("predicted: not available (the daemon has no calibrated hardware profile)\n");
+    }
+    t.push_str(&format!("bottleneck: {}\n", r.bottleneck));
+    t
+}
+
+/// Chrome trace events: per track, each step, its layers and their op groups as nested
+/// complete ("X") events, in microseconds from the profile's start.
+fn trace(model: &str, steps: &[pb::ProfileStep]) -> Value {
+    const PID: u32 = 1;
+    let us = |ns: u64| ns as f64 / 1e3;
+    let mut tracks: Vec<String> = Vec::new();
+    let mut events = vec![json!({
+        "name": "process_name", "ph": "M", "pid": PID,
+        "args": {"name": format!("spillwayd: {model}")},
+    })];
+    let mut body = Vec::new();
+    for s in steps {
+        // Each track gets the step's event, then its layers and op groups.
+        let mut on_track: BTreeMap<usize, Vec<&pb::ProfileRow>> = BTreeMap::new();
+        for r in &s.rows {
+            let tid = match tracks.iter().position(|t| *t == r.track) {
+                Some(i) => i,
+                None => {
+                    tracks.push(r.track.clone());
+                    tracks.len() - 1
+                }
+            } + 1;
+            on_track.entry(tid).or_default().push(r);
+        }
+        for (tid, rows) in on_track {
+            body.push(json!({
+                "name": if s.step == 0 {
+                    format!("prefill ({} tokens)", s.tokens)
+                } else {
+                    format!("decode {}", s.step)
+                },
+                "cat": "step", "ph": "X", "pid": PID, "tid": tid,
+                "ts": us(s.start_ns), "dur": us(s.duration_ns),
+            }));
+            let mut i = 0;
+            while i < rows.len() {
+                // Consecutive rows of one layer make its event.
+                let layer = rows[i].layer;
+                let j = i + rows[i..]
+                    .iter()
+                    .take_while(|r| r.layer == layer && layer.is_some())
+                    .count()
+                    .max(1);
+                if let Some(l) = layer {
+                    let start = rows[i].start_ns;
+                    let end = rows[j - 1].start_ns + rows[j - 1].measured_ns;
+                    body.push(json!({
+                        "name": format!("layer {l}"), "cat": "layer", "ph": "X",
+                        "pid": PID, "tid": tid,
+                        "ts": us(s.start_ns + start), "dur": us(end - start),
+                    }));
+                }
+                for r in &rows[i..j] {
+                    let mut args = json!({
+                        "device": r.device, "weight_bytes": r.weight_bytes,
+                    });
+                    if !r.experts.is_empty() {
+                        args["experts"] = json!(r.experts);
+                    }
+                    body.push(json!({
+                        "name": r.op, "cat": "op", "ph": "X", "pid": PID, "tid": tid,
+                        "ts": us(s.start_ns + r.start_ns), "dur": us(r.measured_ns),
+                        "args": args,
+                    }));
+                }
+                i = j;
+            }
+        }
+    }
+    for (i, t) in tracks.iter().enumerate() {
+        events.push(json!({
+            "name": "thread_name", "ph": "M", "pid": PID, "tid": i + 1,
+            "args": {"name": format!("{t} (cpu)")},
+        }));
+    }
+    events.extend(body);
+    json!({"traceEvents": events, "displayTimeUnit": "ms"})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(layer: Option<u32>, op: &str, start: u64, dur: u64) -> pb::ProfileRow {
+        pb::ProfileRow {
+            layer,
+            op: op.into(),
+            device: "cpu".into(),
+            weight_bytes: 100,
+            measured_ns: dur,
+            start_ns: start,
+            track: "engine".into(),
+            ..Default::default()
+        }
+    }
+
+    fn steps() -> Vec<pb::ProfileStep> {
+        let rows = vec![
+            row(None, "embedding", 0, 10),
+            row(Some(0), "qkv", 10, 30),
+            row(Some(0), "experts", 40, 50),
+            row(None, "output_head", 90, 10),
+        ];
+        (0..3)
+            .map(|i| pb::ProfileStep {
+                step: i,
+                phase: if i == 0 { "prefill" } else { "decode" }.into(),
+                tokens: 1,
+                start_ns: 1000 * u64::from(i),
+                duration_ns: 100,
+                rows: rows.clone(),
+                totals: None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn rows_average_the_decode_steps_only() {
+        let r = report("m".into(), &steps(), pb::ProfileTotals::default());
+        assert_eq!(r.rows.len(), 4);
+        assert_eq!(
+            (r.rows[2].layer, r.rows[2].op.as_str()),
+            (Some(0), "experts")
+        );
+        assert!((r.rows[2].mean_us - 0.05).abs() < 1e-9);
+        assert!((r.rows[2].share - 0.5).abs() < 1e-9);
+        assert!((r.mean_step_us - 0.1).abs() < 1e-9);
+        assert!(table(&r).contains("not available"));
+    }
+
+    #[test]
+    fn trace_layers_wrap_their_op_groups() {
+        let t = trace("m", &steps());
+        let events = t["traceEvents"].as_array().unwrap();
+        let layers: Vec<&Value> = events.iter().filter(|e| e["cat"] == "layer").collect();
+        assert_eq!(layers.len(), 3);
+        assert_eq!(layers[1]["ts"], 1.01);
+        assert_eq!(layers[1]["dur"], 0.08);
+        assert_eq!(events.iter().filter(|e| e["cat"] == "op").count(), 12);
+    }
+}
