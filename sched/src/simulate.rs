@@ -21,6 +21,10 @@ pub const SHIPPED_PROFILES: &[(&str, &str)] = &[
         include_str!("../profiles/desktop-24gb.toml"),
     ),
     ("h200", include_str!("../profiles/h200.toml")),
+    (
+        "h200-calibrated",
+        include_str!("../profiles/h200-calibrated.toml"),
+    ),
 ];
 
 /// A shipped profile by name (`laptop-8gb`, `desktop-24gb`, `h200`).

@@ -1,8 +1,11 @@
 //! Operations over several tokens at once, for prompts: today the batched matrix product,
 //! which decodes each weight once per tile of eight tokens (`matvec_batch.comp`).
 //!
-//! Partial: the rest of a batched forward step (norms, RoPE, the KV append and causal attention
-//! over several positions) still runs one token at a time, so `GpuModel` does not use this yet.
+//! Partial: correct, but not yet fast. On the H200 a tile of eight tokens took about three times
+//! as long as eight one-token products (`bench/RESULTS.md`): one row per workgroup with eight
+//! accumulators leaves too little parallelism; it needs shared-memory tiles of rows and tokens.
+//! The rest of a batched forward step (norms, RoPE, the KV append, causal attention over several
+//! positions) is still per token, so `GpuModel` does not use this yet.
 
 use spillway_shaders::{MatVecBatchParams, Op};
 
