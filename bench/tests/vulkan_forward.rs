@@ -8,22 +8,11 @@ use spillway_bench::synth::{SynthModel, WeightType};
 use spillway_daemon::engine::{Engine, EngineOptions};
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
 use spillway_daemon::gpu::moe::LayerRouting;
-use spillway_daemon::gpu::{Device, GpuError, Instance, REQUIRE_VULKAN_ENV};
+use spillway_daemon::gpu::{Device, GpuError};
 use spillway_daemon::model::Model;
 
 fn device() -> Option<Arc<Device>> {
-    match Instance::new().and_then(|i| Device::open(i, None)) {
-        Ok(d) => Some(d),
-        Err(e) => {
-            let required = std::env::var(REQUIRE_VULKAN_ENV).is_ok_and(|v| v != "0");
-            assert!(
-                !required,
-                "{REQUIRE_VULKAN_ENV} is set but no Vulkan device: {e}"
-            );
-            eprintln!("skipping: no Vulkan device ({e})");
-            None
-        }
-    }
+    spillway_daemon::gpu::device_or_skip()
 }
 
 /// Largest |gpu - cpu| over the logits, relative to the largest |cpu| logit.

@@ -132,19 +132,8 @@ fn greedy(prompt: &[u32], n: usize, mut eval: impl FnMut(u32) -> Vec<f32>) -> Ve
 #[test]
 fn greedy_continuation_is_the_same_on_the_cpu_and_on_vulkan() {
     use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
-    use spillway_daemon::gpu::{Device, Instance, REQUIRE_VULKAN_ENV};
-
-    let device = match Instance::new().and_then(|i| Device::open(i, None)) {
-        Ok(d) => d,
-        Err(e) => {
-            let required = std::env::var(REQUIRE_VULKAN_ENV).is_ok_and(|v| v != "0");
-            assert!(
-                !required,
-                "{REQUIRE_VULKAN_ENV} is set but no Vulkan device: {e}"
-            );
-            eprintln!("skipping: no Vulkan device ({e})");
-            return;
-        }
+    let Some(device) = spillway_daemon::gpu::device_or_skip() else {
+        return;
     };
     let (model, tokenizer, _dir) = load();
     let prompt = tokenizer.encode("In the beginning", false);

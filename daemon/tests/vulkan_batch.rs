@@ -9,23 +9,10 @@ use std::sync::Arc;
 use spillway_daemon::calibrate::random_matrix;
 use spillway_daemon::gguf::GgmlType;
 use spillway_daemon::gpu::ops::GpuMatrix;
-use spillway_daemon::gpu::{
-    Allocator, Buffer, Device, Instance, Kernels, MemoryUse, Uploader, REQUIRE_VULKAN_ENV,
-};
+use spillway_daemon::gpu::{Allocator, Buffer, Device, Kernels, MemoryUse, Uploader};
 
 fn device() -> Option<Arc<Device>> {
-    match Instance::new().and_then(|i| Device::open(i, None)) {
-        Ok(d) => Some(d),
-        Err(e) => {
-            let required = std::env::var(REQUIRE_VULKAN_ENV).is_ok_and(|v| v != "0");
-            assert!(
-                !required,
-                "{REQUIRE_VULKAN_ENV} is set but no Vulkan device: {e}"
-            );
-            eprintln!("skipping: no Vulkan device ({e})");
-            None
-        }
-    }
+    spillway_daemon::gpu::device_or_skip()
 }
 
 fn inputs(n: usize, seed: u32) -> Vec<f32> {

@@ -5,24 +5,12 @@
 use std::sync::Arc;
 
 use spillway_daemon::gguf::GgmlType;
-use spillway_daemon::gpu::{Buffer, ComputePipeline, Device, Instance, REQUIRE_VULKAN_ENV};
+use spillway_daemon::gpu::{Buffer, ComputePipeline, Device, Instance};
 use spillway_daemon::quant::{dequantize_row, quantize_row};
 use spillway_shaders::{DequantParams, Feature, Op, PushConstants, ShaderId, WeightType};
 
 fn device() -> Option<Arc<Device>> {
-    let opened = Instance::new().and_then(|i| Device::open(i, None));
-    match opened {
-        Ok(d) => Some(d),
-        Err(e) => {
-            let required = std::env::var(REQUIRE_VULKAN_ENV).is_ok_and(|v| v != "0");
-            assert!(
-                !required,
-                "{REQUIRE_VULKAN_ENV} is set but no Vulkan device: {e}"
-            );
-            eprintln!("skipping: no Vulkan device ({e})");
-            None
-        }
-    }
+    spillway_daemon::gpu::device_or_skip()
 }
 
 /// Deterministic values in [-2, 2) with some exact zeros, from a 64-bit LCG.

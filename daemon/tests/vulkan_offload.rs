@@ -12,24 +12,13 @@ use std::sync::Arc;
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
 use spillway_daemon::gpu::moe::LayerRouting;
 use spillway_daemon::gpu::placement::MoeMiss;
-use spillway_daemon::gpu::{Device, GpuError, Instance, REQUIRE_VULKAN_ENV};
+use spillway_daemon::gpu::{Device, GpuError};
 use spillway_daemon::model::Model;
 use spillway_daemon::stream::ReplacementPolicy;
 use spillway_daemon::synth::SynthModel;
 
 fn device() -> Option<Arc<Device>> {
-    match Instance::new().and_then(|i| Device::open(i, None)) {
-        Ok(d) => Some(d),
-        Err(e) => {
-            let required = std::env::var(REQUIRE_VULKAN_ENV).is_ok_and(|v| v != "0");
-            assert!(
-                !required,
-                "{REQUIRE_VULKAN_ENV} is set but no Vulkan device: {e}"
-            );
-            eprintln!("skipping: no Vulkan device ({e})");
-            None
-        }
-    }
+    spillway_daemon::gpu::device_or_skip()
 }
 
 /// As `vulkan_forward.rs`: with F16 weights the CPU's experts stay within 0.1% of the logits.

@@ -11,25 +11,12 @@ use spillway_daemon::engine::ops;
 use spillway_daemon::gguf::GgmlType;
 use spillway_daemon::gpu::ops::{rope_table, AttentionArgs, GpuMatrix, RopeArgs};
 use spillway_daemon::gpu::upload::download;
-use spillway_daemon::gpu::{
-    Allocator, Buffer, Device, Instance, Kernels, MemoryUse, Uploader, REQUIRE_VULKAN_ENV,
-};
+use spillway_daemon::gpu::{Allocator, Buffer, Device, Kernels, MemoryUse, Uploader};
 use spillway_daemon::model::{MatRef, RopeLayout};
 use spillway_daemon::quant::{dequantize_row, quantize_row};
 
 fn device() -> Option<Arc<Device>> {
-    match Instance::new().and_then(|i| Device::open(i, None)) {
-        Ok(d) => Some(d),
-        Err(e) => {
-            let required = std::env::var(REQUIRE_VULKAN_ENV).is_ok_and(|v| v != "0");
-            assert!(
-                !required,
-                "{REQUIRE_VULKAN_ENV} is set but no Vulkan device: {e}"
-            );
-            eprintln!("skipping: no Vulkan device ({e})");
-            None
-        }
-    }
+    spillway_daemon::gpu::device_or_skip()
 }
 
 /// Deterministic values in [-1, 1) from a xorshift generator.

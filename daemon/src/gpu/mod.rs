@@ -43,3 +43,21 @@ pub use upload::Uploader;
 /// Set (to anything but `0`) where a Vulkan device must exist, as in CI: GPU tests then fail
 /// instead of skipping when none is found.
 pub const REQUIRE_VULKAN_ENV: &str = "SPILLWAY_REQUIRE_VULKAN";
+
+/// The preferred Vulkan device for a test or benchmark, or `None` (with a line on stderr) where
+/// the machine has none. Where [`REQUIRE_VULKAN_ENV`] is set a missing device panics instead,
+/// so that CI cannot pass by skipping every GPU test.
+pub fn device_or_skip() -> Option<std::sync::Arc<Device>> {
+    match Instance::new().and_then(|i| Device::open(i, None)) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            let required = std::env::var(REQUIRE_VULKAN_ENV).is_ok_and(|v| v != "0");
+            assert!(
+                !required,
+                "{REQUIRE_VULKAN_ENV} is set but no Vulkan device: {e}"
+            );
+            eprintln!("skipping: no Vulkan device ({e})");
+            None
+        }
+    }
+}
