@@ -31,7 +31,7 @@ impl GpuBench {
         self.device.info()
     }
 
-    /// Seconds to copy `from` into `to` (`bytes` of each) on the device.
+    /// Seconds to copy `from` into `to` (`bytes` of each), submit included.
     fn copy(&self, from: &Buffer, to: &Buffer, bytes: u64) -> Result<f64, CalibrateError> {
         let raw = &self.device.raw;
         Ok(median_seconds(|| {
@@ -48,13 +48,47 @@ impl GpuBench {
         })?)
     }
 
-    /// Device-memory traffic of `bytes`: a device-local copy of `bytes / 2` (read once,
-    /// written once). Includes one submit, which the fit separates as its fixed cost.
+    /// Device-memory traffic of `bytes` through the simplest streaming kernel, `a += b` (each
+    /// element read twice and written once: 12 bytes), timed by GPU timestamps where the queue
+    /// has them, so the submit does not blur it.
     pub fn read(&mut self, bytes: u64) -> Result<f64, CalibrateError> {
-        let half = (bytes / 2).max(4) & !3;
-        let src = Buffer::new_in(&self.allocator, half, MemoryUse::DeviceLocal)?;
-        let dst = Buffer::new_in(&self.allocator, half, MemoryUse::DeviceLocal)?;
-        self.copy(&src, &dst, half)
+        // The add kernel's grid is one dimension of at most 65535 groups of 256.
+        const CHUNK: u64 = 65535 * 256;
+        let mut left = (bytes / 12).max(256);
+        let mut pairs = Vec::new();
+        while left > 0 {
+            let n = left.min(CHUNK);
+            let a = Buffer::new_in(&self.allocator, n * 4, MemoryUse::DeviceLocal)?;
+            let b = Buffer::new_in(&self.allocator, n * 4, MemoryUse::DeviceLocal)?;
+            pairs.push((a, b, n as u32));
+            left -= n;
+        }
+        self.gpu_seconds(|r| {
+            for (a, b, n) in &pairs {
+                r.add(a, b, *n)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Median seconds of recordings of `f`: GPU time from timestamps where the queue has them,
+    /// else wall time (which includes the submit).
+    fn gpu_seconds(
+        &self,
+        f: impl Fn(&mut crate::gpu::Recorder<'_>) -> Result<(), crate::gpu::GpuError>,
+    ) -> Result<f64, CalibrateError> {
+        let mut gpu_s = Vec::new();
+        let wall = median_seconds(|| {
+            let stats = self.kernels.record_timed(&f)?;
+            if let Some(ns) = stats.gpu_ns {
+                gpu_s.push(ns as f64 * 1e-9);
+            }
+            Ok::<(), CalibrateError>(())
+        })?;
+        // The first entry is the warm-up's.
+        let mut timed: Vec<f64> = gpu_s.into_iter().skip(1).collect();
+        timed.sort_by(f64::total_cmp);
+        Ok(timed.get(timed.len() / 2).copied().unwrap_or(wall))
     }
 
     /// `batch` products of a `k`-wide, `n`-tall matrix of `t` with a vector, in one command
@@ -82,23 +116,12 @@ impl GpuBench {
         x.write_f32(&vec![0.5; k as usize]);
         let y = Buffer::new_in(&self.allocator, n * 4, MemoryUse::DeviceLocal)?;
         uploader.flush()?;
-        let mut gpu_s = Vec::new();
-        let wall = median_seconds(|| {
-            let stats = self.kernels.record_timed(|r| {
-                for _ in 0..batch {
-                    r.matvec(&w, &x, &y)?;
-                }
-                Ok(())
-            })?;
-            if let Some(ns) = stats.gpu_ns {
-                gpu_s.push(ns as f64 * 1e-9);
+        self.gpu_seconds(|r| {
+            for _ in 0..batch {
+                r.matvec(&w, &x, &y)?;
             }
-            Ok::<(), CalibrateError>(())
-        })?;
-        // The first entry is the warm-up's.
-        let mut timed: Vec<f64> = gpu_s.into_iter().skip(1).collect();
-        timed.sort_by(f64::total_cmp);
-        Ok(timed.get(timed.len() / 2).copied().unwrap_or(wall))
+            Ok(())
+        })
     }
 
     /// An empty command buffer submitted and waited for.

@@ -2,7 +2,7 @@
 //! on this machine's Vulkan device, CPU kernels, memory and disk, so that plans and predictions
 //! use measured figures instead of a described profile.
 //!
-//! - [`gpu::GpuBench`]: device-memory bandwidth (a device-local copy), the project's own
+//! - [`gpu::GpuBench`]: device-memory bandwidth (the `a += b` kernel), the project's own
 //!   matrix-vector kernels per weight type, an empty submit, and staging-to-device copies.
 //! - [`host::HostBench`]: the CPU engine's matrix-vector kernels on its thread pool, a parallel
 //!   read of host memory, and tile reads from a file through the [`crate::stream`] reader with
