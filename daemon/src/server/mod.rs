@@ -7,6 +7,8 @@
 //! - [`models`]: loading and the registry of loaded models; [`worker`]: one thread per model
 //!   owning its engine, with a bounded queue; [`stats`]: what `Status` reports; [`profile`]:
 //!   the `Profile` RPC's steps on the worker.
+//! - [`device`]: `cpu`, `vulkan` or `vulkan:N`, and opening the Vulkan device; [`gpu`]: a
+//!   model's worker on a Vulkan device (one request at a time) and what `Status` reads of it.
 //! - [`chat`]: chat messages to prompt text (the model's template, or ChatML); [`default_model`]: the model served when none is
 //!   configured.
 //!
