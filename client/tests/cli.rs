@@ -183,6 +183,38 @@ fn chat_keeps_the_history_across_turns() {
     assert!(prompts[1] > prompts[0] + 3, "{prompts:?}");
 }
 
+/// `spillway load --device vulkan` and `spillway ps` on a model on the GPU; skipped on a machine
+/// without a Vulkan device unless `SPILLWAY_REQUIRE_VULKAN` is set.
+#[test]
+fn ps_shows_a_model_on_the_gpu_with_its_vram() {
+    let d = Daemon::start(&[]);
+    let model = cache_dir().join("spillway/default-kjv-moe-q8_0-1.gguf");
+    let out = d.run(&[
+        "load",
+        model.to_str().unwrap(),
+        "--name",
+        "ongpu",
+        "--device",
+        "vulkan",
+    ]);
+    if !out.status.success() && stderr(&out).contains("Vulkan is not usable") {
+        let required = std::env::var("SPILLWAY_REQUIRE_VULKAN").is_ok_and(|v| v != "0");
+        assert!(!required, "no Vulkan device: {}", stderr(&out));
+        eprintln!("skipping: {}", stderr(&out));
+        return;
+    }
+    assert!(out.status.success(), "{}", stderr(&out));
+    let ps = stdout(&d.run(&["ps"]));
+    let mut lines = ps.lines().skip_while(|l| !l.starts_with("ongpu"));
+    let line = lines.next().unwrap_or_default();
+    assert!(line.contains("vulkan:") && line.contains("VRAM"), "{ps}");
+    let detail = lines.next().unwrap_or_default();
+    assert!(
+        detail.contains("VRAM") && detail.contains("held") && detail.contains("experts 8 of 8"),
+        "{ps}"
+    );
+}
+
 #[test]
 fn models_load_ps_and_unload() {
     let d = Daemon::start(&[]);

@@ -19,6 +19,9 @@ pub struct LoadArgs {
     /// KV cache positions (default: the model's context, at most 4096).
     #[arg(long, default_value_t = 0)]
     pub ctx: u32,
+    /// Where it runs: `cpu`, `vulkan` or `vulkan:N` (default: the daemon's --device).
+    #[arg(long, default_value = "")]
+    pub device: String,
 }
 
 pub async fn models(client: &mut Client) -> Result<(), Failure> {
@@ -60,6 +63,7 @@ pub async fn load(client: &mut Client, args: &LoadArgs) -> Result<(), Failure> {
             path: path.display().to_string(),
             name: args.name.clone(),
             context_length: args.ctx,
+            device: args.device.clone(),
             ..Default::default()
         })
         .await?
@@ -124,7 +128,7 @@ pub async fn ps(client: &mut Client) -> Result<(), Failure> {
         return Ok(());
     }
     println!(
-        "{:<24} {:<6} {:>20} {:>10} {:>7} {:>8}",
+        "{:<24} {:<8} {:>20} {:>10} {:>7} {:>8}",
         "NAME", "DEVICE", "WEIGHTS", "KV CACHE", "QUEUE", "TOK/S"
     );
     for m in status.models {
@@ -135,16 +139,52 @@ pub async fn ps(client: &mut Client) -> Result<(), Failure> {
             .collect::<Vec<_>>()
             .join(", ");
         println!(
-            "{:<24} {:<6} {:>20} {:>10} {:>7} {:>8.1}",
+            "{:<24} {:<8} {:>20} {:>10} {:>7} {:>8.1}",
             m.name,
-            m.device,
+            // `vulkan:0 (NAME)`: the name goes on the line below.
+            m.device.split(" (").next().unwrap_or_default(),
             weights,
             human_bytes(m.kv_cache_bytes),
             format!("{}/{}", m.queue_depth, m.queue_capacity + m.max_batch),
             m.recent_tokens_per_second
         );
+        if let Some(line) = gpu_line(&m) {
+            println!("  {line}");
+        }
     }
     Ok(())
+}
+
+/// For a model on a Vulkan device: the VRAM it holds, requests at a time, and where a MoE
+/// model's routed experts ran.
+fn gpu_line(m: &pb::ModelStatus) -> Option<String> {
+    if m.device == "cpu" || m.device.is_empty() {
+        return None;
+    }
+    let budget = match m.vram_budget_bytes {
+        0 => String::new(),
+        b => format!(" of a {} budget", human_bytes(b)),
+    };
+    let mut line = format!(
+        "{}: VRAM {} held{budget}; {} request at a time",
+        m.device,
+        human_bytes(m.vram_bytes),
+        m.max_batch
+    );
+    if let Some(e) = &m.experts {
+        let routed = e.hits + e.misses;
+        let hit = if routed == 0 {
+            0.0
+        } else {
+            100.0 * e.hits as f64 / routed as f64
+        };
+        line += &format!(
+            "; experts {} of {} per layer in VRAM, {routed} routed, {hit:.1}% hits, {} on the \
+             CPU, {} fetched (misses {})",
+            e.slots_per_layer, e.n_expert, e.cpu, e.fetched, e.miss
+        );
+    }
+    Some(line)
 }
 
 pub fn human_bytes(n: u64) -> String {
@@ -174,6 +214,32 @@ fn human_count(n: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_gpu_model_gets_a_line_with_its_vram_and_experts() {
+        let mut m = pb::ModelStatus {
+            device: "cpu".into(),
+            ..Default::default()
+        };
+        assert_eq!(gpu_line(&m), None);
+        m.device = "vulkan:0 (llvmpipe)".into();
+        m.vram_bytes = 3 << 20;
+        m.max_batch = 1;
+        m.experts = Some(pb::ExpertCounters {
+            slots_per_layer: 2,
+            n_expert: 8,
+            miss: "cpu".into(),
+            hits: 3,
+            misses: 1,
+            cpu: 1,
+            ..Default::default()
+        });
+        assert_eq!(
+            gpu_line(&m).unwrap(),
+            "vulkan:0 (llvmpipe): VRAM 3.0 MiB held; 1 request at a time; experts 2 of 8 per layer in VRAM, 4 \
+             routed, 75.0% hits, 1 on the CPU, 0 fetched (misses cpu)"
+        );
+    }
 
     #[test]
     fn sizes_and_progress_read_naturally() {

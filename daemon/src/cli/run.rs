@@ -3,10 +3,8 @@
 //! the generated text as it comes (or the ids, when the model has no usable tokenizer), or a JSON
 //! report. Both devices share the request handling and the sampler.
 
-use std::fmt;
 use std::io::Write;
 use std::path::PathBuf;
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -20,46 +18,16 @@ use spillway_daemon::engine::{Engine, EngineOptions, SamplerConfig};
 use spillway_daemon::gpu::expert_cache::ExpertStats;
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
 use spillway_daemon::gpu::placement::MoeMiss;
-use spillway_daemon::gpu::{Device, GpuError, Instance};
+use spillway_daemon::gpu::{Device, GpuError};
 use spillway_daemon::model::Model;
+use spillway_daemon::server::device::{self, OpenError};
 use spillway_daemon::stream::ReplacementPolicy;
 use spillway_daemon::tokenizer::Tokenizer;
 use spillway_sched::ByteSize;
 
 /// Where `run` computes: `cpu`, `vulkan` (the preferred Vulkan device) or `vulkan:N` (device N
 /// of `spillwayd devices`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RunDevice {
-    Cpu,
-    Vulkan(Option<usize>),
-}
-
-impl FromStr for RunDevice {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        let bad = || format!("`{s}` is not a device: use cpu, vulkan or vulkan:N");
-        match s.split_once(':') {
-            None if s == "cpu" => Ok(RunDevice::Cpu),
-            None if s == "vulkan" => Ok(RunDevice::Vulkan(None)),
-            Some(("vulkan", n)) => n
-                .parse()
-                .map(|n| RunDevice::Vulkan(Some(n)))
-                .map_err(|_| bad()),
-            _ => Err(bad()),
-        }
-    }
-}
-
-impl fmt::Display for RunDevice {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            RunDevice::Cpu => f.write_str("cpu"),
-            RunDevice::Vulkan(None) => f.write_str("vulkan"),
-            RunDevice::Vulkan(Some(n)) => write!(f, "vulkan:{n}"),
-        }
-    }
-}
+pub use spillway_daemon::server::device::DeviceChoice as RunDevice;
 
 #[derive(Debug, Clone, Args)]
 pub struct RunArgs {
@@ -318,34 +286,12 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
 /// The Vulkan device `--device vulkan[:N]` names, with errors that say what the machine has.
 fn open_vulkan(index: Option<usize>) -> anyhow::Result<Arc<Device>> {
     let wanted = RunDevice::Vulkan(index);
-    let instance = Instance::new().map_err(|e| {
-        anyhow!(
-            "--device {wanted}: Vulkan is not usable on this machine ({e}); install a Vulkan \
-                 driver or use --device cpu"
-        )
-    })?;
-    match Device::open(instance.clone(), index) {
-        Ok(d) => Ok(d),
-        Err(GpuError::NoSuchDevice { index, count }) => {
-            let devices = instance.devices().unwrap_or_default();
-            let list: Vec<String> = devices
-                .iter()
-                .map(|d| format!("vulkan:{} ({})", d.index, d.name))
-                .collect();
-            bail!(
-                "--device vulkan:{index}: no such device; this machine has {count}: {}",
-                if list.is_empty() {
-                    "none".to_string()
-                } else {
-                    list.join(", ")
-                }
-            )
+    device::open_vulkan(index).map_err(|e| match e {
+        OpenError::Unavailable(GpuError::NoDevice) => {
+            anyhow!("--device {wanted}: no Vulkan device found (`spillwayd devices` lists them)")
         }
-        Err(GpuError::NoDevice) => {
-            bail!("--device {wanted}: no Vulkan device found (`spillwayd devices` lists them)")
-        }
-        Err(e) => Err(anyhow!(e).context(format!("--device {wanted}: opening the device"))),
-    }
+        e => anyhow!("--device {wanted}: {e}"),
+    })
 }
 
 /// Uploads `model`; running out of the budget while uploading says what the model needs.
@@ -354,20 +300,7 @@ fn load_on_gpu(
     model: &Arc<Model>,
     options: &GpuModelOptions,
 ) -> anyhow::Result<GpuModel> {
-    GpuModel::new(device, model, options).map_err(|e| match e {
-        GpuError::OverBudget { .. } => {
-            let need = GpuModel::device_bytes(model, options);
-            anyhow!(
-                "{e}: the model needs {} bytes of device memory ({} of weights, {} of KV \
-                 cache, {} of activations) plus alignment and upload staging",
-                need.total(),
-                need.weights,
-                need.kv_cache,
-                need.activations
-            )
-        }
-        e => anyhow!(e),
-    })
+    device::load_gpu_model(device, model, options).map_err(|(_, message)| anyhow!(message))
 }
 
 fn print_out(text: &str) {

@@ -9,10 +9,12 @@ use anyhow::{bail, Context};
 use clap::Args;
 use spillway_daemon::server::auth::read_token_file;
 use spillway_daemon::server::default_model;
+use spillway_daemon::server::device::DeviceChoice;
 use spillway_daemon::server::models::name_from_path;
 use spillway_daemon::server::service::ModelDefaults;
 use spillway_daemon::server::{serve, ListenAddr, ServeConfig};
 use spillway_proto::endpoint::default_socket_path;
+use spillway_sched::ByteSize;
 
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
@@ -46,6 +48,15 @@ pub struct ServeArgs {
     /// cache of --ctx positions).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub max_batch: u16,
+    /// Where models run: `cpu`, `vulkan` (the preferred Vulkan device) or `vulkan:N` (device N
+    /// of `spillwayd devices`). On a Vulkan device a model serves one request at a time. Without
+    /// a usable Vulkan driver or device the daemon says so and serves on the CPU.
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceChoice,
+    /// Ceiling on the device memory each model may take with `--device vulkan` (e.g. 512MiB,
+    /// 8G). A MoE model over it keeps as many routed experts per layer in VRAM as fit.
+    #[arg(long)]
+    pub vram_budget: Option<ByteSize>,
     /// Seconds in-flight requests may run on after SIGTERM before they are cancelled.
     #[arg(long, default_value_t = 10.0)]
     pub grace_period: f64,
@@ -69,6 +80,9 @@ impl ServeArgs {
             ),
             None => None,
         };
+        if self.vram_budget.is_some() && self.device == DeviceChoice::Cpu {
+            bail!("--vram-budget applies to --device vulkan, not cpu");
+        }
         if !(self.grace_period.is_finite() && self.grace_period >= 0.0) {
             bail!("--grace-period must be a number of seconds, 0 or more");
         }
@@ -99,6 +113,8 @@ impl ServeArgs {
                 queue_capacity: self.queue_depth,
                 max_batch: self.max_batch as usize,
                 context: self.ctx,
+                device: self.device,
+                vram_budget: self.vram_budget.map(|b| b.0),
             },
             grace: Duration::from_secs_f64(self.grace_period),
         })

@@ -7,6 +7,8 @@
 //! - [`models`]: loading and the registry of loaded models; [`worker`]: one thread per model
 //!   owning its engine, with a bounded queue; [`stats`]: what `Status` reports; [`profile`]:
 //!   the `Profile` RPC's steps on the worker.
+//! - [`device`]: `cpu`, `vulkan` or `vulkan:N`, and opening the Vulkan device; [`gpu`]: a
+//!   model's worker on a Vulkan device (one request at a time) and what `Status` reads of it.
 //! - [`chat`]: chat messages to prompt text (the model's template, or ChatML); [`default_model`]: the model served when none is
 //!   configured.
 //!
@@ -16,6 +18,8 @@
 pub mod auth;
 pub mod chat;
 pub mod default_model;
+pub mod device;
+pub mod gpu;
 pub mod listen;
 pub mod models;
 pub mod profile;
@@ -34,6 +38,7 @@ use spillway_proto::v1::spillway_server::SpillwayServer;
 use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
 use tonic::transport::Server;
 
+use device::DeviceChoice;
 use listen::Listener;
 use models::LoadOptions;
 use service::{DaemonState, ModelDefaults, SpillwayService};
@@ -83,6 +88,11 @@ pub enum ServeError {
     DefaultModel(#[from] default_model::DefaultModelError),
     #[error("loading {name}: {message}")]
     Load { name: String, message: String },
+    #[error("--device {choice}: {message}")]
+    Device {
+        choice: DeviceChoice,
+        message: String,
+    },
     #[error("reflection: {0}")]
     Reflection(String),
     #[error("the gRPC server failed: {0}")]
@@ -94,6 +104,12 @@ pub enum ServeError {
 /// Runs the daemon until SIGTERM or SIGINT. `on_ready` is called with the address clients use
 /// once the listener is bound (models may still be loading).
 pub async fn serve(config: ServeConfig, on_ready: impl FnOnce(&str)) -> Result<(), ServeError> {
+    // Before binding: a device that does not exist stops the daemon with nothing to clean up.
+    let mut defaults = config.defaults.clone();
+    defaults.device = resolve_device(defaults.device)?;
+    if defaults.device == DeviceChoice::Cpu {
+        defaults.vram_budget = None;
+    }
     let listener = match &config.listen {
         ListenAddr::Unix(path) => listen::bind_unix(path).await?,
         ListenAddr::Tcp(addr) => listen::bind_tcp(*addr, config.token.is_some()).await?,
@@ -101,7 +117,7 @@ pub async fn serve(config: ServeConfig, on_ready: impl FnOnce(&str)) -> Result<(
     let describe = listener.describe().unwrap_or_default();
 
     let (health, health_service) = tonic_health::server::health_reporter();
-    let state = DaemonState::new(health, config.defaults.clone());
+    let state = DaemonState::new(health, defaults);
     // NOT_SERVING until the start-up models are loaded.
     state
         .health
@@ -207,10 +223,12 @@ async fn load_startup_models(
         let options = LoadOptions {
             name: name.clone(),
             path,
-            context: config.defaults.context,
-            threads: config.defaults.threads,
-            queue_capacity: config.defaults.queue_capacity,
-            max_batch: config.defaults.max_batch,
+            context: state.defaults.context,
+            threads: state.defaults.threads,
+            queue_capacity: state.defaults.queue_capacity,
+            max_batch: state.defaults.max_batch,
+            device: state.defaults.device,
+            vram_budget: state.defaults.vram_budget,
         };
         state
             .load_model(options, |_| {})
@@ -221,6 +239,28 @@ async fn load_startup_models(
             })?;
     }
     Ok(())
+}
+
+/// The daemon's `--device`: a Vulkan device it can open, or the CPU, said once in the log, when
+/// Vulkan is not usable here at all. A device index the machine does not have is an error.
+fn resolve_device(choice: DeviceChoice) -> Result<DeviceChoice, ServeError> {
+    let DeviceChoice::Vulkan(index) = choice else {
+        return Ok(choice);
+    };
+    match device::open_vulkan(index) {
+        Ok(d) => {
+            tracing::info!(device = %device::describe(&d), "models run on the GPU, one request at a time");
+            Ok(choice)
+        }
+        Err(e @ device::OpenError::NoSuchDevice { .. }) => Err(ServeError::Device {
+            choice,
+            message: e.to_string(),
+        }),
+        Err(e) => {
+            tracing::warn!("--device {choice}: {e}; serving on the CPU instead");
+            Ok(DeviceChoice::Cpu)
+        }
+    }
 }
 
 fn cleanup(config: &ServeConfig) {

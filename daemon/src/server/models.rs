@@ -8,8 +8,12 @@ use parking_lot::RwLock;
 use tokio_util::sync::CancellationToken;
 
 use super::chat::ChatTemplate;
+use super::device::{self, DeviceChoice, OpenError};
+use super::gpu::{GpuSequence, GpuStatus};
 use super::worker::Worker;
 use crate::engine::{BatchEngine, EngineOptions};
+use crate::gpu::forward::{GpuModel, GpuModelOptions};
+use crate::gpu::GpuError;
 use crate::model::{Model, ModelError};
 use crate::tokenizer::Tokenizer;
 
@@ -31,6 +35,15 @@ pub struct LoadedModel {
     pub tensors: u32,
     pub kv_cache_bytes: u64,
     pub worker: Worker,
+    /// `None` on the CPU.
+    pub gpu: Option<Arc<GpuStatus>>,
+}
+
+impl LoadedModel {
+    /// Where the forward pass runs: `cpu` or `vulkan:N (NAME)`.
+    pub fn device(&self) -> &str {
+        self.gpu.as_ref().map_or("cpu", |g| g.device.as_str())
+    }
 }
 
 /// How to load a model.
@@ -41,8 +54,11 @@ pub struct LoadOptions {
     pub context: usize,
     pub threads: usize,
     pub queue_capacity: usize,
-    /// Requests decoded together (sequences of the engine).
+    /// Requests decoded together (sequences of the engine; 1 on a Vulkan device).
     pub max_batch: usize,
+    pub device: DeviceChoice,
+    /// Ceiling on the device memory a model on a Vulkan device may hold.
+    pub vram_budget: Option<u64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -57,6 +73,19 @@ pub enum LoadError {
     NotFound(PathBuf),
     #[error("starting the model's worker thread: {0}")]
     Thread(#[from] std::io::Error),
+    #[error("{choice}: {source}")]
+    Device {
+        choice: DeviceChoice,
+        #[source]
+        source: OpenError,
+    },
+    /// The model could not be put on the device; `message` is the GPU's, with what it needs.
+    #[error("loading onto {device}: {message}")]
+    Gpu {
+        device: String,
+        source: GpuError,
+        message: String,
+    },
 }
 
 /// One load stage for progress reports.
@@ -118,25 +147,74 @@ pub fn load(
         if chat_template.from_model { "the model's own" } else { "ChatML (the model has none)" }
     );
     let model = Arc::new(model);
-    let engine = BatchEngine::new(
-        model.clone(),
-        &EngineOptions {
-            threads: options.threads,
-            context: options.context,
-        },
-        options.max_batch,
-    );
-    let context = engine.capacity();
-    let c = &model.config;
-    // f16 keys and values per layer and position, for every sequence.
-    let kv_cache_bytes = (2 * c.n_layer * context * c.kv_width() * 2 * engine.sequences()) as u64;
-    let worker = Worker::spawn(
-        &options.name,
-        engine,
-        tokenizer.clone(),
-        options.queue_capacity,
-        shutdown,
-    )?;
+    let (worker, context, kv_cache_bytes, gpu) = match options.device {
+        DeviceChoice::Cpu => {
+            let engine = BatchEngine::new(
+                model.clone(),
+                &EngineOptions {
+                    threads: options.threads,
+                    context: options.context,
+                },
+                options.max_batch,
+            );
+            let context = engine.capacity();
+            let c = &model.config;
+            // f16 keys and values per layer and position, for every sequence.
+            let kv_cache_bytes =
+                (2 * c.n_layer * context * c.kv_width() * 2 * engine.sequences()) as u64;
+            let worker = Worker::spawn(
+                &options.name,
+                engine,
+                tokenizer.clone(),
+                options.queue_capacity,
+                shutdown,
+            )?;
+            (worker, context, kv_cache_bytes, None)
+        }
+        DeviceChoice::Vulkan(index) => {
+            let device = device::open_vulkan(index).map_err(|source| LoadError::Device {
+                choice: options.device,
+                source,
+            })?;
+            let name = device::describe(&device);
+            progress(LoadProgress {
+                stage: "uploading to the GPU",
+                bytes_done: 0,
+                bytes_total: weight_bytes,
+            });
+            let gpu_options = GpuModelOptions {
+                vram_budget: options.vram_budget,
+                context: options.context,
+                threads: options.threads,
+                ..GpuModelOptions::default()
+            };
+            let gpu = device::load_gpu_model(&device, &model, &gpu_options).map_err(
+                |(source, message)| LoadError::Gpu {
+                    device: name.clone(),
+                    source,
+                    message,
+                },
+            )?;
+            let context = gpu.capacity();
+            let footprint = GpuModel::device_bytes(&model, &gpu_options);
+            let (sequence, status) = GpuSequence::new(model.clone(), gpu, name.clone(), footprint);
+            let kv_cache_bytes = footprint.kv_cache;
+            tracing::info!(
+                model = %options.name,
+                device = %name,
+                vram_bytes = status.vram_bytes(),
+                "on the GPU, one request at a time"
+            );
+            let worker = Worker::spawn(
+                &options.name,
+                sequence,
+                tokenizer.clone(),
+                options.queue_capacity,
+                shutdown,
+            )?;
+            (worker, context, kv_cache_bytes, Some(status))
+        }
+    };
     Ok(LoadedModel {
         name: options.name.clone(),
         path: path.clone(),
@@ -149,6 +227,7 @@ pub fn load(
         chat_template,
         model,
         worker,
+        gpu,
     })
 }
 

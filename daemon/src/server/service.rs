@@ -15,10 +15,13 @@ use tonic::{Request, Response, Status};
 use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
 
+use super::device::{DeviceChoice, OpenError};
+use super::gpu::GpuStatus;
 use super::models::{self, LoadError, LoadOptions, LoadedModel, Registry};
 use super::profile::{ProfileItem, ProfileJob};
 use super::validate::{self, ModelLimits};
 use super::worker::{GenerateItem, GenerateJob};
+use crate::gpu::GpuError;
 use crate::tokenizer::DecodeOptions as DetokenizeOptions;
 
 /// Name under which the health service reports this service.
@@ -33,6 +36,11 @@ pub struct ModelDefaults {
     pub max_batch: usize,
     /// KV cache positions; 0: the model's context, at most 4096.
     pub context: usize,
+    /// Where models run unless LoadModel says otherwise (`--device`, after falling back to the
+    /// CPU when Vulkan is not usable).
+    pub device: DeviceChoice,
+    /// Ceiling on the device memory of each model on a Vulkan device (`--vram-budget`).
+    pub vram_budget: Option<u64>,
 }
 
 /// State shared by the service, the loader and shutdown.
@@ -93,6 +101,20 @@ impl DaemonState {
             LoadError::NotFound(_) => Status::not_found(e.to_string()),
             LoadError::Model { .. } => Status::invalid_argument(e.to_string()),
             LoadError::Thread(_) => Status::internal(e.to_string()),
+            LoadError::Device { ref source, .. } => match source {
+                OpenError::NoSuchDevice { .. } => Status::invalid_argument(e.to_string()),
+                OpenError::Unavailable(_) => Status::failed_precondition(e.to_string()),
+                OpenError::Other(_) => Status::internal(e.to_string()),
+            },
+            // A model over its VRAM budget: the budget (or the model) must change.
+            LoadError::Gpu { ref source, .. } if source.is_out_of_memory() => {
+                Status::failed_precondition(e.to_string())
+            }
+            LoadError::Gpu {
+                source: GpuError::Unsupported(_),
+                ..
+            } => Status::invalid_argument(e.to_string()),
+            LoadError::Gpu { .. } => Status::internal(e.to_string()),
         })?;
         if let Err(model) = self.registry.insert(loaded) {
             model.worker.unload();
@@ -202,6 +224,13 @@ impl Spillway for SpillwayService {
             .map(|d| arrived + d);
         let req = request.into_inner();
         let model = self.model(&req.model)?;
+        if model.gpu.is_some() {
+            return Err(Status::failed_precondition(format!(
+                "model {:?} runs on {}: per-layer profiles are measured on the CPU engine only",
+                model.name,
+                model.device()
+            )));
+        }
         let render = |m: &[pb::ChatMessage]| model.chat_template.render(m);
         let limits = ModelLimits {
             tokenizer: model.tokenizer.as_deref(),
@@ -297,16 +326,30 @@ impl Spillway for SpillwayService {
         if req.path.is_empty() {
             return Err(Status::invalid_argument("give the path of a GGUF file"));
         }
-        if !req.pins.is_empty()
-            || req
-                .budgets
-                .is_some_and(|b| b.vram_bytes != 0 || b.ram_bytes != 0)
-        {
+        if !req.pins.is_empty() || req.budgets.is_some_and(|b| b.ram_bytes != 0) {
             return Err(Status::unimplemented(
-                "budgets and tensor pins are not supported yet: the CPU engine keeps every \
-                 weight in RAM; load without them",
+                "RAM budgets and tensor pins are not supported yet: every weight stays in RAM \
+                 (or VRAM, on a Vulkan device); load without them",
             ));
         }
+        let defaults = &self.state.defaults;
+        let device = match req.device.as_str() {
+            "" => defaults.device,
+            d => d
+                .parse::<DeviceChoice>()
+                .map_err(Status::invalid_argument)?,
+        };
+        let vram_budget = match (device, req.budgets.map_or(0, |b| b.vram_bytes)) {
+            (DeviceChoice::Cpu, 0) => None,
+            (DeviceChoice::Cpu, _) => {
+                return Err(Status::invalid_argument(
+                    "budgets.vram_bytes applies to a model on a Vulkan device, and this one \
+                     would run on the CPU; give device \"vulkan\" or no VRAM budget",
+                ))
+            }
+            (DeviceChoice::Vulkan(_), 0) => defaults.vram_budget,
+            (DeviceChoice::Vulkan(_), n) => Some(n),
+        };
         let path = PathBuf::from(&req.path);
         let name = if req.name.is_empty() {
             models::name_from_path(&path)
@@ -316,7 +359,6 @@ impl Spillway for SpillwayService {
         if self.state.registry.contains(&name) {
             return Err(name_taken(&name));
         }
-        let defaults = &self.state.defaults;
         let options = LoadOptions {
             name,
             path,
@@ -327,6 +369,8 @@ impl Spillway for SpillwayService {
             threads: defaults.threads,
             queue_capacity: defaults.queue_capacity,
             max_batch: defaults.max_batch,
+            device,
+            vram_budget,
         };
         let (tx, rx) = mpsc::channel(16);
         let state = self.state.clone();
@@ -387,7 +431,7 @@ impl Spillway for SpillwayService {
             .iter()
             .map(|m| {
                 let stats = m.worker.stats();
-                pb::ModelStatus {
+                let mut status = pb::ModelStatus {
                     name: m.name.clone(),
                     // The CPU engine reads every weight from RAM (the page cache).
                     tiers: vec![pb::TierUsage {
@@ -398,15 +442,56 @@ impl Spillway for SpillwayService {
                     expert_cache_hit_rate: Vec::new(),
                     queue_depth: stats.in_queue.load(Ordering::SeqCst) as u32,
                     recent_tokens_per_second: stats.recent_tokens_per_second(now),
-                    device: "cpu".into(),
+                    device: m.device().to_string(),
                     kv_cache_bytes: m.kv_cache_bytes,
                     queue_capacity: m.worker.queue_capacity() as u32,
                     generated_tokens: stats.generated.load(Ordering::Relaxed),
                     max_batch: m.worker.max_batch() as u32,
+                    ..Default::default()
+                };
+                if let Some(gpu) = &m.gpu {
+                    gpu_status(gpu, m.tensors, &mut status);
                 }
+                status
             })
             .collect();
         Ok(Response::new(pb::StatusResponse { models }))
+    }
+}
+
+/// What a model on a Vulkan device adds to its status: VRAM held, where the weights are, and
+/// where a MoE model's routed experts ran.
+fn gpu_status(gpu: &GpuStatus, tensors: u32, status: &mut pb::ModelStatus) {
+    status.vram_bytes = gpu.vram_bytes();
+    status.vram_budget_bytes = gpu.vram_budget().unwrap_or(0);
+    status.tiers = vec![pb::TierUsage {
+        tier: "vram".into(),
+        bytes: gpu.vram_weights,
+        tensors,
+    }];
+    if gpu.ram_weights > 0 {
+        // The routed experts without a VRAM slot: stacked with the resident ones, so no
+        // tensor of their own.
+        status.tiers.push(pb::TierUsage {
+            tier: "ram".into(),
+            bytes: gpu.ram_weights,
+            tensors: 0,
+        });
+    }
+    if let Some(e) = gpu.experts.lock().as_ref() {
+        let t = e.total();
+        status.expert_cache_hit_rate = e.layers.iter().map(|l| l.hit_rate() as f32).collect();
+        status.experts = Some(pb::ExpertCounters {
+            slots_per_layer: e.slots as u32,
+            n_expert: e.n_expert as u32,
+            miss: e.miss.to_string(),
+            hits: t.hits,
+            misses: t.misses,
+            cpu: t.cpu,
+            fetched: t.fetched,
+            evictions: t.evictions,
+            bytes_uploaded: t.bytes_uploaded,
+        });
     }
 }
 

@@ -18,9 +18,83 @@ use tonic::Status;
 use super::profile::{step_message, totals_message, ProfileJob};
 use super::stats::ModelStats;
 use crate::engine::decode::{DecodeOptions, Decoder, TokenStep};
-use crate::engine::generate::{top_logprobs, FinishReason};
+use crate::engine::generate::{top_logprobs, FinishReason, GenerateError};
 use crate::engine::{argmax, BatchEngine, StepProfile, MAX_BATCH};
+use crate::model::Model;
 use crate::tokenizer::Tokenizer;
+
+/// What a worker drives: the sequences of one loaded model, on the CPU ([`BatchEngine`]) or a
+/// device that holds fewer (the GPU's one, `super::gpu`).
+pub trait Sequences: Send + 'static {
+    fn model(&self) -> &Model;
+    /// How many sequences run together.
+    fn sequences(&self) -> usize;
+    /// Positions each sequence may hold.
+    fn capacity(&self) -> usize;
+    /// Tokens evaluated so far in sequence `seq`.
+    fn position(&self, seq: usize) -> usize;
+    /// Forgets sequence `seq`.
+    fn reset(&mut self, seq: usize);
+    /// Most prompt tokens evaluated between two checks for cancellation and deadlines.
+    fn prompt_chunk(&self) -> usize;
+    /// Evaluates `tokens` at the next positions of sequence `seq`; the logits after every one
+    /// (`all_logits`) or the last.
+    fn eval_sequence(
+        &mut self,
+        seq: usize,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<Vec<f32>, GenerateError>;
+    /// One decode step: one token of each listed sequence; `n_vocab` logits per input.
+    fn step(&mut self, inputs: &[(usize, u32)]) -> Result<Vec<f32>, GenerateError>;
+    /// The CPU engine, for per-layer profiles; `None` where the device has no profiler.
+    fn profiler(&mut self) -> Option<&mut BatchEngine> {
+        None
+    }
+}
+
+impl Sequences for BatchEngine {
+    fn model(&self) -> &Model {
+        BatchEngine::model(self)
+    }
+
+    fn sequences(&self) -> usize {
+        BatchEngine::sequences(self)
+    }
+
+    fn capacity(&self) -> usize {
+        BatchEngine::capacity(self)
+    }
+
+    fn position(&self, seq: usize) -> usize {
+        BatchEngine::position(self, seq)
+    }
+
+    fn reset(&mut self, seq: usize) {
+        BatchEngine::reset(self, seq);
+    }
+
+    fn prompt_chunk(&self) -> usize {
+        MAX_BATCH
+    }
+
+    fn eval_sequence(
+        &mut self,
+        seq: usize,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<Vec<f32>, GenerateError> {
+        Ok(BatchEngine::eval_sequence(self, seq, tokens, all_logits)?)
+    }
+
+    fn step(&mut self, inputs: &[(usize, u32)]) -> Result<Vec<f32>, GenerateError> {
+        Ok(BatchEngine::step(self, inputs)?)
+    }
+
+    fn profiler(&mut self) -> Option<&mut BatchEngine> {
+        Some(self)
+    }
+}
 
 /// What a generation stream carries.
 pub type GenerateItem = Result<pb::GenerateResponse, Status>;
@@ -53,6 +127,35 @@ pub struct Worker {
     max_batch: usize,
 }
 
+/// Whether a job whose caller is gone (`closed`), with `deadline`, must stop, given the
+/// model's `unload` token and the daemon's `shutdown` token.
+fn check(
+    unload: &CancellationToken,
+    shutdown: &CancellationToken,
+    closed: bool,
+    deadline: Option<Instant>,
+) -> Result<(), Interrupt> {
+    if closed {
+        return Err(Interrupt::Gone);
+    }
+    if unload.is_cancelled() {
+        return Err(Interrupt::Fail(Status::aborted(
+            "the model was unloaded while this request ran",
+        )));
+    }
+    if shutdown.is_cancelled() {
+        return Err(Interrupt::Fail(Status::unavailable(
+            "the daemon is shutting down; retry against a running daemon",
+        )));
+    }
+    if deadline.is_some_and(|d| Instant::now() >= d) {
+        return Err(Interrupt::Fail(Status::deadline_exceeded(
+            "the deadline passed before the request finished",
+        )));
+    }
+    Ok(())
+}
+
 /// Why a job stopped before its natural end.
 enum Interrupt {
     /// The caller went away: nobody to tell.
@@ -66,7 +169,7 @@ impl Worker {
     /// is the daemon's token for cancelling in-flight work once the grace period is over.
     pub fn spawn(
         name: &str,
-        engine: BatchEngine,
+        engine: impl Sequences,
         tokenizer: Option<Arc<Tokenizer>>,
         queue_capacity: usize,
         shutdown: CancellationToken,
@@ -150,8 +253,8 @@ impl Worker {
 }
 
 /// What the worker thread owns.
-struct WorkerContext {
-    engine: BatchEngine,
+struct WorkerContext<E> {
+    engine: E,
     tokenizer: Option<Arc<Tokenizer>>,
     stats: Arc<ModelStats>,
     unload: CancellationToken,
@@ -169,7 +272,7 @@ struct Active<'t> {
     prompt_logprobs: Vec<pb::PromptLogprobs>,
 }
 
-impl WorkerContext {
+impl<E: Sequences> WorkerContext<E> {
     /// Admits waiting jobs into free sequences (blocking only when none runs), then runs one
     /// decode step for all running sequences together, until the queue is closed and drained.
     fn run(mut self, rx: Receiver<Job>) {
@@ -294,25 +397,7 @@ impl WorkerContext {
 
     /// Whether a job whose caller is gone (`closed`), with `deadline`, must stop.
     fn check(&self, closed: bool, deadline: Option<Instant>) -> Result<(), Interrupt> {
-        if closed {
-            return Err(Interrupt::Gone);
-        }
-        if self.unload.is_cancelled() {
-            return Err(Interrupt::Fail(Status::aborted(
-                "the model was unloaded while this request ran",
-            )));
-        }
-        if self.shutdown.is_cancelled() {
-            return Err(Interrupt::Fail(Status::unavailable(
-                "the daemon is shutting down; retry against a running daemon",
-            )));
-        }
-        if deadline.is_some_and(|d| Instant::now() >= d) {
-            return Err(Interrupt::Fail(Status::deadline_exceeded(
-                "the deadline passed before the request finished",
-            )));
-        }
-        Ok(())
+        check(&self.unload, &self.shutdown, closed, deadline)
     }
 
     /// Evaluates a job's prompt in sequence `seq` and samples its first token. `None` when the
@@ -339,7 +424,7 @@ impl WorkerContext {
         // The prompt in chunks, so that a long one can be interrupted too.
         let mut prompt_logprobs = Vec::new();
         let mut logits = Vec::new();
-        for chunk in job.prompt.chunks(MAX_BATCH) {
+        for chunk in job.prompt.chunks(self.engine.prompt_chunk()) {
             self.interrupted(&job)?;
             let out = self
                 .engine
@@ -379,33 +464,38 @@ impl WorkerContext {
     /// Runs a profile job in sequence `seq`: the prompt, then greedy decode steps, each sent
     /// with its records as it completes; the last carries the totals.
     fn profile(&mut self, job: &ProfileJob, seq: usize) -> Result<(), Interrupt> {
-        let check = |w: &Self| w.check(job.tx.is_closed(), job.deadline);
-        check(self)?;
+        let (unload, shutdown) = (self.unload.clone(), self.shutdown.clone());
+        let check = || check(&unload, &shutdown, job.tx.is_closed(), job.deadline);
+        check()?;
         tracing::debug!(
             prompt_tokens = job.prompt.len(),
             steps = job.steps,
             seq,
             "profile"
         );
+        let Some(engine) = self.engine.profiler() else {
+            return Err(Interrupt::Fail(Status::failed_precondition(
+                "per-layer profiles are measured on the CPU engine only; this model runs on a \
+                 Vulkan device",
+            )));
+        };
         let fail = |e: crate::engine::EngineError| Interrupt::Fail(Status::internal(e.to_string()));
-        let layers = self.engine.model().config.n_layer;
+        let layers = engine.model().config.n_layer;
         let send =
             |msg: pb::ProfileStep| job.tx.blocking_send(Ok(msg)).map_err(|_| Interrupt::Gone);
-        self.engine.reset(seq);
+        engine.reset(seq);
         let origin = Instant::now();
         let mut prefill = StepProfile::default();
-        let logits = self
-            .engine
+        let logits = engine
             .eval_sequence_with(seq, &job.prompt, false, Some(&mut prefill))
             .map_err(fail)?;
         let mut next = argmax(&logits) as u32;
         send(step_message(0, &prefill, origin))?;
         let mut decode: Vec<StepProfile> = Vec::with_capacity(job.steps);
         for i in 1..=job.steps {
-            check(self)?;
+            check()?;
             let mut p = StepProfile::default();
-            let logits = self
-                .engine
+            let logits = engine
                 .eval_sequence_with(seq, &[next], false, Some(&mut p))
                 .map_err(fail)?;
             next = argmax(&logits) as u32;
@@ -416,7 +506,7 @@ impl WorkerContext {
             }
             send(msg)?;
         }
-        self.engine.reset(seq);
+        engine.reset(seq);
         Ok(())
     }
 

@@ -1,0 +1,140 @@
+//! A model served on a Vulkan device: its worker drives one [`GpuModel`] through the same
+//! [`SequenceModel`] calls `spillwayd run --device vulkan` makes, so requests get the CPU
+//! worker's queue, sampling, stop strings, streaming, cancellation and deadlines. The GPU holds
+//! one sequence, so requests run one at a time (the worker's batch is 1); prompts go token by
+//! token, with cancellation and deadlines checked between tokens.
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::worker::Sequences;
+use crate::engine::generate::{GenerateError, SequenceModel};
+use crate::gpu::alloc::Allocator;
+use crate::gpu::expert_cache::ExpertStats;
+use crate::gpu::footprint::DeviceBytes;
+use crate::gpu::forward::GpuModel;
+use crate::model::Model;
+
+/// What `Status` reads of a model on a Vulkan device while its worker runs.
+pub struct GpuStatus {
+    /// `vulkan:N (NAME)`.
+    pub device: String,
+    /// Weight bytes in VRAM, and routed experts' bytes left in RAM (computed on the CPU or
+    /// fetched when routed).
+    pub vram_weights: u64,
+    pub ram_weights: u64,
+    /// Device memory the model holds (its allocator's blocks).
+    pub allocator: Arc<Allocator>,
+    /// Where a MoE model's routed experts ran since loading, updated after every evaluation
+    /// (`None` for dense models).
+    pub experts: Mutex<Option<ExpertStats>>,
+}
+
+impl GpuStatus {
+    /// Device-memory bytes held now.
+    pub fn vram_bytes(&self) -> u64 {
+        self.allocator.budget().held()
+    }
+
+    /// The VRAM budget the model was loaded under, if any.
+    pub fn vram_budget(&self) -> Option<u64> {
+        self.allocator.budget().limit()
+    }
+}
+
+/// The worker's view of a [`GpuModel`]: one sequence.
+pub struct GpuSequence {
+    model: Arc<Model>,
+    gpu: GpuModel,
+    status: Arc<GpuStatus>,
+}
+
+impl GpuSequence {
+    /// `footprint`: what the model takes on the device with every expert in VRAM.
+    pub fn new(
+        model: Arc<Model>,
+        gpu: GpuModel,
+        device: String,
+        footprint: DeviceBytes,
+    ) -> (GpuSequence, Arc<GpuStatus>) {
+        let placement = gpu.placement();
+        let ram_weights = match placement.n_expert {
+            0 => 0,
+            n => {
+                let left = n.saturating_sub(placement.slots) as u64;
+                footprint.experts / n as u64 * left
+            }
+        };
+        let status = Arc::new(GpuStatus {
+            device,
+            vram_weights: footprint.weights.saturating_sub(ram_weights),
+            ram_weights,
+            allocator: gpu.allocator().clone(),
+            experts: Mutex::new(gpu.expert_stats()),
+        });
+        (
+            GpuSequence {
+                model,
+                gpu,
+                status: status.clone(),
+            },
+            status,
+        )
+    }
+
+    fn eval(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>, GenerateError> {
+        let out = self.gpu.eval_tokens(tokens, all_logits);
+        if let Some(stats) = self.gpu.expert_stats() {
+            *self.status.experts.lock() = Some(stats);
+        }
+        out
+    }
+}
+
+impl Sequences for GpuSequence {
+    fn model(&self) -> &Model {
+        &self.model
+    }
+
+    fn sequences(&self) -> usize {
+        1
+    }
+
+    fn capacity(&self) -> usize {
+        SequenceModel::capacity(&self.gpu)
+    }
+
+    fn position(&self, seq: usize) -> usize {
+        debug_assert_eq!(seq, 0);
+        SequenceModel::position(&self.gpu)
+    }
+
+    fn reset(&mut self, seq: usize) {
+        debug_assert_eq!(seq, 0);
+        SequenceModel::reset(&mut self.gpu);
+    }
+
+    /// Token by token: the GPU has no batched prompt, so this costs nothing.
+    fn prompt_chunk(&self) -> usize {
+        1
+    }
+
+    fn eval_sequence(
+        &mut self,
+        seq: usize,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<Vec<f32>, GenerateError> {
+        debug_assert_eq!(seq, 0);
+        self.eval(tokens, all_logits)
+    }
+
+    fn step(&mut self, inputs: &[(usize, u32)]) -> Result<Vec<f32>, GenerateError> {
+        match inputs {
+            [] => Ok(Vec::new()),
+            [(0, token)] => self.eval(&[*token], false),
+            _ => unreachable!("the GPU worker runs one sequence"),
+        }
+    }
+}

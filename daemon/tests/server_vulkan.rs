@@ -1,0 +1,260 @@
+//! `spillwayd serve` with models on a Vulkan device: greedy generations over gRPC give the tokens
+//! the CPU-served copy of the same model gives (a MoE and a dense model), `Status` shows the
+//! device, the VRAM held and the expert counters, a device that does not exist and a budget
+//! below the model's minimum get their documented errors, and a machine without a Vulkan driver
+//! is served on the CPU. The GPU tests run on whatever Vulkan device the machine has (lavapipe
+//! in CI) and skip without one, unless `SPILLWAY_REQUIRE_VULKAN` is set.
+
+#[path = "common/daemon.rs"]
+mod daemon;
+
+use std::path::{Path, PathBuf};
+
+use daemon::Daemon;
+use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
+use spillway_daemon::gpu::{Device, Instance, REQUIRE_VULKAN_ENV};
+use spillway_daemon::model::Model;
+use spillway_daemon::synth::SynthModel;
+use spillway_proto::v1 as pb;
+use tonic::transport::Channel;
+use tonic::Code;
+
+type Client = pb::spillway_client::SpillwayClient<Channel>;
+
+fn has_vulkan() -> bool {
+    match Instance::new().and_then(|i| Device::open(i, None)) {
+        Ok(_) => true,
+        Err(e) => {
+            let required = std::env::var(REQUIRE_VULKAN_ENV).is_ok_and(|v| v != "0");
+            assert!(
+                !required,
+                "{REQUIRE_VULKAN_ENV} is set but no Vulkan device: {e}"
+            );
+            eprintln!("skipping: no Vulkan device ({e})");
+            false
+        }
+    }
+}
+
+/// F16 weights: the GPU's logits stay within ~0.1% of the CPU's, so a random model's greedy
+/// choices agree (quantized weights move logits enough to flip close ones).
+fn synth(dir: &Path, preset: &str, seed: u64) -> PathBuf {
+    let path = dir.join(format!("{preset}-f16.gguf"));
+    SynthModel::from_name(preset, "F16".parse().unwrap(), seed)
+        .unwrap()
+        .write(&path, false, |_, _| {})
+        .unwrap();
+    path
+}
+
+async fn load(client: &mut Client, req: pb::LoadModelRequest) -> Result<(), tonic::Status> {
+    let mut progress = client.load_model(req).await?.into_inner();
+    while let Some(p) = progress.message().await? {
+        if p.ready {
+            return Ok(());
+        }
+    }
+    panic!("the load stream ended before the model was ready");
+}
+
+fn load_request(path: &Path, name: &str, device: &str) -> pb::LoadModelRequest {
+    pb::LoadModelRequest {
+        path: path.display().to_string(),
+        name: name.into(),
+        device: device.into(),
+        ..Default::default()
+    }
+}
+
+/// Eight greedy tokens after a fixed prompt.
+async fn greedy(client: &mut Client, model: &str) -> Vec<u32> {
+    let mut stream = client
+        .generate(pb::GenerateRequest {
+            model: model.into(),
+            input: Some(pb::generate_request::Input::Tokens(pb::TokenIds {
+                ids: vec![1, 17, 300, 5, 1000],
+            })),
+            max_tokens: 8,
+            ignore_eos: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut tokens = Vec::new();
+    let mut finish = 0;
+    while let Some(m) = stream.message().await.unwrap() {
+        tokens.push(m.token);
+        finish = m.finish_reason;
+    }
+    assert_eq!(finish, pb::FinishReason::MaxTokens as i32, "{model}");
+    tokens
+}
+
+async fn status_of(client: &mut Client, name: &str) -> pb::ModelStatus {
+    let status = client.status(pb::StatusRequest {}).await.unwrap();
+    status
+        .into_inner()
+        .models
+        .into_iter()
+        .find(|m| m.name == name)
+        .unwrap()
+}
+
+#[tokio::test]
+async fn models_on_vulkan_generate_the_tokens_of_their_cpu_served_copies() {
+    if !has_vulkan() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let moe = synth(dir.path(), "tiny-qwen2moe", 3);
+    let dense = synth(dir.path(), "tiny-llama", 5);
+    let start_model = format!("moe={}", moe.display());
+    // The daemon's --device puts its start-up model on the GPU; LoadModel's device picks per
+    // model.
+    let d = Daemon::start(&["--device", "vulkan", "--model", &start_model]).await;
+    let mut client = d.client().await;
+    load(&mut client, load_request(&moe, "moe-cpu", "cpu"))
+        .await
+        .unwrap();
+    load(&mut client, load_request(&dense, "dense", "vulkan"))
+        .await
+        .unwrap();
+    load(&mut client, load_request(&dense, "dense-cpu", "cpu"))
+        .await
+        .unwrap();
+
+    for (gpu, cpu) in [("moe", "moe-cpu"), ("dense", "dense-cpu")] {
+        let want = greedy(&mut client, cpu).await;
+        assert_eq!(want.len(), 8);
+        assert_eq!(greedy(&mut client, gpu).await, want, "{gpu} against {cpu}");
+    }
+
+    let moe = status_of(&mut client, "moe").await;
+    assert!(moe.device.starts_with("vulkan:0 ("), "{}", moe.device);
+    assert_eq!(moe.max_batch, 1);
+    assert!(moe.vram_bytes > 0 && moe.kv_cache_bytes > 0);
+    assert_eq!(moe.vram_budget_bytes, 0);
+    assert_eq!(moe.tiers.len(), 1, "every expert in VRAM: {:?}", moe.tiers);
+    assert_eq!(moe.tiers[0].tier, "vram");
+    assert_eq!(moe.generated_tokens, 8);
+    let e = moe.experts.expect("a MoE model's expert counters");
+    assert_eq!(e.slots_per_layer, e.n_expert);
+    assert!(e.hits > 0 && e.misses == 0, "{e:?}");
+    assert!(moe.expert_cache_hit_rate.iter().all(|&r| r == 1.0));
+
+    let dense = status_of(&mut client, "dense").await;
+    assert!(dense.device.starts_with("vulkan:"));
+    assert!(dense.vram_bytes > 0);
+    assert!(dense.experts.is_none());
+    let cpu = status_of(&mut client, "dense-cpu").await;
+    assert_eq!((cpu.device.as_str(), cpu.vram_bytes), ("cpu", 0));
+    assert!(cpu.max_batch > 1);
+
+    // Per-layer profiles are the CPU engine's.
+    let profile = client
+        .profile(pb::ProfileRequest {
+            model: "dense".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(profile.code(), Code::FailedPrecondition);
+}
+
+#[tokio::test]
+async fn bad_devices_and_budgets_get_their_documented_errors() {
+    if !has_vulkan() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let moe = synth(dir.path(), "tiny-qwen2moe", 3);
+    let d = Daemon::with_test_model(&[]).await;
+    let mut client = d.client().await;
+
+    let err = load(&mut client, load_request(&moe, "far", "vulkan:99"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("vulkan:99"), "{}", err.message());
+    assert!(err.message().contains("vulkan:0 ("), "{}", err.message());
+
+    let err = load(&mut client, load_request(&moe, "odd", "gpu"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+
+    let small = |device: &str, bytes: u64| pb::LoadModelRequest {
+        budgets: Some(pb::Budgets {
+            vram_bytes: bytes,
+            ram_bytes: 0,
+        }),
+        ..load_request(&moe, "small", device)
+    };
+    let err = load(&mut client, small("cpu", 1 << 20)).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("vram_bytes"), "{}", err.message());
+
+    let err = load(&mut client, small("vulkan", 1 << 20))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(
+        err.message().contains("the model needs at least"),
+        "{}",
+        err.message()
+    );
+    assert!(
+        err.message().contains("VRAM budget of 1048576 bytes"),
+        "{}",
+        err.message()
+    );
+
+    // Between the minimum and the whole model: some experts stay in RAM and run on the CPU.
+    let device = Instance::new().and_then(|i| Device::open(i, None)).unwrap();
+    let model = Model::open(&moe).unwrap();
+    let options = GpuModelOptions::default();
+    let whole = GpuModel::device_bytes(&model, &options).total();
+    let minimum = GpuModel::minimum_budget(&device, &model, &options)
+        .unwrap()
+        .total();
+    let budget = minimum + (whole - minimum) / 3;
+    load(&mut client, small("vulkan", budget)).await.unwrap();
+    assert_eq!(greedy(&mut client, "small").await.len(), 8);
+    let s = status_of(&mut client, "small").await;
+    assert_eq!(s.vram_budget_bytes, budget);
+    assert!(s.vram_bytes > 0 && s.vram_bytes <= budget);
+    assert_eq!(
+        s.tiers.iter().map(|t| t.tier.as_str()).collect::<Vec<_>>(),
+        ["vram", "ram"]
+    );
+    let e = s.experts.unwrap();
+    assert!(e.slots_per_layer < e.n_expert);
+    assert!(e.misses > 0 && e.cpu > 0, "{e:?}");
+    assert_eq!(e.miss, "cpu");
+}
+
+#[tokio::test]
+async fn without_a_vulkan_driver_the_daemon_says_so_and_serves_on_the_cpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("no-such-icd.json");
+    let model = daemon::test_model().to_str().unwrap().to_string();
+    // The loader's variables for the driver list (older and newer names): none usable.
+    let d = Daemon::spawn(
+        &["--device", "vulkan", "--model", &model],
+        &[
+            ("VK_ICD_FILENAMES", &missing),
+            ("VK_DRIVER_FILES", &missing),
+        ],
+    );
+    d.wait_serving().await;
+    let log = d.log_text();
+    assert_eq!(
+        log.matches("serving on the CPU instead").count(),
+        1,
+        "{log}"
+    );
+    let mut client = d.client().await;
+    let s = status_of(&mut client, "tiny-qwen3moe-q8_0").await;
+    assert_eq!(s.device, "cpu");
+}
