@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use daemon::Daemon;
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
-use spillway_daemon::gpu::{Device, Instance, REQUIRE_VULKAN_ENV};
+use spillway_daemon::gpu::{Device, Instance};
 use spillway_daemon::model::Model;
 use spillway_daemon::synth::SynthModel;
 use spillway_proto::v1 as pb;
@@ -22,18 +22,7 @@ use tonic::Code;
 type Client = pb::spillway_client::SpillwayClient<Channel>;
 
 fn has_vulkan() -> bool {
-    match Instance::new().and_then(|i| Device::open(i, None)) {
-        Ok(_) => true,
-        Err(e) => {
-            let required = std::env::var(REQUIRE_VULKAN_ENV).is_ok_and(|v| v != "0");
-            assert!(
-                !required,
-                "{REQUIRE_VULKAN_ENV} is set but no Vulkan device: {e}"
-            );
-            eprintln!("skipping: no Vulkan device ({e})");
-            false
-        }
-    }
+    spillway_daemon::gpu::device_or_skip().is_some()
 }
 
 /// F16 weights: the GPU's logits stay within ~0.1% of the CPU's, so a random model's greedy
