@@ -74,9 +74,10 @@ fn main() {
     let s = t0.elapsed().as_secs_f64();
     let st = gpu.last_stats();
     println!(
-        "decode: {n_tokens} tokens in {s:.3} s = {:.1} tok/s ({} dispatches, {} barriers per token)",
+        "decode: {n_tokens} tokens in {s:.3} s = {:.1} tok/s ({} dispatches, {} barriers, {} submits per token)",
         n_tokens as f64 / s,
         st.dispatches,
-        st.barriers
+        st.barriers,
+        st.submits
     );
 }
