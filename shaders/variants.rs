@@ -10,6 +10,9 @@ pub enum Op {
     Matmul,
     /// Quantized matrix × f32 vector (decode).
     MatVec,
+    /// Quantized matrix × f32 vector for experts of a stack chosen on the device (the ids
+    /// buffer of [`Op::MoeRoute`]), one workgroup layer per expert.
+    MatVecId,
     /// Quantized matrix × a batch of f32 vectors, token-major (prompts).
     MatVecBatch,
     /// One weight row to f32 (the token embedding).
@@ -26,6 +29,10 @@ pub enum Op {
     Swiglu,
     /// `a += s * b`, `s` a push constant (weighted sums of MoE experts).
     ScaleAdd,
+    /// `a += Σ w[r] * b[r]` with the weights read from a routing buffer.
+    ScaleAddRouted,
+    /// A MoE layer's routing from its router logits: top-k expert ids and weights.
+    MoeRoute,
     /// Softmax of rows in place.
     Softmax,
     /// Appends one token's K and V to the f16 caches.
@@ -42,7 +49,8 @@ impl Op {
             Op::Softmax => 1,
             Op::Dequant | Op::GetRows | Op::Add | Op::Swiglu | Op::ScaleAdd => 2,
             Op::Matmul | Op::MatVec | Op::MatVecBatch | Op::RmsNorm | Op::RopeNorm | Op::RopeNeox => 3,
-            Op::KvStore => 4,
+            Op::ScaleAddRouted => 3,
+            Op::KvStore | Op::MatVecId | Op::MoeRoute => 4,
             Op::Attention => 5,
         }
     }
@@ -102,6 +110,9 @@ const fn v(
 /// The define that switches a kernel's reductions to subgroup operations.
 const SG: (&str, &str) = ("USE_SUBGROUP", "1");
 
+/// The define that makes `matvec.comp` read its expert from the device's routing.
+const ID: (&str, &str) = ("INDEXED", "1");
+
 #[rustfmt::skip]
 pub const VARIANTS: &[Variant] = &[
     v("dequant_f32", "dequant.comp", Op::Dequant, Some(WeightType::F32), Feature::Base, &[("WTYPE_F32", "1")]),
@@ -154,5 +165,20 @@ pub const VARIANTS: &[Variant] = &[
     v("matvec_batch_q4_0_subgroup", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::Q4_0), Feature::Subgroup, &[("WTYPE_Q4_0", "1"), SG]),
     v("matvec_batch_q4_k_subgroup", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::Q4K), Feature::Subgroup, &[("WTYPE_Q4_K", "1"), SG]),
     v("matvec_batch_q6_k_subgroup", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::Q6K), Feature::Subgroup, &[("WTYPE_Q6_K", "1"), SG]),
+    v("matvec_id_f32", "matvec.comp", Op::MatVecId, Some(WeightType::F32), Feature::Base, &[("WTYPE_F32", "1"), ID]),
+    v("matvec_id_f16", "matvec.comp", Op::MatVecId, Some(WeightType::F16), Feature::Base, &[("WTYPE_F16", "1"), ID]),
+    v("matvec_id_q8_0", "matvec.comp", Op::MatVecId, Some(WeightType::Q8_0), Feature::Base, &[("WTYPE_Q8_0", "1"), ID]),
+    v("matvec_id_q4_0", "matvec.comp", Op::MatVecId, Some(WeightType::Q4_0), Feature::Base, &[("WTYPE_Q4_0", "1"), ID]),
+    v("matvec_id_q4_k", "matvec.comp", Op::MatVecId, Some(WeightType::Q4K), Feature::Base, &[("WTYPE_Q4_K", "1"), ID]),
+    v("matvec_id_q6_k", "matvec.comp", Op::MatVecId, Some(WeightType::Q6K), Feature::Base, &[("WTYPE_Q6_K", "1"), ID]),
+    v("matvec_id_f32_subgroup", "matvec.comp", Op::MatVecId, Some(WeightType::F32), Feature::Subgroup, &[("WTYPE_F32", "1"), ID, SG]),
+    v("matvec_id_f16_subgroup", "matvec.comp", Op::MatVecId, Some(WeightType::F16), Feature::Subgroup, &[("WTYPE_F16", "1"), ID, SG]),
+    v("matvec_id_q8_0_subgroup", "matvec.comp", Op::MatVecId, Some(WeightType::Q8_0), Feature::Subgroup, &[("WTYPE_Q8_0", "1"), ID, SG]),
+    v("matvec_id_q4_0_subgroup", "matvec.comp", Op::MatVecId, Some(WeightType::Q4_0), Feature::Subgroup, &[("WTYPE_Q4_0", "1"), ID, SG]),
+    v("matvec_id_q4_k_subgroup", "matvec.comp", Op::MatVecId, Some(WeightType::Q4K), Feature::Subgroup, &[("WTYPE_Q4_K", "1"), ID, SG]),
+    v("matvec_id_q6_k_subgroup", "matvec.comp", Op::MatVecId, Some(WeightType::Q6K), Feature::Subgroup, &[("WTYPE_Q6_K", "1"), ID, SG]),
+    v("scale_add_routed", "scale_add.comp", Op::ScaleAddRouted, None, Feature::Base, &[("ROUTED", "1")]),
+    v("moe_route", "moe_route.comp", Op::MoeRoute, None, Feature::Base, &[]),
+    v("moe_route_subgroup", "moe_route.comp", Op::MoeRoute, None, Feature::Subgroup, &[SG]),
     v("matmul_f16_coopmat", "matmul_coopmat.comp", Op::Matmul, None, Feature::CoopMat, &[]),
 ];

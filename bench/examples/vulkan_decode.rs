@@ -1,8 +1,10 @@
 //! GPU decode (`gpu::forward::GpuModel`) on a synthetic model of real size: writes the model,
 //! compares the first tokens' logits with the CPU engine, then times decode.
 //!
-//! `cargo run --release -p spillway-bench --example vulkan_decode -- PRESET TYPE TOKENS [DIR]`
-//! e.g. `llama-3.2-1b Q4_K_M 64 /tmp`.
+//! `cargo run --release -p spillway-bench --example vulkan_decode -- PRESET TYPE TOKENS [DIR]
+//! [host-routing]` e.g. `llama-3.2-1b Q4_K_M 64 /tmp`; `host-routing` routes MoE layers on the
+//! host (a read-back per layer) even with every expert in VRAM, to compare with the device's
+//! routing.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -34,16 +36,18 @@ fn main() {
     let t0 = Instant::now();
     let options = GpuModelOptions {
         context,
+        host_routing: args.get(4).is_some_and(|a| a == "host-routing"),
         ..GpuModelOptions::default()
     };
     let mut gpu = GpuModel::new(&device, &model, &options).unwrap();
     let budget = gpu.allocator().budget();
     println!(
-        "{preset} {}: uploaded in {:.2} s, {:.0} MiB of device memory held, on {}",
+        "{preset} {}: uploaded in {:.2} s, {:.0} MiB of device memory held, on {}, MoE routed on the {}",
         args.get(1).map_or("Q4_K_M", String::as_str),
         t0.elapsed().as_secs_f64(),
         budget.held() as f64 / (1 << 20) as f64,
-        device.info().name
+        device.info().name,
+        if gpu.routes_on_device() { "device" } else { "host" }
     );
 
     let mut cpu = Engine::new(
@@ -74,9 +78,10 @@ fn main() {
     let s = t0.elapsed().as_secs_f64();
     let st = gpu.last_stats();
     println!(
-        "decode: {n_tokens} tokens in {s:.3} s = {:.1} tok/s ({} dispatches, {} barriers per token)",
+        "decode: {n_tokens} tokens in {s:.3} s = {:.1} tok/s ({} dispatches, {} barriers, {} submits per token)",
         n_tokens as f64 / s,
         st.dispatches,
-        st.barriers
+        st.barriers,
+        st.submits
     );
 }

@@ -108,6 +108,14 @@ fn compare(preset: &str, weights: &str) {
     };
     assert_eq!(gpu.last_routing().len(), moe_layers, "{preset}: routings");
     let stats = gpu.last_stats();
+    // Every expert is resident here: MoE layers are routed on the device, so a token is one
+    // submission, dense or MoE.
+    assert_eq!(
+        gpu.routes_on_device(),
+        model.config.moe.is_some(),
+        "{preset}: routed on the device"
+    );
+    assert_eq!(stats.submits, 1, "{preset}: submits per token: {stats:?}");
     assert!(
         stats.barriers < stats.dispatches,
         "independent dispatches share barriers: {stats:?}"

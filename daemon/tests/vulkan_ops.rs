@@ -588,3 +588,194 @@ fn independent_dispatches_share_one_barrier_and_pipelines_are_cached() {
     let (qv, kv) = (q.read_f32(n), k.read_f32(n));
     assert!(qv.iter().zip(&kv).all(|(&q, &k)| k == q + q));
 }
+
+// ---- MoE routing on the device ----
+
+/// Router logits for `n` experts: noise, then equal values and near ties among the largest.
+fn router_logits(n: usize, seed: u64, case: usize) -> Vec<f32> {
+    let mut l: Vec<f32> = noise(n, seed).iter().map(|v| v * 4.0).collect();
+    let mut by_size: Vec<usize> = (0..n).collect();
+    by_size.sort_by(|&a, &b| l[b].total_cmp(&l[a]));
+    match case {
+        // Plain noise.
+        0 => {}
+        // The largest few repeated at higher indices: ties across the k-th place.
+        1 => {
+            for w in by_size.windows(2).take(6) {
+                l[w[1].max(w[0])] = l[w[1].min(w[0])];
+            }
+        }
+        // Near ties: neighbours 1e-4 apart, and -0.0 beside 0.0.
+        2 => {
+            for w in by_size.windows(2).take(6) {
+                l[w[1]] = l[w[0]] - 1e-4;
+            }
+            l[0] = 0.0;
+            l[n - 1] = -0.0;
+        }
+        // Every expert equal: the lowest k win.
+        _ => l.iter_mut().for_each(|v| *v = 0.25),
+    }
+    l
+}
+
+#[test]
+fn moe_route_matches_engine_routing_with_ties() {
+    use spillway_daemon::engine::routing::{route, shared_expert_gate};
+    use spillway_daemon::gpu::ops::{route_floats, route_log_floats, MoeRouteArgs};
+    use spillway_daemon::model::MoeConfig;
+    let Some(dev) = device() else { return };
+    for gpu in Gpu::both(&dev) {
+        for (n_expert, k, norm_weights, shared) in [
+            (16, 4, true, false),
+            (16, 4, false, true),
+            (60, 4, false, true),
+            (128, 8, true, false),
+            (256, 8, true, false),
+            (8, 8, false, false),
+        ] {
+            let cfg = MoeConfig {
+                n_expert,
+                n_expert_used: k,
+                n_ff_expert: 32,
+                norm_weights,
+            };
+            for case in 0..4 {
+                for seed in 0..3 {
+                    let what = format!("{n_expert} experts top {k}, case {case}, seed {seed}");
+                    let logits = router_logits(n_expert, 11 * seed + case as u64, case);
+                    let shared_logit = noise(1, seed + 40)[0] * 3.0;
+                    let lb = gpu.f32s(&logits);
+                    let sb = gpu.f32s(&[shared_logit]);
+                    let rb = gpu.zeros(route_floats(k));
+                    // Logged at the second slot, as layer 1 would be.
+                    let per = route_log_floats(n_expert, k);
+                    let log = gpu.zeros(2 * per);
+                    let args = MoeRouteArgs {
+                        n_expert: n_expert as u32,
+                        k: k as u32,
+                        norm_weights,
+                        log_offset: per as u32,
+                    };
+                    gpu.kernels
+                        .record(|r| r.moe_route(&lb, shared.then_some(&sb), &rb, &log, args))
+                        .unwrap();
+                    let got = rb.read_f32(route_floats(k));
+                    let want = route(&cfg, &logits);
+                    let ids: Vec<usize> = got[..k].iter().map(|v| v.to_bits() as usize).collect();
+                    let want_ids: Vec<usize> = want.iter().map(|r| r.expert).collect();
+                    assert_eq!(ids, want_ids, "{what}: experts");
+                    for (r, w) in want.iter().enumerate() {
+                        // Softmax through the device's exp: within a few ulp.
+                        let g = got[k + r];
+                        assert!(
+                            (g - w.weight).abs() <= 1e-5 * w.weight + 1e-9,
+                            "{what}: weight {r}: gpu {g} cpu {}",
+                            w.weight
+                        );
+                    }
+                    if shared {
+                        let g = got[2 * k];
+                        let w = shared_expert_gate(shared_logit);
+                        assert!((g - w).abs() <= 1e-6, "{what}: shared gate {g} vs {w}");
+                    }
+                    let logged = log.read_f32(2 * per);
+                    assert_eq!(&logged[per..per + n_expert], &logits[..], "{what}: log");
+                    let routing = &logged[per + n_expert..per + n_expert + 2 * k];
+                    assert_eq!(
+                        routing.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        got[..2 * k].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        "{what}: the log holds the routing"
+                    );
+                }
+            }
+        }
+        let (lb, rb, log) = (gpu.zeros(300), gpu.zeros(17), gpu.zeros(400));
+        let args = MoeRouteArgs {
+            n_expert: 300,
+            k: 8,
+            norm_weights: true,
+            log_offset: 0,
+        };
+        let over = gpu
+            .kernels
+            .record(|r| r.moe_route(&lb, None, &rb, &log, args));
+        assert!(over.is_err(), "more than 256 experts are refused");
+    }
+}
+
+#[test]
+fn matvec_id_matches_matvec_rows_of_the_same_expert() {
+    let Some(dev) = device() else { return };
+    for gpu in Gpu::both(&dev) {
+        for ty in [GgmlType::F32].into_iter().chain(TYPES) {
+            let (n_in, rows, experts, k) = (256, 6, 9, 3);
+            let data = weight_rows(ty, n_in, rows * experts, 21);
+            let m = gpu.matrix(ty, n_in, rows * experts, &data);
+            // Routing buffer: a float before the ids, which start at rank 1.
+            let chosen = [7usize, 0, 8];
+            let mut ids = vec![0.0f32];
+            ids.extend(chosen.iter().map(|&e| f32::from_bits(e as u32)));
+            let idb = gpu.f32s(&ids);
+            // Each rank its own input, `n_in` apart; results `rows + 2` apart.
+            let xs = noise(n_in * k, 22);
+            let xb = gpu.f32s(&xs);
+            let stride = rows + 2;
+            let y = gpu.zeros(stride * k);
+            gpu.kernels
+                .record(|r| {
+                    r.matvec_id(
+                        &m,
+                        rows,
+                        (&idb, 1),
+                        k as u32,
+                        (&xb, n_in as u32),
+                        (&y, stride as u32),
+                    )
+                })
+                .unwrap();
+            let got = y.read_f32(stride * k);
+            for (z, &e) in chosen.iter().enumerate() {
+                let x = gpu.f32s(&xs[z * n_in..(z + 1) * n_in]);
+                let want = gpu.zeros(rows);
+                gpu.kernels
+                    .record(|r| r.matvec_rows(&m, e * rows, rows, &x, &want))
+                    .unwrap();
+                let want = want.read_f32(rows);
+                let got = &got[z * stride..z * stride + rows];
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{ty} rank {z} (expert {e}): {got:?} vs {want:?}"
+                );
+            }
+            let past = gpu
+                .kernels
+                .record(|r| r.matvec_id(&m, rows * experts + 1, (&idb, 1), 1, (&xb, 0), (&y, 0)));
+            assert!(past.is_err(), "{ty}: experts that do not divide the stack");
+        }
+    }
+}
+
+#[test]
+fn scale_add_routed_adds_each_term_as_scale_add_does() {
+    let Some(dev) = device() else { return };
+    let gpu = Gpu::new(&dev);
+    let (n, count, stride) = (700, 3, 710);
+    let a = noise(n, 31);
+    let b = noise(stride * count, 32);
+    let route = [9.0, 0.5, 0.25, 0.125, 7.0];
+    let (ab, bb, rb) = (gpu.f32s(&a), gpu.f32s(&b), gpu.f32s(&route));
+    gpu.kernels
+        .record(|r| r.scale_add_routed(&ab, (&bb, stride as u32), (&rb, 1, count as u32), n as u32))
+        .unwrap();
+    let mut want = a.clone();
+    for r in 0..count {
+        for (i, w) in want.iter_mut().enumerate() {
+            *w += route[1 + r] * b[r * stride + i];
+        }
+    }
+    // Each product and sum rounded once, in the same order: exact.
+    assert_eq!(ab.read_f32(n), want);
+}

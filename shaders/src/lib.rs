@@ -11,7 +11,8 @@ include!(concat!(env!("OUT_DIR"), "/shaders.rs"));
 
 pub use push::{
     AttentionParams, DequantParams, EltwiseParams, GetRowsParams, KvStoreParams, MatVecBatchParams,
-    MatVecParams, MatmulParams, PushConstants, RmsNormParams, RopeParams, ScaleAddParams,
+    MatVecIdParams, MatVecParams, MatmulParams, MoeRouteParams, PushConstants, RmsNormParams,
+    RopeParams, ScaleAddParams, ScaleAddRoutedParams,
 };
 
 /// One compiled variant.

@@ -37,6 +37,50 @@ pub struct MatVecParams {
     pub y_offset: u32,
 }
 
+/// `matvec.comp`'s `Params` with `INDEXED` (experts chosen on the device).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MatVecIdParams {
+    pub n_in: u32,
+    /// Rows of one expert (and of each result).
+    pub n_rows: u32,
+    /// Byte offset of expert 0's row 0 in the bound weight range.
+    pub w_offset: u32,
+    pub y_offset: u32,
+    /// Index in the ids buffer of the expert of workgroup layer 0.
+    pub rank: u32,
+    /// Floats from one layer's input vector to the next.
+    pub x_stride: u32,
+    /// Floats from one layer's results to the next.
+    pub y_stride: u32,
+}
+
+/// `moe_route.comp`'s `Params`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MoeRouteParams {
+    pub n_expert: u32,
+    pub k: u32,
+    /// 1: the k weights are divided by their sum.
+    pub norm: u32,
+    /// 1: the shared expert's gate is written after the weights.
+    pub has_shared: u32,
+    /// Float offset of this routing in the host-visible log.
+    pub log_offset: u32,
+}
+
+/// `scale_add.comp`'s `Params` with `ROUTED`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ScaleAddRoutedParams {
+    pub n: u32,
+    /// Index of the first weight in the routing buffer.
+    pub first: u32,
+    pub count: u32,
+    /// Floats from one term's `b` to the next.
+    pub b_stride: u32,
+}
+
 /// `matvec_batch.comp`'s `Params`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -185,4 +229,26 @@ push_constants!(AttentionParams {
     group,
     scores_stride,
     scale
+});
+push_constants!(MatVecIdParams {
+    n_in,
+    n_rows,
+    w_offset,
+    y_offset,
+    rank,
+    x_stride,
+    y_stride
+});
+push_constants!(MoeRouteParams {
+    n_expert,
+    k,
+    norm,
+    has_shared,
+    log_offset
+});
+push_constants!(ScaleAddRoutedParams {
+    n,
+    first,
+    count,
+    b_stride
 });

@@ -79,8 +79,8 @@ mod tests {
     use crate::push::PushConstants;
     use crate::{
         AttentionParams, DequantParams, EltwiseParams, GetRowsParams, KvStoreParams,
-        MatVecBatchParams, MatVecParams, MatmulParams, Op, RmsNormParams, RopeParams,
-        ScaleAddParams, ShaderId, SHADERS,
+        MatVecBatchParams, MatVecIdParams, MatVecParams, MatmulParams, MoeRouteParams, Op,
+        RmsNormParams, RopeParams, ScaleAddParams, ScaleAddRoutedParams, ShaderId, SHADERS,
     };
 
     #[test]
@@ -99,6 +99,9 @@ mod tests {
                 Op::Dequant => DequantParams::layout(),
                 Op::Matmul => MatmulParams::layout(),
                 Op::MatVec => MatVecParams::layout(),
+                Op::MatVecId => MatVecIdParams::layout(),
+                Op::MoeRoute => MoeRouteParams::layout(),
+                Op::ScaleAddRouted => ScaleAddRoutedParams::layout(),
                 Op::MatVecBatch => MatVecBatchParams::layout(),
                 Op::GetRows => GetRowsParams::layout(),
                 Op::RmsNorm => RmsNormParams::layout(),
@@ -120,7 +123,13 @@ mod tests {
     #[test]
     fn every_weight_op_has_every_weight_type() {
         use crate::{Feature, WeightType};
-        for op in [Op::Dequant, Op::MatVec, Op::MatVecBatch, Op::GetRows] {
+        for op in [
+            Op::Dequant,
+            Op::MatVec,
+            Op::MatVecId,
+            Op::MatVecBatch,
+            Op::GetRows,
+        ] {
             for w in [
                 WeightType::F32,
                 WeightType::F16,

@@ -197,6 +197,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 moe_miss: args.moe_miss,
                 expert_policy: args.expert_cache,
                 threads: args.threads.unwrap_or(0),
+                host_routing: false,
             };
             let gpu = load_on_gpu(&device, &model, &options)
                 .with_context(|| format!("loading {} onto {name}", args.model.display()))?;

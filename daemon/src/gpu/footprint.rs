@@ -3,6 +3,7 @@
 //! needs rather than failing halfway through its upload. What a MoE model needs with only some
 //! of its routed experts in VRAM is in [`super::placement`].
 
+use super::ops::{route_floats, route_log_floats};
 use crate::model::{Config, Ffn, Matrix, Model};
 
 /// Bytes of device memory, by what they hold. Buffers are counted as allocated (whole words);
@@ -86,6 +87,12 @@ fn activation_bytes(c: &Config, capacity: usize, dense_ff: usize, shared_ff: usi
         n += f32s(m.n_expert) + f32s(1) + 2 * f32s(e);
         n += m.n_expert_used as u64 * (2 * f32s(m.n_ff_expert) + f32s(e));
         n += 2 * f32s(shared_ff) + f32s(if shared_ff > 0 { e } else { 0 });
+        // Routing on the device: logits, shared logit, the routing, every layer's log, and the
+        // k experts' gate, up and output side by side.
+        let k = m.n_expert_used;
+        n += f32s(m.n_expert) + f32s(1) + f32s(route_floats(k));
+        n += f32s(c.n_layer * route_log_floats(m.n_expert, k));
+        n += 2 * f32s(k * m.n_ff_expert) + f32s(k * e);
     }
     n
 }

@@ -5,9 +5,10 @@
 //! the CPU engine's; it differs in that activations stay f32 in the matrix-vector products (the
 //! CPU quantizes them to Q8_0/Q8_K, as ggml's CPU backend does).
 //!
-//! MoE layers (`qwen2moe`, `qwen3moe`, Mixtral-style `llama`) are in [`super::moe`]: the step
-//! is then one command buffer per MoE layer plus one, since the routing is decided on the host
-//! from the router logits read back. A MoE model larger than the VRAM budget keeps only some
+//! MoE layers (`qwen2moe`, `qwen3moe`, Mixtral-style `llama`) are in [`super::moe`]. With every
+//! routed expert in VRAM they are routed on the device and the step stays one command buffer;
+//! otherwise the step is one command buffer per MoE layer plus one, since the routing is decided
+//! on the host from the router logits read back (the offloading below needs them). A MoE model larger than the VRAM budget keeps only some
 //! routed experts in VRAM ([`super::placement`]); a routed expert that is not there is computed
 //! on the CPU while the GPU runs the resident ones of the same layer ([`super::cpu_experts`]:
 //! the layer then takes one more command buffer, whose first dispatch adds the CPU's sum), or
@@ -47,6 +48,9 @@ pub struct GpuModelOptions {
     pub expert_policy: ReplacementPolicy,
     /// CPU threads for experts computed on the CPU, the caller's included; 0: every core.
     pub threads: usize,
+    /// Route MoE layers on the host (a read-back per layer) even when every expert is in VRAM
+    /// and the device could route them: the path offloading takes, for comparisons.
+    pub host_routing: bool,
 }
 
 impl Default for GpuModelOptions {
@@ -57,6 +61,7 @@ impl Default for GpuModelOptions {
             moe_miss: MoeMiss::default(),
             expert_policy: ReplacementPolicy::Lru,
             threads: 0,
+            host_routing: false,
         }
     }
 }
@@ -157,6 +162,8 @@ pub struct GpuModel {
     placement: Placement,
     /// Present for MoE models.
     experts: Option<Experts>,
+    /// MoE layers are routed on the device: the step is one submission.
+    routes_on_device: bool,
 }
 
 fn matrix(
@@ -314,7 +321,7 @@ impl GpuModel {
             }
         }
         let moe = match &c.moe {
-            Some(cfg) => Some(MoeScratch::new(al, cfg, c.n_embd, shared_ff)?),
+            Some(cfg) => Some(MoeScratch::new(al, cfg, c.n_layer, c.n_embd, shared_ff)?),
             None => None,
         };
         let act = Activations {
@@ -360,6 +367,18 @@ impl GpuModel {
                 uploader: None,
             }
         });
+        let max_range = allocator.device().max_storage_buffer_range();
+        let routes_on_device = match &c.moe {
+            Some(cfg) => {
+                !options.host_routing
+                    && !placement.is_partial()
+                    && layers.iter().all(|l| match &l.ffn {
+                        GpuFfn::Moe(m) => m.routes_on_device(cfg, max_range),
+                        GpuFfn::Dense { .. } => true,
+                    })
+            }
+            None => false,
+        };
         let mut experts = experts;
         match experts.as_mut() {
             Some(e) if placement.is_partial() && options.moe_miss == MoeMiss::Fetch => {
@@ -384,6 +403,7 @@ impl GpuModel {
             last_routing: Vec::new(),
             placement: placement.clone(),
             experts,
+            routes_on_device,
         })
     }
 
@@ -409,15 +429,23 @@ impl GpuModel {
         &self.allocator
     }
 
-    /// Dispatches and barriers of the last step.
+    /// Dispatches, barriers and submissions of the last step.
     pub fn last_stats(&self) -> RecordStats {
         self.last_stats
     }
 
     /// The routing of every MoE layer in the last step, in layer order (empty for dense
-    /// models).
+    /// models). When the device routed them ([`GpuModel::routes_on_device`]) they are read from
+    /// its log after the step, without another submission.
     pub fn last_routing(&self) -> &[LayerRouting] {
         &self.last_routing
+    }
+
+    /// Whether MoE layers are routed on the device, so that a step is one submission: every
+    /// routed expert is in VRAM and each expert stack fits one binding. Otherwise each MoE
+    /// layer's router logits are read back and routed on the host.
+    pub fn routes_on_device(&self) -> bool {
+        self.routes_on_device
     }
 
     /// Where the routed experts live: slots per layer, and the minimum budget when partial.
@@ -475,6 +503,7 @@ impl GpuModel {
             )?;
             stats.dispatches += part.dispatches;
             stats.barriers += part.barriers;
+            stats.submits += part.submits;
             if let Some(sum) = cpu_sum {
                 let Resume::Experts { layer, .. } = resume else {
                     unreachable!("CPU experts run after a routing")
@@ -493,6 +522,9 @@ impl GpuModel {
             let routing = self.moe_layer(il).route(il, cfg, self.moe_scratch());
             resume = self.place_experts(&routing)?;
             routings.push(routing);
+        }
+        if self.routes_on_device {
+            routings = self.device_routings();
         }
         self.last_stats = stats;
         self.last_routing = routings;
@@ -548,6 +580,10 @@ impl GpuModel {
                     rec.matvec(down, &a.gate, &a.ffn_out)?;
                     rec.add(&a.x, &a.ffn_out, e)?;
                 }
+                GpuFfn::Moe(moe) if self.routes_on_device => {
+                    let cfg = c.moe.as_ref().expect("MoE layers have a MoE config");
+                    moe.record_routed(rec, il, cfg, (&a.xn, &a.x), self.moe_scratch())?;
+                }
                 GpuFfn::Moe(moe) => {
                     let s = self.moe_scratch();
                     if self.placement.is_partial() {
@@ -563,6 +599,35 @@ impl GpuModel {
         rec.rms_norm(&a.x, &self.output_norm, &a.xn, e, 1, eps)?;
         let head = self.output.as_ref().unwrap_or(&self.token_embd);
         rec.matvec(head, &a.xn, &a.logits)
+    }
+
+    /// The routings the device logged in the last step, counted as hits of resident experts.
+    fn device_routings(&mut self) -> Vec<LayerRouting> {
+        let cfg = self.config.moe.expect("MoE layers have a MoE config");
+        let log = self.moe_scratch().read_log(&cfg, self.config.n_layer);
+        let per_layer = super::ops::route_log_floats(cfg.n_expert, cfg.n_expert_used);
+        let routings: Vec<LayerRouting> = self
+            .layers
+            .iter()
+            .enumerate()
+            .filter_map(|(il, l)| match &l.ffn {
+                GpuFfn::Moe(m) => Some(m.logged_routing(il, &cfg, &log[il * per_layer..])),
+                GpuFfn::Dense { .. } => None,
+            })
+            .collect();
+        let ex = self
+            .experts
+            .as_mut()
+            .expect("MoE models track their experts");
+        for r in &routings {
+            let slots = ex.slots[r.layer].as_mut().expect("a MoE layer has slots");
+            let token = slots.place(&r.experts, ex.miss, &mut ex.stats[r.layer]);
+            debug_assert!(
+                token.cpu.is_empty() && token.fetch.is_empty(),
+                "all resident"
+            );
+        }
+        routings
     }
 
     /// Where `routing`'s experts run: slots, fetches (copied here, before the GPU part is

@@ -19,9 +19,17 @@
 //! are the file's and slot `e` holds expert `e`; under a VRAM budget there are fewer slots
 //! ([`super::placement`]) and [`GpuMoe::fill_slot`] replaces a slot's expert.
 //!
-//! Partial: one token per step, so one read-back per MoE layer per token; the experts of a
-//! token run one after another through per-rank scratch (independent dispatches share
-//! barriers, but nothing batches experts into one dispatch).
+//! With every routed expert resident (slots == experts) and each stack within one binding, the
+//! host is not needed: [`GpuMoe::record_routed`] routes on the device
+//! ([`Recorder::moe_route`]), runs the k experts' gate, up and down as one dispatch each, with
+//! the expert read from the routing buffer ([`Recorder::matvec_id`]), and adds them with the
+//! weights read from it too ([`Recorder::scale_add_routed`]), so a whole token is one
+//! submission. The logits and routing of each layer go to a host-visible log that
+//! [`GpuMoe::logged_routing`] reads once the step is done.
+//!
+//! Partial: one token per step; on the read-back path (some experts not resident) one
+//! read-back per MoE layer per token, and the experts of a token run one after another through
+//! per-rank scratch.
 
 use std::sync::Arc;
 
@@ -29,7 +37,7 @@ use super::alloc::{Allocator, MemoryUse};
 use super::buffer::Buffer;
 use super::error::Result;
 use super::expert_cache::SlotExpert;
-use super::ops::GpuMatrix;
+use super::ops::{route_floats, route_log_floats, GpuMatrix, MoeRouteArgs, MOE_ROUTE_MAX_EXPERTS};
 use super::record::Recorder;
 use super::upload::Uploader;
 use crate::engine::routing::{route, shared_expert_gate, RoutedExpert};
@@ -88,6 +96,17 @@ pub(super) struct MoeScratch {
     shared_gate: Buffer,
     shared_up: Buffer,
     shared_out: Buffer,
+    /// Routing on the device: the router logits and the shared gate's logit (device-local), the
+    /// routing ([`route_floats`]), and every layer's logits and routing, host-visible
+    /// ([`route_log_floats`] per layer).
+    router_dev: Buffer,
+    shared_logit_dev: Buffer,
+    route: Buffer,
+    log: Buffer,
+    /// The k experts' gate, up and output, one after another, for the dispatches that run all k.
+    gate_all: Buffer,
+    up_all: Buffer,
+    out_all: Buffer,
 }
 
 fn upload_matrix(
@@ -172,6 +191,96 @@ impl GpuMoe {
         Ok(bytes)
     }
 
+    /// Whether [`GpuMoe::record_routed`] can run this layer: every expert resident, at most
+    /// [`MOE_ROUTE_MAX_EXPERTS`], and each stack within one binding of `max_range` bytes.
+    pub(super) fn routes_on_device(&self, cfg: &MoeConfig, max_range: u64) -> bool {
+        self.n_slots == cfg.n_expert
+            && cfg.n_expert <= MOE_ROUTE_MAX_EXPERTS
+            && [&self.gate, &self.up, &self.down]
+                .iter()
+                .all(|m| m.buffer.size() <= max_range)
+    }
+
+    /// The whole layer with the routing decided on the device (see the module's notes): the
+    /// router, the routing into layer `layer`'s place in the log, the shared expert, and the k
+    /// experts added to `x` in rank order, then the shared expert, as
+    /// [`GpuMoe::record_experts`] adds them.
+    pub(super) fn record_routed(
+        &self,
+        rec: &mut Recorder<'_>,
+        layer: usize,
+        cfg: &MoeConfig,
+        (xn, x): (&Buffer, &Buffer),
+        s: &MoeScratch,
+    ) -> Result<()> {
+        let k = cfg.n_expert_used;
+        let (ff, n_embd) = (self.n_ff, self.n_embd);
+        rec.matvec(&self.router, xn, &s.router_dev)?;
+        if let Some(sh) = &self.shared {
+            rec.matvec(&sh.gate_inp, xn, &s.shared_logit_dev)?;
+            rec.matvec(&sh.gate, xn, &s.shared_gate)?;
+            rec.matvec(&sh.up, xn, &s.shared_up)?;
+            rec.swiglu(&s.shared_gate, &s.shared_up, sh.gate.n_out as u32)?;
+            rec.matvec(&sh.down, &s.shared_gate, &s.shared_out)?;
+        }
+        let args = MoeRouteArgs {
+            n_expert: cfg.n_expert as u32,
+            k: k as u32,
+            norm_weights: cfg.norm_weights,
+            log_offset: (layer * route_log_floats(cfg.n_expert, k)) as u32,
+        };
+        let shared_logit = self.shared.as_ref().map(|_| &s.shared_logit_dev);
+        rec.moe_route(&s.router_dev, shared_logit, &s.route, &s.log, args)?;
+        let (k32, ff32, e32) = (k as u32, ff as u32, n_embd as u32);
+        rec.matvec_id(
+            &self.gate,
+            ff,
+            (&s.route, 0),
+            k32,
+            (xn, 0),
+            (&s.gate_all, ff32),
+        )?;
+        rec.matvec_id(&self.up, ff, (&s.route, 0), k32, (xn, 0), (&s.up_all, ff32))?;
+        rec.swiglu(&s.gate_all, &s.up_all, k32 * ff32)?;
+        let down_in = (&s.gate_all, ff32);
+        rec.matvec_id(
+            &self.down,
+            n_embd,
+            (&s.route, 0),
+            k32,
+            down_in,
+            (&s.out_all, e32),
+        )?;
+        rec.scale_add_routed(x, (&s.out_all, e32), (&s.route, k32, k32), e32)?;
+        if self.shared.is_some() {
+            rec.scale_add_routed(x, (&s.shared_out, 0), (&s.route, 2 * k32, 1), e32)?;
+        }
+        Ok(())
+    }
+
+    /// The routing [`GpuMoe::record_routed`] logged for layer `layer`, from its part of the
+    /// log ([`MoeScratch::read_log`]).
+    pub(super) fn logged_routing(
+        &self,
+        layer: usize,
+        cfg: &MoeConfig,
+        log: &[f32],
+    ) -> LayerRouting {
+        let (n, k) = (cfg.n_expert, cfg.n_expert_used);
+        let (router_logits, routing) = log[..route_log_floats(n, k)].split_at(n);
+        LayerRouting {
+            layer,
+            router_logits: router_logits.to_vec(),
+            experts: (0..k)
+                .map(|r| RoutedExpert {
+                    expert: routing[r].to_bits() as usize,
+                    weight: routing[k + r],
+                })
+                .collect(),
+            shared_gate: self.shared.as_ref().map(|_| routing[2 * k]),
+        }
+    }
+
     /// The shared expert's hidden width (0 without one).
     pub(super) fn shared_ff(&self) -> usize {
         self.shared.as_ref().map_or(0, |s| s.gate.n_out)
@@ -248,14 +357,23 @@ impl GpuMoe {
 }
 
 impl MoeScratch {
-    /// Scratch for layers of `cfg` with experts of `n_embd` outputs and a shared expert of
-    /// `shared_ff` hidden rows (0: none).
+    /// The log of the first `n_layer` layers' routings on the device, [`route_log_floats`]
+    /// per layer, once the step's submission has completed.
+    pub(super) fn read_log(&self, cfg: &MoeConfig, n_layer: usize) -> Vec<f32> {
+        self.log
+            .read_f32(n_layer * route_log_floats(cfg.n_expert, cfg.n_expert_used))
+    }
+
+    /// Scratch for `n_layer` layers of `cfg` with experts of `n_embd` outputs and a shared
+    /// expert of `shared_ff` hidden rows (0: none).
     pub(super) fn new(
         alloc: &Arc<Allocator>,
         cfg: &MoeConfig,
+        n_layer: usize,
         n_embd: usize,
         shared_ff: usize,
     ) -> Result<MoeScratch> {
+        let k = cfg.n_expert_used;
         let f32s = |n: usize| Buffer::new_in(alloc, n as u64 * 4, MemoryUse::DeviceLocal);
         let ranks =
             |n: usize| -> Result<Vec<Buffer>> { (0..cfg.n_expert_used).map(|_| f32s(n)).collect() };
@@ -270,6 +388,17 @@ impl MoeScratch {
             shared_gate: f32s(shared_ff)?,
             shared_up: f32s(shared_ff)?,
             shared_out: f32s(if shared_ff > 0 { n_embd } else { 0 })?,
+            router_dev: f32s(cfg.n_expert)?,
+            shared_logit_dev: f32s(1)?,
+            route: f32s(route_floats(k))?,
+            log: Buffer::new_in(
+                alloc,
+                (n_layer * route_log_floats(cfg.n_expert, k)) as u64 * 4,
+                MemoryUse::Staging,
+            )?,
+            gate_all: f32s(k * cfg.n_ff_expert)?,
+            up_all: f32s(k * cfg.n_ff_expert)?,
+            out_all: f32s(k * n_embd)?,
         })
     }
 }

@@ -5,8 +5,9 @@
 use std::sync::Arc;
 
 use spillway_shaders::{
-    AttentionParams, EltwiseParams, GetRowsParams, KvStoreParams, MatVecParams, Op, RmsNormParams,
-    RopeParams, ScaleAddParams, ShaderId, WeightType,
+    AttentionParams, EltwiseParams, GetRowsParams, KvStoreParams, MatVecIdParams, MatVecParams,
+    MoeRouteParams, Op, RmsNormParams, RopeParams, ScaleAddParams, ScaleAddRoutedParams, ShaderId,
+    WeightType,
 };
 
 use super::alloc::{Allocator, MemoryUse};
@@ -105,6 +106,33 @@ pub(crate) fn grid(n: u32) -> [u32; 3] {
     }
 }
 
+/// Most experts [`Recorder::moe_route`] routes among (its workgroup size).
+pub const MOE_ROUTE_MAX_EXPERTS: usize = 256;
+
+/// Floats of one routing in [`Recorder::moe_route`]'s buffer: `k` expert ids (uint bits), `k`
+/// weights, the shared expert's gate.
+pub fn route_floats(k: usize) -> usize {
+    2 * k + 1
+}
+
+/// Floats of one routing in [`Recorder::moe_route`]'s log: the router logits, then the
+/// routing.
+pub fn route_log_floats(n_expert: usize, k: usize) -> usize {
+    n_expert + route_floats(k)
+}
+
+/// One MoE layer's routing on the device.
+#[derive(Debug, Clone, Copy)]
+pub struct MoeRouteArgs {
+    pub n_expert: u32,
+    /// Experts chosen per token.
+    pub k: u32,
+    /// Divide the k weights by their sum (Mixtral, Qwen3-MoE).
+    pub norm_weights: bool,
+    /// Float offset of this routing in the log.
+    pub log_offset: u32,
+}
+
 /// Parameters of RoPE for one set of heads.
 #[derive(Debug, Clone, Copy)]
 pub struct RopeArgs {
@@ -184,6 +212,124 @@ impl Recorder<'_> {
             r0 += rows;
         }
         Ok(())
+    }
+
+    /// `count` experts' products in one dispatch: expert `ids[rank + z]` of the stack `w`
+    /// (experts of `rows` rows, one after another) times `x[z * x_stride..]` into
+    /// `y[z * y_stride..]`, for `z` in `0..count`. The expert ids are read on the device (see
+    /// [`Recorder::moe_route`]); the whole stack is bound, so it must fit one binding.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matvec_id(
+        &mut self,
+        w: &GpuMatrix,
+        rows: usize,
+        (ids, rank): (&Buffer, u32),
+        count: u32,
+        (x, x_stride): (&Buffer, u32),
+        (y, y_stride): (&Buffer, u32),
+    ) -> Result<()> {
+        if rows == 0 || !w.n_out.is_multiple_of(rows) {
+            return Err(GpuError::Unsupported(format!(
+                "experts of {rows} rows in a stack of {}",
+                w.n_out
+            )));
+        }
+        if w.buffer.size() > self.max_range {
+            return Err(GpuError::Unsupported(format!(
+                "an expert stack of {} bytes in one binding of at most {}",
+                w.buffer.size(),
+                self.max_range
+            )));
+        }
+        let id = self.variant(Op::MatVecId, Some(w.wtype))?;
+        let push = MatVecIdParams {
+            n_in: w.n_in as u32,
+            n_rows: rows as u32,
+            w_offset: 0,
+            y_offset: 0,
+            rank,
+            x_stride,
+            y_stride,
+        };
+        let bindings = [
+            Binding::read(&w.buffer),
+            Binding::read(x),
+            Binding::write(y),
+            Binding::read(ids),
+        ];
+        let mut groups = grid((rows as u32).div_ceil(MATVEC_ROWS));
+        groups[2] = count;
+        self.dispatch(id, &bindings, &push, groups)
+    }
+
+    /// A MoE layer's routing from its router logits, on the device: as
+    /// [`route`](crate::engine::routing::route) (softmax, the top k, ties to the lower expert,
+    /// the weights renormalised when `args.norm_weights`) into `route` (see [`route_floats`]),
+    /// with the sigmoid of `shared_logit[0]` after the weights when given (Qwen2-MoE's shared
+    /// expert). The logits and the routing also go to `log` at `args.log_offset` (see
+    /// [`route_log_floats`]), host-visible, for reading once the recording has completed.
+    pub fn moe_route(
+        &mut self,
+        logits: &Buffer,
+        shared_logit: Option<&Buffer>,
+        route: &Buffer,
+        log: &Buffer,
+        args: MoeRouteArgs,
+    ) -> Result<()> {
+        let (n, k) = (args.n_expert as usize, args.k as usize);
+        if n > MOE_ROUTE_MAX_EXPERTS || k == 0 || k > n {
+            return Err(GpuError::Unsupported(format!(
+                "routing the top {k} of {n} experts on the device (at most {MOE_ROUTE_MAX_EXPERTS})"
+            )));
+        }
+        let log_end = (args.log_offset as usize + route_log_floats(n, k)) as u64 * 4;
+        if route.size() < route_floats(k) as u64 * 4 || log.size() < log_end {
+            return Err(GpuError::Unsupported(format!(
+                "routing buffers of {} and {} bytes for {k} of {n} experts",
+                route.size(),
+                log.size()
+            )));
+        }
+        let push = MoeRouteParams {
+            n_expert: args.n_expert,
+            k: args.k,
+            norm: u32::from(args.norm_weights),
+            has_shared: u32::from(shared_logit.is_some()),
+            log_offset: args.log_offset,
+        };
+        // Without a shared expert the binding is unused; the logits stand in for it.
+        let bindings = [
+            Binding::read(logits),
+            Binding::read(shared_logit.unwrap_or(logits)),
+            Binding::write(route),
+            Binding::write(log),
+        ];
+        let id = self.variant(Op::MoeRoute, None)?;
+        self.dispatch(id, &bindings, &push, [1, 1, 1])
+    }
+
+    /// `a += Σ route[first + r] * b[r * b_stride..][..n]` for `r` in `0..count`, one term after
+    /// another: experts' outputs added with the weights [`Recorder::moe_route`] chose.
+    pub fn scale_add_routed(
+        &mut self,
+        a: &Buffer,
+        (b, b_stride): (&Buffer, u32),
+        (route, first, count): (&Buffer, u32, u32),
+        n: u32,
+    ) -> Result<()> {
+        let push = ScaleAddRoutedParams {
+            n,
+            first,
+            count,
+            b_stride,
+        };
+        let bindings = [Binding::write(a), Binding::read(b), Binding::read(route)];
+        self.dispatch(
+            ShaderId::ScaleAddRouted,
+            &bindings,
+            &push,
+            [n.div_ceil(256), 1, 1],
+        )
     }
 
     /// Row `row` of `w` as f32 into `dst` (the embedding lookup).

@@ -163,6 +163,7 @@ impl Kernels {
             t.end(cmd);
         }
         rec.finish();
+        rec.stats.submits = 1;
         Ok(rec.stats)
     }
 }
@@ -172,6 +173,8 @@ impl Kernels {
 pub struct RecordStats {
     pub dispatches: u32,
     pub barriers: u32,
+    /// Command buffers submitted (each one waited for before the next).
+    pub submits: u32,
     /// GPU time of the recording, from timestamps (only [`Kernels::record_timed`]).
     pub gpu_ns: Option<u64>,
 }
