@@ -213,6 +213,25 @@ fn ps_shows_a_model_on_the_gpu_with_its_vram() {
         detail.contains("VRAM") && detail.contains("held") && detail.contains("experts 8 of 8"),
         "{ps}"
     );
+
+    // A budget under what the model needs is refused with the daemon's reason; a size that is
+    // not one is a usage error before anything is sent.
+    let path = model.to_str().unwrap();
+    let small = [
+        "load",
+        path,
+        "--name",
+        "tiny",
+        "--device",
+        "vulkan",
+        "--vram-budget",
+        "1MiB",
+    ];
+    let out = d.run(&small);
+    assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
+    assert!(stderr(&out).contains("needs at least"), "{}", stderr(&out));
+    let out = d.run(&["load", path, "--vram-budget", "lots"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
 }
 
 #[test]

@@ -22,6 +22,10 @@ pub struct LoadArgs {
     /// Where it runs: `cpu`, `vulkan` or `vulkan:N` (default: the daemon's --device).
     #[arg(long, default_value = "")]
     pub device: String,
+    /// Device memory this model may hold on a Vulkan device, e.g. `6GiB` (default: the
+    /// daemon's --vram-budget); routed experts beyond it run on the CPU.
+    #[arg(long)]
+    pub vram_budget: Option<spillway_sched::ByteSize>,
 }
 
 pub async fn models(client: &mut Client) -> Result<(), Failure> {
@@ -64,6 +68,10 @@ pub async fn load(client: &mut Client, args: &LoadArgs) -> Result<(), Failure> {
             name: args.name.clone(),
             context_length: args.ctx,
             device: args.device.clone(),
+            budgets: args.vram_budget.map(|b| pb::Budgets {
+                vram_bytes: b.0,
+                ram_bytes: 0,
+            }),
             ..Default::default()
         })
         .await?
