@@ -157,6 +157,16 @@ pub struct AttentionArgs {
     pub scores_stride: u32,
 }
 
+/// One binding's run of a matrix's rows (see [`Recorder::row_chunks`]).
+pub(crate) struct RowChunk<'w> {
+    pub weights: Binding<'w>,
+    pub rows: u32,
+    /// Byte offset of the run's first row within the binding.
+    pub w_offset: u32,
+    /// Index of the run's first row among the rows asked for.
+    pub y_offset: u32,
+}
+
 impl Recorder<'_> {
     /// `y = W · x` (f32 vectors of `n_in` and `n_out`).
     pub fn matvec(&mut self, w: &GpuMatrix, x: &Buffer, y: &Buffer) -> Result<()> {
@@ -175,6 +185,30 @@ impl Recorder<'_> {
         x: &Buffer,
         y: &Buffer,
     ) -> Result<()> {
+        let chunks = self.row_chunks(w, first, n)?;
+        let id = self.variant(Op::MatVec, Some(w.wtype))?;
+        for chunk in chunks {
+            let push = MatVecParams {
+                n_in: w.n_in as u32,
+                n_rows: chunk.rows,
+                w_offset: chunk.w_offset,
+                y_offset: chunk.y_offset,
+            };
+            let bindings = [chunk.weights, Binding::read(x), Binding::write(y)];
+            self.dispatch(id, &bindings, &push, grid(chunk.rows.div_ceil(MATVEC_ROWS)))?;
+        }
+        Ok(())
+    }
+
+    /// Rows `first..first + n` of `w` cut into runs that one binding covers (at most
+    /// `maxStorageBufferRange` bytes, starting on the offset boundary below the run's first
+    /// row), for the row-wise products.
+    pub(crate) fn row_chunks<'w>(
+        &self,
+        w: &'w GpuMatrix,
+        first: usize,
+        n: usize,
+    ) -> Result<Vec<RowChunk<'w>>> {
         if first + n > w.n_out {
             return Err(GpuError::Unsupported(format!(
                 "rows {first}..{} of a matrix of {} rows",
@@ -182,11 +216,11 @@ impl Recorder<'_> {
                 w.n_out
             )));
         }
-        let id = self.variant(Op::MatVec, Some(w.wtype))?;
         let (rb, align) = (w.row_bytes, self.align);
         let max_rows = (self.max_range.saturating_sub(align) / rb).max(1);
         let end = (first + n) as u64;
         let mut r0 = first as u64;
+        let mut chunks = Vec::new();
         while r0 < end {
             let start = r0 * rb;
             let bound = start / align * align;
@@ -194,24 +228,20 @@ impl Recorder<'_> {
             let range = (start - bound + rows * rb)
                 .next_multiple_of(4)
                 .min(w.buffer.size() - bound);
-            let weights = Binding {
-                buffer: &w.buffer,
-                offset: bound,
-                range,
-                access: Access::Read,
-            };
-            let push = MatVecParams {
-                n_in: w.n_in as u32,
-                n_rows: rows as u32,
+            chunks.push(RowChunk {
+                weights: Binding {
+                    buffer: &w.buffer,
+                    offset: bound,
+                    range,
+                    access: Access::Read,
+                },
+                rows: rows as u32,
                 w_offset: (start - bound) as u32,
                 y_offset: (r0 - first as u64) as u32,
-            };
-            let bindings = [weights, Binding::read(x), Binding::write(y)];
-            let groups = (rows as u32).div_ceil(MATVEC_ROWS);
-            self.dispatch(id, &bindings, &push, grid(groups))?;
+            });
             r0 += rows;
         }
-        Ok(())
+        Ok(chunks)
     }
 
     /// `count` experts' products in one dispatch: expert `ids[rank + z]` of the stack `w`

@@ -12,7 +12,7 @@ use spillway_shaders::{MatVecBatchParams, Op};
 use super::buffer::Buffer;
 use super::error::{GpuError, Result};
 use super::ops::{grid, GpuMatrix};
-use super::record::{Access, Binding, Recorder};
+use super::record::{Binding, Recorder};
 
 /// Tokens one workgroup of `matvec_batch.comp` serves (its `TILE`).
 pub const TOKEN_TILE: u32 = 8;
@@ -41,13 +41,6 @@ impl Recorder<'_> {
         y: &Buffer,
         n_tok: usize,
     ) -> Result<()> {
-        if first + n > w.n_out {
-            return Err(GpuError::Unsupported(format!(
-                "rows {first}..{} of a matrix of {} rows",
-                first + n,
-                w.n_out
-            )));
-        }
         let floats = |b: &Buffer| b.size() / 4;
         if floats(x) < (n_tok * w.n_in) as u64 || floats(y) < (n_tok * n) as u64 {
             return Err(GpuError::Unsupported(format!(
@@ -57,41 +50,25 @@ impl Recorder<'_> {
                 floats(y)
             )));
         }
-        if n_tok == 0 || n == 0 {
+        let chunks = self.row_chunks(w, first, n)?;
+        if n_tok == 0 {
             return Ok(());
         }
         let id = self.variant(Op::MatVecBatch, Some(w.wtype))?;
-        let (rb, align) = (w.row_bytes, self.align);
-        let max_rows = (self.max_range.saturating_sub(align) / rb).max(1);
-        let end = (first + n) as u64;
-        let mut r0 = first as u64;
-        while r0 < end {
-            let start = r0 * rb;
-            let bound = start / align * align;
-            let rows = (end - r0).min(max_rows);
-            let range = (start - bound + rows * rb)
-                .next_multiple_of(4)
-                .min(w.buffer.size() - bound);
-            let weights = Binding {
-                buffer: &w.buffer,
-                offset: bound,
-                range,
-                access: Access::Read,
-            };
+        for chunk in chunks {
             let push = MatVecBatchParams {
                 n_in: w.n_in as u32,
-                n_rows: rows as u32,
-                w_offset: (start - bound) as u32,
-                y_offset: (r0 - first as u64) as u32,
+                n_rows: chunk.rows,
+                w_offset: chunk.w_offset,
+                y_offset: chunk.y_offset,
                 n_tok: n_tok as u32,
                 x_stride: w.n_in as u32,
                 y_stride: n as u32,
             };
-            let [gx, gy, _] = grid(rows as u32);
+            let [gx, gy, _] = grid(chunk.rows);
             let groups = [gx, gy, (n_tok as u32).div_ceil(TOKEN_TILE)];
-            let bindings = [weights, Binding::read(x), Binding::write(y)];
+            let bindings = [chunk.weights, Binding::read(x), Binding::write(y)];
             self.dispatch(id, &bindings, &push, groups)?;
-            r0 += rows;
         }
         Ok(())
     }
