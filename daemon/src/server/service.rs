@@ -182,22 +182,10 @@ impl Spillway for SpillwayService {
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let arrived = Instant::now();
         self.check_open()?;
-        let deadline = request
-            .metadata()
-            .get("grpc-timeout")
-            .and_then(|v| v.to_str().ok())
-            .and_then(validate::grpc_timeout)
-            .map(|d| arrived + d);
+        let deadline = deadline(&request, arrived);
         let req = request.into_inner();
         let model = self.model(&req.model)?;
-        let render = |m: &[pb::ChatMessage]| model.chat_template.render(m);
-        let limits = ModelLimits {
-            tokenizer: model.tokenizer.as_deref(),
-            n_vocab: model.model.config.n_vocab,
-            context: model.context,
-            render_chat: &render,
-        };
-        let valid = validate::generate_request(&req, &limits)?;
+        let valid = with_limits(&model, |limits| validate::generate_request(&req, limits))?;
         let (tx, rx) = mpsc::channel::<GenerateItem>(32);
         model.worker.submit(GenerateJob {
             prompt: valid.prompt,
@@ -216,12 +204,7 @@ impl Spillway for SpillwayService {
     ) -> Result<Response<Self::ProfileStream>, Status> {
         let arrived = Instant::now();
         self.check_open()?;
-        let deadline = request
-            .metadata()
-            .get("grpc-timeout")
-            .and_then(|v| v.to_str().ok())
-            .and_then(validate::grpc_timeout)
-            .map(|d| arrived + d);
+        let deadline = deadline(&request, arrived);
         let req = request.into_inner();
         let model = self.model(&req.model)?;
         if model.gpu.is_some() {
@@ -231,14 +214,7 @@ impl Spillway for SpillwayService {
                 model.device()
             )));
         }
-        let render = |m: &[pb::ChatMessage]| model.chat_template.render(m);
-        let limits = ModelLimits {
-            tokenizer: model.tokenizer.as_deref(),
-            n_vocab: model.model.config.n_vocab,
-            context: model.context,
-            render_chat: &render,
-        };
-        let valid = validate::profile_request(&req, &limits)?;
+        let valid = with_limits(&model, |limits| validate::profile_request(&req, limits))?;
         let (tx, rx) = mpsc::channel::<ProfileItem>(32);
         model.worker.submit_profile(ProfileJob {
             prompt: valid.prompt,
@@ -496,6 +472,27 @@ fn gpu_status(gpu: &GpuStatus, tensors: u32, status: &mut pb::ModelStatus) {
 }
 
 #[allow(clippy::result_large_err)]
+/// When a call must end, from its `grpc-timeout` header, counted from its arrival.
+fn deadline<T>(request: &Request<T>, arrived: Instant) -> Option<Instant> {
+    request
+        .metadata()
+        .get("grpc-timeout")
+        .and_then(|v| v.to_str().ok())
+        .and_then(validate::grpc_timeout)
+        .map(|d| arrived + d)
+}
+
+/// Runs `f` with what validation needs to know of `model`.
+fn with_limits<R>(model: &LoadedModel, f: impl FnOnce(&ModelLimits<'_>) -> R) -> R {
+    let render = |m: &[pb::ChatMessage]| model.chat_template.render(m);
+    f(&ModelLimits {
+        tokenizer: model.tokenizer.as_deref(),
+        n_vocab: model.model.config.n_vocab,
+        context: model.context,
+        render_chat: &render,
+    })
+}
+
 fn tokenizer(model: &LoadedModel) -> Result<&crate::tokenizer::Tokenizer, Status> {
     model.tokenizer.as_deref().ok_or_else(|| {
         Status::failed_precondition(format!(
