@@ -100,8 +100,7 @@ impl GpuBench {
         n: u64,
         batch: u64,
     ) -> Result<f64, CalibrateError> {
-        let ty = ggml_type(t)
-            .ok_or_else(|| CalibrateError::Unsupported(format!("weight type {}", t.name())))?;
+        let ty = ggml_type(t)?;
         let data = random_matrix(ty, k, n)?;
         let mut uploader = Uploader::new(&self.allocator, DEFAULT_STAGING_BYTES)?;
         let w = GpuMatrix::upload(

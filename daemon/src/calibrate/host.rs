@@ -52,12 +52,6 @@ impl HostBench {
         })
     }
 
-    fn pool(&mut self, threads: u32) -> &ThreadPool {
-        self.pools
-            .entry(threads)
-            .or_insert_with(|| ThreadPool::new(threads as usize))
-    }
-
     /// One product of a `k`-wide, `n`-tall matrix of `t` with a vector on `threads` threads.
     pub fn matvec(
         &mut self,
@@ -66,34 +60,30 @@ impl HostBench {
         n: u64,
         threads: u32,
     ) -> Result<f64, CalibrateError> {
-        let ty = ggml_type(t)
-            .ok_or_else(|| CalibrateError::Unsupported(format!("weight type {}", t.name())))?;
+        let ty = ggml_type(t)?;
         let key = (t.name().to_string(), k, n);
         if self.matrix.as_ref().is_none_or(|(k2, _)| *k2 != key) {
             self.matrix = Some((key, random_matrix(ty, k, n)?));
         }
-        let data = std::mem::take(&mut self.matrix.as_mut().expect("made above").1);
         let m = MatRef {
             ty,
             n_in: k as usize,
             n_out: n as usize,
-            data: &data,
+            data: &self.matrix.as_ref().expect("made above").1,
         };
         let x = vec![0.5f32; k as usize];
         let mut out = vec![0f32; n as usize];
-        let pool = self.pool(threads);
-        let secs = median_seconds(|| {
+        let pool = pool(&mut self.pools, threads);
+        median_seconds(|| {
             matvec(pool, m, &x, &mut out);
             Ok::<(), CalibrateError>(())
-        });
-        self.matrix.as_mut().expect("made above").1 = data;
-        secs
+        })
     }
 
     /// Sums `bytes` of host memory as 8-byte words on `threads` threads.
     pub fn read(&mut self, bytes: u64, threads: u32) -> Result<f64, CalibrateError> {
         let words = vec![1u64; (bytes / 8) as usize];
-        let pool = self.pool(threads);
+        let pool = pool(&mut self.pools, threads);
         let tasks = threads.max(1) as usize;
         let chunk = words.len().div_ceil(tasks);
         median_seconds(|| {
@@ -148,6 +138,13 @@ impl HostBench {
             Ok::<(), CalibrateError>(())
         })
     }
+}
+
+/// The pool of `threads` threads, made on first use.
+fn pool(pools: &mut HashMap<u32, ThreadPool>, threads: u32) -> &ThreadPool {
+    pools
+        .entry(threads)
+        .or_insert_with(|| ThreadPool::new(threads as usize))
 }
 
 impl Drop for HostBench {

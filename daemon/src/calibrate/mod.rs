@@ -41,8 +41,9 @@ pub fn median_seconds<E>(mut f: impl FnMut() -> Result<(), E>) -> Result<f64, E>
 }
 
 /// The ggml type a scheduler weight type names.
-pub fn ggml_type(t: &WeightType) -> Option<GgmlType> {
+pub fn ggml_type(t: &WeightType) -> Result<GgmlType, CalibrateError> {
     GgmlType::from_name(t.name())
+        .ok_or_else(|| CalibrateError::Unsupported(format!("weight type {}", t.name())))
 }
 
 /// Weight types both the GPU kernels and the CPU kernels read.
