@@ -77,18 +77,7 @@ fn greedy_continuation_is_english_words_from_the_vocabulary_of_the_bible() {
     };
     let mut engine = Engine::new(model.clone(), &options);
     let prompt = tokenizer.encode("In the beginning", false);
-    let mut logits = engine.eval_batch(&prompt, false).unwrap().to_vec();
-    let mut out = Vec::new();
-    for _ in 0..40 {
-        let next = logits
-            .iter()
-            .enumerate()
-            .max_by(|a, b| a.1.total_cmp(b.1))
-            .unwrap()
-            .0 as u32;
-        out.push(next);
-        logits = engine.eval(next).unwrap().to_vec();
-    }
+    let out = greedy(&prompt, 40, |t| engine.eval(t).unwrap().to_vec());
     let text = tokenizer.decode(&out);
     println!("In the beginning{text}");
     // Scripture is dense in these words; noise from random weights or a broken layout is not.
