@@ -10,23 +10,11 @@ use std::process::{Command, Output};
 
 use serde_json::Value;
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
-use spillway_daemon::gpu::{Device, Instance, REQUIRE_VULKAN_ENV};
 use spillway_daemon::model::Model;
 use spillway_daemon::synth::SynthModel;
 
 fn has_vulkan() -> bool {
-    match Instance::new().and_then(|i| Device::open(i, None)) {
-        Ok(_) => true,
-        Err(e) => {
-            let required = std::env::var(REQUIRE_VULKAN_ENV).is_ok_and(|v| v != "0");
-            assert!(
-                !required,
-                "{REQUIRE_VULKAN_ENV} is set but no Vulkan device: {e}"
-            );
-            eprintln!("skipping: no Vulkan device ({e})");
-            false
-        }
-    }
+    spillway_daemon::gpu::device_or_skip().is_some()
 }
 
 /// F16 weights: the GPU's logits stay within ~0.1% of the CPU's, so a random model's close
@@ -142,8 +130,7 @@ fn vulkan_run_generates_the_cpu_runs_greedy_tokens() {
 
 #[test]
 fn experts_beyond_the_vram_budget_give_the_same_greedy_tokens() {
-    let Some(device) = Instance::new().and_then(|i| Device::open(i, None)).ok() else {
-        assert!(!has_vulkan());
+    let Some(device) = spillway_daemon::gpu::device_or_skip() else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();

@@ -19,12 +19,16 @@ pub struct GpuBench {
 impl GpuBench {
     /// Opens device `index` (the preferred device when `None`).
     pub fn open(index: Option<usize>) -> Result<GpuBench, CalibrateError> {
-        let device = Device::open(Instance::new()?, index)?;
-        Ok(GpuBench {
+        Ok(GpuBench::on(Device::open(Instance::new()?, index)?))
+    }
+
+    /// Measures `device`.
+    pub fn on(device: Arc<Device>) -> GpuBench {
+        GpuBench {
             allocator: Allocator::new(&device, None),
             kernels: Kernels::new(&device),
             device,
-        })
+        }
     }
 
     pub fn info(&self) -> &DeviceInfo {
