@@ -14,14 +14,14 @@ use super::kernels::{dot_kernel, Isa};
 use super::pool::ThreadPool;
 
 /// Rows per task: enough work to amortise claiming a task, few enough to balance the load.
-fn rows_per_task(n_rows: usize, n_threads: usize) -> usize {
+pub(super) fn rows_per_task(n_rows: usize, n_threads: usize) -> usize {
     (n_rows / (4 * n_threads)).clamp(8, 256)
 }
 
 /// Fewest tokens for which unpacking a row into a panel pays: below it (a few sequences
 /// decoding together, an expert few tokens chose) each row is dotted with each token directly.
 /// Both ways give the same bits.
-const MIN_PANEL_TOKENS: usize = 4;
+pub(super) const MIN_PANEL_TOKENS: usize = 4;
 
 /// `out[i] = row_i(m) · x` for every row of `m`.
 ///
@@ -232,7 +232,7 @@ pub(crate) mod tests {
 
     /// Rows of `ty` with finite scales: quantized noise, or for the K-quants random bytes
     /// whose f16 scales (at `d_at` in each block) are set.
-    fn rows_of(ty: GgmlType, n_in: usize, n_out: usize, d_at: &[usize]) -> Vec<u8> {
+    pub(crate) fn rows_of(ty: GgmlType, n_in: usize, n_out: usize, d_at: &[usize]) -> Vec<u8> {
         if d_at.is_empty() {
             let w = noise(n_in * n_out, 1);
             let mut bytes = vec![0u8; ty.row_bytes((n_in * n_out) as u64).unwrap() as usize];

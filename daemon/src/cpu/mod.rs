@@ -1,5 +1,5 @@
 //! CPU kernels: activation formats ([`act`]), dot products of weight rows with activations
-//! ([`dot`], scalar; [`avx2`]; chosen at run time by [`kernels`]), matrix-vector products ([`matvec`]) and a persistent thread pool ([`pool`]).
+//! ([`dot`], scalar; [`avx2`]; chosen at run time by [`kernels`]), matrix-vector products ([`matvec`]), several products in one pool job ([`group`]) and a persistent thread pool ([`pool`]).
 //!
 //! The kernels multiply weights in place from the memory map: a row is never dequantized into
 //! a copy. Activations are converted to the format ggml pairs with each weight type (Q8_0 for
@@ -12,11 +12,13 @@ pub mod avx2;
 pub mod dot;
 #[cfg(target_arch = "x86_64")]
 pub mod gemm_avx2;
+pub mod group;
 pub mod kernels;
 pub mod matvec;
 pub mod pool;
 
 pub use act::{ActFormat, Activation, BlockQ8K};
+pub use group::{matmul_group, Product};
 pub use kernels::Isa;
 pub use matvec::{activations, matmul, matmul_act, matvec, matvec_act, matvec_with};
 pub use pool::ThreadPool;

@@ -15,9 +15,10 @@
 use half::f16;
 
 use crate::cpu::attn::{dot_f32_f16_with, weighted_sum_f16_with};
-use crate::cpu::{activations, matmul, matmul_act, ActFormat, Activation, Isa, ThreadPool};
+use crate::cpu::{activations, matmul, matmul_group, ActFormat, Isa, Product, ThreadPool};
 use crate::model::{Attention, Ffn, Matrix, Model, ModelError, MoeWeights};
 
+use super::experts::routed_experts;
 use super::kv_cache::KvCache;
 use super::ops::{
     add_inplace, rms_norm, rms_norm_inplace, rope_cache, rope_head, softmax, swiglu_inplace,
@@ -142,7 +143,7 @@ pub(super) fn forward_slots(
         norm_rows(&x, &layer.ffn_norm, c.rms_eps, &mut xn);
         match &layer.ffn {
             Ffn::Dense { gate, up, down } => {
-                let out = swiglu_ffn(model, pool, (gate, up, down), 0, &xn);
+                let out = swiglu_ffn(model, pool, (gate, up, down), &xn);
                 add_inplace(&mut x, &out);
                 laps.lap(Some(il), OpGroup::Ffn, || {
                     gate.bytes() + up.bytes() + down.bytes()
@@ -270,55 +271,40 @@ fn attention(
     proj
 }
 
-/// `down(silu(gate · x) * (up · x))` for every row of `xs`, with matrices `expert` of the
-/// stacks (0 for plain matrices).
+/// `down(silu(gate · x) * (up · x))` for every row of `xs` (a dense FFN, or Qwen2-MoE's shared
+/// expert), with gate and up in one job of the pool. `up` shares `gate`'s conversion of the
+/// tokens when its type takes the same format.
 fn swiglu_ffn(
     model: &Model,
     pool: &ThreadPool,
-    mats: (&Matrix, &Matrix, &Matrix),
-    expert: usize,
+    (gate, up, down): (&Matrix, &Matrix, &Matrix),
     xs: &[f32],
 ) -> Vec<f32> {
-    let acts = activations(mats.0.ty, xs, mats.0.n_in);
-    swiglu_ffn_act(model, pool, mats, expert, &acts, &|| xs.to_vec())
-}
-
-/// [`swiglu_ffn`] on tokens already converted for `gate`'s type; `up` shares them when its
-/// type takes the same format, and otherwise converts the rows `xs()` gives.
-fn swiglu_ffn_act(
-    model: &Model,
-    pool: &ThreadPool,
-    (gate, up, down): (&Matrix, &Matrix, &Matrix),
-    expert: usize,
-    acts: &[Activation<'_>],
-    xs: &dyn Fn() -> Vec<f32>,
-) -> Vec<f32> {
+    let acts = activations(gate.ty, xs, gate.n_in);
+    let up_acts = (ActFormat::for_weights(up.ty) != ActFormat::for_weights(gate.ty))
+        .then(|| activations(up.ty, xs, up.n_in));
     let n = acts.len();
-    let ff = gate.n_out;
-    let mut g = vec![0.0f32; n * ff];
-    let mut u = vec![0.0f32; n * ff];
-    matmul_act(pool, model.expert(gate, expert), acts, &mut g);
-    if ActFormat::for_weights(up.ty) == ActFormat::for_weights(gate.ty) {
-        matmul_act(pool, model.expert(up, expert), acts, &mut u);
-    } else {
-        matmul(pool, model.expert(up, expert), &xs(), &mut u);
-    }
+    let mut g = vec![0.0f32; n * gate.n_out];
+    let mut u = vec![0.0f32; n * up.n_out];
+    matmul_group(
+        pool,
+        &mut [
+            Product {
+                m: model.mat(gate),
+                acts: &acts,
+                out: &mut g,
+            },
+            Product {
+                m: model.mat(up),
+                acts: up_acts.as_deref().unwrap_or(&acts),
+                out: &mut u,
+            },
+        ],
+    );
     swiglu_inplace(&mut g, &u);
     let mut out = vec![0.0f32; n * down.n_out];
-    matmul(pool, model.expert(down, expert), &g, &mut out);
+    matmul(pool, model.mat(down), &g, &mut out);
     out
-}
-
-/// Expert `expert` of `moe`'s routed stacks for the token rows of `xs`, unweighted, with the
-/// arithmetic of [`moe_ffn`] (the GPU's CPU experts use it, so both engines agree).
-pub(crate) fn expert_ffn(
-    model: &Model,
-    pool: &ThreadPool,
-    moe: &MoeWeights,
-    expert: usize,
-    xs: &[f32],
-) -> Vec<f32> {
-    swiglu_ffn(model, pool, (&moe.gate, &moe.up, &moe.down), expert, xs)
 }
 
 /// Routed experts (routed as [`route`] says), plus Qwen2-MoE's sigmoid-gated shared expert, for
@@ -349,29 +335,7 @@ fn moe_ffn(
     laps.lap(Some(il), OpGroup::Router, || moe.router.bytes());
 
     // Each expert runs once over the tokens that chose it; results land at (token, rank).
-    // Every token is converted for the experts' weights once, not once per expert.
-    let acts = activations(moe.gate.ty, xn, e);
-    let mut expert_out = vec![0.0f32; n * k * e];
-    for ex in 0..cfg.n_expert {
-        let slots: Vec<usize> = (0..n * k).filter(|&s| chosen[s] == ex).collect();
-        if slots.is_empty() {
-            continue;
-        }
-        let picked: Vec<Activation<'_>> = slots.iter().map(|&s| acts[s / k].clone()).collect();
-        let rows = || {
-            let mut xs = Vec::with_capacity(slots.len() * e);
-            for &s in &slots {
-                let b = s / k;
-                xs.extend_from_slice(&xn[b * e..(b + 1) * e]);
-            }
-            xs
-        };
-        let mats = (&moe.gate, &moe.up, &moe.down);
-        let y = swiglu_ffn_act(model, pool, mats, ex, &picked, &rows);
-        for (&s, row) in slots.iter().zip(y.chunks_exact(e)) {
-            expert_out[s * e..(s + 1) * e].copy_from_slice(row);
-        }
-    }
+    let expert_out = routed_experts(model, pool, moe, xn, &chosen, k);
     // Summed in rank order, as ggml adds the weighted experts.
     let mut out = vec![0.0f32; n * e];
     for (b, o) in out.chunks_exact_mut(e).enumerate() {
@@ -389,7 +353,7 @@ fn moe_ffn(
     if let Some(sh) = &moe.shared {
         let mut logit = vec![0.0f32; n];
         matmul(pool, model.mat(&sh.gate_inp), xn, &mut logit);
-        let y = swiglu_ffn(model, pool, (&sh.gate, &sh.up, &sh.down), 0, xn);
+        let y = swiglu_ffn(model, pool, (&sh.gate, &sh.up, &sh.down), xn);
         for ((o, y), &l) in out.chunks_exact_mut(e).zip(y.chunks_exact(e)).zip(&logit) {
             let g = shared_expert_gate(l);
             for (o, &y) in o.iter_mut().zip(y) {

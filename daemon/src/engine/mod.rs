@@ -1,5 +1,5 @@
 //! The CPU inference engine: one sequence's KV cache ([`kv_cache`]), the forward pass
-//! ([`forward`]), element-wise ops ([`ops`]), MoE routing ([`routing`], shared with the GPU),
+//! ([`forward`]), element-wise ops ([`ops`]), MoE routing ([`routing`], shared with the GPU), routed experts ([`experts`], also the GPU's CPU experts),
 //! sampling ([`sampling`]), one sequence's decoding a token at a time ([`decode`]), several
 //! sequences sharing decode steps ([`batch`]), one request's generation with stop strings
 //! and streamed text ([`generate`], [`stop`]), and per-layer profiling of a step ([`profile`]).
@@ -9,6 +9,7 @@
 
 pub mod batch;
 pub mod decode;
+pub mod experts;
 pub mod forward;
 pub mod generate;
 pub mod kv_cache;

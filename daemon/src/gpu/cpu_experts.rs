@@ -1,6 +1,6 @@
 //! Routed experts computed on the CPU for a [`GpuModel`](super::forward::GpuModel) whose VRAM
 //! holds only some of them: the CPU engine's own expert code
-//! ([`engine::forward::expert_ffn`](crate::engine::forward::expert_ffn)) over the
+//! ([`engine::experts::routed_experts`](crate::engine::experts::routed_experts)) over the
 //! memory-mapped file, on a persistent thread pool. The model submits the GPU's part of the
 //! layer (the resident experts) and computes these while it runs
 //! ([`Kernels::record_overlapped`](super::record::Kernels::record_overlapped)); their weighted
@@ -12,13 +12,13 @@
 //! Q8 for the weight type), so its output differs from the GPU's by that rounding.
 //!
 //! Partial: the expert's bytes come from the memory map; experts not in RAM would be read with
-//! [`crate::stream::ExpertCache`] (not wired). The experts of a token run one after another, each
-//! matrix spread over the pool.
+//! [`crate::stream::ExpertCache`] (not wired). The experts of a token share the pool's jobs
+//! (all gate and up products in one, all down products in another).
 
 use std::sync::Arc;
 
 use crate::cpu::ThreadPool;
-use crate::engine::forward::expert_ffn;
+use crate::engine::experts::routed_experts;
 use crate::engine::routing::RoutedExpert;
 use crate::model::{Ffn, Model};
 
@@ -44,9 +44,11 @@ impl CpuExperts {
         let Ffn::Moe(moe) = &self.model.layers[layer].ffn else {
             panic!("layer {layer} has no experts");
         };
-        let mut sum = vec![0.0f32; self.model.config.n_embd];
-        for r in experts {
-            let y = expert_ffn(&self.model, &self.pool, moe, r.expert, xn);
+        let e = self.model.config.n_embd;
+        let chosen: Vec<usize> = experts.iter().map(|r| r.expert).collect();
+        let y = routed_experts(&self.model, &self.pool, moe, xn, &chosen, chosen.len());
+        let mut sum = vec![0.0f32; e];
+        for (r, y) in experts.iter().zip(y.chunks_exact(e)) {
             for (s, y) in sum.iter_mut().zip(y) {
                 *s += y * r.weight;
             }

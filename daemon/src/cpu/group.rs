@@ -1,0 +1,205 @@
+//! Several independent matrix products in one job of the thread pool. A MoE layer multiplies
+//! a handful of small matrices per token (gate, up and down of each chosen expert); run one
+//! after another, each pays a wake-up and a join of the whole pool for a few hundred rows. Run
+//! as one job, the pool's threads claim row chunks of every product from one counter, so a
+//! layer costs one join per phase (gate and up together, then down), whatever the number of
+//! experts, and no thread idles while another finishes a matrix.
+//!
+//! Each product's arithmetic is [`matmul_act`](super::matmul_act)'s: the same dot products (or
+//! the same batched AVX2 kernels for four tokens or more), so results are bit-identical to
+//! computing the products one by one.
+
+use crate::model::MatRef;
+
+use super::act::Activation;
+#[cfg(target_arch = "x86_64")]
+use super::gemm_avx2;
+use super::kernels::{dot_kernel, Isa};
+use super::matvec::{rows_per_task, MIN_PANEL_TOKENS};
+use super::pool::ThreadPool;
+
+/// One product of a group: `out[b * n_out + i] = row_i(m) · acts[b]` (token-major).
+pub struct Product<'a> {
+    pub m: MatRef<'a>,
+    pub acts: &'a [Activation<'a>],
+    pub out: &'a mut [f32],
+}
+
+/// Computes every product of `products` in one job of `pool`.
+///
+/// # Panics
+/// If a product's `out` is not `acts.len()` rows of `m.n_out`, or an activation's format or
+/// width does not fit its matrix.
+pub fn matmul_group(pool: &ThreadPool, products: &mut [Product<'_>]) {
+    let isa = Isa::detect();
+    let plans: Vec<Plan<'_>> = products
+        .iter_mut()
+        .map(|p| Plan::new(p, isa, pool.n_threads()))
+        .collect();
+    // Task `t` belongs to the product whose range of task indices holds it.
+    let mut first_task = Vec::with_capacity(plans.len() + 1);
+    first_task.push(0usize);
+    for p in &plans {
+        first_task.push(first_task.last().unwrap() + p.n_tasks());
+    }
+    let n_tasks = *first_task.last().unwrap();
+    pool.run(n_tasks, &|t| {
+        let k = first_task.partition_point(|&f| f <= t) - 1;
+        let plan = &plans[k];
+        let start = (t - first_task[k]) * plan.rows_per;
+        let end = (start + plan.rows_per).min(plan.m.n_out);
+        // SAFETY: each task writes rows `start..end` of its own product alone, and every
+        // product's `out` outlives `run`.
+        unsafe { plan.rows(start, end) };
+    });
+}
+
+/// A product ready to be cut into tasks.
+struct Plan<'a> {
+    m: MatRef<'a>,
+    acts: &'a [Activation<'a>],
+    out: OutPtr,
+    rows_per: usize,
+    dot: super::kernels::DotFn,
+    #[cfg(target_arch = "x86_64")]
+    batch: Option<gemm_avx2::Batch<'a>>,
+}
+
+/// A product's output, written by several tasks at disjoint rows.
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint elements, and every `out` outlives the pool's `run`.
+unsafe impl Sync for OutPtr {}
+
+impl<'a> Plan<'a> {
+    fn new(p: &'a mut Product<'_>, isa: Isa, n_threads: usize) -> Plan<'a> {
+        let n_tok = p.acts.len();
+        assert_eq!(
+            p.out.len(),
+            n_tok * p.m.n_out,
+            "grouped product output size"
+        );
+        // The activations' format and width are asserted by the kernels on first use.
+        #[cfg(target_arch = "x86_64")]
+        let batch = (isa == Isa::Avx2 && gemm_avx2::supports(p.m.ty) && n_tok >= MIN_PANEL_TOKENS)
+            // SAFETY: `Isa::detect` found AVX2, FMA and F16C.
+            .then(|| unsafe { gemm_avx2::Batch::new(p.m.ty, p.acts) });
+        Plan {
+            m: p.m,
+            acts: p.acts,
+            out: OutPtr(p.out.as_mut_ptr()),
+            rows_per: rows_per_task(p.m.n_out, n_threads),
+            dot: dot_kernel(p.m.ty, isa),
+            #[cfg(target_arch = "x86_64")]
+            batch,
+        }
+    }
+
+    fn n_tasks(&self) -> usize {
+        if self.acts.is_empty() {
+            0
+        } else {
+            self.m.n_out.div_ceil(self.rows_per)
+        }
+    }
+
+    /// Rows `start..end` of the product for every token.
+    ///
+    /// # Safety
+    /// No other thread writes these rows of `out` meanwhile.
+    unsafe fn rows(&self, start: usize, end: usize) {
+        let n_out = self.m.n_out;
+        #[cfg(target_arch = "x86_64")]
+        if let Some(batch) = &self.batch {
+            let mut panel = gemm_avx2::Panel::default();
+            for first in (start..end).step_by(gemm_avx2::PANEL_ROWS) {
+                let n_rows = gemm_avx2::PANEL_ROWS.min(end - first);
+                let mut rows: [&[u8]; gemm_avx2::PANEL_ROWS] = Default::default();
+                for (k, row) in rows[..n_rows].iter_mut().enumerate() {
+                    *row = self.m.row(first + k);
+                }
+                // SAFETY: the batch exists only where `Isa::detect` found AVX2, FMA and F16C;
+                // the panel is unpacked for this batch just before; the caller owns the rows.
+                unsafe {
+                    panel.unpack(batch, &rows[..n_rows]);
+                    panel.products(batch, self.out.0, n_out, first);
+                }
+            }
+            return;
+        }
+        for i in start..end {
+            let row = self.m.row(i);
+            for (b, act) in self.acts.iter().enumerate() {
+                // SAFETY: `b * n_out + i` is inside `out` (its size was checked), and the
+                // caller owns row `i`.
+                unsafe { *self.out.0.add(b * n_out + i) = (self.dot)(row, act) };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::matvec::{
+        activations, matmul_act,
+        tests::{noise, rows_of},
+    };
+    use crate::gguf::GgmlType;
+
+    #[test]
+    fn a_group_equals_its_products_one_by_one() {
+        // Shapes of different heights and token counts on both sides of the batched-kernel
+        // threshold, and an empty product, in one group.
+        let pool = ThreadPool::new(3);
+        let n_in = 256;
+        for (ty, d_at) in [
+            (GgmlType::Q4_0, &[][..]),
+            (GgmlType::Q8_0, &[][..]),
+            (GgmlType::F16, &[][..]),
+            (GgmlType::Q4K, &[0, 2][..]),
+            (GgmlType::Q6K, &[208][..]),
+        ] {
+            let shapes = [(37usize, 1usize), (64, 3), (19, 6), (8, 0), (130, 4)];
+            let weights: Vec<Vec<u8>> = shapes
+                .iter()
+                .map(|&(n_out, _)| rows_of(ty, n_in, n_out, d_at))
+                .collect();
+            let mats: Vec<MatRef<'_>> = shapes
+                .iter()
+                .zip(&weights)
+                .map(|(&(n_out, _), data)| MatRef {
+                    ty,
+                    n_in,
+                    n_out,
+                    data,
+                })
+                .collect();
+            let xs: Vec<Vec<f32>> = shapes
+                .iter()
+                .enumerate()
+                .map(|(s, &(_, n_tok))| noise(n_in * n_tok, 20 + s as u64))
+                .collect();
+            let acts: Vec<Vec<Activation<'_>>> =
+                xs.iter().map(|x| activations(ty, x, n_in)).collect();
+            let mut outs: Vec<Vec<f32>> = shapes
+                .iter()
+                .map(|&(n_out, n_tok)| vec![f32::NAN; n_out * n_tok])
+                .collect();
+            let mut products: Vec<Product<'_>> = outs
+                .iter_mut()
+                .zip(&mats)
+                .zip(&acts)
+                .map(|((out, &m), acts)| Product { m, acts, out })
+                .collect();
+            matmul_group(&pool, &mut products);
+            drop(products);
+            for (s, ((m, acts), out)) in mats.iter().zip(&acts).zip(&outs).enumerate() {
+                let mut want = vec![0.0f32; out.len()];
+                if !acts.is_empty() {
+                    matmul_act(&pool, *m, acts, &mut want);
+                }
+                assert_eq!(out, &want, "{ty} product {s}");
+            }
+        }
+    }
+}

@@ -1,0 +1,108 @@
+//! Routed experts of a MoE layer on the CPU: each chosen expert runs once over the tokens that
+//! chose it, and all experts of the layer share two jobs of the thread pool (every gate and up
+//! product together, then every down product) through
+//! [`matmul_group`](crate::cpu::matmul_group), instead of three jobs per expert.
+//!
+//! Used by the CPU engine's forward pass and by the GPU model for the experts that are not in
+//! VRAM, so both compute a CPU expert with the same arithmetic.
+
+use std::collections::BTreeMap;
+
+use crate::cpu::{activations, matmul_group, ActFormat, Activation, Product, ThreadPool};
+use crate::model::{Model, MoeWeights};
+
+use super::ops::swiglu_inplace;
+
+/// The unweighted outputs of the routed experts for the token rows of `xn` (`n_embd` wide),
+/// where slot `s` (token `s / k`) chose expert `chosen[s]`: row `s` of the result is
+/// `down(silu(gate · x) * (up · x))` of that expert for that token.
+///
+/// Tokens are converted for the experts' weights once (not once per expert), as the batched
+/// forward pass always did; `up` shares the conversion when its type takes the same format.
+///
+/// # Panics
+/// If `chosen.len()` is not `k` slots per token of `xn`, or an expert index is out of range.
+pub(crate) fn routed_experts(
+    model: &Model,
+    pool: &ThreadPool,
+    moe: &MoeWeights,
+    xn: &[f32],
+    chosen: &[usize],
+    k: usize,
+) -> Vec<f32> {
+    let e = model.config.n_embd;
+    assert_eq!(chosen.len() * e, xn.len() * k, "k chosen experts per token");
+    let ff = moe.gate.n_out;
+
+    // The experts in use, in index order, each with the slots that chose it.
+    let mut slots_of: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    for (s, &ex) in chosen.iter().enumerate() {
+        slots_of.entry(ex).or_default().push(s);
+    }
+    let acts = activations(moe.gate.ty, xn, e);
+    let up_acts = (ActFormat::for_weights(moe.up.ty) != ActFormat::for_weights(moe.gate.ty))
+        .then(|| activations(moe.up.ty, xn, e));
+    let gate_in: Vec<Vec<Activation<'_>>> = slots_of.values().map(|s| pick(&acts, s, k)).collect();
+    let up_in: Option<Vec<Vec<Activation<'_>>>> = up_acts
+        .as_ref()
+        .map(|all| slots_of.values().map(|s| pick(all, s, k)).collect());
+
+    // Gate and up of every expert in one job.
+    let mut g: Vec<Vec<f32>> = slots_of.values().map(|s| vec![0.0; s.len() * ff]).collect();
+    let mut u: Vec<Vec<f32>> = g.clone();
+    {
+        let mut products = Vec::with_capacity(2 * g.len());
+        for (i, ((&ex, (g, u)), gate_in)) in slots_of
+            .keys()
+            .zip(g.iter_mut().zip(u.iter_mut()))
+            .zip(&gate_in)
+            .enumerate()
+        {
+            products.push(Product {
+                m: model.expert(&moe.gate, ex),
+                acts: gate_in,
+                out: g,
+            });
+            products.push(Product {
+                m: model.expert(&moe.up, ex),
+                acts: up_in.as_ref().map_or(gate_in, |up| &up[i]),
+                out: u,
+            });
+        }
+        matmul_group(pool, &mut products);
+    }
+
+    // Down of every expert in one job.
+    for (g, u) in g.iter_mut().zip(&u) {
+        swiglu_inplace(g, u);
+    }
+    let down_in: Vec<Vec<Activation<'_>>> =
+        g.iter().map(|g| activations(moe.down.ty, g, ff)).collect();
+    let mut y: Vec<Vec<f32>> = slots_of.values().map(|s| vec![0.0; s.len() * e]).collect();
+    {
+        let mut products: Vec<Product<'_>> = slots_of
+            .keys()
+            .zip(y.iter_mut())
+            .zip(&down_in)
+            .map(|((&ex, out), acts)| Product {
+                m: model.expert(&moe.down, ex),
+                acts,
+                out,
+            })
+            .collect();
+        matmul_group(pool, &mut products);
+    }
+
+    let mut out = vec![0.0f32; chosen.len() * e];
+    for (slots, y) in slots_of.values().zip(&y) {
+        for (&s, row) in slots.iter().zip(y.chunks_exact(e)) {
+            out[s * e..(s + 1) * e].copy_from_slice(row);
+        }
+    }
+    out
+}
+
+/// The converted tokens of `slots` (slot `s` is token `s / k`).
+fn pick<'a>(all: &[Activation<'a>], slots: &[usize], k: usize) -> Vec<Activation<'a>> {
+    slots.iter().map(|&s| all[s / k].clone()).collect()
+}
