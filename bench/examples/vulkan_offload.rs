@@ -7,7 +7,8 @@
 //! reused) or `qwen3-30b-a3b Q4_K_M 32 /data` (about 17 GB of real weights: the disk and RAM
 //! must hold it). Budgets are the minimum, then a quarter, half and three quarters of the way
 //! to the whole model, the whole model's bytes, and no budget; or, with `budgets=8192,1024`,
-//! those budgets in MiB. `modes=cpu` (or `fetch`) runs one miss mode only.
+//! those budgets in MiB. `modes=cpu` (or `fetch`) runs one miss mode only; `cpu-separate` is
+//! `cpu` with a step as separate submissions instead of one chain (`GpuModelOptions::chain`).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -27,7 +28,7 @@ fn mib(b: u64) -> f64 {
 
 fn main() {
     let mut given_budgets: Option<Vec<u64>> = None;
-    let mut modes = vec![MoeMiss::Cpu, MoeMiss::Fetch];
+    let mut modes = vec![(MoeMiss::Cpu, true), (MoeMiss::Fetch, true)];
     let args: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| {
@@ -42,9 +43,10 @@ fn main() {
                 modes = m
                     .split(',')
                     .map(|m| match m {
-                        "cpu" => MoeMiss::Cpu,
-                        "fetch" => MoeMiss::Fetch,
-                        other => panic!("modes={other}: cpu or fetch"),
+                        "cpu" => (MoeMiss::Cpu, true),
+                        "cpu-separate" => (MoeMiss::Cpu, false),
+                        "fetch" => (MoeMiss::Fetch, true),
+                        other => panic!("modes={other}: cpu, cpu-separate or fetch"),
                     })
                     .collect();
                 false
@@ -98,23 +100,28 @@ fn main() {
     budgets.push(None);
 
     println!(
-        "{:>10} {:>7} {:>6} {:>8} {:>7} {:>9} {:>9} {:>11}",
+        "{:>10} {:>7} {:>7} {:>8} {:>7} {:>9} {:>9} {:>11}",
         "budget", "slots", "miss", "tok/s", "hits", "cpu/tok", "fetch/tok", "MiB up/tok"
     );
     let tokens: Vec<u32> = (0..(n_tokens + WARMUP) as u32)
         .map(|i| (i * 7919 + 13) % 1000)
         .collect();
     for budget in budgets {
-        for &miss in &modes {
+        for &(miss, chain) in &modes {
             let options = GpuModelOptions {
                 vram_budget: budget,
                 moe_miss: miss,
+                chain,
                 ..base.clone()
+            };
+            let mode = match (miss, chain) {
+                (MoeMiss::Cpu, false) => "cpu-sep".to_string(),
+                _ => miss.to_string(),
             };
             let mut gpu = match GpuModel::new(&device, &model, &options) {
                 Ok(g) => g,
                 Err(e) => {
-                    println!("{budget:?} {miss}: {e}");
+                    println!("{budget:?} {mode}: {e}");
                     continue;
                 }
             };
@@ -132,10 +139,10 @@ fn main() {
             let per_tok = |a: u64, b: u64| (a - b) as f64 / n_tokens as f64;
             let lookups = (after.hits + after.misses) - (before.hits + before.misses);
             println!(
-                "{:>10} {:>7} {:>6} {:>8.2} {:>6.1}% {:>9.2} {:>9.2} {:>11.2}",
+                "{:>10} {:>7} {:>7} {:>8.2} {:>6.1}% {:>9.2} {:>9.2} {:>11.2}",
                 budget.map_or("none".into(), |b| format!("{:.1}M", mib(b))),
                 format!("{}/{}", stats.slots, stats.n_expert),
-                miss.to_string(),
+                mode,
                 n_tokens as f64 / s,
                 100.0 * (after.hits - before.hits) as f64 / lookups.max(1) as f64,
                 per_tok(after.cpu, before.cpu),

@@ -47,6 +47,7 @@ fn options(budget: Option<u64>, miss: MoeMiss) -> GpuModelOptions {
         expert_policy: ReplacementPolicy::Lru,
         threads: 2,
         host_routing: false,
+        chain: true,
     }
 }
 
@@ -194,4 +195,64 @@ fn qwen3moe_over_the_vram_budget_decodes_as_unconstrained() {
 #[test]
 fn qwen2moe_over_the_vram_budget_decodes_as_unconstrained() {
     offload("tiny-qwen2moe");
+}
+
+/// A step with CPU experts as one chain of command buffers gives the logits, the routing and
+/// the expert counters of the same step as separate submissions, bit for bit: the chain changes
+/// when the host acts, not what the device computes. At the minimum budget (one slot) and at
+/// half the experts.
+fn chain_matches_separate_submissions(preset: &str) {
+    let Some(dev) = device() else { return };
+    if !dev.chains() {
+        // Timeline semaphores are core in Vulkan 1.2; a driver without them keeps separate
+        // submissions, which the test above covers.
+        assert!(
+            std::env::var_os("SPILLWAY_REQUIRE_VULKAN").is_none(),
+            "the Vulkan device has no timeline semaphores"
+        );
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model(tmp.path(), preset);
+    let n_moe = model
+        .layers
+        .iter()
+        .filter(|l| matches!(l.ffn, spillway_daemon::model::Ffn::Moe(_)))
+        .count();
+    let base = options(None, MoeMiss::Cpu);
+    let whole = GpuModel::device_bytes(&model, &base).total();
+    let minimum = GpuModel::minimum_budget(&dev, &model, &base)
+        .unwrap()
+        .total();
+    for budget in [minimum, minimum + (whole - minimum) / 2] {
+        let what = format!("{preset}, budget {budget} of {whole}");
+        let run = |chain: bool| {
+            let o = GpuModelOptions {
+                chain,
+                ..options(Some(budget), MoeMiss::Cpu)
+            };
+            let mut gpu = GpuModel::new(&dev, &model, &o).unwrap();
+            let (logits, routing) = decode(&mut gpu);
+            let stats = gpu.expert_stats().unwrap().total();
+            (logits, routing, stats, gpu.last_stats().submits as usize)
+        };
+        let (want, want_routing, want_stats, separate) = run(false);
+        let (got, routing, stats, parts) = run(true);
+        assert!(stats.cpu > 0, "{what}: some experts ran on the CPU");
+        assert!(separate > 1 + n_moe, "{what}: {separate} submissions");
+        assert_eq!(parts, 1 + 2 * n_moe, "{what}: parts of a chained step");
+        assert_eq!(got, want, "{what}: logits");
+        assert_eq!(routing, want_routing, "{what}: routing");
+        assert_eq!(stats, want_stats, "{what}: expert counters");
+    }
+}
+
+#[test]
+fn qwen3moe_chained_steps_equal_separate_submissions() {
+    chain_matches_separate_submissions("tiny-qwen3moe");
+}
+
+#[test]
+fn qwen2moe_chained_steps_equal_separate_submissions() {
+    chain_matches_separate_submissions("tiny-qwen2moe");
 }

@@ -198,6 +198,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 expert_policy: args.expert_cache,
                 threads: args.threads.unwrap_or(0),
                 host_routing: false,
+                chain: true,
             };
             let gpu = load_on_gpu(&device, &model, &options)
                 .with_context(|| format!("loading {} onto {name}", args.model.display()))?;

@@ -11,12 +11,14 @@ use super::instance::{DeviceInfo, Instance};
 
 pub struct Device {
     pub(crate) raw: ash::Device,
-    queue: Mutex<vk::Queue>,
-    pool: Mutex<vk::CommandPool>,
+    pub(super) queue: Mutex<vk::Queue>,
+    pub(super) pool: Mutex<vk::CommandPool>,
     pub(crate) memory: vk::PhysicalDeviceMemoryProperties,
     pub(crate) limits: vk::PhysicalDeviceLimits,
     pub(crate) subgroup_size: u32,
     subgroup_arithmetic: bool,
+    /// Timeline semaphores (core in Vulkan 1.2, optional on some drivers) are enabled.
+    pub(super) timeline_semaphores: bool,
     info: DeviceInfo,
     // Dropped after `Drop::drop` destroyed the device: the instance must outlive it.
     _instance: Arc<Instance>,
@@ -38,7 +40,16 @@ impl Device {
         let queues = [vk::DeviceQueueCreateInfo::default()
             .queue_family_index(queue_family)
             .queue_priorities(&priorities)];
-        let info = vk::DeviceCreateInfo::default().queue_create_infos(&queues);
+        let mut supported12 = vk::PhysicalDeviceVulkan12Features::default();
+        let mut features2 = vk::PhysicalDeviceFeatures2::default().push_next(&mut supported12);
+        // SAFETY: `physical` belongs to `inst`; the chained struct outlives the call.
+        unsafe { inst.get_physical_device_features2(physical, &mut features2) };
+        let timeline_semaphores = supported12.timeline_semaphore == vk::TRUE;
+        let mut enabled12 =
+            vk::PhysicalDeviceVulkan12Features::default().timeline_semaphore(timeline_semaphores);
+        let info = vk::DeviceCreateInfo::default()
+            .queue_create_infos(&queues)
+            .push_next(&mut enabled12);
         // SAFETY: the create info and the arrays it points to live across the call.
         let raw = unsafe { inst.create_device(physical, &info, None) }.map_err(map_vk)?;
         // SAFETY: the family and index 0 were requested above.
@@ -76,6 +87,7 @@ impl Device {
                 && subgroup
                     .supported_stages
                     .contains(vk::ShaderStageFlags::COMPUTE),
+            timeline_semaphores,
             info,
             _instance: instance,
         }))

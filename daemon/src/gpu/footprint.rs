@@ -82,9 +82,9 @@ fn activation_bytes(c: &Config, capacity: usize, dense_ff: usize, shared_ff: usi
     let mut n = 4 * f32s(e) + 2 * f32s(qw) + 2 * f32s(kvw) + 2 * f32s(dense_ff);
     n += f32s(c.n_head * capacity) + f32s(c.n_vocab);
     if let Some(m) = &c.moe {
-        // Router logits, the shared gate's logit, and the host-visible copy of the layer's
-        // input and the CPU experts' sum.
-        n += f32s(m.n_expert) + f32s(1) + 2 * f32s(e);
+        // Router logits, the shared gate's logit, the host-visible copy of the layer's input,
+        // the CPU experts' sum and a routing the host decided.
+        n += f32s(m.n_expert) + f32s(1) + 2 * f32s(e) + f32s(route_floats(m.n_expert_used));
         n += m.n_expert_used as u64 * (2 * f32s(m.n_ff_expert) + f32s(e));
         n += 2 * f32s(shared_ff) + f32s(if shared_ff > 0 { e } else { 0 });
         // Routing on the device: logits, shared logit, the routing, every layer's log, and the

@@ -16,6 +16,7 @@
 
 pub mod alloc;
 mod buffer;
+pub mod chain;
 pub mod cpu_experts;
 mod device;
 mod error;

@@ -87,6 +87,9 @@ pub(super) struct MoeScratch {
     pub(super) xn_host: Buffer,
     /// Host-visible: the weighted sum of the experts computed on the CPU.
     pub(super) cpu_sum: Buffer,
+    /// Host-visible: a routing the host decided, laid out as [`route_floats`] (slots in place
+    /// of experts), for [`GpuMoe::record_host_routed`].
+    pub(super) route_host: Buffer,
     /// Per rank of the top k: gate (then SwiGLU), up and the expert's output, so the k experts
     /// are independent dispatches.
     gate: Vec<Buffer>,
@@ -196,9 +199,7 @@ impl GpuMoe {
     pub(super) fn routes_on_device(&self, cfg: &MoeConfig, max_range: u64) -> bool {
         self.n_slots == cfg.n_expert
             && cfg.n_expert <= MOE_ROUTE_MAX_EXPERTS
-            && [&self.gate, &self.up, &self.down]
-                .iter()
-                .all(|m| m.buffer.size() <= max_range)
+            && self.stacks_fit(max_range)
     }
 
     /// The whole layer with the routing decided on the device (see the module's notes): the
@@ -214,7 +215,6 @@ impl GpuMoe {
         s: &MoeScratch,
     ) -> Result<()> {
         let k = cfg.n_expert_used;
-        let (ff, n_embd) = (self.n_ff, self.n_embd);
         rec.matvec(&self.router, xn, &s.router_dev)?;
         if let Some(sh) = &self.shared {
             rec.matvec(&sh.gate_inp, xn, &s.shared_logit_dev)?;
@@ -231,29 +231,67 @@ impl GpuMoe {
         };
         let shared_logit = self.shared.as_ref().map(|_| &s.shared_logit_dev);
         rec.moe_route(&s.router_dev, shared_logit, &s.route, &s.log, args)?;
+        self.record_indexed(rec, k, (xn, x), &s.route, s)
+    }
+
+    /// Whether every slot stack fits one binding of `max_range` bytes, as the expert-indexed
+    /// products ([`Recorder::matvec_id`]) need.
+    pub(super) fn stacks_fit(&self, max_range: u64) -> bool {
+        [&self.gate, &self.up, &self.down]
+            .iter()
+            .all(|m| m.buffer.size() <= max_range)
+    }
+
+    /// Part 2 of a layer whose routing the host wrote into [`MoeScratch::route_host`] after
+    /// part 1 ([`GpuMoe::record_router`]) ran: the slots of the k entries there, each expert
+    /// one dispatch for all k, added to `x` with the weights there (zero for the entries the
+    /// CPU computes), then the shared expert with the gate there. A chained step
+    /// ([`super::chain`]) records it before the routing is known.
+    pub(super) fn record_host_routed(
+        &self,
+        rec: &mut Recorder<'_>,
+        k: usize,
+        (xn, x): (&Buffer, &Buffer),
+        s: &MoeScratch,
+    ) -> Result<()> {
+        self.record_indexed(rec, k, (xn, x), &s.route_host, s)
+    }
+
+    /// The k experts whose slots `route` holds (as [`route_floats`] lays them out), added to
+    /// `x` in order with their weights from `route`, then the shared expert with its gate
+    /// from `route`.
+    fn record_indexed(
+        &self,
+        rec: &mut Recorder<'_>,
+        k: usize,
+        (xn, x): (&Buffer, &Buffer),
+        route: &Buffer,
+        s: &MoeScratch,
+    ) -> Result<()> {
+        let (ff, n_embd) = (self.n_ff, self.n_embd);
         let (k32, ff32, e32) = (k as u32, ff as u32, n_embd as u32);
         rec.matvec_id(
             &self.gate,
             ff,
-            (&s.route, 0),
+            (route, 0),
             k32,
             (xn, 0),
             (&s.gate_all, ff32),
         )?;
-        rec.matvec_id(&self.up, ff, (&s.route, 0), k32, (xn, 0), (&s.up_all, ff32))?;
+        rec.matvec_id(&self.up, ff, (route, 0), k32, (xn, 0), (&s.up_all, ff32))?;
         rec.swiglu(&s.gate_all, &s.up_all, k32 * ff32)?;
         let down_in = (&s.gate_all, ff32);
         rec.matvec_id(
             &self.down,
             n_embd,
-            (&s.route, 0),
+            (route, 0),
             k32,
             down_in,
             (&s.out_all, e32),
         )?;
-        rec.scale_add_routed(x, (&s.out_all, e32), (&s.route, k32, k32), e32)?;
+        rec.scale_add_routed(x, (&s.out_all, e32), (route, k32, k32), e32)?;
         if self.shared.is_some() {
-            rec.scale_add_routed(x, (&s.shared_out, 0), (&s.route, 2 * k32, 1), e32)?;
+            rec.scale_add_routed(x, (&s.shared_out, 0), (route, 2 * k32, 1), e32)?;
         }
         Ok(())
     }
@@ -382,6 +420,7 @@ impl MoeScratch {
             shared_logit: Buffer::new_in(alloc, 4, MemoryUse::Staging)?,
             xn_host: Buffer::new_in(alloc, n_embd as u64 * 4, MemoryUse::Staging)?,
             cpu_sum: Buffer::new_in(alloc, n_embd as u64 * 4, MemoryUse::Staging)?,
+            route_host: Buffer::new_in(alloc, route_floats(k) as u64 * 4, MemoryUse::Staging)?,
             gate: ranks(cfg.n_ff_expert)?,
             up: ranks(cfg.n_ff_expert)?,
             out: ranks(n_embd)?,

@@ -11,6 +11,7 @@ use parking_lot::Mutex;
 use spillway_shaders::{Feature, Op, PushConstants, ShaderId, WeightType};
 
 use super::buffer::Buffer;
+use super::chain::Chain;
 use super::device::Device;
 use super::error::{map_vk, GpuError, Result};
 use super::pipeline::ComputePipeline;
@@ -98,6 +99,45 @@ impl Kernels {
         )
     }
 
+    /// Records `n_parts` command buffers (`f(i, rec)` for part `i`) and submits them as a
+    /// chain ([`super::chain`]): part `i > 0` starts once the host released it, after
+    /// everything earlier on the queue and with the host's writes to mapped memory visible.
+    /// The stats count each part as a submission.
+    pub fn start_chain(
+        &self,
+        n_parts: usize,
+        mut f: impl FnMut(usize, &mut Recorder<'_>) -> Result<()>,
+    ) -> Result<(ChainRun, RecordStats)> {
+        let max_range = self.device.max_storage_buffer_range();
+        let mut arena = DescriptorArena {
+            pools: Vec::new(),
+            device: self.device.clone(),
+        };
+        let (chain, parts) = Chain::start(&self.device, n_parts, |i, cmd| {
+            self.record_into(cmd, &mut arena, max_range, None, |rec| {
+                if i > 0 {
+                    rec.after_host_writes();
+                }
+                f(i, rec)
+            })
+        })?;
+        let stats = parts
+            .iter()
+            .fold(RecordStats::default(), |a, p| RecordStats {
+                dispatches: a.dispatches + p.dispatches,
+                barriers: a.barriers + p.barriers,
+                submits: a.submits + p.submits,
+                gpu_ns: None,
+            });
+        Ok((
+            ChainRun {
+                chain,
+                _arena: arena,
+            },
+            stats,
+        ))
+    }
+
     /// [`Kernels::record`] with GPU timestamps around the whole recording: `gpu_ns` of the
     /// stats is the time the GPU took (for benchmarks; `None` where the queue has no
     /// timestamps).
@@ -166,6 +206,13 @@ impl Kernels {
         rec.stats.submits = 1;
         Ok(rec.stats)
     }
+}
+
+/// A chain in flight with the descriptor sets its parts use, which outlive it (fields drop in
+/// order: the chain runs out first).
+pub struct ChainRun {
+    pub chain: Chain,
+    _arena: DescriptorArena,
 }
 
 /// What a recording did.
@@ -482,6 +529,32 @@ impl Recorder<'_> {
     /// buffers included; a fence wait alone does not make device writes visible to the device.
     pub fn after_earlier_submissions(&mut self) {
         self.barrier();
+    }
+
+    /// As [`Recorder::after_earlier_submissions`], and the host's writes to mapped memory
+    /// before this part was released (by a semaphore signal) are visible to it too.
+    pub fn after_host_writes(&mut self) {
+        let barrier = vk::MemoryBarrier::default()
+            .src_access_mask(
+                vk::AccessFlags::SHADER_WRITE
+                    | vk::AccessFlags::SHADER_READ
+                    | vk::AccessFlags::HOST_WRITE,
+            )
+            .dst_access_mask(vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE);
+        // SAFETY: `cmd` is recording.
+        unsafe {
+            self.kernels.device.raw.cmd_pipeline_barrier(
+                self.cmd,
+                vk::PipelineStageFlags::COMPUTE_SHADER | vk::PipelineStageFlags::HOST,
+                vk::PipelineStageFlags::COMPUTE_SHADER,
+                vk::DependencyFlags::empty(),
+                &[barrier],
+                &[],
+                &[],
+            );
+        }
+        self.hazards = Hazards::default();
+        self.stats.barriers += 1;
     }
 
     /// Compute writes before it are visible to compute reads and writes after it.

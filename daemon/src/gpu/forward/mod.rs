@@ -17,6 +17,8 @@
 //! Partial: one token per step (prompts go token by token); a dense model must fit the VRAM
 //! budget whole (no streamed tensors).
 
+mod chained;
+
 use std::sync::Arc;
 
 use super::alloc::{Allocator, MemoryUse};
@@ -51,6 +53,10 @@ pub struct GpuModelOptions {
     /// Route MoE layers on the host (a read-back per layer) even when every expert is in VRAM
     /// and the device could route them: the path offloading takes, for comparisons.
     pub host_routing: bool,
+    /// With experts on the CPU, run a step as one chain of command buffers that the host
+    /// releases layer by layer ([`chained`]); `false`: one submission and fence wait per part,
+    /// for comparisons.
+    pub chain: bool,
 }
 
 impl Default for GpuModelOptions {
@@ -62,6 +68,7 @@ impl Default for GpuModelOptions {
             expert_policy: ReplacementPolicy::Lru,
             threads: 0,
             host_routing: false,
+            chain: true,
         }
     }
 }
@@ -164,6 +171,8 @@ pub struct GpuModel {
     experts: Option<Experts>,
     /// MoE layers are routed on the device: the step is one submission.
     routes_on_device: bool,
+    /// Some routed experts run on the CPU and the step is a chain ([`chained`]).
+    chained: bool,
 }
 
 fn matrix(
@@ -379,6 +388,15 @@ impl GpuModel {
             }
             None => false,
         };
+        let chained = options.chain
+            && c.moe.is_some()
+            && placement.is_partial()
+            && options.moe_miss == MoeMiss::Cpu
+            && allocator.device().chains()
+            && layers.iter().all(|l| match &l.ffn {
+                GpuFfn::Moe(m) => m.stacks_fit(max_range),
+                GpuFfn::Dense { .. } => true,
+            });
         let mut experts = experts;
         match experts.as_mut() {
             Some(e) if placement.is_partial() && options.moe_miss == MoeMiss::Fetch => {
@@ -404,6 +422,7 @@ impl GpuModel {
             placement: placement.clone(),
             experts,
             routes_on_device,
+            chained,
         })
     }
 
@@ -479,6 +498,11 @@ impl GpuModel {
                 self.capacity
             )));
         }
+        if self.chained {
+            let logits = self.eval_chained(token)?;
+            self.pos += 1;
+            return Ok(logits);
+        }
         let mut stats = RecordStats::default();
         let mut routings: Vec<LayerRouting> = Vec::new();
         let mut resume = Resume::Start;
@@ -542,7 +566,7 @@ impl GpuModel {
         paused_at: &mut Option<usize>,
     ) -> Result<()> {
         let c = &self.config;
-        let (a, e, eps) = (&self.act, c.n_embd as u32, c.rms_eps);
+        let (a, e) = (&self.act, c.n_embd as u32);
         let from = match resume {
             Resume::Start => {
                 rec.get_rows(&self.token_embd, token, &a.x)?;
@@ -569,6 +593,19 @@ impl GpuModel {
                 layer + 1
             }
         };
+        self.record_from(rec, from, paused_at)
+    }
+
+    /// Records layers `from..` up to the next MoE router on the host (setting `paused_at` to
+    /// its layer), or to the logits.
+    fn record_from(
+        &self,
+        rec: &mut Recorder<'_>,
+        from: usize,
+        paused_at: &mut Option<usize>,
+    ) -> Result<()> {
+        let c = &self.config;
+        let (a, e, eps) = (&self.act, c.n_embd as u32, c.rms_eps);
         for (il, l) in self.layers.iter().enumerate().skip(from) {
             self.record_attention(rec, l)?;
             rec.rms_norm(&a.x, &l.ffn_norm, &a.xn, e, 1, eps)?;

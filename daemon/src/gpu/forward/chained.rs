@@ -1,0 +1,96 @@
+//! The decode step of a MoE model whose routed experts are partly computed on the CPU, as one
+//! chain of command buffers ([`crate::gpu::chain`]) recorded before the routing is known.
+//!
+//! Parts, for the MoE layers `L0, L1, ...`:
+//!
+//! - part 0: the embedding, the layers up to `L0`, and `L0`'s router and shared expert;
+//! - part `2j + 1`: the resident experts of `Lj` that the host chose, read from the routing it
+//!   wrote ([`GpuMoe::record_host_routed`]), added to the residual;
+//! - part `2j + 2`: the CPU experts' sum of `Lj` added, then the layers up to the next MoE
+//!   layer's router (or the logits).
+//!
+//! The host waits for part `2j`, routes `Lj` from its router logits, writes the slots and
+//! weights and releases part `2j + 1`, so the GPU runs the resident experts while the CPU
+//! computes the rest; then it writes the CPU's sum and releases part `2j + 2`. Each MoE layer
+//! costs one wait on the device, where the step of separate submissions paid two submissions
+//! and two fence waits, and the device never waits for a command buffer to be recorded.
+//!
+//! The arithmetic is the separate submissions' (the same products, added in the same order), so
+//! the logits are the same. Experts that miss VRAM always go to the CPU here: fetching into
+//! slots keeps the separate submissions.
+
+use super::{GpuFfn, GpuModel, Result};
+use crate::gpu::moe::LayerRouting;
+use crate::gpu::ops::route_floats;
+
+impl GpuModel {
+    /// [`GpuModel::eval`] of `token` as a chain (see the module's notes); the logits.
+    pub(super) fn eval_chained(&mut self, token: u32) -> Result<Vec<f32>> {
+        let cfg = self.config.moe.expect("a chained step is a MoE model's");
+        let (k, n_embd) = (cfg.n_expert_used, self.config.n_embd);
+        let moe_layers: Vec<usize> = (0..self.layers.len())
+            .filter(|&il| matches!(self.layers[il].ffn, GpuFfn::Moe(_)))
+            .collect();
+        let (mut run, stats) =
+            self.kernels
+                .start_chain(1 + 2 * moe_layers.len(), |part, rec| {
+                    let a = &self.act;
+                    if part == 0 {
+                        rec.get_rows(&self.token_embd, token, &a.x)?;
+                        return self.record_from(rec, 0, &mut None);
+                    }
+                    let il = moe_layers[(part - 1) / 2];
+                    if part % 2 == 1 {
+                        let s = self.moe_scratch();
+                        self.moe_layer(il)
+                            .record_host_routed(rec, k, (&a.xn, &a.x), s)
+                    } else {
+                        rec.scale_add(&a.x, &self.moe_scratch().cpu_sum, 1.0, n_embd as u32)?;
+                        self.record_from(rec, il + 1, &mut None)
+                    }
+                })?;
+
+        let mut routings: Vec<LayerRouting> = Vec::with_capacity(moe_layers.len());
+        for (j, &il) in moe_layers.iter().enumerate() {
+            run.chain.wait(2 * j)?;
+            let routing = self.moe_layer(il).route(il, &cfg, self.moe_scratch());
+            let ex = self
+                .experts
+                .as_mut()
+                .expect("MoE models track their experts");
+            let slots = ex.slots[il].as_mut().expect("a MoE layer has slots");
+            let placed = slots.place(&routing.experts, ex.miss, &mut ex.stats[il]);
+            debug_assert!(placed.fetch.is_empty(), "misses go to the CPU");
+            // Resident experts first, in rank order, then zero weights on slot 0.
+            let mut route = vec![0.0f32; route_floats(k)];
+            for (r, g) in placed.gpu.iter().enumerate() {
+                route[r] = f32::from_bits(g.slot as u32);
+                route[k + r] = g.weight;
+            }
+            route[2 * k] = routing.shared_gate.unwrap_or(0.0);
+            let scratch = self.act.moe.as_mut().expect("MoE scratch");
+            scratch.route_host.write_f32(&route);
+            run.chain.release(2 * j + 1)?;
+
+            // The CPU's experts while the device runs the resident ones.
+            let sum = if placed.cpu.is_empty() {
+                vec![0.0f32; n_embd]
+            } else {
+                let xn = scratch.xn_host.read_f32(n_embd);
+                let cpu = ex
+                    .cpu
+                    .as_ref()
+                    .expect("a partial placement has CPU experts");
+                cpu.weighted_sum(il, &xn, &placed.cpu)
+            };
+            scratch.cpu_sum.write_f32(&sum);
+            run.chain.release(2 * j + 2)?;
+            routings.push(routing);
+        }
+        run.chain.finish()?;
+        drop(run);
+        self.last_stats = stats;
+        self.last_routing = routings;
+        Ok(self.act.logits.read_f32(self.config.n_vocab))
+    }
+}
