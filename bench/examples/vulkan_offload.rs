@@ -100,8 +100,17 @@ fn main() {
     budgets.push(None);
 
     println!(
-        "{:>10} {:>7} {:>7} {:>8} {:>7} {:>9} {:>9} {:>11}",
-        "budget", "slots", "miss", "tok/s", "hits", "cpu/tok", "fetch/tok", "MiB up/tok"
+        "{:>10} {:>7} {:>7} {:>8} {:>7} {:>9} {:>9} {:>11} {:>11} {:>10}",
+        "budget",
+        "slots",
+        "miss",
+        "tok/s",
+        "hits",
+        "cpu/tok",
+        "fetch/tok",
+        "MiB up/tok",
+        "wait ms/tok",
+        "cpu ms/tok"
     );
     let tokens: Vec<u32> = (0..(n_tokens + WARMUP) as u32)
         .map(|i| (i * 7919 + 13) % 1000)
@@ -129,9 +138,14 @@ fn main() {
                 gpu.eval(t).unwrap();
             }
             let before = gpu.expert_stats().unwrap().total();
+            let (mut wait, mut cpu) = (0u64, 0u64);
             let t0 = Instant::now();
             for &t in &tokens[WARMUP..] {
                 gpu.eval(t).unwrap();
+                if let Some(h) = gpu.last_host_time() {
+                    wait += h.wait_ns;
+                    cpu += h.cpu_experts_ns;
+                }
             }
             let s = t0.elapsed().as_secs_f64();
             let stats = gpu.expert_stats().unwrap();
@@ -139,7 +153,7 @@ fn main() {
             let per_tok = |a: u64, b: u64| (a - b) as f64 / n_tokens as f64;
             let lookups = (after.hits + after.misses) - (before.hits + before.misses);
             println!(
-                "{:>10} {:>7} {:>7} {:>8.2} {:>6.1}% {:>9.2} {:>9.2} {:>11.2}",
+                "{:>10} {:>7} {:>7} {:>8.2} {:>6.1}% {:>9.2} {:>9.2} {:>11.2} {:>11.2} {:>10.2}",
                 budget.map_or("none".into(), |b| format!("{:.1}M", mib(b))),
                 format!("{}/{}", stats.slots, stats.n_expert),
                 mode,
@@ -148,6 +162,8 @@ fn main() {
                 per_tok(after.cpu, before.cpu),
                 per_tok(after.fetched, before.fetched),
                 mib(after.bytes_uploaded - before.bytes_uploaded) / n_tokens as f64,
+                wait as f64 / 1e6 / n_tokens as f64,
+                cpu as f64 / 1e6 / n_tokens as f64,
             );
         }
     }

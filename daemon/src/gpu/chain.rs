@@ -24,8 +24,11 @@ use super::device::Device;
 use super::error::{map_vk, GpuError, Result};
 
 /// How long a wait polls the semaphore's counter before it sleeps in the driver: the host's
-/// turn is usually due within tens of microseconds, less than a sleeping wait's wake-up.
+/// turn is usually due within tens of microseconds, less than a sleeping wait's wake-up. After
+/// the first [`SPIN_HARD`] the poll yields between reads, so a device that runs on the CPU
+/// (lavapipe) keeps the core.
 const SPIN: Duration = Duration::from_micros(2000);
+const SPIN_HARD: Duration = Duration::from_micros(50);
 
 /// A submitted chain, and the host's side of it (see the module's notes). Dropping it releases
 /// the parts not yet released, in order, and waits for the last before freeing the command
@@ -172,10 +175,15 @@ impl Chain {
             if now >= value {
                 return Ok(());
             }
-            if start.elapsed() > SPIN {
+            let spun = start.elapsed();
+            if spun > SPIN {
                 break;
             }
-            std::hint::spin_loop();
+            if spun > SPIN_HARD {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
         }
         let semaphores = [self.semaphore];
         let values = [value];

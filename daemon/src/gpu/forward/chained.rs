@@ -19,7 +19,9 @@
 //! the logits are the same. Experts that miss VRAM always go to the CPU here: fetching into
 //! slots keeps the separate submissions.
 
-use super::{GpuFfn, GpuModel, Result};
+use std::time::Instant;
+
+use super::{GpuFfn, GpuModel, HostTime, Result};
 use crate::gpu::moe::LayerRouting;
 use crate::gpu::ops::route_floats;
 
@@ -51,8 +53,12 @@ impl GpuModel {
                 })?;
 
         let mut routings: Vec<LayerRouting> = Vec::with_capacity(moe_layers.len());
+        let mut time = HostTime::default();
+        let start = Instant::now();
         for (j, &il) in moe_layers.iter().enumerate() {
+            let t = Instant::now();
             run.chain.wait(2 * j)?;
+            time.wait_ns += t.elapsed().as_nanos() as u64;
             let routing = self.moe_layer(il).route(il, &cfg, self.moe_scratch());
             let ex = self
                 .experts
@@ -73,6 +79,7 @@ impl GpuModel {
             run.chain.release(2 * j + 1)?;
 
             // The CPU's experts while the device runs the resident ones.
+            let t = Instant::now();
             let sum = if placed.cpu.is_empty() {
                 vec![0.0f32; n_embd]
             } else {
@@ -84,11 +91,18 @@ impl GpuModel {
                 cpu.weighted_sum(il, &xn, &placed.cpu)
             };
             scratch.cpu_sum.write_f32(&sum);
+            time.cpu_experts_ns += t.elapsed().as_nanos() as u64;
+            let t = Instant::now();
             run.chain.release(2 * j + 2)?;
+            time.wait_ns += t.elapsed().as_nanos() as u64;
             routings.push(routing);
         }
+        let t = Instant::now();
         run.chain.finish()?;
+        time.wait_ns += t.elapsed().as_nanos() as u64;
+        time.step_ns = start.elapsed().as_nanos() as u64;
         drop(run);
+        self.last_host_time = Some(time);
         self.last_stats = stats;
         self.last_routing = routings;
         Ok(self.act.logits.read_f32(self.config.n_vocab))

@@ -149,6 +149,17 @@ enum Resume {
     CpuSum { layer: usize },
 }
 
+/// Where the host's time went in a chained step ([`chained`]), from the submission on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HostTime {
+    /// The whole step after its submission.
+    pub step_ns: u64,
+    /// Waiting for the device (a router's logits, the resident experts, the last part).
+    pub wait_ns: u64,
+    /// Computing experts on the CPU (the device runs the resident ones meanwhile).
+    pub cpu_experts_ns: u64,
+}
+
 /// A model on one GPU, with one sequence's KV cache.
 pub struct GpuModel {
     model: Arc<Model>,
@@ -173,6 +184,7 @@ pub struct GpuModel {
     routes_on_device: bool,
     /// Some routed experts run on the CPU and the step is a chain ([`chained`]).
     chained: bool,
+    last_host_time: Option<HostTime>,
 }
 
 fn matrix(
@@ -423,6 +435,7 @@ impl GpuModel {
             experts,
             routes_on_device,
             chained,
+            last_host_time: None,
         })
     }
 
@@ -446,6 +459,12 @@ impl GpuModel {
     /// Device memory held, budget included.
     pub fn allocator(&self) -> &Arc<Allocator> {
         &self.allocator
+    }
+
+    /// Where the host's time went in the last step, when it was a chain (some experts on the
+    /// CPU); `None` otherwise.
+    pub fn last_host_time(&self) -> Option<HostTime> {
+        self.last_host_time
     }
 
     /// Dispatches, barriers and submissions of the last step.
