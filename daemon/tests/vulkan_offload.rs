@@ -47,6 +47,7 @@ fn options(budget: Option<u64>, miss: MoeMiss) -> GpuModelOptions {
         expert_policy: ReplacementPolicy::Lru,
         threads: 2,
         host_routing: false,
+        ram_budget: None,
         chain: true,
     }
 }
@@ -255,4 +256,84 @@ fn qwen3moe_chained_steps_equal_separate_submissions() {
 #[test]
 fn qwen2moe_chained_steps_equal_separate_submissions() {
     chain_matches_separate_submissions("tiny-qwen2moe");
+}
+
+/// Under a RAM budget the CPU's experts come from a cache that reads them from the file
+/// (io_uring or pread) instead of the memory map: the same bytes, so the same logits bit for
+/// bit; every CPU expert is one lookup of the cache, what missed was read, and the cache never
+/// holds more than the budget. A budget under the k experts of one token is refused, and so is
+/// a RAM budget for fetched experts.
+fn ram_tier(preset: &str) {
+    let Some(dev) = device() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model(tmp.path(), preset);
+    let k = model.config.moe.unwrap().n_expert_used as u64;
+    let base = options(None, MoeMiss::Cpu);
+    let vram = GpuModel::minimum_budget(&dev, &model, &base)
+        .unwrap()
+        .total();
+    let mut mapped = GpuModel::new(&dev, &model, &options(Some(vram), MoeMiss::Cpu)).unwrap();
+    let (want, _) = decode(&mut mapped);
+    assert!(mapped.ram_tier().is_none());
+    let cpu_experts = mapped.expert_stats().unwrap().total().cpu;
+    assert!(cpu_experts > 0, "{preset}: experts on the CPU");
+
+    let minimum = spillway_daemon::stream::minimum_ram_budget(&model);
+    let one = spillway_daemon::stream::expert_bytes(&model);
+    assert!(
+        minimum >= k * one,
+        "{preset}: {minimum} for {k} experts of {one} bytes"
+    );
+    for ram in [minimum, 2 * minimum] {
+        let what = format!("{preset}, RAM budget {ram}");
+        let o = GpuModelOptions {
+            ram_budget: Some(ram),
+            ..options(Some(vram), MoeMiss::Cpu)
+        };
+        let mut gpu = GpuModel::new(&dev, &model, &o).unwrap();
+        let (got, _) = decode(&mut gpu);
+        assert_eq!(got, want, "{what}: logits");
+        let (layers, held) = gpu.ram_tier().expect("a RAM tier");
+        let hits: u64 = layers.iter().map(|l| l.hits).sum();
+        let misses: u64 = layers.iter().map(|l| l.misses).sum();
+        eprintln!("{what}: {hits} hits, {misses} misses, {held} bytes held");
+        assert_eq!(
+            hits + misses,
+            cpu_experts,
+            "{what}: one lookup per CPU expert"
+        );
+        assert!(misses > 0, "{what}");
+        assert!(held <= ram, "{what}: {held} bytes held");
+    }
+
+    let o = GpuModelOptions {
+        ram_budget: Some(minimum - 1),
+        ..options(Some(vram), MoeMiss::Cpu)
+    };
+    let err = GpuModel::new(&dev, &model, &o)
+        .err()
+        .expect("under k experts");
+    assert!(
+        err.to_string()
+            .contains(&format!("below the {minimum} bytes")),
+        "{preset}: {err}"
+    );
+    let o = GpuModelOptions {
+        ram_budget: Some(minimum),
+        ..options(Some(vram), MoeMiss::Fetch)
+    };
+    let err = GpuModel::new(&dev, &model, &o)
+        .err()
+        .expect("fetch and RAM");
+    assert!(matches!(err, GpuError::Unsupported(_)), "{preset}: {err}");
+}
+
+#[test]
+fn qwen3moe_cpu_experts_from_a_ram_budget_equal_the_memory_map() {
+    ram_tier("tiny-qwen3moe");
+}
+
+#[test]
+fn qwen2moe_cpu_experts_from_a_ram_budget_equal_the_memory_map() {
+    ram_tier("tiny-qwen2moe");
 }

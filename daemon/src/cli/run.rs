@@ -56,6 +56,11 @@ pub struct RunArgs {
     /// A MoE model over it keeps as many routed experts per layer in VRAM as fit.
     #[arg(long)]
     pub vram_budget: Option<ByteSize>,
+    /// RAM for the routed experts computed on the CPU with `--device vulkan` (e.g. 4GiB): a
+    /// cache that reads the others from the model file (io_uring, O_DIRECT) as tokens need
+    /// them. Without it they are read through the memory map.
+    #[arg(long)]
+    pub ram_budget: Option<ByteSize>,
     /// A routed expert not in VRAM: `cpu` computes it on the CPU while the GPU runs the others,
     /// `fetch` copies it into a VRAM slot first.
     #[arg(long, default_value = "cpu")]
@@ -165,6 +170,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     if args.vram_budget.is_some() && args.device == RunDevice::Cpu {
         bail!("--vram-budget applies to --device vulkan, not cpu");
     }
+    if args.ram_budget.is_some() && args.device == RunDevice::Cpu {
+        bail!("--ram-budget applies to --device vulkan (the CPU engine reads the memory map)");
+    }
     let start = Instant::now();
     let model = Arc::new(
         Model::open(&args.model).with_context(|| format!("loading {}", args.model.display()))?,
@@ -198,6 +206,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 expert_policy: args.expert_cache,
                 threads: args.threads.unwrap_or(0),
                 host_routing: false,
+                ram_budget: args.ram_budget.map(|b| b.0),
                 chain: true,
             };
             let gpu = load_on_gpu(&device, &model, &options)

@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 
 use crate::cpu::{activations, matmul_group, ActFormat, Activation, Product, ThreadPool};
-use crate::model::{Model, MoeWeights};
+use crate::model::{MatRef, Model, MoeWeights};
 
 use super::ops::swiglu_inplace;
 
@@ -30,18 +30,38 @@ pub(crate) fn routed_experts(
     chosen: &[usize],
     k: usize,
 ) -> Vec<f32> {
-    let e = model.config.n_embd;
+    let mats = |ex: usize| [&moe.gate, &moe.up, &moe.down].map(|m| model.expert(m, ex));
+    routed_experts_with(pool, &mats, xn, chosen, k)
+}
+
+/// [`routed_experts`] with each expert's gate, up and down from `mats` (the memory map, or a
+/// copy read into RAM).
+///
+/// # Panics
+/// As [`routed_experts`].
+pub(crate) fn routed_experts_with<'w>(
+    pool: &ThreadPool,
+    mats: &dyn Fn(usize) -> [MatRef<'w>; 3],
+    xn: &[f32],
+    chosen: &[usize],
+    k: usize,
+) -> Vec<f32> {
+    let Some(&first) = chosen.first() else {
+        return Vec::new();
+    };
+    let [gate0, up0, down0] = mats(first);
+    let e = gate0.n_in;
     assert_eq!(chosen.len() * e, xn.len() * k, "k chosen experts per token");
-    let ff = moe.gate.n_out;
+    let ff = gate0.n_out;
 
     // The experts in use, in index order, each with the slots that chose it.
     let mut slots_of: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
     for (s, &ex) in chosen.iter().enumerate() {
         slots_of.entry(ex).or_default().push(s);
     }
-    let acts = activations(moe.gate.ty, xn, e);
-    let up_acts = (ActFormat::for_weights(moe.up.ty) != ActFormat::for_weights(moe.gate.ty))
-        .then(|| activations(moe.up.ty, xn, e));
+    let acts = activations(gate0.ty, xn, e);
+    let up_acts = (ActFormat::for_weights(up0.ty) != ActFormat::for_weights(gate0.ty))
+        .then(|| activations(up0.ty, xn, e));
     let gate_in: Vec<Vec<Activation<'_>>> = slots_of.values().map(|s| pick(&acts, s, k)).collect();
     let up_in: Option<Vec<Vec<Activation<'_>>>> = up_acts
         .as_ref()
@@ -58,13 +78,14 @@ pub(crate) fn routed_experts(
             .zip(&gate_in)
             .enumerate()
         {
+            let [gate, up, _] = mats(ex);
             products.push(Product {
-                m: model.expert(&moe.gate, ex),
+                m: gate,
                 acts: gate_in,
                 out: g,
             });
             products.push(Product {
-                m: model.expert(&moe.up, ex),
+                m: up,
                 acts: up_in.as_ref().map_or(gate_in, |up| &up[i]),
                 out: u,
             });
@@ -77,7 +98,7 @@ pub(crate) fn routed_experts(
         swiglu_inplace(g, u);
     }
     let down_in: Vec<Vec<Activation<'_>>> =
-        g.iter().map(|g| activations(moe.down.ty, g, ff)).collect();
+        g.iter().map(|g| activations(down0.ty, g, ff)).collect();
     let mut y: Vec<Vec<f32>> = slots_of.values().map(|s| vec![0.0; s.len() * e]).collect();
     {
         let mut products: Vec<Product<'_>> = slots_of
@@ -85,7 +106,7 @@ pub(crate) fn routed_experts(
             .zip(y.iter_mut())
             .zip(&down_in)
             .map(|((&ex, out), acts)| Product {
-                m: model.expert(&moe.down, ex),
+                m: mats(ex)[2],
                 acts,
                 out,
             })

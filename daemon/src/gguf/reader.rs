@@ -8,7 +8,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
@@ -91,6 +91,7 @@ pub struct GgufFile {
     map: Mmap,
     header: Header,
     tensor_index: HashMap<String, usize>,
+    path: PathBuf,
 }
 
 impl GgufFile {
@@ -130,7 +131,13 @@ impl GgufFile {
             map,
             header,
             tensor_index,
+            path: path.to_path_buf(),
         })
+    }
+
+    /// The path the file was opened from.
+    pub fn path(&self) -> &Path {
+        &self.path
     }
 
     pub fn header(&self) -> &Header {

@@ -1,58 +1,105 @@
 //! Routed experts computed on the CPU for a [`GpuModel`](super::forward::GpuModel) whose VRAM
 //! holds only some of them: the CPU engine's own expert code
-//! ([`engine::experts::routed_experts`](crate::engine::experts::routed_experts)) over the
-//! memory-mapped file, on a persistent thread pool. The model submits the GPU's part of the
-//! layer (the resident experts) and computes these while it runs
-//! ([`Kernels::record_overlapped`](super::record::Kernels::record_overlapped)); their weighted
-//! sum goes back through a host-visible buffer and is added to the residual with one
-//! `scale_add`.
+//! ([`engine::experts`](crate::engine::experts)) on a persistent thread pool. The model
+//! submits the GPU's part of the layer (the resident experts) and computes these while it runs;
+//! their weighted sum goes back through a host-visible buffer and is added to the residual with
+//! one `scale_add`.
+//!
+//! The experts' bytes come from the memory-mapped file (the page cache holds what the OS can),
+//! or, under a RAM budget, from a [`crate::stream::ExpertCache`] that reads misses from the SSD
+//! (io_uring, O_DIRECT) into at most that much RAM.
 //!
 //! The input is the GPU's own normalised hidden state, read back, so a CPU expert sees what a
 //! GPU one would; its arithmetic is the CPU engine's (activations rounded to f16 or quantized to
-//! Q8 for the weight type), so its output differs from the GPU's by that rounding.
-//!
-//! Partial: the expert's bytes come from the memory map; experts not in RAM would be read with
-//! [`crate::stream::ExpertCache`] (not wired). The experts of a token share the pool's jobs
-//! (all gate and up products in one, all down products in another).
+//! Q8 for the weight type), so its output differs from the GPU's by that rounding. The experts
+//! of a token share the pool's jobs (all gate and up products in one, all down products in
+//! another).
 
 use std::sync::Arc;
 
+use parking_lot::Mutex;
+
 use crate::cpu::ThreadPool;
-use crate::engine::experts::routed_experts;
+use crate::engine::experts::{routed_experts, routed_experts_with};
 use crate::engine::routing::RoutedExpert;
-use crate::model::{Ffn, Model};
+use crate::model::{Ffn, MatRef, Model};
+use crate::stream::{Expert, ExpertCache, ExpertKey, LayerStats, StreamError};
 
 pub struct CpuExperts {
     model: Arc<Model>,
     pool: ThreadPool,
+    /// The RAM tier under a budget; `None`: the memory map.
+    ram: Option<Mutex<ExpertCache>>,
 }
 
 impl CpuExperts {
-    /// `threads` in all, the caller's included.
-    pub fn new(model: Arc<Model>, threads: usize) -> CpuExperts {
+    /// `threads` in all, the caller's included; experts read through `ram` when given.
+    pub fn new(model: Arc<Model>, threads: usize, ram: Option<ExpertCache>) -> CpuExperts {
         CpuExperts {
             model,
             pool: ThreadPool::new(threads.max(1)),
+            ram: ram.map(Mutex::new),
         }
     }
 
     /// `Σ weight · expert(xn)` over `experts` of MoE layer `layer`, summed in their order.
     ///
+    /// # Errors
+    /// A read of an expert from the file failed (under a RAM budget).
+    ///
     /// # Panics
     /// If layer `layer` is dense.
-    pub fn weighted_sum(&self, layer: usize, xn: &[f32], experts: &[RoutedExpert]) -> Vec<f32> {
+    pub fn weighted_sum(
+        &self,
+        layer: usize,
+        xn: &[f32],
+        experts: &[RoutedExpert],
+    ) -> Result<Vec<f32>, StreamError> {
         let Ffn::Moe(moe) = &self.model.layers[layer].ffn else {
             panic!("layer {layer} has no experts");
         };
         let e = self.model.config.n_embd;
         let chosen: Vec<usize> = experts.iter().map(|r| r.expert).collect();
-        let y = routed_experts(&self.model, &self.pool, moe, xn, &chosen, chosen.len());
+        let y = match &self.ram {
+            None => routed_experts(&self.model, &self.pool, moe, xn, &chosen, chosen.len()),
+            Some(cache) => {
+                // Pinned (held) until the products are done.
+                let loaded: Vec<Arc<Expert>> = {
+                    let mut cache = cache.lock();
+                    chosen
+                        .iter()
+                        .map(|&ex| cache.get_or_load(ExpertKey::new(layer as u32, ex as u32)))
+                        .collect::<Result<_, _>>()?
+                };
+                let mats = |ex: usize| -> [MatRef<'_>; 3] {
+                    let i = chosen
+                        .iter()
+                        .position(|&c| c == ex)
+                        .expect("a chosen expert");
+                    let stacks = [&moe.gate, &moe.up, &moe.down];
+                    std::array::from_fn(|m| MatRef {
+                        ty: stacks[m].ty,
+                        n_in: stacks[m].n_in,
+                        n_out: stacks[m].n_out,
+                        data: loaded[i].part(m),
+                    })
+                };
+                routed_experts_with(&self.pool, &mats, xn, &chosen, chosen.len())
+            }
+        };
         let mut sum = vec![0.0f32; e];
         for (r, y) in experts.iter().zip(y.chunks_exact(e)) {
             for (s, y) in sum.iter_mut().zip(y) {
                 *s += y * r.weight;
             }
         }
-        sum
+        Ok(sum)
+    }
+
+    /// The RAM tier's counters per layer (hits, misses read from the file, evictions) and the
+    /// RAM its buffers take; `None` without a RAM budget.
+    pub fn ram_stats(&self) -> Option<(Vec<LayerStats>, u64)> {
+        let cache = self.ram.as_ref()?.lock();
+        Some((cache.layer_stats().to_vec(), cache.buffer_bytes()))
     }
 }

@@ -59,6 +59,9 @@ pub enum GpuError {
     Unsupported(String),
     #[error("Vulkan call failed: {0}")]
     Other(vk::Result),
+    /// Reading routed experts from the model file into the RAM tier failed.
+    #[error("reading experts from the model file: {0}")]
+    Storage(#[from] crate::stream::StreamError),
 }
 
 impl GpuError {

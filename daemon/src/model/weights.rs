@@ -191,6 +191,18 @@ impl Model {
         }
     }
 
+    /// Where expert `e` of a stack lies in the file: its absolute offset and length.
+    ///
+    /// # Panics
+    /// If `e >= m.n_mat`.
+    pub fn expert_extent(&self, m: &Matrix, e: usize) -> (u64, usize) {
+        assert!(e < m.n_mat, "expert {e} of {}", m.n_mat);
+        let info = &self.file.tensors()[m.tensor];
+        let size = row_bytes(m.ty, m.n_in) * m.n_out;
+        let offset = self.file.data_offset() + info.offset + (e * size) as u64;
+        (offset, size)
+    }
+
     /// Every matrix of a stack as one matrix of `n_mat × n_out` rows (expert `e`'s rows are
     /// `e * n_out..(e + 1) * n_out`), as the file stores them.
     pub fn stacked(&self, m: &Matrix) -> MatRef<'_> {

@@ -170,6 +170,12 @@ impl ExpertCache {
         self.capacity
     }
 
+    /// RAM the cache's reader allocated for its buffers (cached tiles and reads in flight).
+    pub fn buffer_bytes(&self) -> u64 {
+        let pool = self.reader.pool();
+        (pool.count() * pool.buffer_size()) as u64
+    }
+
     pub fn stats(&self, layer: u32) -> LayerStats {
         self.stats.get(layer as usize).copied().unwrap_or_default()
     }

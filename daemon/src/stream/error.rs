@@ -70,6 +70,12 @@ pub enum StreamError {
     },
 
     #[error(
+        "a RAM budget of {budget} bytes for routed experts is below the {minimum} bytes that the \
+         {k} experts a token may compute on the CPU at once take"
+    )]
+    RamBelowMinimum { budget: u64, minimum: u64, k: usize },
+
+    #[error(
         "expert cache: no staging buffer is free and none can be freed (all {buffers} are \
          pinned or held outside the cache)"
     )]

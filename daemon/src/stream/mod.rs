@@ -18,9 +18,12 @@
 //!   budget, with LRU or LFU-with-aging replacement, pins (a held `Arc<Expert>`), per-layer
 //!   hit, miss, eviction and prefetch counters, `get_or_load` (demand) and `prefetch`.
 //!
+//! - [`open_expert_cache`] builds an [`ExpertCache`] over a model's file under a RAM budget:
+//!   the RAM tier of the experts a GPU model computes on the CPU (`--ram-budget`).
+//!
 //! Not done yet:
-//! - Nothing calls this: the engine still reads weights from the memory map, and the planner's
-//!   streamed tensors are not wired to a reader.
+//! - The CPU engine and the planner's streamed dense tensors still read the memory map; only
+//!   the GPU model's CPU experts go through the cache.
 //! - Buffers are heap memory. [`HostRegion`] is the seam for Vulkan host-visible staging memory
 //!   (map it, implement the trait, build the pool with [`BufferPool::from_regions`]); the
 //!   transfer-queue copy into VRAM cache slots and the timeline semaphores ordering those copies
@@ -34,6 +37,7 @@ mod buffer;
 mod cache;
 mod error;
 mod file;
+mod model_experts;
 mod policy;
 mod pread;
 mod reader;
@@ -47,6 +51,7 @@ mod tests;
 pub use buffer::{buffer_size_for_tile, AlignedRegion, BufferPool, HostRegion, TileBuffer, ALIGN};
 pub use cache::{Expert, ExpertCache, ExpertLocator, Extent};
 pub use error::StreamError;
+pub use model_experts::{expert_bytes, minimum_ram_budget, open_expert_cache};
 pub(crate) use policy::Residency;
 pub use policy::{ExpertKey, LayerStats, ReplacementPolicy};
 pub use reader::{Backend, BackendChoice, ReaderOptions, TileReader};

@@ -88,7 +88,7 @@ impl GpuModel {
                     .cpu
                     .as_ref()
                     .expect("a partial placement has CPU experts");
-                cpu.weighted_sum(il, &xn, &placed.cpu)
+                cpu.weighted_sum(il, &xn, &placed.cpu)?
             };
             scratch.cpu_sum.write_f32(&sum);
             time.cpu_experts_ns += t.elapsed().as_nanos() as u64;

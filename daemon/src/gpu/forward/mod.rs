@@ -35,7 +35,7 @@ use super::record::{Kernels, RecordStats, Recorder};
 use super::upload::Uploader;
 use crate::engine::routing::RoutedExpert;
 use crate::model::{Config, Ffn, Matrix, Model};
-use crate::stream::ReplacementPolicy;
+use crate::stream::{open_expert_cache, ReplacementPolicy};
 
 /// Settings of a [`GpuModel`].
 #[derive(Debug, Clone)]
@@ -53,6 +53,9 @@ pub struct GpuModelOptions {
     /// Route MoE layers on the host (a read-back per layer) even when every expert is in VRAM
     /// and the device could route them: the path offloading takes, for comparisons.
     pub host_routing: bool,
+    /// RAM for the routed experts computed on the CPU (`--ram-budget`): a cache that reads
+    /// misses from the model file; `None`: they are read through the memory map.
+    pub ram_budget: Option<u64>,
     /// With experts on the CPU, run a step as one chain of command buffers that the host
     /// releases layer by layer ([`chained`]); `false`: one submission and fence wait per part,
     /// for comparisons.
@@ -68,6 +71,7 @@ impl Default for GpuModelOptions {
             expert_policy: ReplacementPolicy::Lru,
             threads: 0,
             host_routing: false,
+            ram_budget: None,
             chain: true,
         }
     }
@@ -360,8 +364,25 @@ impl GpuModel {
             logits: Buffer::new_in(al, c.n_vocab as u64 * 4, MemoryUse::Staging)?,
             moe,
         };
+        if options.ram_budget.is_some() && options.moe_miss == MoeMiss::Fetch {
+            return Err(GpuError::Unsupported(
+                "a RAM budget applies to experts computed on the CPU (misses go to the CPU), \
+                 not to fetched ones"
+                    .into(),
+            ));
+        }
+        // The CPU's experts, from the memory map or, under a RAM budget, a cache of them.
+        let mut ram = match (placement.is_partial(), options.ram_budget) {
+            (false, _) => None,
+            (true, None) => Some(None),
+            (true, Some(budget)) => Some(Some(open_expert_cache(
+                model,
+                budget,
+                options.expert_policy,
+            )?)),
+        };
         let experts = c.moe.map(|cfg| {
-            let partial = placement.is_partial();
+            let ram = ram.take();
             let threads = match options.threads {
                 0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
                 n => n,
@@ -384,7 +405,7 @@ impl GpuModel {
                     .collect(),
                 stats: vec![LayerExpertStats::default(); c.n_layer],
                 miss: options.moe_miss,
-                cpu: partial.then(|| CpuExperts::new(model.clone(), threads)),
+                cpu: ram.map(|ram| CpuExperts::new(model.clone(), threads, ram)),
                 uploader: None,
             }
         });
@@ -459,6 +480,12 @@ impl GpuModel {
     /// Device memory held, budget included.
     pub fn allocator(&self) -> &Arc<Allocator> {
         &self.allocator
+    }
+
+    /// The RAM tier of the CPU's experts under a RAM budget: lookups per layer (hits, misses
+    /// read from the file, evictions) and the RAM its buffers take; `None` without one.
+    pub fn ram_tier(&self) -> Option<(Vec<crate::stream::LayerStats>, u64)> {
+        self.experts.as_ref()?.cpu.as_ref()?.ram_stats()
     }
 
     /// Where the host's time went in the last step, when it was a chain (some experts on the
@@ -544,6 +571,7 @@ impl GpuModel {
                     })
                 },
             )?;
+            let cpu_sum = cpu_sum.transpose()?;
             stats.dispatches += part.dispatches;
             stats.barriers += part.barriers;
             stats.submits += part.submits;

@@ -1,0 +1,110 @@
+//! A RAM tier for one model's routed experts: an [`ExpertCache`] over the model's GGUF file,
+//! bounded by a RAM budget, whose misses are read from the SSD by a [`TileReader`] (io_uring
+//! with O_DIRECT, so they do not fill the page cache either).
+//!
+//! An expert is three tiles, its gate, up and down matrices (one slice of each stack tensor).
+//! The reader's buffers are the cache's memory, allocated when it opens: as many as the budget
+//! holds, each as large as the largest tile at any alignment, so the RAM held never passes the
+//! budget. The cache evicts when its buffers run out.
+
+use std::sync::Arc;
+
+use super::buffer::{buffer_size_for_tile, ALIGN};
+use super::cache::{ExpertCache, Extent};
+use super::error::StreamError;
+use super::policy::{ExpertKey, ReplacementPolicy};
+use super::reader::{ReaderOptions, TileReader};
+use crate::model::{Ffn, Model};
+
+/// Tiles of one expert: gate, up, down.
+const TILES_PER_EXPERT: usize = 3;
+
+/// Where each MoE layer's experts lie in the file: per layer, per matrix, the first expert's
+/// offset and one expert's length (`None` for dense layers).
+type Layout = Vec<Option<[(u64, usize); TILES_PER_EXPERT]>>;
+
+fn layout(model: &Model) -> Layout {
+    model
+        .layers
+        .iter()
+        .map(|l| match &l.ffn {
+            Ffn::Moe(m) => Some([&m.gate, &m.up, &m.down].map(|w| model.expert_extent(w, 0))),
+            Ffn::Dense { .. } => None,
+        })
+        .collect()
+}
+
+/// Bytes of the largest expert of `model` (gate, up and down together); 0 without experts.
+pub fn expert_bytes(model: &Model) -> u64 {
+    layout(model)
+        .iter()
+        .flatten()
+        .map(|tiles| tiles.iter().map(|&(_, len)| len as u64).sum::<u64>())
+        .max()
+        .unwrap_or(0)
+}
+
+/// The size of each of the cache's buffers: the largest tile at any alignment.
+fn buffer_bytes(layout: &Layout) -> u64 {
+    let max_tile = layout
+        .iter()
+        .flatten()
+        .flat_map(|tiles| tiles.iter().map(|&(_, len)| len))
+        .max()
+        .unwrap_or(1);
+    buffer_size_for_tile(max_tile) as u64
+}
+
+/// The smallest RAM budget a token's CPU experts need: the `k` experts of one layer are held
+/// at once while they are computed, each in three buffers.
+pub fn minimum_ram_budget(model: &Model) -> u64 {
+    let k = model.config.moe.map_or(0, |m| m.n_expert_used) as u64;
+    k * TILES_PER_EXPERT as u64 * buffer_bytes(&layout(model))
+}
+
+/// A cache of `model`'s routed experts in at most `budget` bytes of RAM, read from its file.
+///
+/// # Errors
+/// [`StreamError::RamBelowMinimum`] when `budget` is under [`minimum_ram_budget`], or the
+/// reader's errors opening the file.
+pub fn open_expert_cache(
+    model: &Model,
+    budget: u64,
+    policy: ReplacementPolicy,
+) -> Result<ExpertCache, StreamError> {
+    let layout = layout(model);
+    let minimum = minimum_ram_budget(model);
+    if budget < minimum {
+        return Err(StreamError::RamBelowMinimum {
+            budget,
+            minimum,
+            k: model.config.moe.map_or(0, |m| m.n_expert_used),
+        });
+    }
+    let buffer = buffer_bytes(&layout);
+    let buffers = (budget / buffer) as usize;
+    let options = ReaderOptions {
+        buffers,
+        max_tile: buffer as usize - ALIGN,
+        ..ReaderOptions::default()
+    };
+    let reader = Arc::new(TileReader::open(model.file().path(), &options)?);
+    let locator = move |key: ExpertKey| -> Vec<Extent> {
+        let tiles = layout[key.layer as usize].expect("experts of a MoE layer");
+        tiles
+            .iter()
+            .map(|&(first, len)| Extent {
+                offset: first + key.expert as u64 * len as u64,
+                len,
+            })
+            .collect()
+    };
+    // Tile bytes of as many whole experts as the buffers hold.
+    let capacity = (buffers / TILES_PER_EXPERT) as u64 * expert_bytes(model);
+    Ok(ExpertCache::new(
+        reader,
+        Box::new(locator),
+        capacity,
+        policy,
+    ))
+}
