@@ -3,6 +3,12 @@
 //! variable, so a decode step neither spawns threads nor pays a wake-up per matrix. A job is a closure run for task
 //! indices `0..n`, claimed dynamically; the caller's thread takes part and `run` returns when
 //! every task has finished, which is what lets the closure borrow from the caller's stack.
+//!
+//! A job is done when its tasks are, not when every worker has looked at it: a worker still
+//! waking up from its sleep (tens to hundreds of microseconds on a loaded or virtual machine)
+//! finds the tasks claimed and does nothing, and the caller does not wait for it. Tasks are
+//! claimed with the job's generation in the same word as the next index, so such a late worker
+//! can never claim a task of a later job with the earlier job's closure.
 
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -18,9 +24,12 @@ type Task = dyn Fn(usize) + Sync;
 struct Job {
     task: *const Task,
     n_tasks: usize,
+    /// The job's generation (the low 32 bits of [`Shared::generation`]).
+    generation: u32,
 }
 
-// SAFETY: the pointee is `Sync`, and `ThreadPool::run` keeps it alive until no worker uses it.
+// SAFETY: the pointee is `Sync`, and `ThreadPool::run` keeps it alive while any of its tasks is
+// unclaimed or running; a task is only run after claiming it (see `claim_tasks`).
 unsafe impl Send for Job {}
 
 /// Spin iterations (each a `pause`) before a thread sleeps: tens of microseconds.
@@ -36,12 +45,13 @@ struct Shared {
     state: Mutex<State>,
     wake: Condvar,
     done: Condvar,
-    /// Next task index to claim.
-    next: AtomicUsize,
+    /// The current job's generation (high 32 bits) and next task index (low 32 bits).
+    next: AtomicU64,
     /// Bumped (under the state lock) for every job.
     generation: AtomicU64,
-    /// Workers still inside the current job; the last one out notifies `done` under the lock.
-    busy: AtomicUsize,
+    /// Tasks of the current job not finished yet; the task that finishes last notifies
+    /// `done` under the lock.
+    pending: AtomicUsize,
 }
 
 pub struct ThreadPool {
@@ -62,9 +72,9 @@ impl ThreadPool {
             }),
             wake: Condvar::new(),
             done: Condvar::new(),
-            next: AtomicUsize::new(0),
+            next: AtomicU64::new(0),
             generation: AtomicU64::new(0),
-            busy: AtomicUsize::new(0),
+            pending: AtomicUsize::new(0),
         });
         let workers = (1..n_threads.max(1))
             .map(|i| {
@@ -94,39 +104,40 @@ impl ThreadPool {
             (0..n_tasks).for_each(task);
             return;
         }
+        assert!(n_tasks <= u32::MAX as usize, "{n_tasks} tasks in one job");
         let _one_job = self.run_lock.lock();
-        // SAFETY: erases the closure's lifetime; we do not return before every worker has left
-        // the job (`busy == 0`), and the job is cleared before that, so no use outlives it.
+        // SAFETY: erases the closure's lifetime; we do not return before every task has
+        // finished (`pending == 0`), and a task is only run after claiming it, which a late
+        // worker cannot do once the tasks are all claimed (see `claim_tasks`).
         let task_ptr: *const Task =
             unsafe { std::mem::transmute::<&'a (dyn Fn(usize) + Sync + 'a), &'static Task>(task) };
-        self.shared.next.store(0, Ordering::Relaxed);
-        {
+        let job = {
             let mut st = self.shared.state.lock();
-            st.job = Some(Job {
+            let generation = self.shared.generation.load(Ordering::Relaxed) + 1;
+            let job = Job {
                 task: task_ptr,
                 n_tasks,
-            });
+                generation: generation as u32,
+            };
+            self.shared.pending.store(n_tasks, Ordering::Relaxed);
             self.shared
-                .busy
-                .store(self.workers.len(), Ordering::Release);
-            self.shared.generation.fetch_add(1, Ordering::Release);
+                .next
+                .store(u64::from(job.generation) << 32, Ordering::Release);
+            st.job = Some(job);
+            self.shared.generation.store(generation, Ordering::Release);
             self.shared.wake.notify_all();
-        }
-        let mine = catch_unwind(AssertUnwindSafe(|| {
-            claim_tasks(&self.shared, task, n_tasks)
-        }));
-        spin_while(|| self.shared.busy.load(Ordering::Acquire) != 0);
+            job
+        };
+        claim_tasks(&self.shared, job);
+        spin_while(|| self.shared.pending.load(Ordering::Acquire) != 0);
         let mut st = self.shared.state.lock();
-        while self.shared.busy.load(Ordering::Acquire) != 0 {
+        while self.shared.pending.load(Ordering::Acquire) != 0 {
             self.shared.done.wait(&mut st);
         }
         st.job = None;
-        let theirs = st.panic.take();
+        let panic = st.panic.take();
         drop(st);
-        if let Err(p) = mine {
-            resume_unwind(p);
-        }
-        if let Some(p) = theirs {
+        if let Some(p) = panic {
             resume_unwind(p);
         }
     }
@@ -158,13 +169,34 @@ struct SendPtr<T>(*mut T);
 // SAFETY: only used to hand disjoint sub-slices of a `Send` slice to pool tasks.
 unsafe impl<T: Send> Sync for SendPtr<T> {}
 
-fn claim_tasks(shared: &Shared, task: &(dyn Fn(usize) + Sync + '_), n_tasks: usize) {
+/// Claims and runs tasks of `job` until none is left. A claim succeeds only while the shared
+/// word still holds `job`'s generation, so a worker that read a finished job claims nothing.
+fn claim_tasks(shared: &Shared, job: Job) {
+    let mut cur = shared.next.load(Ordering::Acquire);
     loop {
-        let i = shared.next.fetch_add(1, Ordering::Relaxed);
-        if i >= n_tasks {
-            break;
+        let (generation, i) = ((cur >> 32) as u32, (cur as u32) as usize);
+        if generation != job.generation || i >= job.n_tasks {
+            return;
         }
-        task(i);
+        match shared
+            .next
+            .compare_exchange_weak(cur, cur + 1, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => {
+                // SAFETY: task `i` of this job is claimed and not finished, so `run` has not
+                // returned and the closure is alive.
+                let task = unsafe { &*job.task };
+                if let Err(p) = catch_unwind(AssertUnwindSafe(|| task(i))) {
+                    shared.state.lock().panic.get_or_insert(p);
+                }
+                if shared.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    let _st = shared.state.lock();
+                    shared.done.notify_all();
+                }
+                cur = shared.next.load(Ordering::Acquire);
+            }
+            Err(now) => cur = now,
+        }
     }
 }
 
@@ -194,16 +226,7 @@ fn worker(shared: &Shared) {
             st.job
         };
         if let Some(job) = job {
-            // SAFETY: `run` keeps the closure alive until this worker decrements `busy`.
-            let task = unsafe { &*job.task };
-            let result = catch_unwind(AssertUnwindSafe(|| claim_tasks(shared, task, job.n_tasks)));
-            if let Err(p) = result {
-                shared.state.lock().panic.get_or_insert(p);
-            }
-            if shared.busy.fetch_sub(1, Ordering::AcqRel) == 1 {
-                let _st = shared.state.lock();
-                shared.done.notify_all();
-            }
+            claim_tasks(shared, job);
         }
     }
 }
@@ -247,6 +270,23 @@ mod tests {
             }
         });
         assert!(out.iter().enumerate().all(|(i, &v)| i == v));
+    }
+
+    #[test]
+    fn many_short_jobs_run_each_task_once() {
+        // Jobs of a few tasks, back to back: workers waking late for one job find the next
+        // one running, and must neither run a task twice nor one of the earlier job.
+        let pool = ThreadPool::new(4);
+        for job in 0..20_000usize {
+            let n = 2 + job % 5;
+            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            pool.run(n, &|i| {
+                hits[i].fetch_add(job + 1, Ordering::Relaxed);
+            });
+            for h in &hits {
+                assert_eq!(h.load(Ordering::Relaxed), job + 1, "job {job}");
+            }
+        }
     }
 
     #[test]
