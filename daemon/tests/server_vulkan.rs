@@ -221,6 +221,33 @@ async fn bad_devices_and_budgets_get_their_documented_errors() {
     assert!(e.slots_per_layer < e.n_expert);
     assert!(e.misses > 0 && e.cpu > 0, "{e:?}");
     assert_eq!(e.miss, "cpu");
+
+    // The CPU's experts from a RAM budget (read from the file as needed): the same tokens.
+    let ram = |device: &str, name: &str, ram_bytes: u64| pb::LoadModelRequest {
+        budgets: Some(pb::Budgets {
+            vram_bytes: if device == "cpu" { 0 } else { budget },
+            ram_bytes,
+        }),
+        ..load_request(&moe, name, device)
+    };
+    let minimum_ram = spillway_daemon::stream::minimum_ram_budget(&model);
+    let err = load(&mut client, ram("cpu", "ram-cpu", minimum_ram))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("ram_bytes"), "{}", err.message());
+    let err = load(&mut client, ram("vulkan", "ram-low", minimum_ram - 1))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+    assert!(err.message().contains("RAM budget"), "{}", err.message());
+    load(&mut client, ram("vulkan", "ram", 2 * minimum_ram))
+        .await
+        .unwrap();
+    assert_eq!(
+        greedy(&mut client, "ram").await,
+        greedy(&mut client, "small").await
+    );
 }
 
 #[tokio::test]

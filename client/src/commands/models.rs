@@ -26,6 +26,10 @@ pub struct LoadArgs {
     /// daemon's --vram-budget); routed experts beyond it run on the CPU.
     #[arg(long)]
     pub vram_budget: Option<spillway_sched::ByteSize>,
+    /// RAM for the routed experts a model on a Vulkan device computes on the CPU, e.g. `4GiB`
+    /// (default: the daemon's --ram-budget); the others are read from the file as needed.
+    #[arg(long)]
+    pub ram_budget: Option<spillway_sched::ByteSize>,
 }
 
 pub async fn models(client: &mut Client) -> Result<(), Failure> {
@@ -68,9 +72,11 @@ pub async fn load(client: &mut Client, args: &LoadArgs) -> Result<(), Failure> {
             name: args.name.clone(),
             context_length: args.ctx,
             device: args.device.clone(),
-            budgets: args.vram_budget.map(|b| pb::Budgets {
-                vram_bytes: b.0,
-                ram_bytes: 0,
+            budgets: (args.vram_budget.is_some() || args.ram_budget.is_some()).then(|| {
+                pb::Budgets {
+                    vram_bytes: args.vram_budget.map_or(0, |b| b.0),
+                    ram_bytes: args.ram_budget.map_or(0, |b| b.0),
+                }
             }),
             ..Default::default()
         })

@@ -57,6 +57,11 @@ pub struct ServeArgs {
     /// 8G). A MoE model over it keeps as many routed experts per layer in VRAM as fit.
     #[arg(long)]
     pub vram_budget: Option<ByteSize>,
+    /// RAM for the routed experts each model on a Vulkan device computes on the CPU (e.g.
+    /// 4GiB): a cache that reads the others from the model file as tokens need them. Without
+    /// it they are read through the memory map.
+    #[arg(long)]
+    pub ram_budget: Option<ByteSize>,
     /// Seconds in-flight requests may run on after SIGTERM before they are cancelled.
     #[arg(long, default_value_t = 10.0)]
     pub grace_period: f64,
@@ -82,6 +87,9 @@ impl ServeArgs {
         };
         if self.vram_budget.is_some() && self.device == DeviceChoice::Cpu {
             bail!("--vram-budget applies to --device vulkan, not cpu");
+        }
+        if self.ram_budget.is_some() && self.device == DeviceChoice::Cpu {
+            bail!("--ram-budget applies to --device vulkan (the CPU engine reads the memory map)");
         }
         if !(self.grace_period.is_finite() && self.grace_period >= 0.0) {
             bail!("--grace-period must be a number of seconds, 0 or more");
@@ -115,6 +123,7 @@ impl ServeArgs {
                 context: self.ctx,
                 device: self.device,
                 vram_budget: self.vram_budget.map(|b| b.0),
+                ram_budget: self.ram_budget.map(|b| b.0),
             },
             grace: Duration::from_secs_f64(self.grace_period),
         })

@@ -73,6 +73,7 @@ impl GpuError {
                 | GpuError::OverBudget { .. }
                 | GpuError::ModelOverBudget { .. }
                 | GpuError::BelowMinimumBudget { .. }
+                | GpuError::Storage(crate::stream::StreamError::RamBelowMinimum { .. })
         )
     }
 }

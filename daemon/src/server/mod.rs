@@ -109,6 +109,7 @@ pub async fn serve(config: ServeConfig, on_ready: impl FnOnce(&str)) -> Result<(
     defaults.device = resolve_device(defaults.device)?;
     if defaults.device == DeviceChoice::Cpu {
         defaults.vram_budget = None;
+        defaults.ram_budget = None;
     }
     let listener = match &config.listen {
         ListenAddr::Unix(path) => listen::bind_unix(path).await?,
@@ -229,6 +230,7 @@ async fn load_startup_models(
             max_batch: state.defaults.max_batch,
             device: state.defaults.device,
             vram_budget: state.defaults.vram_budget,
+            ram_budget: state.defaults.ram_budget,
         };
         state
             .load_model(options, |_| {})

@@ -59,6 +59,9 @@ pub struct LoadOptions {
     pub device: DeviceChoice,
     /// Ceiling on the device memory a model on a Vulkan device may hold.
     pub vram_budget: Option<u64>,
+    /// RAM for the routed experts a model on a Vulkan device computes on the CPU, read from
+    /// its file as needed; `None`: the memory map.
+    pub ram_budget: Option<u64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -184,6 +187,7 @@ pub fn load(
             });
             let gpu_options = GpuModelOptions {
                 vram_budget: options.vram_budget,
+                ram_budget: options.ram_budget,
                 context: options.context,
                 threads: options.threads,
                 ..GpuModelOptions::default()

@@ -41,6 +41,8 @@ pub struct ModelDefaults {
     pub device: DeviceChoice,
     /// Ceiling on the device memory of each model on a Vulkan device (`--vram-budget`).
     pub vram_budget: Option<u64>,
+    /// RAM for the CPU's experts of each model on a Vulkan device (`--ram-budget`).
+    pub ram_budget: Option<u64>,
 }
 
 /// State shared by the service, the loader and shutdown.
@@ -302,10 +304,9 @@ impl Spillway for SpillwayService {
         if req.path.is_empty() {
             return Err(Status::invalid_argument("give the path of a GGUF file"));
         }
-        if !req.pins.is_empty() || req.budgets.is_some_and(|b| b.ram_bytes != 0) {
+        if !req.pins.is_empty() {
             return Err(Status::unimplemented(
-                "RAM budgets and tensor pins are not supported yet: every weight stays in RAM \
-                 (or VRAM, on a Vulkan device); load without them",
+                "tensor pins are not supported yet: load without them",
             ));
         }
         let defaults = &self.state.defaults;
@@ -326,6 +327,17 @@ impl Spillway for SpillwayService {
             (DeviceChoice::Vulkan(_), 0) => defaults.vram_budget,
             (DeviceChoice::Vulkan(_), n) => Some(n),
         };
+        let ram_budget =
+            match (device, req.budgets.map_or(0, |b| b.ram_bytes)) {
+                (DeviceChoice::Cpu, 0) => None,
+                (DeviceChoice::Vulkan(_), 0) => defaults.ram_budget,
+                (DeviceChoice::Cpu, _) => return Err(Status::invalid_argument(
+                    "budgets.ram_bytes applies to the routed experts a model on a Vulkan device \
+                     computes on the CPU; the CPU engine reads every weight through the memory \
+                     map: give device \"vulkan\" or no RAM budget",
+                )),
+                (DeviceChoice::Vulkan(_), n) => Some(n),
+            };
         let path = PathBuf::from(&req.path);
         let name = if req.name.is_empty() {
             models::name_from_path(&path)
@@ -347,6 +359,7 @@ impl Spillway for SpillwayService {
             max_batch: defaults.max_batch,
             device,
             vram_budget,
+            ram_budget,
         };
         let (tx, rx) = mpsc::channel(16);
         let state = self.state.clone();
