@@ -9,6 +9,8 @@
 //! to the whole model, the whole model's bytes, and no budget; or, with `budgets=8192,1024`,
 //! those budgets in MiB. `modes=cpu` (or `fetch`) runs one miss mode only; `cpu-separate` is
 //! `cpu` with a step as separate submissions instead of one chain (`GpuModelOptions::chain`).
+//! `threads=N` sets the CPU experts' threads (default: every core); `ram=MiB` gives the CPU's
+//! experts a RAM budget (a cache read from the file) in place of the memory map.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -29,6 +31,8 @@ fn mib(b: u64) -> f64 {
 fn main() {
     let mut given_budgets: Option<Vec<u64>> = None;
     let mut modes = vec![(MoeMiss::Cpu, true), (MoeMiss::Fetch, true)];
+    let mut threads = 0;
+    let mut ram_budget = None;
     let args: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| {
@@ -38,6 +42,12 @@ fn main() {
                         .map(|m| m.parse::<u64>().unwrap() << 20)
                         .collect(),
                 );
+                false
+            } else if let Some(n) = a.strip_prefix("ram=") {
+                ram_budget = Some(n.parse::<u64>().unwrap() << 20);
+                false
+            } else if let Some(n) = a.strip_prefix("threads=") {
+                threads = n.parse().unwrap();
                 false
             } else if let Some(m) = a.strip_prefix("modes=") {
                 modes = m
@@ -78,6 +88,8 @@ fn main() {
     let device = Device::open(Instance::new().unwrap(), None).unwrap();
     let base = GpuModelOptions {
         context: n_tokens + WARMUP + 1,
+        threads,
+        ram_budget,
         ..GpuModelOptions::default()
     };
     let whole = GpuModel::device_bytes(&model, &base).total();
@@ -148,6 +160,16 @@ fn main() {
                 }
             }
             let s = t0.elapsed().as_secs_f64();
+            if let Some((layers, held)) = gpu.ram_tier() {
+                let (h, m) = layers
+                    .iter()
+                    .fold((0, 0), |(h, m), l| (h + l.hits, m + l.misses));
+                println!(
+                    "RAM tier: {:.0} MiB, {h} hits, {m} misses read from the file ({:.1}% hits)",
+                    mib(held),
+                    100.0 * h as f64 / (h + m).max(1) as f64
+                );
+            }
             let stats = gpu.expert_stats().unwrap();
             let after = stats.total();
             let per_tok = |a: u64, b: u64| (a - b) as f64 / n_tokens as f64;

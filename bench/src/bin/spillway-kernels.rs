@@ -4,12 +4,18 @@
 //! matrix-matrix product over a prompt batch (prefill; multiply-adds per second). Figures are
 //! the best of several repetitions, so a shared machine's noise mostly drops out.
 //!
+//! With `--expert-layers N` it also times what a MoE layer's CPU experts do for one token
+//! (`engine::experts`): six experts of the Qwen3-30B-A3B shape (gate and up 768 × 2048, down
+//! 2048 × 768), gate and up of all six in one pool job, then the six downs in another, over N
+//! layers of distinct weights, so that with enough layers the weights come from DRAM rather
+//! than the caches (GB/s of weights read).
+//!
 //!     cargo run --release -p spillway-bench --bin spillway-kernels -- --threads 1
 
 use std::time::Instant;
 
 use clap::Parser;
-use spillway_daemon::cpu::{matmul, matvec, ThreadPool};
+use spillway_daemon::cpu::{activations, matmul, matmul_group, matvec, Product, ThreadPool};
 use spillway_daemon::gguf::GgmlType;
 use spillway_daemon::model::MatRef;
 use spillway_daemon::quant::quantize_row;
@@ -27,6 +33,9 @@ struct Args {
     /// Weight types (Q4_0, Q8_0, Q4_K, Q6_K, ...); all with kernels when absent.
     #[arg(long = "type")]
     types: Vec<String>,
+    /// Layers of six experts for the MoE-layer measurement (0: skip it).
+    #[arg(long, default_value_t = 0)]
+    expert_layers: usize,
 }
 
 /// Deterministic noise in [-1, 1).
@@ -110,7 +119,7 @@ fn main() -> anyhow::Result<()> {
     );
     println!("| type | n_in × n_out | matvec GB/s | matmul GMAC/s |");
     println!("| --- | --- | --- | --- |");
-    for ty in types {
+    for &ty in &types {
         for (n_in, n_out) in [(2048, 2048), (8192, 2048)] {
             let data = weights(ty, n_in, n_out);
             let m = MatRef {
@@ -132,5 +141,78 @@ fn main() -> anyhow::Result<()> {
             );
         }
     }
+    if args.expert_layers > 0 {
+        for &ty in &types {
+            expert_layers(&pool, ty, args.expert_layers, args.reps);
+        }
+    }
     Ok(())
+}
+
+/// One token's six CPU experts per layer, over `n_layers` layers of distinct weights.
+fn expert_layers(pool: &ThreadPool, ty: GgmlType, n_layers: usize, reps: usize) {
+    const EXPERTS: usize = 6;
+    let (e, ff) = (2048, 768);
+    // One matrix's bytes, shared by every copy (the copies are distinct memory all the same).
+    let up_proto = weights(ty, e, ff);
+    let down_proto = weights(ty, ff, e);
+    let layers: Vec<Vec<(Vec<u8>, Vec<u8>, Vec<u8>)>> = (0..n_layers)
+        .map(|_| {
+            (0..EXPERTS)
+                .map(|_| (up_proto.clone(), up_proto.clone(), down_proto.clone()))
+                .collect()
+        })
+        .collect();
+    let bytes: usize = EXPERTS * (2 * up_proto.len() + down_proto.len()) * n_layers;
+    let x = noise(e, 11);
+    let acts = activations(ty, &x, e);
+    let mut g = vec![vec![0.0f32; ff]; EXPERTS];
+    let mut u = vec![vec![0.0f32; ff]; EXPERTS];
+    let mut y = vec![vec![0.0f32; e]; EXPERTS];
+    let t = best(reps, || {
+        for layer in &layers {
+            let mut products: Vec<Product<'_>> = Vec::with_capacity(2 * EXPERTS);
+            for ((w, g), u) in layer.iter().zip(g.iter_mut()).zip(u.iter_mut()) {
+                products.push(Product {
+                    m: mat(ty, e, ff, &w.0),
+                    acts: &acts,
+                    out: g,
+                });
+                products.push(Product {
+                    m: mat(ty, e, ff, &w.1),
+                    acts: &acts,
+                    out: u,
+                });
+            }
+            matmul_group(pool, &mut products);
+            drop(products);
+            let down_acts: Vec<_> = g.iter().map(|g| activations(ty, g, ff)).collect();
+            let mut products: Vec<Product<'_>> = layer
+                .iter()
+                .zip(y.iter_mut())
+                .zip(&down_acts)
+                .map(|((w, y), acts)| Product {
+                    m: mat(ty, ff, e, &w.2),
+                    acts,
+                    out: y,
+                })
+                .collect();
+            matmul_group(pool, &mut products);
+        }
+    });
+    println!(
+        "{ty}: {n_layers} layers of {EXPERTS} experts ({:.0} MiB): {:.2} ms a layer, {:.1} GB/s",
+        bytes as f64 / (1 << 20) as f64,
+        t * 1e3 / n_layers as f64,
+        bytes as f64 / t / 1e9
+    );
+}
+
+fn mat(ty: GgmlType, n_in: usize, n_out: usize, data: &[u8]) -> MatRef<'_> {
+    MatRef {
+        ty,
+        n_in,
+        n_out,
+        data,
+    }
 }
