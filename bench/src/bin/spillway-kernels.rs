@@ -156,7 +156,9 @@ fn expert_layers(pool: &ThreadPool, ty: GgmlType, n_layers: usize, reps: usize) 
     // One matrix's bytes, shared by every copy (the copies are distinct memory all the same).
     let up_proto = weights(ty, e, ff);
     let down_proto = weights(ty, ff, e);
-    let layers: Vec<Vec<(Vec<u8>, Vec<u8>, Vec<u8>)>> = (0..n_layers)
+    // Per layer, per expert: gate, up and down.
+    type Expert = (Vec<u8>, Vec<u8>, Vec<u8>);
+    let layers: Vec<Vec<Expert>> = (0..n_layers)
         .map(|_| {
             (0..EXPERTS)
                 .map(|_| (up_proto.clone(), up_proto.clone(), down_proto.clone()))
