@@ -124,7 +124,9 @@ fn widths(ty: GgmlType) -> [usize; 3] {
 
 #[test]
 fn every_workgroup_shape_gives_the_exact_dot_at_block_boundary_widths() {
-    let Some(dev) = spillway_daemon::gpu::device_or_skip() else { return };
+    let Some(dev) = spillway_daemon::gpu::device_or_skip() else {
+        return;
+    };
     for gpu in Gpu::both(&dev) {
         for ty in TYPES {
             for n_in in widths(ty) {
@@ -150,7 +152,9 @@ fn every_workgroup_shape_gives_the_exact_dot_at_block_boundary_widths() {
 
 #[test]
 fn rows_split_across_bindings_give_the_same_bits_for_every_type_and_shape() {
-    let Some(dev) = spillway_daemon::gpu::device_or_skip() else { return };
+    let Some(dev) = spillway_daemon::gpu::device_or_skip() else {
+        return;
+    };
     let gpu = Gpu::both(&dev).pop().unwrap();
     for ty in TYPES {
         let (n_in, n_out) = (512, 45);
@@ -180,7 +184,9 @@ fn rows_split_across_bindings_give_the_same_bits_for_every_type_and_shape() {
 
 #[test]
 fn expert_indexed_products_match_the_expert_rows_for_every_shape() {
-    let Some(dev) = spillway_daemon::gpu::device_or_skip() else { return };
+    let Some(dev) = spillway_daemon::gpu::device_or_skip() else {
+        return;
+    };
     let gpu = Gpu::both(&dev).pop().unwrap();
     for ty in TYPES {
         let (n_in, rows, experts) = (256, 7, 4);
@@ -198,7 +204,16 @@ fn expert_indexed_products_match_the_expert_rows_for_every_shape() {
                 .unwrap();
             let y = gpu.zeros(2 * rows);
             gpu.kernels
-                .record(|r| r.matvec_id(&m, rows, (&ids, 0), 2, (&xb, n_in as u32), (&y, rows as u32)))
+                .record(|r| {
+                    r.matvec_id(
+                        &m,
+                        rows,
+                        (&ids, 0),
+                        2,
+                        (&xb, n_in as u32),
+                        (&y, rows as u32),
+                    )
+                })
                 .unwrap();
             let got = y.read_f32(2 * rows);
             for (z, e) in [3usize, 1].into_iter().enumerate() {
@@ -214,7 +229,9 @@ fn expert_indexed_products_match_the_expert_rows_for_every_shape() {
 
 #[test]
 fn shapes_the_kernel_cannot_run_are_refused() {
-    let Some(dev) = spillway_daemon::gpu::device_or_skip() else { return };
+    let Some(dev) = spillway_daemon::gpu::device_or_skip() else {
+        return;
+    };
     let kernels = Kernels::new(&dev);
     for (threads, rows) in [(48, 4), (512, 4), (2, 4), (64, 0), (64, 9)] {
         let shape = MatVecShape { threads, rows };

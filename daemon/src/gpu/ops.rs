@@ -105,12 +105,12 @@ impl MatVecShape {
     pub const MAX_THREADS: u32 = 256;
     pub const MAX_ROWS: u32 = 8;
 
-    /// The shape used for `wtype`.
+    /// The shape used for `wtype`: 64 invocations (two NVIDIA subgroups) and four rows for
+    /// every type until shapes are compared on the GPU machine (`vulkan_matvec wg=...`).
     pub fn tuned(wtype: WeightType) -> MatVecShape {
         let (threads, rows) = match wtype {
-            WeightType::F32 | WeightType::F16 => (64, 4),
-            WeightType::Q8_0 | WeightType::Q6K => (64, 4),
-            WeightType::Q4_0 | WeightType::Q4K => (64, 4),
+            WeightType::F32 | WeightType::F16 | WeightType::Q8_0 => (64, 4),
+            WeightType::Q4_0 | WeightType::Q4K | WeightType::Q6K => (64, 4),
         };
         MatVecShape { threads, rows }
     }

@@ -16,13 +16,16 @@ use super::error::{map_vk, GpuError, Result};
 use super::ops::MatVecShape;
 use super::pipeline::ComputePipeline;
 
+/// A variant and the values of its specialization constants 0..n.
+type PipelineKey = (ShaderId, Vec<u32>);
+
 /// The pipelines of the shader table, created on first use and cached.
 pub struct Kernels {
     device: Arc<Device>,
     /// Use the `Subgroup` variants where the table has them.
     subgroups: bool,
     /// Pipelines by variant and specialization constants.
-    cache: Mutex<HashMap<(ShaderId, Vec<u32>), Arc<ComputePipeline>>>,
+    cache: Mutex<HashMap<PipelineKey, Arc<ComputePipeline>>>,
     /// A matrix-vector workgroup shape for every weight type instead of the tuned ones.
     matvec_shape: Mutex<Option<MatVecShape>>,
 }
@@ -92,7 +95,11 @@ impl Kernels {
         if let Some(p) = cache.get(&key) {
             return Ok(p.clone());
         }
-        let p = Arc::new(ComputePipeline::for_shader_spec(&self.device, shader, spec)?);
+        let p = Arc::new(ComputePipeline::for_shader_spec(
+            &self.device,
+            shader,
+            spec,
+        )?);
         cache.insert(key, p.clone());
         Ok(p)
     }
