@@ -5,12 +5,15 @@
 //! With `tokens=T` (T > 1), each product is the batched kernel over T tokens (prompts), and
 //! GB/s counts the weights once per product: the tile of eight tokens shares each weight read.
 //!
-//! `cargo run --release -p spillway-bench --example vulkan_matvec [-- [tokens=T] N_IN N_OUT ...]`
+//! With `wg=THREADSxROWS,...`, each one-token product is measured with each of these workgroup
+//! shapes of `matvec.comp` in turn (the matrices uploaded once), instead of the tuned shape.
+//!
+//! `cargo run --release -p spillway-bench --example vulkan_matvec [-- [tokens=T] [wg=64x4,...] N_IN N_OUT ...]`
 
 use std::sync::Arc;
 
 use spillway_daemon::gguf::GgmlType;
-use spillway_daemon::gpu::ops::GpuMatrix;
+use spillway_daemon::gpu::ops::{GpuMatrix, MatVecShape};
 use spillway_daemon::gpu::{Allocator, Buffer, Device, Instance, Kernels, MemoryUse, Uploader};
 
 /// Bytes of `ty` rows whose scales are small and finite (the values do not matter here).
@@ -39,14 +42,28 @@ fn rows(ty: GgmlType, n_in: usize, n_out: usize) -> Vec<u8> {
 
 fn main() {
     let mut tokens = 1;
+    let mut wg: Vec<Option<MatVecShape>> = vec![None];
     let args: Vec<usize> = std::env::args()
         .skip(1)
-        .filter(|a| match a.strip_prefix("tokens=") {
-            Some(t) => {
+        .filter(|a| {
+            if let Some(t) = a.strip_prefix("tokens=") {
                 tokens = t.parse().unwrap();
                 false
+            } else if let Some(list) = a.strip_prefix("wg=") {
+                wg = list
+                    .split(',')
+                    .map(|s| {
+                        let (t, r) = s.split_once('x').expect("wg=THREADSxROWS,...");
+                        Some(MatVecShape {
+                            threads: t.parse().unwrap(),
+                            rows: r.parse().unwrap(),
+                        })
+                    })
+                    .collect();
+                false
+            } else {
+                true
             }
-            None => true,
         })
         .map(|a| a.parse().unwrap())
         .collect();
@@ -57,8 +74,10 @@ fn main() {
     };
     let device = Device::open(Instance::new().unwrap(), None).unwrap();
     println!("device: {}", device.info().name);
-    println!("| weights | n_in × n_out | tokens | matrix MiB | copies | GPU µs / product | GB/s |");
-    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    println!(
+        "| weights | n_in × n_out | tokens | workgroup | matrix MiB | copies | GPU µs / product | GB/s |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
     for (n_in, n_out) in shapes {
         for ty in [
             GgmlType::Q4_0,
@@ -67,12 +86,19 @@ fn main() {
             GgmlType::Q8_0,
             GgmlType::F16,
         ] {
-            measure(&device, ty, n_in, n_out, tokens);
+            measure(&device, ty, n_in, n_out, tokens, &wg);
         }
     }
 }
 
-fn measure(device: &Arc<Device>, ty: GgmlType, n_in: usize, n_out: usize, tokens: usize) {
+fn measure(
+    device: &Arc<Device>,
+    ty: GgmlType,
+    n_in: usize,
+    n_out: usize,
+    tokens: usize,
+    shapes: &[Option<MatVecShape>],
+) {
     let alloc = Allocator::new(device, None);
     let kernels = Kernels::new(device);
     let data = rows(ty, n_in, n_out);
@@ -101,18 +127,28 @@ fn measure(device: &Arc<Device>, ty: GgmlType, n_in: usize, n_out: usize, tokens
             })
             .unwrap()
     };
-    run(); // pipelines, caches, clocks
-    let best = (0..5)
-        .filter_map(|_| run().gpu_ns)
-        .min()
-        .expect("the queue has timestamps");
-    let per = best as f64 / copies as f64;
-    let gbs = data.len() as f64 / per;
-    println!(
-        "| {} | {n_in} × {n_out} | {tokens} | {:.1} | {copies} | {:.1} | {:.0} |",
-        ty.name(),
-        data.len() as f64 / (1 << 20) as f64,
-        per / 1e3,
-        gbs
-    );
+    for &shape in shapes {
+        kernels.set_matvec_shape(shape).unwrap();
+        run(); // pipelines, caches, clocks
+        let best = (0..5)
+            .filter_map(|_| run().gpu_ns)
+            .min()
+            .expect("the queue has timestamps");
+        let per = best as f64 / copies as f64;
+        let gbs = data.len() as f64 / per;
+        let wtype = spillway_daemon::gpu::ops::weight_type(ty).unwrap();
+        let used = kernels.matvec_shape(wtype);
+        let label = match (tokens, shape) {
+            (1, None) => format!("{}x{} (tuned)", used.threads, used.rows),
+            (1, Some(_)) => format!("{}x{}", used.threads, used.rows),
+            _ => "batch".into(),
+        };
+        println!(
+            "| {} | {n_in} × {n_out} | {tokens} | {label} | {:.1} | {copies} | {:.1} | {:.0} |",
+            ty.name(),
+            data.len() as f64 / (1 << 20) as f64,
+            per / 1e3,
+            gbs
+        );
+    }
 }

@@ -1,12 +1,14 @@
 #version 450
+#extension GL_EXT_control_flow_attributes : require
 #if defined(USE_SUBGROUP)
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_arithmetic : require
 #endif
-// y[r] = row_r(W) · x for quantized rows (decode: a batch of one), NROWS rows per workgroup.
-// Each invocation takes units of 32 weights in turn, so neighbours read neighbouring blocks; the
-// 32 inputs of a unit are loaded once and used for every row of the workgroup, and a workgroup
-// has NROWS rows of work between its reductions instead of one. Workgroups come in a 2-D grid
+// y[r] = row_r(W) · x (decode: a batch of one), NROWS rows per workgroup of WG invocations, both
+// specialization constants so the host tunes them per weight type. The row is cut into "items"
+// (matvec_dot.glsl: 4 to 32 weights read as a few words); invocation t takes items t, t + WG, ...
+// so neighbours read neighbouring bytes and every load of a subgroup is one run of memory. The
+// inputs of an item are loaded once and used for all NROWS rows. Workgroups come in a 2-D grid
 // because a vocabulary can exceed the 65535 groups of one dimension.
 //
 // With INDEXED (ggml's mul_mat_vec_id): `weights` is a stack of experts of `n_rows` rows each and
@@ -14,12 +16,17 @@
 // come back to the host. Layer z reads x at `z * x_stride` and writes y at `y_offset + z *
 // y_stride`: the k experts of a token are one dispatch.
 
-#define WG 64u
-#define NROWS 4u
-layout(local_size_x = 64) in;
+layout(local_size_x_id = 0) in;
+layout(constant_id = 1) const uint NROWS = 4u;
+// The host keeps WG <= MAX_WG and NROWS <= MAX_ROWS (ops.rs, `MatVecShape`).
+#define MAX_WG 256u
+#define MAX_ROWS 8u
 
+// One binding, two views: words for blocks that start on any even byte, 16-byte vectors for rows
+// that the host keeps 16-byte aligned (F32, F16, Q4_K).
 layout(std430, binding = 0) readonly buffer Weights { uint weights[]; };
-layout(std430, binding = 1) readonly buffer X { float x[]; };
+layout(std430, binding = 0) readonly buffer Weights4 { uvec4 weights4[]; };
+layout(std430, binding = 1) readonly buffer X { vec4 x4[]; };
 layout(std430, binding = 2) writeonly buffer Y { float y[]; };
 #if defined(INDEXED)
 layout(std430, binding = 3) readonly buffer Ids { uint ids[]; };
@@ -32,16 +39,22 @@ layout(push_constant) uniform Params {
     uint y_offset; // element offset of row 0's result in `y`
 #if defined(INDEXED)
     uint rank;     // index in `ids` of layer 0's expert
-    uint x_stride; // floats from one layer's input to the next
+    uint x_stride; // floats from one layer's input to the next (a multiple of 4)
     uint y_stride; // floats from one layer's results to the next
 #endif
 } p;
 
-#include "common.glsl"
-#include "decode.glsl"
-#include "reduce.glsl"
+#include "matvec_dot.glsl"
+
+#if defined(USE_SUBGROUP)
+shared float red[MAX_ROWS * MAX_WG / 4u];
+#else
+shared float red[MAX_ROWS * MAX_WG];
+#endif
 
 void main() {
+    const uint WG = gl_WorkGroupSize.x;
+    const uint tid = gl_LocalInvocationID.x;
     const uint r0 = NROWS * (gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x);
     if (r0 >= p.n_rows) {
         return; // whole workgroups leave together, so the barriers below stay uniform
@@ -58,29 +71,65 @@ void main() {
     const uint x0 = 0u;
     const uint y0 = p.y_offset;
 #endif
+    // Rows past the last (a partial last workgroup) repeat it, so every row slot runs the same
+    // straight-line code; their sums are not written.
+    uint row[NROWS];
     float acc[NROWS];
-    for (uint j = 0u; j < NROWS; ++j) {
+    [[unroll]] for (uint j = 0u; j < NROWS; ++j) {
+        row[j] = w0 + min(r0 + j, p.n_rows - 1u) * rb;
         acc[j] = 0.0;
     }
-    float v[32];
-    float xv[32];
-    for (uint u = gl_LocalInvocationID.x; u < p.n_in / 32u; u += WG) {
-        for (uint i = 0u; i < 32u; ++i) {
-            xv[i] = x[x0 + 32u * u + i];
+    const uint n_items = p.n_in / ITEM_WEIGHTS;
+    for (uint i = tid; i < n_items; i += WG) {
+        Inputs xi = load_inputs(x0, i);
+        [[unroll]] for (uint j = 0u; j < NROWS; ++j) {
+            acc[j] += dot_item(row[j], i, xi);
         }
-        for (uint j = 0u; j < nr; ++j) {
-            decode_unit(w0 + (r0 + j) * rb, u, v);
-            float a = acc[j];
-            for (uint i = 0u; i < 32u; ++i) {
-                a += v[i] * xv[i];
+    }
+
+#if defined(USE_SUBGROUP)
+    [[unroll]] for (uint j = 0u; j < NROWS; ++j) {
+        acc[j] = subgroupAdd(acc[j]);
+    }
+    if (gl_NumSubgroups == 1u) {
+        if (tid == 0u) {
+            [[unroll]] for (uint j = 0u; j < NROWS; ++j) {
+                if (j < nr) {
+                    y[y0 + r0 + j] = acc[j];
+                }
             }
-            acc[j] = a;
+        }
+        return;
+    }
+    const uint ns = gl_NumSubgroups;
+    if (subgroupElect()) {
+        [[unroll]] for (uint j = 0u; j < NROWS; ++j) {
+            red[j * ns + gl_SubgroupID] = acc[j];
         }
     }
-    for (uint j = 0u; j < NROWS; ++j) {
-        const float s = wg_sum(acc[j]);
-        if (gl_LocalInvocationID.x == 0u && j < nr) {
-            y[y0 + r0 + j] = s;
+    barrier();
+    if (tid < nr) {
+        float s = 0.0;
+        for (uint k = 0u; k < ns; ++k) {
+            s += red[tid * ns + k];
         }
+        y[y0 + r0 + tid] = s;
     }
+#else
+    [[unroll]] for (uint j = 0u; j < NROWS; ++j) {
+        red[j * WG + tid] = acc[j];
+    }
+    barrier();
+    for (uint s = WG / 2u; s > 0u; s >>= 1) {
+        if (tid < s) {
+            [[unroll]] for (uint j = 0u; j < NROWS; ++j) {
+                red[j * WG + tid] += red[j * WG + tid + s];
+            }
+        }
+        barrier();
+    }
+    if (tid < nr) {
+        y[y0 + r0 + tid] = red[tid * WG];
+    }
+#endif
 }

@@ -92,8 +92,51 @@ pub fn upload_f32(
     Ok(buffer)
 }
 
-/// Rows one workgroup of `matvec.comp` computes (its `NROWS`).
-pub const MATVEC_ROWS: u32 = 4;
+/// One workgroup of `matvec.comp`: `threads` invocations (a power of two) sharing `rows` rows,
+/// its specialization constants 0 and 1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatVecShape {
+    pub threads: u32,
+    pub rows: u32,
+}
+
+impl MatVecShape {
+    /// The kernel's limits (its `MAX_WG` and `MAX_ROWS`).
+    pub const MAX_THREADS: u32 = 256;
+    pub const MAX_ROWS: u32 = 8;
+
+    /// The shape used for `wtype`: 64 invocations (two NVIDIA subgroups) and four rows for
+    /// every type until shapes are compared on the GPU machine (`vulkan_matvec wg=...`).
+    pub fn tuned(wtype: WeightType) -> MatVecShape {
+        let (threads, rows) = match wtype {
+            WeightType::F32 | WeightType::F16 | WeightType::Q8_0 => (64, 4),
+            WeightType::Q4_0 | WeightType::Q4K | WeightType::Q6K => (64, 4),
+        };
+        MatVecShape { threads, rows }
+    }
+
+    /// Refuses shapes the kernel cannot run.
+    pub fn check(self) -> Result<()> {
+        let ok = self.threads.is_power_of_two()
+            && (4..=Self::MAX_THREADS).contains(&self.threads)
+            && (1..=Self::MAX_ROWS).contains(&self.rows);
+        if ok {
+            Ok(())
+        } else {
+            Err(GpuError::Unsupported(format!(
+                "matrix-vector workgroups of {self:?}"
+            )))
+        }
+    }
+
+    fn spec(self) -> [u32; 2] {
+        [self.threads, self.rows]
+    }
+}
+
+/// Byte alignment of every row start [`Recorder::matvec`] passes to `matvec.comp`, where rows
+/// are a whole number of 16 bytes (F32, F16, Q4_K): the kernel reads those 16 bytes at a time.
+const ROW_ALIGN: u64 = 16;
 
 /// A grid of `n` workgroups, folded into two dimensions past 65535 (the smallest limit Vulkan
 /// guarantees per dimension); kernels that use it rebuild the index from both.
@@ -187,6 +230,7 @@ impl Recorder<'_> {
     ) -> Result<()> {
         let chunks = self.row_chunks(w, first, n)?;
         let id = self.variant(Op::MatVec, Some(w.wtype))?;
+        let shape = self.matvec_shape(w.wtype);
         for chunk in chunks {
             let push = MatVecParams {
                 n_in: w.n_in as u32,
@@ -195,14 +239,15 @@ impl Recorder<'_> {
                 y_offset: chunk.y_offset,
             };
             let bindings = [chunk.weights, Binding::read(x), Binding::write(y)];
-            self.dispatch(id, &bindings, &push, grid(chunk.rows.div_ceil(MATVEC_ROWS)))?;
+            let groups = grid(chunk.rows.div_ceil(shape.rows));
+            self.dispatch_spec(id, &shape.spec(), &bindings, &push, groups)?;
         }
         Ok(())
     }
 
     /// Rows `first..first + n` of `w` cut into runs that one binding covers (at most
     /// `maxStorageBufferRange` bytes, starting on the offset boundary below the run's first
-    /// row), for the row-wise products.
+    /// row, which is also a multiple of 16 bytes), for the row-wise products.
     pub(crate) fn row_chunks<'w>(
         &self,
         w: &'w GpuMatrix,
@@ -216,7 +261,8 @@ impl Recorder<'_> {
                 w.n_out
             )));
         }
-        let (rb, align) = (w.row_bytes, self.align);
+        // Both are powers of two, so the larger is a multiple of the other.
+        let (rb, align) = (w.row_bytes, self.align.max(ROW_ALIGN));
         let max_rows = (self.max_range.saturating_sub(align) / rb).max(1);
         let end = (first + n) as u64;
         let mut r0 = first as u64;
@@ -264,6 +310,11 @@ impl Recorder<'_> {
                 w.n_out
             )));
         }
+        if !x_stride.is_multiple_of(4) {
+            return Err(GpuError::Unsupported(format!(
+                "expert inputs {x_stride} floats apart (a multiple of 4 is read as vectors)"
+            )));
+        }
         if w.buffer.size() > self.max_range {
             return Err(GpuError::Unsupported(format!(
                 "an expert stack of {} bytes in one binding of at most {}",
@@ -287,9 +338,10 @@ impl Recorder<'_> {
             Binding::write(y),
             Binding::read(ids),
         ];
-        let mut groups = grid((rows as u32).div_ceil(MATVEC_ROWS));
+        let shape = self.matvec_shape(w.wtype);
+        let mut groups = grid((rows as u32).div_ceil(shape.rows));
         groups[2] = count;
-        self.dispatch(id, &bindings, &push, groups)
+        self.dispatch_spec(id, &shape.spec(), &bindings, &push, groups)
     }
 
     /// A MoE layer's routing from its router logits, on the device: as

@@ -122,11 +122,20 @@ impl ComputePipeline {
     /// The pipeline of a variant of the shader table, with the bindings of its op and the push
     /// constants its SPIR-V declares.
     pub fn for_shader(device: &Arc<Device>, shader: ShaderId) -> Result<ComputePipeline> {
+        ComputePipeline::for_shader_spec(device, shader, &[])
+    }
+
+    /// [`ComputePipeline::for_shader`] with specialization constants 0..n set to `spec`.
+    pub fn for_shader_spec(
+        device: &Arc<Device>,
+        shader: ShaderId,
+        spec: &[u32],
+    ) -> Result<ComputePipeline> {
         let info = shader.info();
         let push_bytes = spirv::push_constant_layout(&info.words())
             .and_then(|l| l.last().map(|&(off, size)| off + size))
             .unwrap_or(0);
-        ComputePipeline::new(device, shader, info.op.bindings(), push_bytes, &[])
+        ComputePipeline::new(device, shader, info.op.bindings(), push_bytes, spec)
     }
 
     /// Binds `buffers` to bindings 0..n, pushes `push`, dispatches `groups` workgroups, and waits

@@ -14,14 +14,21 @@ use super::buffer::Buffer;
 use super::chain::Chain;
 use super::device::Device;
 use super::error::{map_vk, GpuError, Result};
+use super::ops::MatVecShape;
 use super::pipeline::ComputePipeline;
+
+/// A variant and the values of its specialization constants 0..n.
+type PipelineKey = (ShaderId, Vec<u32>);
 
 /// The pipelines of the shader table, created on first use and cached.
 pub struct Kernels {
     device: Arc<Device>,
     /// Use the `Subgroup` variants where the table has them.
     subgroups: bool,
-    cache: Mutex<HashMap<ShaderId, Arc<ComputePipeline>>>,
+    /// Pipelines by variant and specialization constants.
+    cache: Mutex<HashMap<PipelineKey, Arc<ComputePipeline>>>,
+    /// A matrix-vector workgroup shape for every weight type instead of the tuned ones.
+    matvec_shape: Mutex<Option<MatVecShape>>,
 }
 
 impl Kernels {
@@ -36,7 +43,25 @@ impl Kernels {
             device: device.clone(),
             subgroups: subgroups && device.subgroup_arithmetic(),
             cache: Mutex::new(HashMap::new()),
+            matvec_shape: Mutex::new(None),
         })
+    }
+
+    /// Uses `shape` for the matrix-vector products of every weight type (benchmarks compare
+    /// shapes; tests run each one), or the tuned shapes again with `None`.
+    pub fn set_matvec_shape(&self, shape: Option<MatVecShape>) -> Result<()> {
+        if let Some(s) = shape {
+            s.check()?;
+        }
+        *self.matvec_shape.lock() = shape;
+        Ok(())
+    }
+
+    /// The matrix-vector workgroup shape for `wtype`.
+    pub fn matvec_shape(&self, wtype: WeightType) -> MatVecShape {
+        self.matvec_shape
+            .lock()
+            .unwrap_or_else(|| MatVecShape::tuned(wtype))
     }
 
     /// Whether the subgroup variants are in use.
@@ -61,12 +86,22 @@ impl Kernels {
 
     /// The pipeline of `shader`, created the first time it is asked for.
     pub fn pipeline(&self, shader: ShaderId) -> Result<Arc<ComputePipeline>> {
+        self.pipeline_spec(shader, &[])
+    }
+
+    /// The pipeline of `shader` with specialization constants 0..n set to `spec`.
+    pub fn pipeline_spec(&self, shader: ShaderId, spec: &[u32]) -> Result<Arc<ComputePipeline>> {
         let mut cache = self.cache.lock();
-        if let Some(p) = cache.get(&shader) {
+        let key = (shader, spec.to_vec());
+        if let Some(p) = cache.get(&key) {
             return Ok(p.clone());
         }
-        let p = Arc::new(ComputePipeline::for_shader(&self.device, shader)?);
-        cache.insert(shader, p.clone());
+        let p = Arc::new(ComputePipeline::for_shader_spec(
+            &self.device,
+            shader,
+            spec,
+        )?);
+        cache.insert(key, p.clone());
         Ok(p)
     }
 
@@ -428,6 +463,11 @@ impl Recorder<'_> {
         self.kernels.variant(op, wtype)
     }
 
+    /// The matrix-vector workgroup shape for `wtype` (see [`Kernels::matvec_shape`]).
+    pub fn matvec_shape(&self, wtype: WeightType) -> MatVecShape {
+        self.kernels.matvec_shape(wtype)
+    }
+
     /// Records one dispatch of `shader` with `bindings` at bindings 0..n.
     pub fn dispatch<P: PushConstants>(
         &mut self,
@@ -436,7 +476,19 @@ impl Recorder<'_> {
         push: &P,
         groups: [u32; 3],
     ) -> Result<()> {
-        let pipeline = self.kernels.pipeline(shader)?;
+        self.dispatch_spec(shader, &[], bindings, push, groups)
+    }
+
+    /// [`Recorder::dispatch`] of the pipeline specialized with `spec` (constants 0..n).
+    pub fn dispatch_spec<P: PushConstants>(
+        &mut self,
+        shader: ShaderId,
+        spec: &[u32],
+        bindings: &[Binding<'_>],
+        push: &P,
+        groups: [u32; 3],
+    ) -> Result<()> {
+        let pipeline = self.kernels.pipeline_spec(shader, spec)?;
         let push = push.bytes();
         if bindings.len() != pipeline.n_buffers as usize
             || push.len() != pipeline.push_bytes as usize

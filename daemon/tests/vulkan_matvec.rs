@@ -1,0 +1,247 @@
+//! The matrix-vector kernel under every workgroup shape it accepts: widths at block boundaries,
+//! row counts that no shape divides, rows split across bindings, and the expert-indexed form,
+//! against the exact dot of the dequantized rows. Skips without a Vulkan device unless
+//! `SPILLWAY_REQUIRE_VULKAN` is set.
+
+use std::sync::Arc;
+
+use half::f16;
+use spillway_daemon::gguf::GgmlType;
+use spillway_daemon::gpu::ops::{GpuMatrix, MatVecShape};
+use spillway_daemon::gpu::{Allocator, Buffer, Device, Kernels, MemoryUse, Uploader};
+use spillway_daemon::quant::{dequantize_row, quantize_row};
+
+const TYPES: [GgmlType; 6] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q4K,
+    GgmlType::Q6K,
+];
+
+/// Shapes with one to eight rows and one invocation to many subgroups.
+const SHAPES: [(u32, u32); 5] = [(4, 1), (32, 3), (64, 8), (128, 2), (256, 5)];
+
+fn noise(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+/// Rows of `ty` quantized from noise; the K-quants (no quantizer here) are noise bytes with
+/// small finite scales.
+fn weight_rows(ty: GgmlType, n_in: usize, n_out: usize, seed: u64) -> Vec<u8> {
+    let rb = ty.row_bytes(n_in as u64).unwrap() as usize;
+    let values = noise(n_in * n_out, seed);
+    if matches!(ty, GgmlType::Q4K | GgmlType::Q6K) {
+        let mut out: Vec<u8> = values.iter().map(|v| (v.to_bits() >> 7) as u8).collect();
+        out.truncate(rb * n_out);
+        let at = if ty == GgmlType::Q4K { 0 } else { 208 };
+        for (k, b) in out.chunks_exact_mut(ty.block_bytes() as usize).enumerate() {
+            let d = f16::from_f32(0.002 * (1 + k % 7) as f32).to_le_bytes();
+            b[at..at + 2].copy_from_slice(&d);
+            if ty == GgmlType::Q4K {
+                b[2..4].copy_from_slice(&f16::from_f32(0.003).to_le_bytes());
+            }
+        }
+        return out;
+    }
+    let mut out = vec![0u8; rb * n_out];
+    for (row, v) in out.chunks_exact_mut(rb).zip(values.chunks_exact(n_in)) {
+        quantize_row(ty, v, row).unwrap();
+    }
+    out
+}
+
+struct Gpu {
+    alloc: Arc<Allocator>,
+    kernels: Arc<Kernels>,
+}
+
+impl Gpu {
+    /// Base kernels, then the subgroup variants where the device has them.
+    fn both(dev: &Arc<Device>) -> Vec<Gpu> {
+        [false, true]
+            .into_iter()
+            .filter(|&sg| !sg || dev.subgroup_arithmetic())
+            .map(|sg| Gpu {
+                alloc: Allocator::new(dev, None),
+                kernels: Kernels::with_subgroups(dev, sg),
+            })
+            .collect()
+    }
+
+    fn f32s(&self, values: &[f32]) -> Buffer {
+        let mut b =
+            Buffer::new_in(&self.alloc, values.len() as u64 * 4, MemoryUse::Staging).unwrap();
+        b.write_f32(values);
+        b
+    }
+
+    fn zeros(&self, n: usize) -> Buffer {
+        Buffer::new_in(&self.alloc, n as u64 * 4, MemoryUse::Staging).unwrap()
+    }
+
+    fn matrix(&self, ty: GgmlType, n_in: usize, n_out: usize, data: &[u8]) -> GpuMatrix {
+        let mut up = Uploader::new(&self.alloc, 1 << 20).unwrap();
+        let m = GpuMatrix::upload(&self.alloc, &mut up, ty, n_in, n_out, data).unwrap();
+        up.flush().unwrap();
+        m
+    }
+}
+
+/// Asserts `got` is the f32 rounding of the exact dots of the dequantized rows with `x`.
+fn assert_exact(ty: GgmlType, data: &[u8], n_in: usize, x: &[f32], got: &[f32], what: &str) {
+    let rb = data.len() / got.len();
+    let mut w = vec![0f32; n_in];
+    for (r, &g) in got.iter().enumerate() {
+        dequantize_row(ty, &data[r * rb..(r + 1) * rb], &mut w).unwrap();
+        let (e, abs) = w.iter().zip(x).fold((0f64, 0f64), |(s, a), (&w, &x)| {
+            let p = f64::from(w) * f64::from(x);
+            (s + p, a + p.abs())
+        });
+        assert!(
+            (f64::from(g) - e).abs() <= 1e-5 * abs + 1e-6,
+            "{ty} {what} row {r}: gpu {g} exact {e}"
+        );
+    }
+}
+
+/// Widths of one block, of an odd number of blocks, and a longer row.
+fn widths(ty: GgmlType) -> [usize; 3] {
+    match ty {
+        GgmlType::Q4K | GgmlType::Q6K => [256, 9 * 256, 17 * 256],
+        _ => [32, 9 * 32, 33 * 32],
+    }
+}
+
+#[test]
+fn every_workgroup_shape_gives_the_exact_dot_at_block_boundary_widths() {
+    let Some(dev) = spillway_daemon::gpu::device_or_skip() else {
+        return;
+    };
+    for gpu in Gpu::both(&dev) {
+        for ty in TYPES {
+            for n_in in widths(ty) {
+                // 13 rows: no shape's row count divides it; 1 row: a single, partial workgroup.
+                for n_out in [13, 1] {
+                    let data = weight_rows(ty, n_in, n_out, n_in as u64 + ty as u64);
+                    let m = gpu.matrix(ty, n_in, n_out, &data);
+                    let x = noise(n_in, 3);
+                    let xb = gpu.f32s(&x);
+                    for (threads, rows) in SHAPES {
+                        let shape = MatVecShape { threads, rows };
+                        gpu.kernels.set_matvec_shape(Some(shape)).unwrap();
+                        let y = gpu.zeros(n_out);
+                        gpu.kernels.record(|r| r.matvec(&m, &xb, &y)).unwrap();
+                        let what = format!("{n_in}x{n_out} {threads}x{rows}");
+                        assert_exact(ty, &data, n_in, &x, &y.read_f32(n_out), &what);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn rows_split_across_bindings_give_the_same_bits_for_every_type_and_shape() {
+    let Some(dev) = spillway_daemon::gpu::device_or_skip() else {
+        return;
+    };
+    let gpu = Gpu::both(&dev).pop().unwrap();
+    for ty in TYPES {
+        let (n_in, n_out) = (512, 45);
+        let data = weight_rows(ty, n_in, n_out, 5);
+        let m = gpu.matrix(ty, n_in, n_out, &data);
+        let x = gpu.f32s(&noise(n_in, 6));
+        for (threads, rows) in [(32, 3), (64, 8)] {
+            gpu.kernels
+                .set_matvec_shape(Some(MatVecShape { threads, rows }))
+                .unwrap();
+            let (whole, split) = (gpu.zeros(n_out), gpu.zeros(n_out));
+            gpu.kernels.record(|r| r.matvec(&m, &x, &whole)).unwrap();
+            // 4 KiB per binding: runs of rows whose first row starts mid-binding.
+            let many = gpu
+                .kernels
+                .record_with_max_range(4096, |r| r.matvec(&m, &x, &split))
+                .unwrap();
+            assert!(many.dispatches >= (data.len() / 4096) as u32, "{ty}");
+            let (a, b) = (whole.read_f32(n_out), split.read_f32(n_out));
+            assert!(
+                a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{ty} {threads}x{rows}: split results differ"
+            );
+        }
+    }
+}
+
+#[test]
+fn expert_indexed_products_match_the_expert_rows_for_every_shape() {
+    let Some(dev) = spillway_daemon::gpu::device_or_skip() else {
+        return;
+    };
+    let gpu = Gpu::both(&dev).pop().unwrap();
+    for ty in TYPES {
+        let (n_in, rows, experts) = (256, 7, 4);
+        let data = weight_rows(ty, n_in, rows * experts, 8);
+        let m = gpu.matrix(ty, n_in, rows * experts, &data);
+        let ids = gpu.f32s(&[f32::from_bits(3), f32::from_bits(1)]);
+        let xs = noise(2 * n_in, 9);
+        let xb = gpu.f32s(&xs);
+        for (threads, rows_per) in SHAPES {
+            gpu.kernels
+                .set_matvec_shape(Some(MatVecShape {
+                    threads,
+                    rows: rows_per,
+                }))
+                .unwrap();
+            let y = gpu.zeros(2 * rows);
+            gpu.kernels
+                .record(|r| {
+                    r.matvec_id(
+                        &m,
+                        rows,
+                        (&ids, 0),
+                        2,
+                        (&xb, n_in as u32),
+                        (&y, rows as u32),
+                    )
+                })
+                .unwrap();
+            let got = y.read_f32(2 * rows);
+            for (z, e) in [3usize, 1].into_iter().enumerate() {
+                let per = data.len() / experts;
+                let expert = &data[e * per..(e + 1) * per];
+                let what = format!("expert {e} {threads}x{rows_per}");
+                let x = &xs[z * n_in..(z + 1) * n_in];
+                assert_exact(ty, expert, n_in, x, &got[z * rows..(z + 1) * rows], &what);
+            }
+        }
+    }
+}
+
+#[test]
+fn shapes_the_kernel_cannot_run_are_refused() {
+    let Some(dev) = spillway_daemon::gpu::device_or_skip() else {
+        return;
+    };
+    let kernels = Kernels::new(&dev);
+    for (threads, rows) in [(48, 4), (512, 4), (2, 4), (64, 0), (64, 9)] {
+        let shape = MatVecShape { threads, rows };
+        assert!(kernels.set_matvec_shape(Some(shape)).is_err(), "{shape:?}");
+    }
+    let max = MatVecShape {
+        threads: MatVecShape::MAX_THREADS,
+        rows: MatVecShape::MAX_ROWS,
+    };
+    kernels.set_matvec_shape(Some(max)).unwrap();
+    let q4_0 = spillway_daemon::gpu::ops::weight_type(GgmlType::Q4_0).unwrap();
+    assert_eq!(kernels.matvec_shape(q4_0), max);
+}
