@@ -105,12 +105,16 @@ impl MatVecShape {
     pub const MAX_THREADS: u32 = 256;
     pub const MAX_ROWS: u32 = 8;
 
-    /// The shape used for `wtype`: 64 invocations (two NVIDIA subgroups) and four rows for
-    /// every type until shapes are compared on the GPU machine (`vulkan_matvec wg=...`).
+    /// The shape used for `wtype`, the best of a sweep of ten shapes on the H200 over 4096 ×
+    /// 4096, 4096 × 14336 and 14336 × 4096 matrices (`vulkan_matvec wg=...`, `bench/RESULTS.md`,
+    /// 2026-12-03): eight rows a workgroup for the 4-bit types, F16 and F32, with 64 invocations
+    /// (two NVIDIA subgroups); Q6_K four rows; Q8_0 one subgroup of 32 and eight rows.
     pub fn tuned(wtype: WeightType) -> MatVecShape {
         let (threads, rows) = match wtype {
-            WeightType::F32 | WeightType::F16 | WeightType::Q8_0 => (64, 4),
-            WeightType::Q4_0 | WeightType::Q4K | WeightType::Q6K => (64, 4),
+            WeightType::F32 | WeightType::F16 => (64, 8),
+            WeightType::Q4_0 | WeightType::Q4K => (64, 8),
+            WeightType::Q6K => (64, 4),
+            WeightType::Q8_0 => (32, 8),
         };
         MatVecShape { threads, rows }
     }
