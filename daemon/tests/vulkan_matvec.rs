@@ -228,6 +228,42 @@ fn expert_indexed_products_match_the_expert_rows_for_every_shape() {
 }
 
 #[test]
+fn empty_expert_entries_are_skipped_and_add_nothing() {
+    // A routing the host wrote with an empty entry (id 0xFFFFFFFF, weight 0): the product
+    // leaves that entry's output as it was, and the routed sum adds only the real expert.
+    let Some(dev) = spillway_daemon::gpu::device_or_skip() else {
+        return;
+    };
+    let gpu = Gpu::both(&dev).pop().unwrap();
+    let ty = GgmlType::Q8_0;
+    let (n_in, rows, experts) = (64, 5, 3);
+    let data = weight_rows(ty, n_in, rows * experts, 4);
+    let m = gpu.matrix(ty, n_in, rows * experts, &data);
+    // ids then weights: expert 2 with weight 0.5, then an empty entry.
+    let route = gpu.f32s(&[f32::from_bits(2), f32::from_bits(u32::MAX), 0.5, 0.0]);
+    let xb = gpu.f32s(&noise(n_in, 3));
+    let y = gpu.f32s(&[f32::NAN; 10]);
+    let acc = gpu.f32s(&[1.0; 5]);
+    gpu.kernels
+        .record(|r| {
+            r.matvec_id(&m, rows, (&route, 0), 2, (&xb, 0), (&y, rows as u32))?;
+            r.scale_add_routed(&acc, (&y, rows as u32), (&route, 2, 2), rows as u32)
+        })
+        .unwrap();
+    let got = y.read_f32(2 * rows);
+    assert!(got[..rows].iter().all(|v| v.is_finite()), "{got:?}");
+    assert!(
+        got[rows..].iter().all(|v| v.is_nan()),
+        "the empty entry wrote: {got:?}"
+    );
+    let sum = acc.read_f32(rows);
+    for (i, s) in sum.iter().enumerate() {
+        // The NaN output of the empty entry was not added.
+        assert_eq!(*s, 1.0 + 0.5 * got[i], "row {i}");
+    }
+}
+
+#[test]
 fn shapes_the_kernel_cannot_run_are_refused() {
     let Some(dev) = spillway_daemon::gpu::device_or_skip() else {
         return;

@@ -14,7 +14,8 @@
 // With INDEXED (ggml's mul_mat_vec_id): `weights` is a stack of experts of `n_rows` rows each and
 // the expert is read on the device, `ids[rank + z]` for workgroup layer z, so the routing need not
 // come back to the host. Layer z reads x at `z * x_stride` and writes y at `y_offset + z *
-// y_stride`: the k experts of a token are one dispatch.
+// y_stride`: the k experts of a token are one dispatch. An id of 0xFFFFFFFF is an empty entry:
+// nothing is computed or written for it.
 
 layout(local_size_x_id = 0) in;
 layout(constant_id = 1) const uint NROWS = 4u;
@@ -63,7 +64,12 @@ void main() {
     const uint rb = row_bytes(p.n_in);
 #if defined(INDEXED)
     const uint z = gl_WorkGroupID.z;
-    const uint w0 = p.w_offset + ids[p.rank + z] * p.n_rows * rb;
+    const uint id = ids[p.rank + z];
+    // An entry the host left empty (its expert runs elsewhere): the whole workgroup leaves.
+    if (id == 0xFFFFFFFFu) {
+        return;
+    }
+    const uint w0 = p.w_offset + id * p.n_rows * rb;
     const uint x0 = z * p.x_stride;
     const uint y0 = p.y_offset + z * p.y_stride;
 #else

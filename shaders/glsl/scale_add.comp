@@ -3,7 +3,8 @@
 // router weight (the weight is chosen on the host, so it comes as a push constant).
 //
 // With ROUTED the weights were chosen on the device (`moe_route.comp`): for r in 0..count,
-// a += route[first + r] * b[r * b_stride + i], one term after another as the host adds experts.
+// a += route[first + r] * b[r * b_stride + i], one term after another as the host adds experts;
+// terms of weight zero are skipped (their experts may not have been computed).
 
 layout(local_size_x = 256) in;
 
@@ -34,8 +35,12 @@ void main() {
 #if defined(ROUTED)
     precise float acc = a[i];
     for (uint r = 0u; r < p.count; ++r) {
-        precise float t = route[p.first + r] * b[r * p.b_stride + i];
-        acc = acc + t;
+        // A zero weight adds nothing: its expert may not have been computed (an empty entry).
+        const float w = route[p.first + r];
+        if (w != 0.0) {
+            precise float t = w * b[r * p.b_stride + i];
+            acc = acc + t;
+        }
     }
     a[i] = acc;
 #else

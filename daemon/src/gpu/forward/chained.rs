@@ -5,7 +5,8 @@
 //!
 //! - part 0: the embedding, the layers up to `L0`, and `L0`'s router and shared expert;
 //! - part `2j + 1`: the resident experts of `Lj` that the host chose, read from the routing it
-//!   wrote ([`GpuMoe::record_host_routed`]), added to the residual;
+//!   wrote ([`GpuMoe::record_host_routed`]), added to the residual; the entries of experts the
+//!   CPU computes are left empty, so the device skips them;
 //! - part `2j + 2`: the CPU experts' sum of `Lj` added, then the layers up to the next MoE
 //!   layer's router (or the logits).
 //!
@@ -24,6 +25,9 @@ use std::time::Instant;
 use super::{GpuFfn, GpuModel, HostTime, Result};
 use crate::gpu::moe::LayerRouting;
 use crate::gpu::ops::route_floats;
+
+/// An entry of a host-written routing with no expert: the expert-indexed products skip it.
+const EMPTY_ENTRY: u32 = u32::MAX;
 
 impl GpuModel {
     /// [`GpuModel::eval`] of `token` as a chain (see the module's notes); the logits.
@@ -67,8 +71,9 @@ impl GpuModel {
             let slots = ex.slots[il].as_mut().expect("a MoE layer has slots");
             let placed = slots.place(&routing.experts, ex.miss, &mut ex.stats[il]);
             debug_assert!(placed.fetch.is_empty(), "misses go to the CPU");
-            // Resident experts first, in rank order, then zero weights on slot 0.
+            // Resident experts first, in rank order, then empty entries (no expert, weight 0).
             let mut route = vec![0.0f32; route_floats(k)];
+            route[..k].fill(f32::from_bits(EMPTY_ENTRY));
             for (r, g) in placed.gpu.iter().enumerate() {
                 route[r] = f32::from_bits(g.slot as u32);
                 route[k + r] = g.weight;
