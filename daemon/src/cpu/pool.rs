@@ -32,8 +32,15 @@ struct Job {
 // unclaimed or running; a task is only run after claiming it (see `claim_tasks`).
 unsafe impl Send for Job {}
 
-/// Spin iterations (each a `pause`) before a thread sleeps: tens of microseconds.
+/// Spin iterations (each a `pause`) before the caller sleeps waiting for a job's last tasks:
+/// tens of microseconds.
 const SPIN: u32 = 4096;
+
+/// How long an idle worker spins for the next job before it sleeps. A decode step's jobs follow
+/// each other within microseconds, but a GPU model's CPU experts come once per MoE layer, after
+/// the device's part of it (a quarter of a millisecond on the H200): a worker that slept by then
+/// costs the job a wake-up.
+const WORKER_SPIN: std::time::Duration = std::time::Duration::from_micros(500);
 
 struct State {
     job: Option<Job>,
@@ -201,6 +208,19 @@ fn claim_tasks(shared: &Shared, job: Job) {
 }
 
 /// Spins while `cond` holds, at most [`SPIN`] times.
+/// Spins while `cond` holds, for at most `limit`.
+fn spin_for(limit: std::time::Duration, cond: impl Fn() -> bool) {
+    let start = std::time::Instant::now();
+    while cond() {
+        for _ in 0..64 {
+            std::hint::spin_loop();
+        }
+        if start.elapsed() > limit {
+            return;
+        }
+    }
+}
+
 fn spin_while(cond: impl Fn() -> bool) {
     for _ in 0..SPIN {
         if !cond() {
@@ -213,7 +233,9 @@ fn spin_while(cond: impl Fn() -> bool) {
 fn worker(shared: &Shared) {
     let mut seen = 0u64;
     loop {
-        spin_while(|| shared.generation.load(Ordering::Acquire) == seen);
+        spin_for(WORKER_SPIN, || {
+            shared.generation.load(Ordering::Acquire) == seen
+        });
         let job = {
             let mut st = shared.state.lock();
             while shared.generation.load(Ordering::Acquire) == seen && !st.shutdown {
