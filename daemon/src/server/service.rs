@@ -108,6 +108,11 @@ impl DaemonState {
                 OpenError::Unavailable(_) => Status::failed_precondition(e.to_string()),
                 OpenError::Other(_) => Status::internal(e.to_string()),
             },
+            // The driver out of memory (other users of the device): a later try may succeed.
+            LoadError::Gpu {
+                source: GpuError::OutOfMemory(_),
+                ..
+            } => Status::resource_exhausted(e.to_string()),
             // A model over its VRAM budget: the budget (or the model) must change.
             LoadError::Gpu { ref source, .. } if source.is_out_of_memory() => {
                 Status::failed_precondition(e.to_string())

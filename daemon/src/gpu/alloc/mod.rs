@@ -11,9 +11,11 @@ use ash::vk;
 use parking_lot::Mutex;
 
 use super::device::Device;
-use super::error::{map_vk, GpuError, Result};
+use super::error::{map_vk, GpuError, MemoryKind, Result};
 
 use ranges::BlockRanges;
+
+pub mod fault;
 pub use ranges::Budget;
 
 /// What a buffer's memory is for; each use has a preference list of memory types.
@@ -220,6 +222,9 @@ impl Allocator {
         } else {
             request.max(self.block_bytes)
         };
+        if fault::block_fails() {
+            return Err(GpuError::OutOfMemory(MemoryKind::Device));
+        }
         let dev = &self.device.raw;
         let info = vk::MemoryAllocateInfo::default()
             .allocation_size(size)
