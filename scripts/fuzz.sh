@@ -15,7 +15,8 @@ if [[ $(cargo fuzz --version 2>/dev/null) != "cargo-fuzz $CARGO_FUZZ_VERSION" ]]
 fi
 fuzz/seed.sh
 cd fuzz
-for target in gguf_reader tokenizer chat_template request_validation; do
+targets=(gguf_reader tokenizer chat_template request_validation)
+for target in "${targets[@]}"; do
     log=target/fuzz-$target.log
     if ! cargo fuzz run -s none -a "$target" "corpus/$target" -- -max_total_time="$seconds" \
         -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 >"$log" 2>&1; then
@@ -26,3 +27,4 @@ for target in gguf_reader tokenizer chat_template request_validation; do
     echo "fuzz: $target: $(grep -E '^Done' "$log")," \
         "$(sed -n 's/^stat::new_units_added: *//p' "$log") new inputs"
 done
+echo "fuzz: ${#targets[@]} passed, 0 failed"
