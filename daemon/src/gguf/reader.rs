@@ -10,7 +10,7 @@ use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use memmap2::Mmap;
+use memmap2::{Mmap, MmapMut};
 
 use super::error::GgufError;
 use super::types::{GgmlType, ValueType};
@@ -120,6 +120,25 @@ impl GgufFile {
         // truncating or rewriting it while mapped would be undefined behaviour; model files are
         // treated as immutable while loaded, as llama.cpp and every other mmap loader do.
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
+        Self::from_map(map, parse)
+    }
+
+    /// A file held in memory, copied into an anonymous map, with the checks of
+    /// [`GgufFile::open`]: for tests and fuzzing, which have bytes rather than a path.
+    pub fn from_bytes(bytes: &[u8]) -> Result<GgufFile, GgufError> {
+        let io = |source| GgufError::Io {
+            path: "<memory>".into(),
+            source,
+        };
+        let mut map = MmapMut::map_anon(bytes.len()).map_err(io)?;
+        map.copy_from_slice(bytes);
+        Self::from_map(map.make_read_only().map_err(io)?, parse_header)
+    }
+
+    fn from_map(
+        map: Mmap,
+        parse: fn(&[u8]) -> Result<Header, GgufError>,
+    ) -> Result<GgufFile, GgufError> {
         let header = parse(&map)?;
         let tensor_index = header
             .tensors

@@ -170,6 +170,25 @@ fn open_maps_the_tensor_bytes() {
 }
 
 #[test]
+fn from_bytes_gives_the_file_open_gives_and_the_same_errors() {
+    let bytes = sample_file();
+    let f = GgufFile::from_bytes(&bytes).unwrap();
+    assert_eq!(f.header(), &parse_header(&bytes).unwrap());
+    assert_eq!(f.file_size(), bytes.len() as u64);
+    let b = f.tensor("b").unwrap();
+    assert_eq!(f.tensor_data(b), (100..134).collect::<Vec<u8>>());
+    assert!(matches!(
+        GgufFile::from_bytes(&[]),
+        Err(GgufError::UnexpectedEof { .. })
+    ));
+    let cut = &bytes[..bytes.len() - 1];
+    assert!(matches!(
+        GgufFile::from_bytes(cut),
+        Err(GgufError::TensorPastEnd { ref tensor, .. }) if tensor == "b"
+    ));
+}
+
+#[test]
 fn integer_accessors_accept_any_width_that_fits() {
     let md = parse_header(&sample_file()).unwrap().metadata;
     assert_eq!(md.get_u32("t.u8").unwrap(), 200);
