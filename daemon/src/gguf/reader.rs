@@ -91,7 +91,8 @@ pub struct GgufFile {
     map: Mmap,
     header: Header,
     tensor_index: HashMap<String, usize>,
-    path: PathBuf,
+    /// `None` for a file made from bytes in memory.
+    path: Option<PathBuf>,
 }
 
 impl GgufFile {
@@ -120,7 +121,7 @@ impl GgufFile {
         // truncating or rewriting it while mapped would be undefined behaviour; model files are
         // treated as immutable while loaded, as llama.cpp and every other mmap loader do.
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-        Self::from_map(map, parse)
+        Self::from_map(map, parse, Some(path.to_path_buf()))
     }
 
     /// A file held in memory, copied into an anonymous map, with the checks of
@@ -132,12 +133,13 @@ impl GgufFile {
         };
         let mut map = MmapMut::map_anon(bytes.len()).map_err(io)?;
         map.copy_from_slice(bytes);
-        Self::from_map(map.make_read_only().map_err(io)?, parse_header)
+        Self::from_map(map.make_read_only().map_err(io)?, parse_header, None)
     }
 
     fn from_map(
         map: Mmap,
         parse: fn(&[u8]) -> Result<Header, GgufError>,
+        path: Option<PathBuf>,
     ) -> Result<GgufFile, GgufError> {
         let header = parse(&map)?;
         let tensor_index = header
@@ -150,13 +152,13 @@ impl GgufFile {
             map,
             header,
             tensor_index,
-            path: path.to_path_buf(),
+            path,
         })
     }
 
-    /// The path the file was opened from.
-    pub fn path(&self) -> &Path {
-        &self.path
+    /// The path the file was opened from (`None` when made from bytes).
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
     }
 
     pub fn header(&self) -> &Header {

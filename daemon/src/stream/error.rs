@@ -69,6 +69,9 @@ pub enum StreamError {
         pinned: u64,
     },
 
+    #[error("the model was not opened from a file, so its experts cannot be read from one")]
+    NoFile,
+
     #[error(
         "a RAM budget of {budget} bytes for routed experts is below the {minimum} bytes that the \
          {k} experts a token may compute on the CPU at once take"

@@ -88,7 +88,8 @@ pub fn open_expert_cache(
         max_tile: buffer as usize - ALIGN,
         ..ReaderOptions::default()
     };
-    let reader = Arc::new(TileReader::open(model.file().path(), &options)?);
+    let path = model.file().path().ok_or(StreamError::NoFile)?;
+    let reader = Arc::new(TileReader::open(path, &options)?);
     let locator = move |key: ExpertKey| -> Vec<Extent> {
         let tiles = layout[key.layer as usize].expect("experts of a MoE layer");
         tiles
