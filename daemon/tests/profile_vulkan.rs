@@ -45,7 +45,6 @@ async fn profile(client: &mut Client, model: &str) -> Vec<pb::ProfileStep> {
             ids: vec![1, 17, 300],
         })),
         steps: 3,
-        ..Default::default()
     };
     let mut stream = client.profile(req).await.unwrap().into_inner();
     let mut out = Vec::new();

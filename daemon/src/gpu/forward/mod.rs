@@ -14,6 +14,9 @@
 //! the layer then takes one more command buffer, whose first dispatch adds the CPU's sum), or
 //! fetched into a VRAM slot first ([`super::expert_cache`]).
 //!
+//! With profiling on ([`GpuModel::set_profiling`], [`profile`]) the step writes GPU timestamps
+//! around each op group of each layer; off, it writes none.
+//!
 //! Partial: one token per step (prompts go token by token); a dense model must fit the VRAM
 //! budget whole (no streamed tensors).
 
