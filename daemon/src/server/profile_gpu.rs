@@ -251,3 +251,96 @@ fn fail(e: GpuError) -> Interrupt {
 fn fail_msg(m: &str) -> Interrupt {
     Interrupt::Fail(tonic::Status::internal(m.to_string()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu::expert_cache::LayerExpertStats;
+    use crate::gpu::forward::{GpuProfileRow, HostTime};
+
+    fn step(origin: Instant, gpu_ns: u64, hits: u64, expert: u32) -> GpuStep {
+        let row = |layer, op, start| GpuProfileRow {
+            layer,
+            op,
+            gpu_ns: Some(gpu_ns),
+            start_ns: Some(start),
+            experts: (op == "experts").then_some(LayerExpertStats {
+                hits,
+                misses: 1,
+                cpu: 1,
+                ..Default::default()
+            }),
+        };
+        GpuStep {
+            tokens: 1,
+            started: origin + Duration::from_micros(3),
+            duration: Duration::from_micros(10),
+            profile: GpuStepProfile {
+                rows: vec![
+                    row(None, "embedding", 0),
+                    row(Some(0), "attention", 10),
+                    row(Some(0), "experts", 20),
+                    row(None, "output_head", 30),
+                ],
+                step_gpu_ns: Some(4 * gpu_ns),
+                host: Some(HostTime {
+                    step_ns: 9,
+                    wait_ns: 5,
+                    cpu_experts_ns: 4,
+                }),
+            },
+            experts: vec![BTreeSet::from([expert])],
+        }
+    }
+
+    /// A prompt's tokens add up into step 0: times, counters and experts; starts are the first
+    /// token's.
+    #[test]
+    fn a_prompt_sums_its_tokens_rows() {
+        let origin = Instant::now();
+        let mut p = step(origin, 100, 2, 7);
+        p.add(&step(origin, 50, 3, 1));
+        let m = gpu_step_message(0, &p, origin);
+        assert_eq!(
+            (m.phase.as_str(), m.tokens, m.start_ns),
+            ("prefill", 2, 3_000)
+        );
+        assert_eq!(m.duration_ns, 20_000);
+        let gpu: Vec<_> = m.rows.iter().filter(|r| r.device == "gpu").collect();
+        assert_eq!(gpu.len(), 4);
+        assert!(gpu
+            .iter()
+            .all(|r| r.track == "gpu-compute" && r.measured_ns == 150));
+        let e = gpu[2];
+        assert_eq!(
+            (e.layer, e.op.as_str(), e.start_ns),
+            (Some(0), "experts", 20)
+        );
+        assert_eq!((e.cache_hits, e.cache_misses), (Some(5), Some(2)));
+        assert_eq!(e.experts, [1, 7]);
+        assert_eq!(gpu[1].cache_hits, None);
+        let host: Vec<_> = m
+            .rows
+            .iter()
+            .filter(|r| r.track == "engine")
+            .map(|r| (r.op.as_str(), r.device.as_str(), r.measured_ns))
+            .collect();
+        assert_eq!(host, [("cpu_experts", "cpu", 8), ("host_wait", "cpu", 10)]);
+
+        let mut decode = [step(origin, 100, 2, 7), step(origin, 300, 2, 7)];
+        decode[0].profile.rows[2].gpu_ns = Some(500);
+        let t = gpu_totals_message(&p, &decode, 1);
+        assert_eq!((t.prompt_tokens, t.decode_steps, t.layers), (2, 2, 1));
+        assert_eq!(t.device_times[0].device, "gpu");
+        assert_eq!(t.device_times[0].ns, 800);
+        assert_eq!(
+            (t.device_times[1].device.as_str(), t.device_times[1].ns),
+            ("cpu", 4)
+        );
+        assert!(
+            t.bottleneck.starts_with("gpu experts: 50% of GPU time"),
+            "{}",
+            t.bottleneck
+        );
+    }
+}
