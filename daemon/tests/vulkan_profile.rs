@@ -104,8 +104,8 @@ fn a_dense_step_times_every_layer_and_adds_up() {
 }
 
 /// A MoE model with every expert in VRAM (routed on the device) and at the minimum budget
-/// (experts on the CPU, a chained step): every MoE layer's row counts the step's routed
-/// experts, and a chained step reports the host's time.
+/// (experts on the CPU, as a chained step and as separate submissions): every MoE layer's row
+/// counts the step's routed experts, and a chained step reports the host's time.
 #[test]
 fn moe_steps_count_their_experts_per_layer() {
     let Some(dev) = spillway_daemon::gpu::device_or_skip() else {
@@ -117,10 +117,14 @@ fn moe_steps_count_their_experts_per_layer() {
     let minimum = GpuModel::minimum_budget(&dev, &model, &options(None))
         .unwrap()
         .total();
-    for budget in [None, Some(minimum)] {
-        let what = format!("budget {budget:?}");
-        let mut off = GpuModel::new(&dev, &model, &options(budget)).unwrap();
-        let mut gpu = GpuModel::new(&dev, &model, &options(budget)).unwrap();
+    for (budget, chain) in [(None, true), (Some(minimum), true), (Some(minimum), false)] {
+        let what = format!("budget {budget:?}, chain {chain}");
+        let o = GpuModelOptions {
+            chain,
+            ..options(budget)
+        };
+        let mut off = GpuModel::new(&dev, &model, &o).unwrap();
+        let mut gpu = GpuModel::new(&dev, &model, &o).unwrap();
         gpu.set_profiling(true).unwrap();
         let mut cpu = 0;
         for (i, &t) in TOKENS.iter().enumerate() {
@@ -133,7 +137,8 @@ fn moe_steps_count_their_experts_per_layer() {
                 assert_eq!(e.hits + e.misses, k, "{what}, step {i}: {r:?}");
                 cpu += e.cpu;
             }
-            assert_eq!(p.host.is_some(), budget.is_some() && dev.chains(), "{what}");
+            let chained = budget.is_some() && chain && dev.chains();
+            assert_eq!(p.host.is_some(), chained, "{what}");
         }
         let total = gpu.expert_stats().unwrap().total();
         assert_eq!(cpu, total.cpu, "{what}: the deltas add up to the counters");
