@@ -2,10 +2,11 @@
 //! Prints one row per layer and op group, averaged over the decode steps, then the totals and
 //! the bottleneck; `--json` prints the same for scripts; `--trace FILE` writes the steps as
 //! Chrome trace events (ui.perfetto.dev opens them): step ⊃ layer ⊃ op group, one track per
-//! thread that ran them.
+//! thread or queue that ran them: "engine" (the model's worker thread) and, for a model on a
+//! Vulkan device, "gpu-compute" (its op groups timed by GPU timestamps).
 //!
-//! Partial: the daemon profiles its CPU engine only, on one track (the model's worker thread);
-//! bytes moved between tiers, cache hits and predicted times are shown once it reports them.
+//! Partial: bytes moved between tiers and predicted times are shown once the daemon reports
+//! them; expert-cache hits and misses come from models on a Vulkan device only.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -137,10 +138,10 @@ fn report(model: String, steps: &[pb::ProfileStep], totals: pb::ProfileTotals) -
     let decode: Vec<&pb::ProfileStep> = steps.iter().filter(|s| s.step > 0).collect();
     let n = decode.len().max(1) as f64;
     let decode_ns: f64 = decode.iter().map(|s| s.duration_ns as f64).sum();
-    let mut order: Vec<(Option<u32>, String)> = Vec::new();
-    let mut rows: BTreeMap<(Option<u32>, String), Row> = BTreeMap::new();
+    let mut order: Vec<(Option<u32>, String, String)> = Vec::new();
+    let mut rows: BTreeMap<(Option<u32>, String, String), Row> = BTreeMap::new();
     for r in decode.iter().flat_map(|s| &s.rows) {
-        let key = (r.layer, r.op.clone());
+        let key = (r.layer, r.op.clone(), r.device.clone());
         let row = rows.entry(key.clone()).or_insert_with(|| {
             order.push(key);
             Row {
@@ -231,16 +232,28 @@ fn table(r: &Report) -> String {
         r.model, r.layers, r.prompt_tokens, r.decode_steps
     );
     t.push_str(&format!(
-        "{:>5}  {:<13} {:<6} {:>10} {:>10} {:>6}  {:>10}  {}\n",
-        "layer", "op", "device", "weight MB", "mean µs", "share", "predicted", "experts"
+        "{:>5}  {:<13} {:<6} {:>10} {:>10} {:>6}  {:>10}  {:>9}  {}\n",
+        "layer",
+        "op",
+        "device",
+        "weight MB",
+        "mean µs",
+        "share",
+        "predicted",
+        "hit/miss",
+        "experts"
     ));
     for row in &r.rows {
         let layer = row.layer.map_or("-".to_string(), |l| l.to_string());
         let predicted = row
             .predicted_us
             .map_or("-".to_string(), |p| format!("{p:.1}"));
+        let hits = match (row.cache_hits, row.cache_misses) {
+            (Some(h), Some(m)) => format!("{h:.1}/{m:.1}"),
+            _ => "-".to_string(),
+        };
         t.push_str(&format!(
-            "{layer:>5}  {:<13} {:<6} {:>10.3} {:>10.1} {:>5.1}%  {predicted:>10}  {}\n",
+            "{layer:>5}  {:<13} {:<6} {:>10.3} {:>10.1} {:>5.1}%  {predicted:>10}  {hits:>9}  {}\n",
             row.op,
             row.device,
             row.weight_bytes / 1e6,
@@ -260,11 +273,18 @@ fn table(r: &Report) -> String {
         r.prompt_tokens, r.prefill_ms, r.prefill_tokens_per_second
     ));
     t.push_str(&format!(
-        "decode: {:.1} tok/s, {:.2} ms per step ({devices}); CPU weight bandwidth {:.2} GB/s\n",
+        "decode: {:.1} tok/s, {:.2} ms per step ({devices})",
         r.decode_tokens_per_second,
         r.mean_step_us / 1e3,
-        r.cpu_bandwidth_bytes_per_second / 1e9
     ));
+    // Only the CPU engine counts the weight bytes its op groups read.
+    if r.cpu_bandwidth_bytes_per_second > 0.0 {
+        t.push_str(&format!(
+            "; CPU weight bandwidth {:.2} GB/s",
+            r.cpu_bandwidth_bytes_per_second / 1e9
+        ));
+    }
+    t.push('\n');
     if r.rows.iter().all(|row| row.predicted_us.is_none()) {
         t.push_str("predicted: not available (the daemon has no calibrated hardware profile)\n");
     }
@@ -277,7 +297,8 @@ fn table(r: &Report) -> String {
 fn trace(model: &str, steps: &[pb::ProfileStep]) -> Value {
     const PID: u32 = 1;
     let us = |ns: u64| ns as f64 / 1e3;
-    let mut tracks: Vec<String> = Vec::new();
+    // Each track's name and the device of its rows.
+    let mut tracks: Vec<(String, String)> = Vec::new();
     let mut events = vec![json!({
         "name": "process_name", "ph": "M", "pid": PID,
         "args": {"name": format!("spillwayd: {model}")},
@@ -287,10 +308,10 @@ fn trace(model: &str, steps: &[pb::ProfileStep]) -> Value {
         // Each track gets the step's event, then its layers and op groups.
         let mut on_track: BTreeMap<usize, Vec<&pb::ProfileRow>> = BTreeMap::new();
         for r in &s.rows {
-            let tid = match tracks.iter().position(|t| *t == r.track) {
+            let tid = match tracks.iter().position(|t| t.0 == r.track) {
                 Some(i) => i,
                 None => {
-                    tracks.push(r.track.clone());
+                    tracks.push((r.track.clone(), r.device.clone()));
                     tracks.len() - 1
                 }
             } + 1;
@@ -341,10 +362,10 @@ fn trace(model: &str, steps: &[pb::ProfileStep]) -> Value {
             }
         }
     }
-    for (i, t) in tracks.iter().enumerate() {
+    for (i, (t, device)) in tracks.iter().enumerate() {
         events.push(json!({
             "name": "thread_name", "ph": "M", "pid": PID, "tid": i + 1,
-            "args": {"name": format!("{t} (cpu)")},
+            "args": {"name": format!("{t} ({device})")},
         }));
     }
     events.extend(body);
@@ -411,5 +432,48 @@ mod tests {
         assert_eq!(layers[1]["ts"], 1.01);
         assert_eq!(layers[1]["dur"], 0.08);
         assert_eq!(events.iter().filter(|e| e["cat"] == "op").count(), 12);
+    }
+
+    /// A model on a Vulkan device: its GPU rows get their own track, named for the device,
+    /// and the table lists them with their expert-cache counts.
+    #[test]
+    fn gpu_rows_have_their_own_track() {
+        let mut steps = steps();
+        for s in &mut steps {
+            for r in &mut s.rows {
+                (r.device, r.track) = ("gpu".into(), "gpu-compute".into());
+            }
+            s.rows[2].cache_hits = Some(3);
+            s.rows[2].cache_misses = Some(1);
+            s.rows.push(pb::ProfileRow {
+                op: "cpu_experts".into(),
+                device: "cpu".into(),
+                measured_ns: 20,
+                track: "engine".into(),
+                ..Default::default()
+            });
+        }
+        let t = trace("m", &steps);
+        let events = t["traceEvents"].as_array().unwrap();
+        let names: Vec<&str> = events
+            .iter()
+            .filter(|e| e["name"] == "thread_name")
+            .map(|e| e["args"]["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(names, ["gpu-compute (gpu)", "engine (cpu)"]);
+        let tid_of = |op: &str| {
+            let e = events.iter().find(|e| e["name"] == op).unwrap();
+            e["tid"].as_u64().unwrap()
+        };
+        assert_eq!((tid_of("experts"), tid_of("cpu_experts")), (1, 2));
+
+        let r = report("m".into(), &steps, pb::ProfileTotals::default());
+        let table = table(&r);
+        let experts = table.lines().find(|l| l.contains("3.0/1.0")).unwrap();
+        assert!(
+            experts.contains("experts") && experts.contains("gpu"),
+            "{table}"
+        );
+        assert!(!table.contains("bandwidth"), "{table}");
     }
 }

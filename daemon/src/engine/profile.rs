@@ -6,11 +6,12 @@
 //! pass without gaps (a group's time includes the norms and residual adds just before it). With
 //! no profile nothing is timed and no bytes are counted: one untaken branch per op group.
 //!
-//! Partial: only the CPU engine is profiled (GPU timestamps come later); times are the engine
-//! thread's (the kernels' worker threads are not attributed separately); `weight_bytes` counts
-//! weight matrices only (not the KV cache or activations); bytes moved between tiers, cache
-//! hits and predicted times are not measured yet (the daemon has no calibrated hardware
-//! profile for the scheduler's roofline predictors).
+//! The GPU's decode step has its own timestamps (`gpu::forward::profile`).
+//!
+//! Partial: times are the engine thread's (the kernels' worker threads are not attributed
+//! separately); `weight_bytes` counts weight matrices only (not the KV cache or activations);
+//! bytes moved between tiers, cache hits and predicted times are not measured yet (the daemon
+//! has no calibrated hardware profile for the scheduler's roofline predictors).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};

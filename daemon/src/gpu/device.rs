@@ -19,6 +19,8 @@ pub struct Device {
     subgroup_arithmetic: bool,
     /// Timeline semaphores (core in Vulkan 1.2, optional on some drivers) are enabled.
     pub(super) timeline_semaphores: bool,
+    /// Valid bits of the compute queue's timestamps; 0: it has none.
+    pub(crate) timestamp_valid_bits: u32,
     info: DeviceInfo,
     // Dropped after `Drop::drop` destroyed the device: the instance must outlive it.
     _instance: Arc<Instance>,
@@ -36,6 +38,7 @@ impl Device {
             .position(|f| f.queue_flags.contains(vk::QueueFlags::COMPUTE))
             .ok_or_else(|| GpuError::Unsupported("no compute queue family".into()))?
             as u32;
+        let timestamp_valid_bits = families[queue_family as usize].timestamp_valid_bits;
         let priorities = [1.0f32];
         let queues = [vk::DeviceQueueCreateInfo::default()
             .queue_family_index(queue_family)
@@ -88,6 +91,7 @@ impl Device {
                     .supported_stages
                     .contains(vk::ShaderStageFlags::COMPUTE),
             timeline_semaphores,
+            timestamp_valid_bits,
             info,
             _instance: instance,
         }))

@@ -575,6 +575,31 @@ impl Recorder<'_> {
         Ok(())
     }
 
+    /// Resets queries `0..count` of `pool` (before any is written in this step).
+    pub(crate) fn reset_queries(&mut self, pool: vk::QueryPool, count: u32) {
+        // SAFETY: `cmd` is recording, outside a render pass; `pool` has `count` queries.
+        unsafe {
+            self.kernels
+                .device
+                .raw
+                .cmd_reset_query_pool(self.cmd, pool, 0, count)
+        };
+    }
+
+    /// Writes a timestamp into `query` of `pool` once every command recorded before it on the
+    /// queue has completed.
+    pub(crate) fn write_timestamp(&mut self, pool: vk::QueryPool, query: u32) {
+        // SAFETY: `cmd` is recording; `query` lies in `pool` and was reset earlier on the queue.
+        unsafe {
+            self.kernels.device.raw.cmd_write_timestamp(
+                self.cmd,
+                vk::PipelineStageFlags::ALL_COMMANDS,
+                pool,
+                query,
+            )
+        };
+    }
+
     /// Makes what earlier submissions' dispatches wrote visible to this recording's: a recording
     /// that continues work an earlier one left (after the host read something back) starts with
     /// this. A pipeline barrier orders everything before it on the queue, earlier command

@@ -83,6 +83,20 @@ impl GpuSequence {
         )
     }
 
+    /// The model, for profiles (`super::profile_gpu`).
+    pub fn gpu_mut(&mut self) -> &mut GpuModel {
+        &mut self.gpu
+    }
+
+    /// One token at the next position, the expert counters in the status updated.
+    pub fn eval_one(&mut self, token: u32) -> Result<Vec<f32>, crate::gpu::GpuError> {
+        let out = self.gpu.eval(token);
+        if let Some(stats) = self.gpu.expert_stats() {
+            *self.status.experts.lock() = Some(stats);
+        }
+        out
+    }
+
     fn eval(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>, GenerateError> {
         let out = self.gpu.eval_tokens(tokens, all_logits);
         if let Some(stats) = self.gpu.expert_stats() {
@@ -136,5 +150,9 @@ impl Sequences for GpuSequence {
             [(0, token)] => self.eval(&[*token], false),
             _ => unreachable!("the GPU worker runs one sequence"),
         }
+    }
+
+    fn gpu_profiler(&mut self) -> Option<&mut GpuSequence> {
+        Some(self)
     }
 }

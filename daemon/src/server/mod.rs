@@ -23,6 +23,7 @@ pub mod gpu;
 pub mod listen;
 pub mod models;
 pub mod profile;
+pub mod profile_gpu;
 pub mod service;
 pub mod stats;
 pub mod validate;

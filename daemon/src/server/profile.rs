@@ -5,8 +5,10 @@
 //! A profile runs alone on the worker: requests already decoding wait for it (it is a
 //! diagnostic, and sharing the steps would blur its numbers).
 //!
-//! Partial: only the CPU engine is profiled; bytes moved between tiers, expert-cache hits and
-//! predicted times are left unset (the daemon has no calibrated hardware profile to feed the
+//! Models on a Vulkan device are profiled from GPU timestamps instead (`super::profile_gpu`).
+//!
+//! Partial: on the CPU engine, bytes moved between tiers, expert-cache hits and predicted times
+//! are left unset (the daemon has no calibrated hardware profile to feed the
 //! scheduler's roofline predictors yet).
 
 use std::time::{Duration, Instant};

@@ -214,13 +214,6 @@ impl Spillway for SpillwayService {
         let deadline = deadline(&request, arrived);
         let req = request.into_inner();
         let model = self.model(&req.model)?;
-        if model.gpu.is_some() {
-            return Err(Status::failed_precondition(format!(
-                "model {:?} runs on {}: per-layer profiles are measured on the CPU engine only",
-                model.name,
-                model.device()
-            )));
-        }
         let valid = with_limits(&model, |limits| validate::profile_request(&req, limits))?;
         let (tx, rx) = mpsc::channel::<ProfileItem>(32);
         model.worker.submit_profile(ProfileJob {

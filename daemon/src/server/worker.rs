@@ -15,6 +15,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
+use super::gpu::GpuSequence;
 use super::profile::{step_message, totals_message, ProfileJob};
 use super::stats::ModelStats;
 use crate::engine::decode::{DecodeOptions, Decoder, TokenStep};
@@ -49,6 +50,10 @@ pub trait Sequences: Send + 'static {
     fn step(&mut self, inputs: &[(usize, u32)]) -> Result<Vec<f32>, GenerateError>;
     /// The CPU engine, for per-layer profiles; `None` where the device has no profiler.
     fn profiler(&mut self) -> Option<&mut BatchEngine> {
+        None
+    }
+    /// The GPU model, for per-layer profiles from GPU timestamps; `None` on the CPU.
+    fn gpu_profiler(&mut self) -> Option<&mut GpuSequence> {
         None
     }
 }
@@ -157,7 +162,7 @@ fn check(
 }
 
 /// Why a job stopped before its natural end.
-enum Interrupt {
+pub(super) enum Interrupt {
     /// The caller went away: nobody to tell.
     Gone,
     Fail(Status),
@@ -473,10 +478,12 @@ impl<E: Sequences> WorkerContext<E> {
             seq,
             "profile"
         );
+        if let Some(gpu) = self.engine.gpu_profiler() {
+            return super::profile_gpu::run(gpu, job, &check);
+        }
         let Some(engine) = self.engine.profiler() else {
             return Err(Interrupt::Fail(Status::failed_precondition(
-                "per-layer profiles are measured on the CPU engine only; this model runs on a \
-                 Vulkan device",
+                "this model's device has no per-layer profiler",
             )));
         };
         let fail = |e: crate::engine::EngineError| Interrupt::Fail(Status::internal(e.to_string()));

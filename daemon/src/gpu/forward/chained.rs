@@ -42,7 +42,7 @@ impl GpuModel {
                 .start_chain(1 + 2 * moe_layers.len(), |part, rec| {
                     let a = &self.act;
                     if part == 0 {
-                        rec.get_rows(&self.token_embd, token, &a.x)?;
+                        self.record_embedding(rec, token)?;
                         return self.record_from(rec, 0, &mut None);
                     }
                     let il = moe_layers[(part - 1) / 2];
@@ -52,6 +52,7 @@ impl GpuModel {
                             .record_host_routed(rec, k, (&a.xn, &a.x), s)
                     } else {
                         rec.scale_add(&a.x, &self.moe_scratch().cpu_sum, 1.0, n_embd as u32)?;
+                        self.mark(rec, super::profile::ffn(il), true);
                         self.record_from(rec, il + 1, &mut None)
                     }
                 })?;

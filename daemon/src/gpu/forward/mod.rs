@@ -14,10 +14,16 @@
 //! the layer then takes one more command buffer, whose first dispatch adds the CPU's sum), or
 //! fetched into a VRAM slot first ([`super::expert_cache`]).
 //!
+//! With profiling on ([`GpuModel::set_profiling`], [`profile`]) the step writes GPU timestamps
+//! around each op group of each layer; off, it writes none.
+//!
 //! Partial: one token per step (prompts go token by token); a dense model must fit the VRAM
 //! budget whole (no streamed tensors).
 
 mod chained;
+mod profile;
+
+pub use profile::{GpuProfileRow, GpuStepProfile};
 
 use std::sync::Arc;
 
@@ -189,6 +195,9 @@ pub struct GpuModel {
     /// Some routed experts run on the CPU and the step is a chain ([`chained`]).
     chained: bool,
     last_host_time: Option<HostTime>,
+    /// Present while profiling ([`GpuModel::set_profiling`]).
+    profiler: Option<profile::StepQueries>,
+    last_profile: Option<GpuStepProfile>,
 }
 
 fn matrix(
@@ -457,6 +466,8 @@ impl GpuModel {
             routes_on_device,
             chained,
             last_host_time: None,
+            profiler: None,
+            last_profile: None,
         })
     }
 
@@ -544,11 +555,26 @@ impl GpuModel {
                 self.capacity
             )));
         }
-        if self.chained {
-            let logits = self.eval_chained(token)?;
-            self.pos += 1;
-            return Ok(logits);
+        let profiling = self.profiler.is_some();
+        if profiling {
+            self.profile_before();
         }
+        let (logits, host) = if self.chained {
+            let logits = self.eval_chained(token)?;
+            (logits, self.last_host_time)
+        } else {
+            (self.eval_parts(token)?, None)
+        };
+        if profiling {
+            self.profile_after(host)?;
+        }
+        self.pos += 1;
+        Ok(logits)
+    }
+
+    /// [`GpuModel::eval`] as one submission per part: from the start or a MoE layer's experts
+    /// to the next MoE router on the host, or to the logits.
+    fn eval_parts(&mut self, token: u32) -> Result<Vec<f32>> {
         let mut stats = RecordStats::default();
         let mut routings: Vec<LayerRouting> = Vec::new();
         let mut resume = Resume::Start;
@@ -599,7 +625,6 @@ impl GpuModel {
         }
         self.last_stats = stats;
         self.last_routing = routings;
-        self.pos += 1;
         Ok(self.act.logits.read_f32(self.config.n_vocab))
     }
 
@@ -616,7 +641,7 @@ impl GpuModel {
         let (a, e) = (&self.act, c.n_embd as u32);
         let from = match resume {
             Resume::Start => {
-                rec.get_rows(&self.token_embd, token, &a.x)?;
+                self.record_embedding(rec, token)?;
                 0
             }
             Resume::Experts {
@@ -632,11 +657,13 @@ impl GpuModel {
                 if !cpu.is_empty() {
                     return Ok(());
                 }
+                self.mark(rec, profile::ffn(*layer), true);
                 layer + 1
             }
             Resume::CpuSum { layer } => {
                 rec.after_earlier_submissions();
                 rec.scale_add(&a.x, &self.moe_scratch().cpu_sum, 1.0, e)?;
+                self.mark(rec, profile::ffn(*layer), true);
                 layer + 1
             }
         };
@@ -654,7 +681,10 @@ impl GpuModel {
         let c = &self.config;
         let (a, e, eps) = (&self.act, c.n_embd as u32, c.rms_eps);
         for (il, l) in self.layers.iter().enumerate().skip(from) {
+            self.mark(rec, profile::attention(il), false);
             self.record_attention(rec, l)?;
+            self.mark(rec, profile::attention(il), true);
+            self.mark(rec, profile::ffn(il), false);
             rec.rms_norm(&a.x, &l.ffn_norm, &a.xn, e, 1, eps)?;
             match &l.ffn {
                 GpuFfn::Dense { gate, up, down } => {
@@ -663,10 +693,12 @@ impl GpuModel {
                     rec.swiglu(&a.gate, &a.up, gate.n_out as u32)?;
                     rec.matvec(down, &a.gate, &a.ffn_out)?;
                     rec.add(&a.x, &a.ffn_out, e)?;
+                    self.mark(rec, profile::ffn(il), true);
                 }
                 GpuFfn::Moe(moe) if self.routes_on_device => {
                     let cfg = c.moe.as_ref().expect("MoE layers have a MoE config");
                     moe.record_routed(rec, il, cfg, (&a.xn, &a.x), self.moe_scratch())?;
+                    self.mark(rec, profile::ffn(il), true);
                 }
                 GpuFfn::Moe(moe) => {
                     let s = self.moe_scratch();
@@ -680,9 +712,28 @@ impl GpuModel {
                 }
             }
         }
+        let group = profile::head(self.layers.len());
+        self.mark(rec, group, false);
         rec.rms_norm(&a.x, &self.output_norm, &a.xn, e, 1, eps)?;
         let head = self.output.as_ref().unwrap_or(&self.token_embd);
-        rec.matvec(head, &a.xn, &a.logits)
+        rec.matvec(head, &a.xn, &a.logits)?;
+        self.mark(rec, group, true);
+        if let Some(p) = &self.profiler {
+            p.end(rec);
+        }
+        Ok(())
+    }
+
+    /// The token's embedding row into `x`: the first thing a step records (after resetting
+    /// the profile's queries when profiling).
+    fn record_embedding(&self, rec: &mut Recorder<'_>, token: u32) -> Result<()> {
+        if let Some(p) = &self.profiler {
+            p.start(rec);
+        }
+        self.mark(rec, profile::EMBEDDING, false);
+        rec.get_rows(&self.token_embd, token, &self.act.x)?;
+        self.mark(rec, profile::EMBEDDING, true);
+        Ok(())
     }
 
     /// The routings the device logged in the last step, counted as hits of resident experts.

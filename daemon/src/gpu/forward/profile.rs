@@ -1,0 +1,262 @@
+//! Per-layer GPU timestamps of a decode step ([`GpuModel::set_profiling`]).
+//!
+//! With profiling on, the step writes a timestamp (stage `ALL_COMMANDS`: once everything
+//! recorded before it has completed) before and after each op group: the embedding, each
+//! layer's attention (norm, Q/K/V, RoPE, KV store, attention, output projection and residual)
+//! and its FFN (a dense layer's, or a MoE layer's norm, router, experts and shared expert), and
+//! the output head; and a pair around the whole step. The queries live in one pool, created
+//! when profiling is turned on and sized for the step (two per group, two for the step); the
+//! first command buffer of each step resets it. With profiling off no timestamp is written and
+//! no pool exists.
+//!
+//! A MoE layer routed on the host spans command buffers (the router's, the experts', the CPU
+//! sum's): its FFN time runs from its first command buffer to its last, so it includes the
+//! host's routing, the CPU's experts and the waits between them. The host's side of a chained
+//! step is [`GpuStepProfile::host`].
+//!
+//! Where the compute queue has no timestamps (`timestampValidBits` 0) the rows are still
+//! listed, with no GPU times.
+
+use std::sync::Arc;
+
+use ash::vk;
+
+use super::{GpuFfn, GpuModel, HostTime};
+use crate::gpu::device::Device;
+use crate::gpu::error::{map_vk, Result};
+use crate::gpu::expert_cache::LayerExpertStats;
+use crate::gpu::record::Recorder;
+
+/// One op group of one step on the GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuProfileRow {
+    /// `None` for the embedding and the output head.
+    pub layer: Option<usize>,
+    /// `embedding`, `attention`, `ffn` (dense), `experts` (MoE) or `output_head`.
+    pub op: &'static str,
+    /// GPU time between the group's two timestamps; `None` without timestamps.
+    pub gpu_ns: Option<u64>,
+    /// From the step's first timestamp.
+    pub start_ns: Option<u64>,
+    /// MoE layers: this step's change in [`crate::gpu::expert_cache::ExpertStats`].
+    pub experts: Option<LayerExpertStats>,
+}
+
+/// What one step did, per op group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuStepProfile {
+    /// In step order: embedding, then per layer attention and FFN, then the output head.
+    pub rows: Vec<GpuProfileRow>,
+    /// GPU time between the step's first and last timestamps; `None` without timestamps.
+    pub step_gpu_ns: Option<u64>,
+    /// The host's side of a chained step (some experts on the CPU), else `None`.
+    pub host: Option<HostTime>,
+}
+
+/// Group indices: 0 the embedding, `1 + 2l` layer `l`'s attention, `2 + 2l` its FFN,
+/// `1 + 2n` the output head.
+pub(super) const EMBEDDING: usize = 0;
+
+pub(super) fn attention(layer: usize) -> usize {
+    1 + 2 * layer
+}
+
+pub(super) fn ffn(layer: usize) -> usize {
+    2 + 2 * layer
+}
+
+pub(super) fn head(n_layer: usize) -> usize {
+    1 + 2 * n_layer
+}
+
+/// The query pool of a profiled step: queries 0 and 1 around the step, `2 + 2g` and `3 + 2g`
+/// around group `g`.
+pub(super) struct StepQueries {
+    /// `None` where the queue has no timestamps.
+    pool: Option<vk::QueryPool>,
+    count: u32,
+    device: Arc<Device>,
+    /// Expert counters before the step, for the deltas.
+    pub(super) before: Vec<LayerExpertStats>,
+}
+
+impl StepQueries {
+    pub(super) fn new(device: &Arc<Device>, n_layer: usize) -> Result<StepQueries> {
+        let count = (2 + 2 * (head(n_layer) + 1)) as u32;
+        let pool = if device.timestamp_valid_bits == 0 {
+            None
+        } else {
+            let info = vk::QueryPoolCreateInfo::default()
+                .query_type(vk::QueryType::TIMESTAMP)
+                .query_count(count);
+            // SAFETY: a valid create info; the pool is destroyed in `Drop`.
+            Some(unsafe { device.raw.create_query_pool(&info, None) }.map_err(map_vk)?)
+        };
+        Ok(StepQueries {
+            pool,
+            count,
+            device: device.clone(),
+            before: Vec::new(),
+        })
+    }
+
+    /// Resets the pool and marks the step's start: the first thing the step records.
+    pub(super) fn start(&self, rec: &mut Recorder<'_>) {
+        if let Some(pool) = self.pool {
+            rec.reset_queries(pool, self.count);
+            rec.write_timestamp(pool, 0);
+        }
+    }
+
+    /// Marks the step's end: the last thing it records.
+    pub(super) fn end(&self, rec: &mut Recorder<'_>) {
+        if let Some(pool) = self.pool {
+            rec.write_timestamp(pool, 1);
+        }
+    }
+
+    /// Marks the beginning (`end` false) or the end of group `group`.
+    pub(super) fn mark(&self, rec: &mut Recorder<'_>, group: usize, end: bool) {
+        if let Some(pool) = self.pool {
+            rec.write_timestamp(pool, (2 + 2 * group + usize::from(end)) as u32);
+        }
+    }
+
+    /// Nanoseconds from the step's start to each query, once the step has completed; `None`
+    /// without timestamps or where a query was not written.
+    fn read(&self) -> Result<Option<Vec<u64>>> {
+        let Some(pool) = self.pool else {
+            return Ok(None);
+        };
+        let mut results = vec![[0u64; 2]; self.count as usize];
+        // SAFETY: the step that wrote the queries has completed; each element holds a value
+        // and its availability (64-bit).
+        unsafe {
+            self.device.raw.get_query_pool_results(
+                pool,
+                0,
+                &mut results,
+                vk::QueryResultFlags::TYPE_64 | vk::QueryResultFlags::WITH_AVAILABILITY,
+            )
+        }
+        .map_err(map_vk)?;
+        if results.iter().any(|r| r[1] == 0) {
+            return Ok(None);
+        }
+        let bits = self.device.timestamp_valid_bits;
+        let mask = if bits >= 64 {
+            u64::MAX
+        } else {
+            (1u64 << bits) - 1
+        };
+        let period = f64::from(self.device.limits.timestamp_period);
+        let origin = results[0][0] & mask;
+        Ok(Some(
+            results
+                .iter()
+                .map(|r| ((r[0] & mask).wrapping_sub(origin) & mask) as f64 * period)
+                .map(|ns| ns as u64)
+                .collect(),
+        ))
+    }
+}
+
+impl Drop for StepQueries {
+    fn drop(&mut self) {
+        if let Some(pool) = self.pool {
+            // SAFETY: the steps that used the pool have completed (each waits for its end).
+            unsafe { self.device.raw.destroy_query_pool(pool, None) };
+        }
+    }
+}
+
+impl GpuModel {
+    /// Turns per-layer GPU timestamps on or off for the next steps (see [`self`]). Off, steps
+    /// write no timestamps and [`GpuModel::last_profile`] is `None`.
+    pub fn set_profiling(&mut self, on: bool) -> Result<()> {
+        self.last_profile = None;
+        self.profiler = match (on, self.profiler.take()) {
+            (false, _) => None,
+            (true, Some(p)) => Some(p),
+            (true, None) => Some(StepQueries::new(
+                self.allocator.device(),
+                self.config.n_layer,
+            )?),
+        };
+        Ok(())
+    }
+
+    /// The per-group profile of the last step, when profiling was on for it.
+    pub fn last_profile(&self) -> Option<&GpuStepProfile> {
+        self.last_profile.as_ref()
+    }
+
+    /// Marks group `group`'s beginning or end when profiling.
+    pub(super) fn mark(&self, rec: &mut Recorder<'_>, group: usize, end: bool) {
+        if let Some(p) = &self.profiler {
+            p.mark(rec, group, end);
+        }
+    }
+
+    /// Before a profiled step: the expert counters, for the deltas.
+    pub(super) fn profile_before(&mut self) {
+        let stats = self.experts.as_ref().map(|e| e.stats.clone());
+        if let Some(p) = self.profiler.as_mut() {
+            p.before = stats.unwrap_or_default();
+        }
+    }
+
+    /// After a profiled step: its rows from the queries and the expert counters.
+    pub(super) fn profile_after(&mut self, host: Option<HostTime>) -> Result<()> {
+        let Some(p) = &self.profiler else {
+            return Ok(());
+        };
+        let times = p.read()?;
+        let at = |q: usize| times.as_ref().map(|t| t[q]);
+        let span = |g: usize| {
+            let (a, b) = (at(2 + 2 * g), at(3 + 2 * g));
+            (a.zip(b).map(|(a, b)| b.saturating_sub(a)), a)
+        };
+        let row = |layer, op, g, experts| {
+            let (gpu_ns, start_ns) = span(g);
+            GpuProfileRow {
+                layer,
+                op,
+                gpu_ns,
+                start_ns,
+                experts,
+            }
+        };
+        let mut rows = vec![row(None, "embedding", EMBEDDING, None)];
+        for (il, l) in self.layers.iter().enumerate() {
+            rows.push(row(Some(il), "attention", attention(il), None));
+            rows.push(match &l.ffn {
+                GpuFfn::Dense { .. } => row(Some(il), "ffn", ffn(il), None),
+                GpuFfn::Moe(_) => {
+                    let now = self.experts.as_ref().map(|e| e.stats[il]);
+                    let delta = now.map(|n| delta(&n, p.before.get(il)));
+                    row(Some(il), "experts", ffn(il), delta)
+                }
+            });
+        }
+        rows.push(row(None, "output_head", head(self.layers.len()), None));
+        self.last_profile = Some(GpuStepProfile {
+            rows,
+            step_gpu_ns: at(1),
+            host,
+        });
+        Ok(())
+    }
+}
+
+fn delta(now: &LayerExpertStats, before: Option<&LayerExpertStats>) -> LayerExpertStats {
+    let b = before.copied().unwrap_or_default();
+    LayerExpertStats {
+        hits: now.hits - b.hits,
+        misses: now.misses - b.misses,
+        cpu: now.cpu - b.cpu,
+        fetched: now.fetched - b.fetched,
+        evictions: now.evictions - b.evictions,
+        bytes_uploaded: now.bytes_uploaded - b.bytes_uploaded,
+    }
+}

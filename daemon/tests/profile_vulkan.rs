@@ -1,0 +1,137 @@
+//! The `Profile` RPC for models on a Vulkan device, end to end: a real `spillwayd serve` with a
+//! dense model and a MoE model over its VRAM budget (some experts on the CPU) on the GPU. Every
+//! step has a GPU row for each layer's attention and FFN, on the "gpu-compute" track, and MoE
+//! layers count their experts. Asserts what the stream carries, never how fast. Runs on
+//! whatever Vulkan device the machine has (lavapipe in CI) and skips without one, unless
+//! `SPILLWAY_REQUIRE_VULKAN` is set.
+
+#[path = "common/daemon.rs"]
+mod daemon;
+
+use std::path::{Path, PathBuf};
+
+use daemon::Daemon;
+use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
+use spillway_daemon::model::Model;
+use spillway_daemon::synth::SynthModel;
+use spillway_proto::v1 as pb;
+use tonic::transport::Channel;
+
+type Client = pb::spillway_client::SpillwayClient<Channel>;
+
+fn synth(dir: &Path, preset: &str) -> PathBuf {
+    let path = dir.join(format!("{preset}.gguf"));
+    SynthModel::from_name(preset, "F16".parse().unwrap(), 5)
+        .unwrap()
+        .write(&path, false, |_, _| {})
+        .unwrap();
+    path
+}
+
+async fn load(client: &mut Client, req: pb::LoadModelRequest) {
+    let mut progress = client.load_model(req).await.unwrap().into_inner();
+    while let Some(p) = progress.message().await.unwrap() {
+        if p.ready {
+            return;
+        }
+    }
+    panic!("the load stream ended before the model was ready");
+}
+
+async fn profile(client: &mut Client, model: &str) -> Vec<pb::ProfileStep> {
+    let req = pb::ProfileRequest {
+        model: model.into(),
+        input: Some(pb::profile_request::Input::Tokens(pb::TokenIds {
+            ids: vec![1, 17, 300],
+        })),
+        steps: 3,
+    };
+    let mut stream = client.profile(req).await.unwrap().into_inner();
+    let mut out = Vec::new();
+    while let Some(m) = stream.message().await.unwrap() {
+        out.push(m);
+    }
+    out
+}
+
+/// Every step lists each layer's attention and FFN on the GPU; the totals come last.
+fn check(what: &str, steps: &[pb::ProfileStep], moe: bool) {
+    assert_eq!(steps.len(), 4, "{what}: the prompt and 3 decode steps");
+    let totals = steps[3].totals.clone().expect("totals on the last step");
+    assert_eq!((totals.prompt_tokens, totals.decode_steps), (3, 3));
+    assert_eq!(totals.device_times[0].device, "gpu");
+    assert!(totals.device_times[0].ns > 0, "{what}: {totals:?}");
+    assert!(
+        totals.bottleneck.starts_with("gpu "),
+        "{}",
+        totals.bottleneck
+    );
+    let ffn = if moe { "experts" } else { "ffn" };
+    for (i, s) in steps.iter().enumerate() {
+        assert_eq!(s.tokens, if i == 0 { 3 } else { 1 }, "{what}");
+        let gpu: Vec<_> = s.rows.iter().filter(|r| r.device == "gpu").collect();
+        assert!(gpu.iter().all(|r| r.track == "gpu-compute"), "{what}");
+        assert_eq!(gpu.len() as u32, 2 + 2 * totals.layers, "{what}, step {i}");
+        for layer in 0..totals.layers {
+            let ops: Vec<_> = gpu
+                .iter()
+                .filter(|r| r.layer == Some(layer))
+                .map(|r| r.op.as_str())
+                .collect();
+            assert_eq!(ops, ["attention", ffn], "{what}, step {i}, layer {layer}");
+        }
+        for r in gpu.iter().filter(|r| r.op == "experts") {
+            let n = r.cache_hits.unwrap() + r.cache_misses.unwrap();
+            // The prompt's three tokens each routed their experts.
+            assert!(n > 0 && !r.experts.is_empty(), "{what}, step {i}: {r:?}");
+        }
+        for r in s.rows.iter().filter(|r| r.device != "gpu") {
+            assert_eq!((r.device.as_str(), r.track.as_str()), ("cpu", "engine"));
+        }
+    }
+}
+
+#[tokio::test]
+async fn vulkan_models_answer_profile_with_gpu_rows_for_every_layer() {
+    let Some(device) = spillway_daemon::gpu::device_or_skip() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let dense = synth(dir.path(), "tiny-llama");
+    let moe = synth(dir.path(), "tiny-qwen3moe");
+    let start = format!("dense={}", dense.display());
+    let d = Daemon::start(&["--device", "vulkan", "--model", &start]).await;
+    let mut client = d.client().await;
+
+    let model = Model::open(&moe).unwrap();
+    let minimum = GpuModel::minimum_budget(&device, &model, &GpuModelOptions::default())
+        .unwrap()
+        .total();
+    load(
+        &mut client,
+        pb::LoadModelRequest {
+            path: moe.display().to_string(),
+            name: "moe".into(),
+            device: "vulkan".into(),
+            budgets: Some(pb::Budgets {
+                vram_bytes: minimum,
+                ram_bytes: 0,
+            }),
+            ..Default::default()
+        },
+    )
+    .await;
+
+    check("dense", &profile(&mut client, "dense").await, false);
+    let steps = profile(&mut client, "moe").await;
+    check("moe", &steps, true);
+    if device.chains() {
+        // Chained steps add the host's time: its experts and its waits.
+        let host: Vec<_> = steps[1].rows.iter().filter(|r| r.device == "cpu").collect();
+        let ops: Vec<_> = host.iter().map(|r| r.op.as_str()).collect();
+        assert_eq!(ops, ["cpu_experts", "host_wait"]);
+    }
+    // The model still generates after a profile (the sequence was reset).
+    let steps = profile(&mut client, "dense").await;
+    assert_eq!(steps.len(), 4);
+}

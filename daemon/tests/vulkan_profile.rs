@@ -1,0 +1,149 @@
+//! Per-layer GPU timestamps of a decode step (`GpuModel::set_profiling`): every op group of
+//! every layer is timed, in order, and the groups add up to the step; MoE layers carry their
+//! expert counters; profiling changes no logits. The tests run on whatever Vulkan device the
+//! machine has (lavapipe in CI) and skip without one, unless `SPILLWAY_REQUIRE_VULKAN` is set.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions, GpuStepProfile};
+use spillway_daemon::gpu::placement::MoeMiss;
+use spillway_daemon::model::{Ffn, Model};
+use spillway_daemon::synth::SynthModel;
+
+const TOKENS: [u32; 4] = [1, 17, 300, 5];
+
+fn model(dir: &Path, preset: &str) -> Arc<Model> {
+    let path = dir.join(format!("{preset}.gguf"));
+    SynthModel::from_name(preset, "F16".parse().unwrap(), 5)
+        .unwrap()
+        .write(&path, false, |_, _| {})
+        .unwrap();
+    Arc::new(Model::open(&path).unwrap())
+}
+
+fn options(budget: Option<u64>) -> GpuModelOptions {
+    GpuModelOptions {
+        vram_budget: budget,
+        context: 32,
+        moe_miss: MoeMiss::Cpu,
+        threads: 2,
+        ..GpuModelOptions::default()
+    }
+}
+
+/// The ops a step's rows must list, in order.
+fn expected_ops(model: &Model) -> Vec<(Option<usize>, &'static str)> {
+    let mut ops = vec![(None, "embedding")];
+    for (il, l) in model.layers.iter().enumerate() {
+        ops.push((Some(il), "attention"));
+        let ffn = match l.ffn {
+            Ffn::Dense { .. } => "ffn",
+            Ffn::Moe(_) => "experts",
+        };
+        ops.push((Some(il), ffn));
+    }
+    ops.push((None, "output_head"));
+    ops
+}
+
+/// Every group is timed, in step order, and the groups add up to the step within 10%.
+fn check_step(what: &str, model: &Model, p: &GpuStepProfile) {
+    let ops: Vec<_> = p.rows.iter().map(|r| (r.layer, r.op)).collect();
+    assert_eq!(ops, expected_ops(model), "{what}: rows");
+    let step = p.step_gpu_ns.expect("the device has timestamps");
+    assert!(step > 0, "{what}: step time");
+    let mut last_start = 0;
+    let mut sum = 0;
+    for r in &p.rows {
+        let (ns, start) = (r.gpu_ns.unwrap(), r.start_ns.unwrap());
+        assert!(
+            start >= last_start,
+            "{what}: {r:?} starts before {last_start}"
+        );
+        assert!(
+            start + ns <= step,
+            "{what}: {r:?} ends after the step ({step})"
+        );
+        last_start = start;
+        sum += ns;
+    }
+    let diff = sum.abs_diff(step) as f64;
+    assert!(
+        diff <= 0.1 * step as f64,
+        "{what}: groups sum to {sum} ns, the step took {step} ns"
+    );
+}
+
+#[test]
+fn a_dense_step_times_every_layer_and_adds_up() {
+    let Some(dev) = spillway_daemon::gpu::device_or_skip() else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model(tmp.path(), "tiny-llama");
+    let mut on = GpuModel::new(&dev, &model, &options(None)).unwrap();
+    let mut off = GpuModel::new(&dev, &model, &options(None)).unwrap();
+    on.set_profiling(true).unwrap();
+    for (i, &t) in TOKENS.iter().enumerate() {
+        let (a, b) = (on.eval(t).unwrap(), off.eval(t).unwrap());
+        assert_eq!(a, b, "step {i}: profiling changed the logits");
+        check_step(&format!("step {i}"), &model, on.last_profile().unwrap());
+        assert!(on
+            .last_profile()
+            .unwrap()
+            .rows
+            .iter()
+            .all(|r| r.experts.is_none()));
+        assert!(off.last_profile().is_none(), "step {i}: profiling off");
+    }
+    on.set_profiling(false).unwrap();
+    assert!(on.last_profile().is_none());
+    on.eval(9).unwrap();
+    assert!(on.last_profile().is_none(), "profiling turned off");
+}
+
+/// A MoE model with every expert in VRAM (routed on the device) and at the minimum budget
+/// (experts on the CPU, as a chained step and as separate submissions): every MoE layer's row
+/// counts the step's routed experts, and a chained step reports the host's time.
+#[test]
+fn moe_steps_count_their_experts_per_layer() {
+    let Some(dev) = spillway_daemon::gpu::device_or_skip() else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model(tmp.path(), "tiny-qwen3moe");
+    let k = model.config.moe.unwrap().n_expert_used as u64;
+    let minimum = GpuModel::minimum_budget(&dev, &model, &options(None))
+        .unwrap()
+        .total();
+    for (budget, chain) in [(None, true), (Some(minimum), true), (Some(minimum), false)] {
+        let what = format!("budget {budget:?}, chain {chain}");
+        let o = GpuModelOptions {
+            chain,
+            ..options(budget)
+        };
+        let mut off = GpuModel::new(&dev, &model, &o).unwrap();
+        let mut gpu = GpuModel::new(&dev, &model, &o).unwrap();
+        gpu.set_profiling(true).unwrap();
+        let mut cpu = 0;
+        for (i, &t) in TOKENS.iter().enumerate() {
+            let logits = gpu.eval(t).unwrap();
+            assert_eq!(logits, off.eval(t).unwrap(), "{what}, step {i}: logits");
+            let p = gpu.last_profile().unwrap();
+            check_step(&format!("{what}, step {i}"), &model, p);
+            for r in p.rows.iter().filter(|r| r.op == "experts") {
+                let e = r.experts.expect("a MoE layer's counters");
+                assert_eq!(e.hits + e.misses, k, "{what}, step {i}: {r:?}");
+                cpu += e.cpu;
+            }
+            let chained = budget.is_some() && chain && dev.chains();
+            assert_eq!(p.host.is_some(), chained, "{what}");
+        }
+        let total = gpu.expert_stats().unwrap().total();
+        assert_eq!(cpu, total.cpu, "{what}: the deltas add up to the counters");
+        if budget.is_some() {
+            assert!(cpu > 0, "{what}: some experts ran on the CPU");
+        }
+    }
+}
