@@ -611,39 +611,24 @@ impl Recorder<'_> {
     /// As [`Recorder::after_earlier_submissions`], and the host's writes to mapped memory
     /// before this part was released (by a semaphore signal) are visible to it too.
     pub fn after_host_writes(&mut self) {
-        let barrier = vk::MemoryBarrier::default()
-            .src_access_mask(
-                vk::AccessFlags::SHADER_WRITE
-                    | vk::AccessFlags::SHADER_READ
-                    | vk::AccessFlags::HOST_WRITE,
-            )
-            .dst_access_mask(vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE);
-        // SAFETY: `cmd` is recording.
-        unsafe {
-            self.kernels.device.raw.cmd_pipeline_barrier(
-                self.cmd,
-                vk::PipelineStageFlags::COMPUTE_SHADER | vk::PipelineStageFlags::HOST,
-                vk::PipelineStageFlags::COMPUTE_SHADER,
-                vk::DependencyFlags::empty(),
-                &[barrier],
-                &[],
-                &[],
-            );
-        }
-        self.hazards = Hazards::default();
-        self.stats.barriers += 1;
+        self.barrier_after(vk::PipelineStageFlags::HOST, vk::AccessFlags::HOST_WRITE);
     }
 
     /// Compute writes before it are visible to compute reads and writes after it.
     fn barrier(&mut self) {
+        self.barrier_after(vk::PipelineStageFlags::empty(), vk::AccessFlags::empty());
+    }
+
+    /// [`Recorder::barrier`], whose first scope also holds `stage`'s `access`.
+    fn barrier_after(&mut self, stage: vk::PipelineStageFlags, access: vk::AccessFlags) {
         let barrier = vk::MemoryBarrier::default()
-            .src_access_mask(vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::SHADER_READ)
+            .src_access_mask(vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::SHADER_READ | access)
             .dst_access_mask(vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE);
         // SAFETY: `cmd` is recording.
         unsafe {
             self.kernels.device.raw.cmd_pipeline_barrier(
                 self.cmd,
-                vk::PipelineStageFlags::COMPUTE_SHADER,
+                vk::PipelineStageFlags::COMPUTE_SHADER | stage,
                 vk::PipelineStageFlags::COMPUTE_SHADER,
                 vk::DependencyFlags::empty(),
                 &[barrier],
