@@ -1,10 +1,12 @@
 //! Per-layer GPU timestamps of a decode step (`GpuModel::set_profiling`): every op group of
-//! every layer is timed, in order, and the groups add up to the step; MoE layers carry their
-//! expert counters; profiling changes no logits. The tests run on whatever Vulkan device the
+//! every layer is timed, in order, one after the other, and the groups add up to the step,
+//! which fits inside the host's call; MoE layers carry their expert counters; profiling
+//! changes no logits. The tests run on whatever Vulkan device the
 //! machine has (lavapipe in CI) and skip without one, unless `SPILLWAY_REQUIRE_VULKAN` is set.
 
 use std::path::Path;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions, GpuStepProfile};
 use spillway_daemon::gpu::placement::MoeMiss;
@@ -47,25 +49,28 @@ fn expected_ops(model: &Model) -> Vec<(Option<usize>, &'static str)> {
     ops
 }
 
-/// Every group is timed, in step order, and the groups add up to the step within 10%.
-fn check_step(what: &str, model: &Model, p: &GpuStepProfile) {
+/// Every group is timed, in step order, each from where the one before it ended; the groups
+/// add up to the step within 10% (exactly, as the step is split at group boundaries), and the
+/// step took no longer than `wall`, the host's call that waited for it.
+fn check_step(what: &str, model: &Model, p: &GpuStepProfile, wall: Duration) {
     let ops: Vec<_> = p.rows.iter().map(|r| (r.layer, r.op)).collect();
     assert_eq!(ops, expected_ops(model), "{what}: rows");
     let step = p.step_gpu_ns.expect("the device has timestamps");
     assert!(step > 0, "{what}: step time");
-    let mut last_start = 0;
+    assert!(
+        step <= wall.as_nanos() as u64,
+        "{what}: the GPU's step ({step} ns) outlasted the call that waited for it ({wall:?})"
+    );
+    let mut next_start = 0;
     let mut sum = 0;
     for r in &p.rows {
         let (ns, start) = (r.gpu_ns.unwrap(), r.start_ns.unwrap());
-        assert!(
-            start >= last_start,
-            "{what}: {r:?} starts before {last_start}"
-        );
+        assert_eq!(start, next_start, "{what}: {r:?} starts apart from the row before");
         assert!(
             start + ns <= step,
             "{what}: {r:?} ends after the step ({step})"
         );
-        last_start = start;
+        next_start = start + ns;
         sum += ns;
     }
     let diff = sum.abs_diff(step) as f64;
@@ -73,6 +78,13 @@ fn check_step(what: &str, model: &Model, p: &GpuStepProfile) {
         diff <= 0.1 * step as f64,
         "{what}: groups sum to {sum} ns, the step took {step} ns"
     );
+}
+
+/// `f`'s result and how long it took.
+fn timed<T>(f: impl FnOnce() -> T) -> (T, Duration) {
+    let t = Instant::now();
+    let r = f();
+    (r, t.elapsed())
 }
 
 #[test]
@@ -86,9 +98,9 @@ fn a_dense_step_times_every_layer_and_adds_up() {
     let mut off = GpuModel::new(&dev, &model, &options(None)).unwrap();
     on.set_profiling(true).unwrap();
     for (i, &t) in TOKENS.iter().enumerate() {
-        let (a, b) = (on.eval(t).unwrap(), off.eval(t).unwrap());
-        assert_eq!(a, b, "step {i}: profiling changed the logits");
-        check_step(&format!("step {i}"), &model, on.last_profile().unwrap());
+        let (a, wall) = timed(|| on.eval(t).unwrap());
+        assert_eq!(a, off.eval(t).unwrap(), "step {i}: profiling changed the logits");
+        check_step(&format!("step {i}"), &model, on.last_profile().unwrap(), wall);
         assert!(on
             .last_profile()
             .unwrap()
@@ -128,10 +140,10 @@ fn moe_steps_count_their_experts_per_layer() {
         gpu.set_profiling(true).unwrap();
         let mut cpu = 0;
         for (i, &t) in TOKENS.iter().enumerate() {
-            let logits = gpu.eval(t).unwrap();
+            let (logits, wall) = timed(|| gpu.eval(t).unwrap());
             assert_eq!(logits, off.eval(t).unwrap(), "{what}, step {i}: logits");
             let p = gpu.last_profile().unwrap();
-            check_step(&format!("{what}, step {i}"), &model, p);
+            check_step(&format!("{what}, step {i}"), &model, p, wall);
             for r in p.rows.iter().filter(|r| r.op == "experts") {
                 let e = r.experts.expect("a MoE layer's counters");
                 assert_eq!(e.hits + e.misses, k, "{what}, step {i}: {r:?}");

@@ -52,7 +52,6 @@ impl GpuModel {
                             .record_host_routed(rec, k, (&a.xn, &a.x), s)
                     } else {
                         rec.scale_add(&a.x, &self.moe_scratch().cpu_sum, 1.0, n_embd as u32)?;
-                        self.mark(rec, super::profile::ffn(il), true);
                         self.record_from(rec, il + 1, &mut None)
                     }
                 })?;

@@ -657,13 +657,11 @@ impl GpuModel {
                 if !cpu.is_empty() {
                     return Ok(());
                 }
-                self.mark(rec, profile::ffn(*layer), true);
                 layer + 1
             }
             Resume::CpuSum { layer } => {
                 rec.after_earlier_submissions();
                 rec.scale_add(&a.x, &self.moe_scratch().cpu_sum, 1.0, e)?;
-                self.mark(rec, profile::ffn(*layer), true);
                 layer + 1
             }
         };
@@ -681,10 +679,9 @@ impl GpuModel {
         let c = &self.config;
         let (a, e, eps) = (&self.act, c.n_embd as u32, c.rms_eps);
         for (il, l) in self.layers.iter().enumerate().skip(from) {
-            self.mark(rec, profile::attention(il), false);
+            self.mark(rec, profile::attention(il));
             self.record_attention(rec, l)?;
-            self.mark(rec, profile::attention(il), true);
-            self.mark(rec, profile::ffn(il), false);
+            self.mark(rec, profile::ffn(il));
             rec.rms_norm(&a.x, &l.ffn_norm, &a.xn, e, 1, eps)?;
             match &l.ffn {
                 GpuFfn::Dense { gate, up, down } => {
@@ -693,12 +690,10 @@ impl GpuModel {
                     rec.swiglu(&a.gate, &a.up, gate.n_out as u32)?;
                     rec.matvec(down, &a.gate, &a.ffn_out)?;
                     rec.add(&a.x, &a.ffn_out, e)?;
-                    self.mark(rec, profile::ffn(il), true);
                 }
                 GpuFfn::Moe(moe) if self.routes_on_device => {
                     let cfg = c.moe.as_ref().expect("MoE layers have a MoE config");
                     moe.record_routed(rec, il, cfg, (&a.xn, &a.x), self.moe_scratch())?;
-                    self.mark(rec, profile::ffn(il), true);
                 }
                 GpuFfn::Moe(moe) => {
                     let s = self.moe_scratch();
@@ -713,11 +708,10 @@ impl GpuModel {
             }
         }
         let group = profile::head(self.layers.len());
-        self.mark(rec, group, false);
+        self.mark(rec, group);
         rec.rms_norm(&a.x, &self.output_norm, &a.xn, e, 1, eps)?;
         let head = self.output.as_ref().unwrap_or(&self.token_embd);
         rec.matvec(head, &a.xn, &a.logits)?;
-        self.mark(rec, group, true);
         if let Some(p) = &self.profiler {
             p.end(rec);
         }
@@ -730,9 +724,8 @@ impl GpuModel {
         if let Some(p) = &self.profiler {
             p.start(rec);
         }
-        self.mark(rec, profile::EMBEDDING, false);
+        self.mark(rec, profile::EMBEDDING);
         rec.get_rows(&self.token_embd, token, &self.act.x)?;
-        self.mark(rec, profile::EMBEDDING, true);
         Ok(())
     }
 

@@ -1,18 +1,21 @@
 //! Per-layer GPU timestamps of a decode step ([`GpuModel::set_profiling`]).
 //!
 //! With profiling on, the step writes a timestamp (stage `ALL_COMMANDS`: once everything
-//! recorded before it has completed) before and after each op group: the embedding, each
-//! layer's attention (norm, Q/K/V, RoPE, KV store, attention, output projection and residual)
-//! and its FFN (a dense layer's, or a MoE layer's norm, router, experts and shared expert), and
-//! the output head; and a pair around the whole step. The queries live in one pool, created
-//! when profiling is turned on and sized for the step (two per group, two for the step); the
+//! recorded before it has completed) where each op group begins, and one after the last: the
+//! groups are the embedding, each layer's attention (norm, Q/K/V, RoPE, KV store, attention,
+//! output projection and residual) and its FFN (a dense layer's, or a MoE layer's norm,
+//! router, experts and shared expert), and the output head. A group ends where the next one
+//! begins, so every nanosecond of the step belongs to exactly one group: time the device spends
+//! between two groups' commands (barriers, or on a CPU device a thread the OS preempted) is
+//! the earlier group's, not lost between them. The queries live in one pool, created when
+//! profiling is turned on and sized for the step (one per group and one for the end); the
 //! first command buffer of each step resets it. With profiling off no timestamp is written and
 //! no pool exists.
 //!
 //! A MoE layer routed on the host spans command buffers (the router's, the experts', the CPU
-//! sum's): its FFN time runs from its first command buffer to its last, so it includes the
-//! host's routing, the CPU's experts and the waits between them. The host's side of a chained
-//! step is [`GpuStepProfile::host`].
+//! sum's): its FFN time runs from its first command buffer to the next group's, so it includes
+//! the host's routing, the CPU's experts and the waits between them. The host's side of a
+//! chained step is [`GpuStepProfile::host`].
 //!
 //! Where the compute queue has no timestamps (`timestampValidBits` 0) the rows are still
 //! listed, with no GPU times.
@@ -34,9 +37,9 @@ pub struct GpuProfileRow {
     pub layer: Option<usize>,
     /// `embedding`, `attention`, `ffn` (dense), `experts` (MoE) or `output_head`.
     pub op: &'static str,
-    /// GPU time between the group's two timestamps; `None` without timestamps.
+    /// GPU time from the group's timestamp to the next group's; `None` without timestamps.
     pub gpu_ns: Option<u64>,
-    /// From the step's first timestamp.
+    /// From the step's first timestamp (the embedding's).
     pub start_ns: Option<u64>,
     /// MoE layers: this step's change in [`crate::gpu::expert_cache::ExpertStats`].
     pub experts: Option<LayerExpertStats>,
@@ -47,7 +50,8 @@ pub struct GpuProfileRow {
 pub struct GpuStepProfile {
     /// In step order: embedding, then per layer attention and FFN, then the output head.
     pub rows: Vec<GpuProfileRow>,
-    /// GPU time between the step's first and last timestamps; `None` without timestamps.
+    /// GPU time between the step's first and last timestamps, the sum of the rows' times;
+    /// `None` without timestamps.
     pub step_gpu_ns: Option<u64>,
     /// The host's side of a chained step (some experts on the CPU), else `None`.
     pub host: Option<HostTime>,
@@ -69,8 +73,8 @@ pub(super) fn head(n_layer: usize) -> usize {
     1 + 2 * n_layer
 }
 
-/// The query pool of a profiled step: queries 0 and 1 around the step, `2 + 2g` and `3 + 2g`
-/// around group `g`.
+/// The query pool of a profiled step: query `g` where group `g` begins, and one more after the
+/// output head.
 pub(super) struct StepQueries {
     /// `None` where the queue has no timestamps.
     pool: Option<vk::QueryPool>,
@@ -82,7 +86,7 @@ pub(super) struct StepQueries {
 
 impl StepQueries {
     pub(super) fn new(device: &Arc<Device>, n_layer: usize) -> Result<StepQueries> {
-        let count = (2 + 2 * (head(n_layer) + 1)) as u32;
+        let count = (head(n_layer) + 2) as u32;
         let pool = if device.timestamp_valid_bits == 0 {
             None
         } else {
@@ -100,25 +104,24 @@ impl StepQueries {
         })
     }
 
-    /// Resets the pool and marks the step's start: the first thing the step records.
+    /// Resets the pool: the first thing the step records.
     pub(super) fn start(&self, rec: &mut Recorder<'_>) {
         if let Some(pool) = self.pool {
             rec.reset_queries(pool, self.count);
-            rec.write_timestamp(pool, 0);
         }
     }
 
-    /// Marks the step's end: the last thing it records.
+    /// Marks the step's end, after the output head: the last thing it records.
     pub(super) fn end(&self, rec: &mut Recorder<'_>) {
         if let Some(pool) = self.pool {
-            rec.write_timestamp(pool, 1);
+            rec.write_timestamp(pool, self.count - 1);
         }
     }
 
-    /// Marks the beginning (`end` false) or the end of group `group`.
-    pub(super) fn mark(&self, rec: &mut Recorder<'_>, group: usize, end: bool) {
+    /// Marks where group `group` begins (and the one before it ends).
+    pub(super) fn mark(&self, rec: &mut Recorder<'_>, group: usize) {
         if let Some(pool) = self.pool {
-            rec.write_timestamp(pool, (2 + 2 * group + usize::from(end)) as u32);
+            rec.write_timestamp(pool, group as u32);
         }
     }
 
@@ -191,10 +194,10 @@ impl GpuModel {
         self.last_profile.as_ref()
     }
 
-    /// Marks group `group`'s beginning or end when profiling.
-    pub(super) fn mark(&self, rec: &mut Recorder<'_>, group: usize, end: bool) {
+    /// Marks where group `group` begins when profiling.
+    pub(super) fn mark(&self, rec: &mut Recorder<'_>, group: usize) {
         if let Some(p) = &self.profiler {
-            p.mark(rec, group, end);
+            p.mark(rec, group);
         }
     }
 
@@ -214,7 +217,7 @@ impl GpuModel {
         let times = p.read()?;
         let at = |q: usize| times.as_ref().map(|t| t[q]);
         let span = |g: usize| {
-            let (a, b) = (at(2 + 2 * g), at(3 + 2 * g));
+            let (a, b) = (at(g), at(g + 1));
             (a.zip(b).map(|(a, b)| b.saturating_sub(a)), a)
         };
         let row = |layer, op, g, experts| {
@@ -242,7 +245,7 @@ impl GpuModel {
         rows.push(row(None, "output_head", head(self.layers.len()), None));
         self.last_profile = Some(GpuStepProfile {
             rows,
-            step_gpu_ns: at(1),
+            step_gpu_ns: at(p.count as usize - 1),
             host,
         });
         Ok(())
