@@ -65,7 +65,10 @@ fn check_step(what: &str, model: &Model, p: &GpuStepProfile, wall: Duration) {
     let mut sum = 0;
     for r in &p.rows {
         let (ns, start) = (r.gpu_ns.unwrap(), r.start_ns.unwrap());
-        assert_eq!(start, next_start, "{what}: {r:?} starts apart from the row before");
+        assert_eq!(
+            start, next_start,
+            "{what}: {r:?} starts apart from the row before"
+        );
         assert!(
             start + ns <= step,
             "{what}: {r:?} ends after the step ({step})"
@@ -99,8 +102,17 @@ fn a_dense_step_times_every_layer_and_adds_up() {
     on.set_profiling(true).unwrap();
     for (i, &t) in TOKENS.iter().enumerate() {
         let (a, wall) = timed(|| on.eval(t).unwrap());
-        assert_eq!(a, off.eval(t).unwrap(), "step {i}: profiling changed the logits");
-        check_step(&format!("step {i}"), &model, on.last_profile().unwrap(), wall);
+        assert_eq!(
+            a,
+            off.eval(t).unwrap(),
+            "step {i}: profiling changed the logits"
+        );
+        check_step(
+            &format!("step {i}"),
+            &model,
+            on.last_profile().unwrap(),
+            wall,
+        );
         assert!(on
             .last_profile()
             .unwrap()
@@ -117,7 +129,7 @@ fn a_dense_step_times_every_layer_and_adds_up() {
 
 /// A MoE model with every expert in VRAM (routed on the device) and at the minimum budget
 /// (experts on the CPU, as a chained step and as separate submissions): every MoE layer's row
-/// counts the step's routed experts, and a chained step reports the host's time.
+/// counts the step's routed experts, and a step with CPU experts reports the host's time.
 #[test]
 fn moe_steps_count_their_experts_per_layer() {
     let Some(dev) = spillway_daemon::gpu::device_or_skip() else {
@@ -149,8 +161,19 @@ fn moe_steps_count_their_experts_per_layer() {
                 assert_eq!(e.hits + e.misses, k, "{what}, step {i}: {r:?}");
                 cpu += e.cpu;
             }
-            let chained = budget.is_some() && chain && dev.chains();
-            assert_eq!(p.host.is_some(), chained, "{what}");
+            // The host's side is timed whenever experts ran on the CPU.
+            let cpu_step: u64 = p.rows.iter().filter_map(|r| r.experts).map(|e| e.cpu).sum();
+            assert_eq!(
+                p.host.is_some(),
+                cpu_step > 0,
+                "{what}, step {i}: host time"
+            );
+            if let Some(h) = p.host {
+                assert!(
+                    h.cpu_experts_ns > 0 && h.cpu_experts_ns <= h.step_ns,
+                    "{what}: {h:?}"
+                );
+            }
         }
         let total = gpu.expert_stats().unwrap().total();
         assert_eq!(cpu, total.cpu, "{what}: the deltas add up to the counters");
@@ -158,4 +181,52 @@ fn moe_steps_count_their_experts_per_layer() {
             assert!(cpu > 0, "{what}: some experts ran on the CPU");
         }
     }
+}
+
+/// Under a RAM budget the CPU's experts come from the SSD through the tile reader: each MoE
+/// row's `ssd_bytes` is what its layer read, and a step's rows add up to what the reader
+/// delivered in that step; without a RAM budget no row claims SSD bytes.
+#[test]
+fn ssd_bytes_per_layer_add_up_to_what_the_reader_delivered() {
+    let Some(dev) = spillway_daemon::gpu::device_or_skip() else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model(tmp.path(), "tiny-qwen3moe");
+    let minimum = GpuModel::minimum_budget(&dev, &model, &options(None))
+        .unwrap()
+        .total();
+    let ram = spillway_daemon::stream::minimum_ram_budget(&model);
+    for chain in [true, false] {
+        let o = GpuModelOptions {
+            chain,
+            ram_budget: Some(ram),
+            ..options(Some(minimum))
+        };
+        let mut gpu = GpuModel::new(&dev, &model, &o).unwrap();
+        gpu.set_profiling(true).unwrap();
+        let mut read = 0;
+        for (i, &t) in TOKENS.iter().cycle().take(8).enumerate() {
+            let before = gpu.ram_delivered().expect("a RAM tier").0;
+            gpu.eval(t).unwrap();
+            let delivered = gpu.ram_delivered().unwrap().0 - before;
+            let p = gpu.last_profile().unwrap();
+            let rows: u64 = p.rows.iter().filter_map(|r| r.ssd_bytes).sum();
+            assert_eq!(rows, delivered, "chain {chain}, step {i}");
+            for r in &p.rows {
+                assert_eq!(r.ssd_bytes.is_some(), r.op == "experts", "{r:?}");
+            }
+            read += delivered;
+        }
+        assert!(
+            read > 0,
+            "chain {chain}: the RAM tier read experts from the SSD"
+        );
+    }
+    let mut plain = GpuModel::new(&dev, &model, &options(Some(minimum))).unwrap();
+    plain.set_profiling(true).unwrap();
+    plain.eval(1).unwrap();
+    assert!(plain.ram_delivered().is_none());
+    let p = plain.last_profile().unwrap();
+    assert!(p.rows.iter().all(|r| r.ssd_bytes.is_none()));
 }

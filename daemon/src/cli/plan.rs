@@ -65,7 +65,7 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
     }
 }
 
-fn load_profile(name: Option<&str>) -> anyhow::Result<HardwareProfile> {
+pub fn load_profile(name: Option<&str>) -> anyhow::Result<HardwareProfile> {
     let shipped: Vec<&str> = SHIPPED_PROFILES.iter().map(|p| p.0).collect();
     let Some(name) = name else {
         // Calibration is not wired into the daemon yet, so there is no stored profile to use.

@@ -2,7 +2,8 @@
 //! [`ServeConfig`], sets up logging and runs the server until SIGTERM or SIGINT.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
@@ -14,6 +15,7 @@ use spillway_daemon::server::models::name_from_path;
 use spillway_daemon::server::service::ModelDefaults;
 use spillway_daemon::server::{serve, ListenAddr, ServeConfig};
 use spillway_proto::endpoint::default_socket_path;
+use spillway_sched::profile::HardwareProfile;
 use spillway_sched::ByteSize;
 
 #[derive(Debug, Clone, Args)]
@@ -65,6 +67,12 @@ pub struct ServeArgs {
     /// Seconds in-flight requests may run on after SIGTERM before they are cancelled.
     #[arg(long, default_value_t = 10.0)]
     pub grace_period: f64,
+    /// The machine's hardware profile, for the predicted times and bandwidth limits of
+    /// `spillway profile`: a TOML file from `spillwayd calibrate`, or a shipped one (laptop-8gb,
+    /// desktop-24gb, h200). Default: the one profile `spillwayd calibrate` stored in the cache
+    /// directory, if there is exactly one; else profiles carry no predictions.
+    #[arg(long, value_name = "FILE|NAME")]
+    pub hardware_profile: Option<String>,
     /// Log level or filter (`info`, `debug`, `spillway_daemon=trace`); RUST_LOG wins when set.
     #[arg(long, default_value = "info")]
     pub log_level: String,
@@ -108,6 +116,8 @@ impl ServeArgs {
             std::env::var_os("XDG_CACHE_HOME").map(PathBuf::from),
             std::env::var_os("HOME").map(PathBuf::from),
         );
+        let hardware =
+            hardware_profile(self.hardware_profile.as_deref(), cache_dir.as_deref())?.map(Arc::new);
         Ok(ServeConfig {
             listen,
             token,
@@ -124,6 +134,7 @@ impl ServeArgs {
                 device: self.device,
                 vram_budget: self.vram_budget.map(|b| b.0),
                 ram_budget: self.ram_budget.map(|b| b.0),
+                hardware,
             },
             grace: Duration::from_secs_f64(self.grace_period),
         })
@@ -157,4 +168,44 @@ fn init_logging(level: &str) -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     Ok(())
+}
+
+/// The hardware profile `name` names (see `--hardware-profile`), or the one calibrated profile
+/// in the cache directory.
+fn hardware_profile(
+    name: Option<&str>,
+    cache_dir: Option<&Path>,
+) -> anyhow::Result<Option<HardwareProfile>> {
+    if let Some(name) = name {
+        return super::plan::load_profile(Some(name)).map(Some);
+    }
+    let Some(dir) = cache_dir.map(|d| d.join("profiles")) else {
+        return Ok(None);
+    };
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return Ok(None);
+    };
+    let stored: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "toml"))
+        .collect();
+    match stored.as_slice() {
+        [one] => {
+            let text = std::fs::read_to_string(one)
+                .with_context(|| format!("reading {}", one.display()))?;
+            let profile = HardwareProfile::from_toml(&text)
+                .with_context(|| format!("hardware profile {}", one.display()))?;
+            tracing::info!("hardware profile: {}", one.display());
+            Ok(Some(profile))
+        }
+        [] => Ok(None),
+        many => {
+            tracing::info!(
+                "{} hardware profiles in {}: pass --hardware-profile to use one",
+                many.len(),
+                dir.display()
+            );
+            Ok(None)
+        }
+    }
 }

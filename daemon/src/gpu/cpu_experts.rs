@@ -102,4 +102,10 @@ impl CpuExperts {
         let cache = self.ram.as_ref()?.lock();
         Some((cache.layer_stats().to_vec(), cache.buffer_bytes()))
     }
+
+    /// Bytes and tiles the RAM tier's reader has delivered from the SSD; `None` without a RAM
+    /// budget.
+    pub fn ram_delivered(&self) -> Option<(u64, u64)> {
+        Some(self.ram.as_ref()?.lock().reader().delivered())
+    }
 }

@@ -83,7 +83,12 @@ impl GpuSequence {
         )
     }
 
-    /// The model, for profiles (`super::profile_gpu`).
+    /// The model's weights, for profiles (`super::profile::gpu`).
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    /// The model on the device, for profiles (`super::profile::gpu`).
     pub fn gpu_mut(&mut self) -> &mut GpuModel {
         &mut self.gpu
     }

@@ -23,7 +23,6 @@ pub mod gpu;
 pub mod listen;
 pub mod models;
 pub mod profile;
-pub mod profile_gpu;
 pub mod service;
 pub mod stats;
 pub mod validate;

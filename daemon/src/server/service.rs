@@ -43,6 +43,9 @@ pub struct ModelDefaults {
     pub vram_budget: Option<u64>,
     /// RAM for the CPU's experts of each model on a Vulkan device (`--ram-budget`).
     pub ram_budget: Option<u64>,
+    /// The machine's measured limits, for profiles' predicted times and bandwidths
+    /// (`--hardware-profile`).
+    pub hardware: Option<Arc<spillway_sched::profile::HardwareProfile>>,
 }
 
 /// State shared by the service, the loader and shutdown.
@@ -221,6 +224,7 @@ impl Spillway for SpillwayService {
             steps: valid.steps,
             deadline,
             tx,
+            hardware: self.state.defaults.hardware.clone(),
         })?;
         Ok(Response::new(ReceiverStream::new(rx)))
     }

@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
 use super::gpu::GpuSequence;
+use super::profile::costs::Costs;
 use super::profile::{step_message, totals_message, ProfileJob};
 use super::stats::ModelStats;
 use crate::engine::decode::{DecodeOptions, Decoder, TokenStep};
@@ -162,7 +163,7 @@ fn check(
 }
 
 /// Why a job stopped before its natural end.
-pub(super) enum Interrupt {
+pub(crate) enum Interrupt {
     /// The caller went away: nobody to tell.
     Gone,
     Fail(Status),
@@ -479,7 +480,7 @@ impl<E: Sequences> WorkerContext<E> {
             "profile"
         );
         if let Some(gpu) = self.engine.gpu_profiler() {
-            return super::profile_gpu::run(gpu, job, &check);
+            return super::profile::gpu::run(gpu, job, &check);
         }
         let Some(engine) = self.engine.profiler() else {
             return Err(Interrupt::Fail(Status::failed_precondition(
@@ -488,6 +489,7 @@ impl<E: Sequences> WorkerContext<E> {
         };
         let fail = |e: crate::engine::EngineError| Interrupt::Fail(Status::internal(e.to_string()));
         let layers = engine.model().config.n_layer;
+        let costs = Costs::new(engine.model(), job.hardware.clone());
         let send =
             |msg: pb::ProfileStep| job.tx.blocking_send(Ok(msg)).map_err(|_| Interrupt::Gone);
         engine.reset(seq);
@@ -497,8 +499,11 @@ impl<E: Sequences> WorkerContext<E> {
             .eval_sequence_with(seq, &job.prompt, false, Some(&mut prefill))
             .map_err(fail)?;
         let mut next = argmax(&logits) as u32;
-        send(step_message(0, &prefill, origin))?;
+        let mut msg = step_message(0, &prefill, origin);
+        costs.annotate_cpu(&mut msg);
+        send(msg)?;
         let mut decode: Vec<StepProfile> = Vec::with_capacity(job.steps);
+        let mut sent: Vec<pb::ProfileStep> = Vec::with_capacity(job.steps);
         for i in 1..=job.steps {
             check()?;
             let mut p = StepProfile::default();
@@ -507,9 +512,14 @@ impl<E: Sequences> WorkerContext<E> {
                 .map_err(fail)?;
             next = argmax(&logits) as u32;
             let mut msg = step_message(i, &p, origin);
+            costs.annotate_cpu(&mut msg);
             decode.push(p);
+            sent.push(msg.clone());
             if i == job.steps {
-                msg.totals = Some(totals_message(&prefill, &decode, layers));
+                let mut totals = totals_message(&prefill, &decode, layers);
+                totals.bandwidths = costs.bandwidths(&sent);
+                totals.hardware_profile = costs.hardware_name();
+                msg.totals = Some(totals);
             }
             send(msg)?;
         }

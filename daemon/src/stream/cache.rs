@@ -176,6 +176,11 @@ impl ExpertCache {
         (pool.count() * pool.buffer_size()) as u64
     }
 
+    /// The reader the cache loads through.
+    pub fn reader(&self) -> &Arc<TileReader> {
+        &self.reader
+    }
+
     pub fn stats(&self, layer: u32) -> LayerStats {
         self.stats.get(layer as usize).copied().unwrap_or_default()
     }
@@ -249,7 +254,11 @@ impl ExpertCache {
         let Some(Entry::Loading(handles)) = self.entries.remove(&key) else {
             unreachable!("finish_load of an expert that is not loading");
         };
-        let tiles: Result<Vec<Tile>, StreamError> = handles.into_iter().map(|h| h.wait()).collect();
+        let results: Vec<Result<Tile, StreamError>> =
+            handles.into_iter().map(|h| h.wait()).collect();
+        let read: u64 = results.iter().flatten().map(|t| t.len() as u64).sum();
+        self.stats_mut(key.layer).bytes_read += read;
+        let tiles: Result<Vec<Tile>, StreamError> = results.into_iter().collect();
         match tiles {
             Ok(tiles) => {
                 let expert = Arc::new(Expert { key, tiles });
@@ -432,9 +441,14 @@ mod tests {
                 hits: 1,
                 misses: 1,
                 evictions: 0,
-                prefetches: 0
+                prefetches: 0,
+                bytes_read: EXPERT as u64,
             }
         );
+        // Each miss read one expert, and the reader delivered just those bytes.
+        let read: u64 = f.cache.layer_stats().iter().map(|s| s.bytes_read).sum();
+        assert_eq!(read, 3 * EXPERT as u64);
+        assert_eq!(f.cache.reader().delivered(), (read, 6));
         // Layer 2's load evicted layer 1's expert, the least recently used.
         assert_eq!(f.cache.stats(1).evictions, 1);
         assert_eq!(f.cache.stats(2).misses, 1);

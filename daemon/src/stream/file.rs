@@ -7,6 +7,7 @@ use std::io;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::os::unix::io::{AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::buffer::{AlignedRegion, HostRegion, ALIGN};
 use super::error::StreamError;
@@ -39,6 +40,10 @@ pub(crate) struct ModelFile {
     /// Why O_DIRECT is not used, when it is not.
     direct_refused: Option<String>,
     seen: Identity,
+    /// Bytes of the tiles delivered from this file (the requested lengths, not the aligned
+    /// spans an O_DIRECT read covers), and how many tiles.
+    delivered: AtomicU64,
+    tiles: AtomicU64,
 }
 
 impl ModelFile {
@@ -67,7 +72,23 @@ impl ModelFile {
             direct: direct_refused.is_none(),
             direct_refused,
             seen,
+            delivered: AtomicU64::new(0),
+            tiles: AtomicU64::new(0),
         })
+    }
+
+    /// Counts a tile delivered from the file.
+    pub(crate) fn count_tile(&self, len: usize) {
+        self.delivered.fetch_add(len as u64, Ordering::Relaxed);
+        self.tiles.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Bytes and tiles delivered so far.
+    pub(crate) fn delivered(&self) -> (u64, u64) {
+        (
+            self.delivered.load(Ordering::Relaxed),
+            self.tiles.load(Ordering::Relaxed),
+        )
     }
 
     pub(crate) fn path(&self) -> &Path {

@@ -42,6 +42,8 @@ pub struct LayerStats {
     pub evictions: u64,
     /// Prefetch reads issued (a later lookup of the same expert counts as a hit).
     pub prefetches: u64,
+    /// Bytes of this layer's experts read from the file (demand reads and prefetches).
+    pub bytes_read: u64,
 }
 
 impl LayerStats {

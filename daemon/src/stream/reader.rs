@@ -207,6 +207,12 @@ impl TileReader {
     }
 
     /// The file's size when it was opened.
+    /// Bytes of the tiles delivered so far (their requested lengths) and how many: what the
+    /// reader moved from the SSD into RAM. Failed and cancelled reads are not counted.
+    pub fn delivered(&self) -> (u64, u64) {
+        self.shared.file.delivered()
+    }
+
     pub fn file_len(&self) -> u64 {
         self.shared.file.len()
     }

@@ -116,6 +116,7 @@ impl Finished {
                 }),
                 (None, None) => {
                     let buf = buf.take().expect("the buffer is still here");
+                    file.count_tile(len);
                     Ok(Tile::new(buf, (offset - start) as usize, len, offset))
                 }
                 (None, Some(Outcome::ShortRead { available })) => Err(StreamError::ShortRead {

@@ -26,6 +26,7 @@ mod profile;
 pub use profile::{GpuProfileRow, GpuStepProfile};
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use super::alloc::{Allocator, MemoryUse};
 use super::buffer::Buffer;
@@ -159,12 +160,14 @@ enum Resume {
     CpuSum { layer: usize },
 }
 
-/// Where the host's time went in a chained step ([`chained`]), from the submission on.
+/// Where the host's time went in a step with experts on the CPU: a chained step ([`chained`])
+/// from its submission on, or a step of separate submissions.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct HostTime {
-    /// The whole step after its submission.
+    /// The whole step (a chain's after its submission).
     pub step_ns: u64,
-    /// Waiting for the device (a router's logits, the resident experts, the last part).
+    /// Waiting for the device (a router's logits, the resident experts, the last part); with
+    /// separate submissions, recording and submitting them too.
     pub wait_ns: u64,
     /// Computing experts on the CPU (the device runs the resident ones meanwhile).
     pub cpu_experts_ns: u64,
@@ -499,6 +502,12 @@ impl GpuModel {
         self.experts.as_ref()?.cpu.as_ref()?.ram_stats()
     }
 
+    /// Bytes and tiles the RAM tier's reader has read from the SSD (see
+    /// [`crate::stream::TileReader::delivered`]); `None` without a RAM budget.
+    pub fn ram_delivered(&self) -> Option<(u64, u64)> {
+        self.experts.as_ref()?.cpu.as_ref()?.ram_delivered()
+    }
+
     /// Where the host's time went in the last step, when it was a chain (some experts on the
     /// CPU); `None` otherwise.
     pub fn last_host_time(&self) -> Option<HostTime> {
@@ -563,7 +572,8 @@ impl GpuModel {
             let logits = self.eval_chained(token)?;
             (logits, self.last_host_time)
         } else {
-            (self.eval_parts(token)?, None)
+            let logits = self.eval_parts(token)?;
+            (logits, self.last_host_time)
         };
         if profiling {
             self.profile_after(host)?;
@@ -578,6 +588,8 @@ impl GpuModel {
         let mut stats = RecordStats::default();
         let mut routings: Vec<LayerRouting> = Vec::new();
         let mut resume = Resume::Start;
+        let mut time = HostTime::default();
+        let (start, mut cpu_ran) = (Instant::now(), false);
         loop {
             let mut paused_at = None;
             let cpu_job = match &resume {
@@ -587,16 +599,23 @@ impl GpuModel {
                 _ => None,
             };
             let cpu = self.experts.as_ref().and_then(|e| e.cpu.as_ref());
+            cpu_ran |= cpu_job.is_some();
             // The CPU's experts run between this part's submission and its completion.
+            let (part_start, mut cpu_ns) = (Instant::now(), 0);
             let (part, cpu_sum) = self.kernels.record_overlapped(
                 |rec| self.record_part(rec, token, &resume, &mut paused_at),
                 || {
                     cpu_job.map(|(layer, experts, xn)| {
                         let cpu = cpu.expect("a partial placement has CPU experts");
-                        cpu.weighted_sum(layer, xn, experts)
+                        let t = Instant::now();
+                        let sum = cpu.weighted_sum(layer, xn, experts);
+                        cpu_ns = t.elapsed().as_nanos() as u64;
+                        sum
                     })
                 },
             )?;
+            time.cpu_experts_ns += cpu_ns;
+            time.wait_ns += (part_start.elapsed().as_nanos() as u64).saturating_sub(cpu_ns);
             let cpu_sum = cpu_sum.transpose()?;
             stats.dispatches += part.dispatches;
             stats.barriers += part.barriers;
@@ -625,6 +644,8 @@ impl GpuModel {
         }
         self.last_stats = stats;
         self.last_routing = routings;
+        time.step_ns = start.elapsed().as_nanos() as u64;
+        self.last_host_time = cpu_ran.then_some(time);
         Ok(self.act.logits.read_f32(self.config.n_vocab))
     }
 

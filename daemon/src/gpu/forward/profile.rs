@@ -43,6 +43,10 @@ pub struct GpuProfileRow {
     pub start_ns: Option<u64>,
     /// MoE layers: this step's change in [`crate::gpu::expert_cache::ExpertStats`].
     pub experts: Option<LayerExpertStats>,
+    /// MoE layers under a RAM budget: bytes of the layer's CPU experts the RAM tier read from
+    /// the SSD in this step. `None` elsewhere (experts read through the memory map, whose page
+    /// faults are the OS's and not counted).
+    pub ssd_bytes: Option<u64>,
 }
 
 /// What one step did, per op group.
@@ -82,6 +86,8 @@ pub(super) struct StepQueries {
     device: Arc<Device>,
     /// Expert counters before the step, for the deltas.
     pub(super) before: Vec<LayerExpertStats>,
+    /// The RAM tier's bytes read per layer before the step.
+    ram_before: Vec<u64>,
 }
 
 impl StepQueries {
@@ -101,6 +107,7 @@ impl StepQueries {
             count,
             device: device.clone(),
             before: Vec::new(),
+            ram_before: Vec::new(),
         })
     }
 
@@ -204,9 +211,17 @@ impl GpuModel {
     /// Before a profiled step: the expert counters, for the deltas.
     pub(super) fn profile_before(&mut self) {
         let stats = self.experts.as_ref().map(|e| e.stats.clone());
+        let ram = self.ram_bytes_read();
         if let Some(p) = self.profiler.as_mut() {
             p.before = stats.unwrap_or_default();
+            p.ram_before = ram.unwrap_or_default();
         }
+    }
+
+    /// The RAM tier's bytes read from the SSD per layer; `None` without a RAM budget.
+    fn ram_bytes_read(&self) -> Option<Vec<u64>> {
+        let (stats, _) = self.ram_tier()?;
+        Some(stats.iter().map(|s| s.bytes_read).collect())
     }
 
     /// After a profiled step: its rows from the queries and the expert counters.
@@ -215,6 +230,12 @@ impl GpuModel {
             return Ok(());
         };
         let times = p.read()?;
+        let ram = self.ram_bytes_read();
+        let ssd_bytes = |il: usize| {
+            let now = ram.as_ref()?;
+            let before = p.ram_before.get(il).copied().unwrap_or(0);
+            Some(now.get(il).copied().unwrap_or(0) - before)
+        };
         let at = |q: usize| times.as_ref().map(|t| t[q]);
         let span = |g: usize| {
             let (a, b) = (at(g), at(g + 1));
@@ -228,6 +249,7 @@ impl GpuModel {
                 gpu_ns,
                 start_ns,
                 experts,
+                ssd_bytes: None,
             }
         };
         let mut rows = vec![row(None, "embedding", EMBEDDING, None)];
@@ -238,7 +260,10 @@ impl GpuModel {
                 GpuFfn::Moe(_) => {
                     let now = self.experts.as_ref().map(|e| e.stats[il]);
                     let delta = now.map(|n| delta(&n, p.before.get(il)));
-                    row(Some(il), "experts", ffn(il), delta)
+                    GpuProfileRow {
+                        ssd_bytes: ssd_bytes(il),
+                        ..row(Some(il), "experts", ffn(il), delta)
+                    }
                 }
             });
         }

@@ -9,21 +9,27 @@
 //! "engine", without a layer: "cpu_experts" and "host_wait", the host's totals for the step,
 //! both placed at the step's start (the host does not time them per layer).
 //!
-//! Partial: `weight_bytes` and bytes moved between tiers are not counted on the GPU, and
-//! predicted times are unset; without timestamps (`timestampValidBits` 0) the rows carry no
-//! GPU time.
+//! Weight bytes, bytes moved and predicted times come from [`super::costs`]: a GPU row's
+//! weight bytes are what the GPU read (a MoE row's: the router, the shared expert and the
+//! experts run from VRAM), the host row "cpu_experts" carries the experts the CPU ran; MoE
+//! rows carry the bytes copied into VRAM and, under a RAM budget, the bytes the RAM tier read
+//! from the SSD for their CPU experts.
+//!
+//! Partial: without timestamps (`timestampValidBits` 0) the rows carry no GPU time; the host
+//! rows are per-step totals, not per layer.
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use spillway_proto::v1 as pb;
 
-use super::gpu::GpuSequence;
-use super::profile::ProfileJob;
-use super::worker::Interrupt;
+use super::costs::{Costs, ExpertSplit};
+use super::ProfileJob;
 use crate::engine::argmax;
 use crate::gpu::forward::GpuStepProfile;
 use crate::gpu::GpuError;
+use crate::server::gpu::GpuSequence;
+use crate::server::worker::Interrupt;
 
 /// Where GPU rows run, and the host's.
 const GPU_TRACK: &str = "gpu-compute";
@@ -53,7 +59,10 @@ impl GpuStep {
                 a.misses += b.misses;
                 a.cpu += b.cpu;
                 a.fetched += b.fetched;
+                a.evictions += b.evictions;
+                a.bytes_uploaded += b.bytes_uploaded;
             }
+            r.ssd_bytes = r.ssd_bytes.zip(s.ssd_bytes).map(|(a, b)| a + b);
         }
         p.step_gpu_ns = p.step_gpu_ns.zip(q.step_gpu_ns).map(|(a, b)| a + b);
         if let (Some(a), Some(b)) = (p.host.as_mut(), q.host) {
@@ -71,8 +80,14 @@ fn ns(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
-/// Step `index` (0: the prompt) as a message; `origin` is when the profile began.
-pub fn gpu_step_message(index: usize, s: &GpuStep, origin: Instant) -> pb::ProfileStep {
+/// Step `index` (0: the prompt) as a message, its costs from `costs`; `origin` is when the
+/// profile began.
+pub fn gpu_step_message(
+    index: usize,
+    s: &GpuStep,
+    origin: Instant,
+    costs: &Costs,
+) -> pb::ProfileStep {
     let mut rows: Vec<pb::ProfileRow> = s
         .profile
         .rows
@@ -104,7 +119,7 @@ pub fn gpu_step_message(index: usize, s: &GpuStep, origin: Instant) -> pb::Profi
             });
         }
     }
-    pb::ProfileStep {
+    let mut msg = pb::ProfileStep {
         step: index as u32,
         phase: if index == 0 { "prefill" } else { "decode" }.into(),
         tokens: s.tokens as u32,
@@ -112,7 +127,17 @@ pub fn gpu_step_message(index: usize, s: &GpuStep, origin: Instant) -> pb::Profi
         duration_ns: ns(s.duration),
         rows,
         totals: None,
+    };
+    let n_layer = s.experts.len();
+    let (mut splits, mut ssd) = (vec![None; n_layer], vec![None; n_layer]);
+    for r in &s.profile.rows {
+        if let (Some(l), Some(e)) = (r.layer, r.experts) {
+            splits[l] = Some(ExpertSplit::of(&e));
+            ssd[l] = r.ssd_bytes;
+        }
     }
+    costs.annotate_gpu(&mut msg, &splits, &ssd);
+    msg
 }
 
 /// The totals of a GPU profile: device times are means per decode step ("gpu": between the
@@ -152,6 +177,7 @@ pub fn gpu_totals_message(
         cpu_bandwidth_bytes_per_second: 0.0,
         bottleneck: bottleneck(decode, gpu),
         layers: layers as u32,
+        ..Default::default()
     }
 }
 
@@ -177,12 +203,13 @@ fn bottleneck(decode: &[GpuStep], total: u64) -> String {
 
 /// Runs `job` on the GPU model: the prompt, then greedy decode steps, each sent as it
 /// completes; the last carries the totals. Profiling is off again afterwards.
-pub(super) fn run(
+pub(crate) fn run(
     seq: &mut GpuSequence,
     job: &ProfileJob,
     check: &dyn Fn() -> Result<(), Interrupt>,
 ) -> Result<(), Interrupt> {
     let send = |msg: pb::ProfileStep| job.tx.blocking_send(Ok(msg)).map_err(|_| Interrupt::Gone);
+    let costs = Costs::new(seq.model(), job.hardware.clone());
     seq.gpu_mut().reset();
     seq.gpu_mut().set_profiling(true).map_err(fail)?;
     let result = (|| {
@@ -199,17 +226,22 @@ pub(super) fn run(
             }
         }
         let prefill = prefill.ok_or_else(|| fail_msg("the prompt is empty"))?;
-        send(gpu_step_message(0, &prefill, origin))?;
+        send(gpu_step_message(0, &prefill, origin, &costs))?;
         let layers = seq.gpu_mut().config().n_layer;
         let mut decode = Vec::with_capacity(job.steps);
+        let mut sent = Vec::with_capacity(job.steps);
         for i in 1..=job.steps {
             check()?;
             let (logits, s) = step(seq, next)?;
             next = argmax(&logits) as u32;
-            let mut msg = gpu_step_message(i, &s, origin);
+            let mut msg = gpu_step_message(i, &s, origin, &costs);
             decode.push(s);
+            sent.push(msg.clone());
             if i == job.steps {
-                msg.totals = Some(gpu_totals_message(&prefill, &decode, layers));
+                let mut totals = gpu_totals_message(&prefill, &decode, layers);
+                totals.bandwidths = costs.bandwidths(&sent);
+                totals.hardware_profile = costs.hardware_name();
+                msg.totals = Some(totals);
             }
             send(msg)?;
         }
@@ -270,6 +302,7 @@ mod tests {
                 cpu: 1,
                 ..Default::default()
             }),
+            ssd_bytes: None,
         };
         GpuStep {
             tokens: 1,
@@ -300,7 +333,8 @@ mod tests {
         let origin = Instant::now();
         let mut p = step(origin, 100, 2, 7);
         p.add(&step(origin, 50, 3, 1));
-        let m = gpu_step_message(0, &p, origin);
+        let (_dir, model) = super::super::costs::tests::tiny_moe();
+        let m = gpu_step_message(0, &p, origin, &Costs::new(&model, None));
         assert_eq!(
             (m.phase.as_str(), m.tokens, m.start_ns),
             ("prefill", 2, 3_000)

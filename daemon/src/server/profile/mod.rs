@@ -5,13 +5,19 @@
 //! A profile runs alone on the worker: requests already decoding wait for it (it is a
 //! diagnostic, and sharing the steps would blur its numbers).
 //!
-//! Models on a Vulkan device are profiled from GPU timestamps instead (`super::profile_gpu`).
+//! Models on a Vulkan device are profiled from GPU timestamps instead ([`gpu`]).
 //!
 //! Partial: on the CPU engine, bytes moved between tiers, expert-cache hits and predicted times
 //! are left unset (the daemon has no calibrated hardware profile to feed the
 //! scheduler's roofline predictors yet).
 
+pub mod costs;
+pub mod gpu;
+
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use spillway_sched::profile::HardwareProfile;
 
 use spillway_proto::v1 as pb;
 use tokio::sync::mpsc;
@@ -28,6 +34,8 @@ pub struct ProfileJob {
     pub steps: usize,
     pub deadline: Option<Instant>,
     pub tx: mpsc::Sender<ProfileItem>,
+    /// What predicted times and bandwidth limits come from (`--hardware-profile`).
+    pub hardware: Option<Arc<HardwareProfile>>,
 }
 
 /// Where the CPU engine's records run: the model's worker thread.
@@ -85,6 +93,7 @@ pub fn totals_message(
         cpu_bandwidth_bytes_per_second: s.cpu_bandwidth,
         bottleneck: s.bottleneck,
         layers: layers as u32,
+        ..Default::default()
     }
 }
 
