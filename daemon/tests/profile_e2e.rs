@@ -111,6 +111,45 @@ async fn profile_streams_every_layer_of_every_step_then_the_totals() {
     assert_eq!(n, 2);
 }
 
+/// With a hardware profile the rows that read weights carry the scheduler's prediction, the
+/// others none, and the totals give the CPU's weight bandwidth against the profile's memory
+/// bandwidth.
+#[tokio::test]
+async fn a_hardware_profile_gives_predictions_and_limits() {
+    let d = Daemon::with_test_model(&["--hardware-profile", "h200"]).await;
+    let mut client = d.client().await;
+    let steps = profile(
+        &mut client,
+        pb::ProfileRequest {
+            input: Some(Input::TokenCount(5)),
+            steps: 2,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    for s in &steps {
+        for r in &s.rows {
+            let reads = !matches!(r.op.as_str(), "rope_cache" | "attention");
+            assert_eq!(r.predicted_ns.is_some(), reads, "step {}: {r:?}", s.step);
+            if reads {
+                assert!(r.weight_bytes > 0 && r.predicted_ns.unwrap() > 0, "{r:?}");
+            }
+        }
+    }
+    let totals = steps[2].totals.clone().unwrap();
+    assert!(
+        totals.hardware_profile.contains("H200"),
+        "{}",
+        totals.hardware_profile
+    );
+    let links: Vec<_> = totals.bandwidths.iter().map(|b| b.link.as_str()).collect();
+    assert_eq!(links, ["cpu"], "a CPU model reads weights from RAM only");
+    let cpu = &totals.bandwidths[0];
+    assert!(cpu.bytes > 0 && cpu.bytes_per_second > 0.0);
+    assert!(cpu.limit_bytes_per_second.is_some_and(|l| l > 0.0));
+}
+
 #[tokio::test]
 async fn bad_profile_requests_are_invalid_arguments() {
     let d = Daemon::with_test_model(&["--ctx", "64"]).await;

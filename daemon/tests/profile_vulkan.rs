@@ -1,7 +1,10 @@
 //! The `Profile` RPC for models on a Vulkan device, end to end: a real `spillwayd serve` with a
-//! dense model and a MoE model over its VRAM budget (some experts on the CPU) on the GPU. Every
-//! step has a GPU row for each layer's attention and FFN, on the "gpu-compute" track, and MoE
-//! layers count their experts. Asserts what the stream carries, never how fast. Runs on
+//! dense model and a MoE model over its VRAM budget (some experts on the CPU, read from the SSD
+//! into a RAM budget) on the GPU. Every step has a GPU row for each layer's attention and FFN,
+//! on the "gpu-compute" track, with its weight bytes and predicted time (the daemon runs with a
+//! shipped hardware profile); MoE layers count their experts and the bytes the RAM tier read;
+//! the totals give each link's bandwidth against the profile's limit. Asserts what the stream
+//! carries, never how fast. Runs on
 //! whatever Vulkan device the machine has (lavapipe in CI) and skips without one, unless
 //! `SPILLWAY_REQUIRE_VULKAN` is set.
 
@@ -88,7 +91,20 @@ fn check(what: &str, steps: &[pb::ProfileStep], moe: bool) {
         for r in s.rows.iter().filter(|r| r.device != "gpu") {
             assert_eq!((r.device.as_str(), r.track.as_str()), ("cpu", "engine"));
         }
+        for r in &gpu {
+            assert!(r.weight_bytes > 0, "{what}, step {i}: {r:?}");
+            assert!(r.predicted_ns.is_some_and(|p| p > 0), "{what}: {r:?}");
+            let pcie = r
+                .ram_to_vram_bytes
+                .expect("GPU rows count copies into VRAM");
+            // Misses run on the CPU: nothing is copied into VRAM.
+            assert_eq!(pcie, 0, "{what}: {r:?}");
+        }
     }
+    assert!(!totals.hardware_profile.is_empty());
+    let gpu = totals.bandwidths.iter().find(|b| b.link == "gpu").unwrap();
+    assert!(gpu.bytes > 0 && gpu.bytes_per_second > 0.0, "{gpu:?}");
+    assert!(gpu.limit_bytes_per_second.is_some_and(|l| l > 0.0));
 }
 
 #[tokio::test]
@@ -100,7 +116,15 @@ async fn vulkan_models_answer_profile_with_gpu_rows_for_every_layer() {
     let dense = synth(dir.path(), "tiny-llama");
     let moe = synth(dir.path(), "tiny-qwen3moe");
     let start = format!("dense={}", dense.display());
-    let d = Daemon::start(&["--device", "vulkan", "--model", &start]).await;
+    let d = Daemon::start(&[
+        "--device",
+        "vulkan",
+        "--model",
+        &start,
+        "--hardware-profile",
+        "h200",
+    ])
+    .await;
     let mut client = d.client().await;
 
     let model = Model::open(&moe).unwrap();
@@ -115,7 +139,7 @@ async fn vulkan_models_answer_profile_with_gpu_rows_for_every_layer() {
             device: "vulkan".into(),
             budgets: Some(pb::Budgets {
                 vram_bytes: minimum,
-                ram_bytes: 0,
+                ram_bytes: spillway_daemon::stream::minimum_ram_budget(&model),
             }),
             ..Default::default()
         },
@@ -125,12 +149,34 @@ async fn vulkan_models_answer_profile_with_gpu_rows_for_every_layer() {
     check("dense", &profile(&mut client, "dense").await, false);
     let steps = profile(&mut client, "moe").await;
     check("moe", &steps, true);
-    if device.chains() {
-        // Chained steps add the host's time: its experts and its waits.
-        let host: Vec<_> = steps[1].rows.iter().filter(|r| r.device == "cpu").collect();
+    let mut ssd = 0;
+    for s in &steps[1..] {
+        // Steps with experts on the CPU add the host's time: its experts and its waits.
+        let host: Vec<_> = s.rows.iter().filter(|r| r.device == "cpu").collect();
         let ops: Vec<_> = host.iter().map(|r| r.op.as_str()).collect();
-        assert_eq!(ops, ["cpu_experts", "host_wait"]);
+        let cpu: u32 = s.rows.iter().filter_map(|r| r.cache_misses).sum();
+        if cpu > 0 {
+            assert_eq!(ops, ["cpu_experts", "host_wait"], "step {}", s.step);
+            assert!(host[0].weight_bytes > 0 && host[0].predicted_ns.is_some());
+        }
+        for r in s.rows.iter().filter(|r| r.op == "experts") {
+            ssd += r.ssd_to_ram_bytes.expect("a RAM budget counts SSD reads");
+        }
     }
+    let totals = steps[3].totals.as_ref().unwrap();
+    let links: Vec<_> = totals.bandwidths.iter().map(|b| b.link.as_str()).collect();
+    let mean_ssd = totals
+        .bandwidths
+        .iter()
+        .find(|b| b.link == "ssd")
+        .map(|b| b.bytes);
+    if ssd > 0 {
+        assert_eq!(mean_ssd, Some(ssd / 3), "{links:?}");
+    }
+    assert!(
+        links.contains(&"cpu") && links.contains(&"gpu"),
+        "{links:?}"
+    );
     // The model still generates after a profile (the sequence was reset).
     let steps = profile(&mut client, "dense").await;
     assert_eq!(steps.len(), 4);

@@ -5,8 +5,9 @@
 //! thread or queue that ran them: "engine" (the model's worker thread) and, for a model on a
 //! Vulkan device, "gpu-compute" (its op groups timed by GPU timestamps).
 //!
-//! Partial: bytes moved between tiers and predicted times are shown once the daemon reports
-//! them; expert-cache hits and misses come from models on a Vulkan device only.
+//! Predicted times and the bandwidth limits need the daemon to have a hardware profile
+//! (`spillwayd serve --hardware-profile`, or `spillwayd calibrate`); bytes moved between
+//! tiers and expert-cache hits and misses come from models on a Vulkan device.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -78,8 +79,22 @@ struct Report {
     /// Mean per decode step.
     device_us: BTreeMap<String, f64>,
     cpu_bandwidth_bytes_per_second: f64,
+    /// Per link that carried bytes in the decode steps.
+    bandwidths: Vec<Bandwidth>,
+    /// Where predictions and limits come from; empty without a hardware profile.
+    hardware_profile: String,
     bottleneck: String,
     rows: Vec<Row>,
+}
+
+#[derive(Debug, Serialize)]
+struct Bandwidth {
+    /// ssd, pcie, cpu or gpu.
+    link: String,
+    /// Mean per decode step.
+    bytes: u64,
+    bytes_per_second: f64,
+    limit_bytes_per_second: Option<f64>,
 }
 
 pub async fn run(client: &mut Client, args: &ProfileArgs) -> Result<(), Failure> {
@@ -204,6 +219,17 @@ fn report(model: String, steps: &[pb::ProfileStep], totals: pb::ProfileTotals) -
             .map(|d| (d.device.clone(), d.ns as f64 / 1e3))
             .collect(),
         cpu_bandwidth_bytes_per_second: totals.cpu_bandwidth_bytes_per_second,
+        bandwidths: totals
+            .bandwidths
+            .iter()
+            .map(|b| Bandwidth {
+                link: b.link.clone(),
+                bytes: b.bytes,
+                bytes_per_second: b.bytes_per_second,
+                limit_bytes_per_second: b.limit_bytes_per_second,
+            })
+            .collect(),
+        hardware_profile: totals.hardware_profile,
         bottleneck: totals.bottleneck,
         rows: order
             .into_iter()
@@ -232,7 +258,7 @@ fn table(r: &Report) -> String {
         r.model, r.layers, r.prompt_tokens, r.decode_steps
     );
     t.push_str(&format!(
-        "{:>5}  {:<13} {:<6} {:>10} {:>10} {:>6}  {:>10}  {:>9}  {}\n",
+        "{:>5}  {:<13} {:<6} {:>10} {:>10} {:>6}  {:>10}  {:>9}  {:>9}  {:>9}  {}\n",
         "layer",
         "op",
         "device",
@@ -240,6 +266,8 @@ fn table(r: &Report) -> String {
         "mean µs",
         "share",
         "predicted",
+        "SSD MB",
+        "PCIe MB",
         "hit/miss",
         "experts"
     ));
@@ -252,8 +280,10 @@ fn table(r: &Report) -> String {
             (Some(h), Some(m)) => format!("{h:.1}/{m:.1}"),
             _ => "-".to_string(),
         };
+        let mb = |b: Option<f64>| b.map_or("-".to_string(), |b| format!("{:.3}", b / 1e6));
+        let (ssd, pcie) = (mb(row.ssd_to_ram_bytes), mb(row.ram_to_vram_bytes));
         t.push_str(&format!(
-            "{layer:>5}  {:<13} {:<6} {:>10.3} {:>10.1} {:>5.1}%  {predicted:>10}  {hits:>9}  {}\n",
+            "{layer:>5}  {:<13} {:<6} {:>10.3} {:>10.1} {:>5.1}%  {predicted:>10}  {ssd:>9}  {pcie:>9}  {hits:>9}  {}\n",
             row.op,
             row.device,
             row.weight_bytes / 1e6,
@@ -285,8 +315,36 @@ fn table(r: &Report) -> String {
         ));
     }
     t.push('\n');
-    if r.rows.iter().all(|row| row.predicted_us.is_none()) {
-        t.push_str("predicted: not available (the daemon has no calibrated hardware profile)\n");
+    if !r.bandwidths.is_empty() {
+        let links = r
+            .bandwidths
+            .iter()
+            .map(|b| {
+                let mut s = format!(
+                    "{} {:.2} GB/s ({:.2} MB a step)",
+                    b.link,
+                    b.bytes_per_second / 1e9,
+                    b.bytes as f64 / 1e6
+                );
+                if let Some(limit) = b.limit_bytes_per_second.filter(|&l| l > 0.0) {
+                    s.push_str(&format!(
+                        " of {:.2}, {:.0}%",
+                        limit / 1e9,
+                        100.0 * b.bytes_per_second / limit
+                    ));
+                }
+                s
+            })
+            .collect::<Vec<_>>()
+            .join("; ");
+        t.push_str(&format!("bandwidth: {links}\n"));
+    }
+    if r.hardware_profile.is_empty() {
+        t.push_str(
+            "predicted: not available (start the daemon with --hardware-profile, or run `spillwayd calibrate` first)\n",
+        );
+    } else {
+        t.push_str(&format!("predicted from: {}\n", r.hardware_profile));
     }
     t.push_str(&format!("bottleneck: {}\n", r.bottleneck));
     t
@@ -421,6 +479,38 @@ mod tests {
         assert!((r.rows[2].share - 0.5).abs() < 1e-9);
         assert!((r.mean_step_us - 0.1).abs() < 1e-9);
         assert!(table(&r).contains("not available"));
+    }
+
+    /// Bytes moved per tier and predictions are means per decode step; the totals give each
+    /// link against its limit and name the hardware profile.
+    #[test]
+    fn moved_bytes_and_bandwidths_are_shown() {
+        let mut steps = steps();
+        for s in &mut steps {
+            s.rows[2].ssd_to_ram_bytes = Some(2_000_000 * u64::from(s.step));
+            s.rows[2].predicted_ns = Some(40);
+        }
+        let totals = pb::ProfileTotals {
+            bandwidths: vec![pb::Bandwidth {
+                link: "ssd".into(),
+                bytes: 3_000_000,
+                bytes_per_second: 1.5e9,
+                limit_bytes_per_second: Some(2e9),
+            }],
+            hardware_profile: "measured (GPU, CPU)".into(),
+            ..Default::default()
+        };
+        let r = report("m".into(), &steps, totals);
+        // Decode steps 1 and 2 moved 2 and 4 MB.
+        assert_eq!(r.rows[2].ssd_to_ram_bytes, Some(3e6));
+        assert_eq!(r.rows[2].predicted_us, Some(0.04));
+        let t = table(&r);
+        assert!(
+            t.contains("ssd 1.50 GB/s (3.00 MB a step) of 2.00, 75%"),
+            "{t}"
+        );
+        assert!(t.contains("predicted from: measured (GPU, CPU)"), "{t}");
+        assert!(t.contains("3.000"), "{t}");
     }
 
     #[test]
