@@ -408,6 +408,27 @@ fn profile_json_has_rows_for_every_layer_and_the_trace_nests() {
     }
     assert_eq!(steps, 3, "the prompt and two decode steps");
     assert_eq!(layer_events as u64, 3 * layers);
+    // The pool's threads have tracks of their own, their slices named for the op group (and
+    // the expert) they ran, inside the step's time.
+    let names: Vec<&str> = t["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["name"] == "thread_name")
+        .map(|e| e["args"]["name"].as_str().unwrap())
+        .collect();
+    assert!(names.contains(&"cpu-worker-0 (cpu)"), "{names:?}");
+    let slices: Vec<_> = of("slice").collect();
+    assert!(
+        slices.iter().any(|s| {
+            let n = s["name"].as_str().unwrap();
+            n.starts_with("layer ") && n.contains(" experts expert ")
+        }),
+        "{slices:?}"
+    );
+    for sl in &slices {
+        assert!(of("step").any(|s| within(span(sl), span(s))), "{sl}");
+    }
 
     let out = d.run(&["profile", "--tokens", "0"]);
     assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));

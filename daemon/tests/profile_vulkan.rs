@@ -159,9 +159,25 @@ async fn vulkan_models_answer_profile_with_gpu_rows_for_every_layer() {
             assert_eq!(ops, ["cpu_experts", "host_wait"], "step {}", s.step);
             assert!(host[0].weight_bytes > 0 && host[0].predicted_ns.is_some());
         }
+        let mut step_ssd = 0;
         for r in s.rows.iter().filter(|r| r.op == "experts") {
-            ssd += r.ssd_to_ram_bytes.expect("a RAM budget counts SSD reads");
+            step_ssd += r.ssd_to_ram_bytes.expect("a RAM budget counts SSD reads");
         }
+        // The trace's reads carry the same bytes; the CPU's experts have worker slices.
+        let traced: u64 = s
+            .slices
+            .iter()
+            .filter(|sl| sl.track == "io_uring")
+            .map(|sl| sl.bytes)
+            .sum();
+        assert_eq!(traced, step_ssd, "step {}", s.step);
+        if cpu > 0 {
+            assert!(s
+                .slices
+                .iter()
+                .any(|sl| sl.track.starts_with("cpu-worker-") && sl.expert.is_some()));
+        }
+        ssd += step_ssd;
     }
     let totals = steps[3].totals.as_ref().unwrap();
     let links: Vec<_> = totals.bandwidths.iter().map(|b| b.link.as_str()).collect();

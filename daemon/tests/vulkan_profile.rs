@@ -213,6 +213,23 @@ fn ssd_bytes_per_layer_add_up_to_what_the_reader_delivered() {
             let p = gpu.last_profile().unwrap();
             let rows: u64 = p.rows.iter().filter_map(|r| r.ssd_bytes).sum();
             assert_eq!(rows, delivered, "chain {chain}, step {i}");
+            // The trace has each expert read, and the CPU's experts of each layer that had
+            // some, on the pool's threads.
+            let reads: u64 = p.reads.iter().map(|r| r.bytes).sum();
+            assert_eq!(reads, delivered, "chain {chain}, step {i}: traced reads");
+            assert!(p.reads.iter().all(|r| r.issued <= r.done));
+            for r in p.rows.iter().filter(|r| r.op == "experts") {
+                let layer = r.layer.unwrap();
+                let ran = p
+                    .workers
+                    .iter()
+                    .any(|(l, w)| *l == layer && w.label.is_some());
+                assert_eq!(
+                    ran,
+                    r.experts.unwrap().cpu > 0,
+                    "chain {chain}, step {i}: {r:?}"
+                );
+            }
             for r in &p.rows {
                 assert_eq!(r.ssd_bytes.is_some(), r.op == "experts", "{r:?}");
             }

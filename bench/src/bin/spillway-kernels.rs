@@ -179,11 +179,13 @@ fn expert_layers(pool: &ThreadPool, ty: GgmlType, n_layers: usize, reps: usize) 
                     m: mat(ty, e, ff, &w.0),
                     acts: &acts,
                     out: g,
+                    label: None,
                 });
                 products.push(Product {
                     m: mat(ty, e, ff, &w.1),
                     acts: &acts,
                     out: u,
+                    label: None,
                 });
             }
             matmul_group(pool, &mut products);
@@ -197,6 +199,7 @@ fn expert_layers(pool: &ThreadPool, ty: GgmlType, n_layers: usize, reps: usize) 
                     m: mat(ty, ff, e, &w.2),
                     acts,
                     out: y,
+                    label: None,
                 })
                 .collect();
             matmul_group(pool, &mut products);

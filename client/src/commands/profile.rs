@@ -3,7 +3,10 @@
 //! the bottleneck; `--json` prints the same for scripts; `--trace FILE` writes the steps as
 //! Chrome trace events (ui.perfetto.dev opens them): step ⊃ layer ⊃ op group, one track per
 //! thread or queue that ran them: "engine" (the model's worker thread) and, for a model on a
-//! Vulkan device, "gpu-compute" (its op groups timed by GPU timestamps).
+//! Vulkan device, "gpu-compute" (its op groups timed by GPU timestamps); then what each thread
+//! of the CPU pool ran ("cpu-worker-N", a slice per op group or expert) and each expert the
+//! tile reader read from the SSD ("io_uring", with more lanes where reads overlap). The GPU's
+//! copies run on its compute queue, so there is no transfer-queue track.
 //!
 //! Predicted times and the bandwidth limits need the daemon to have a hardware profile
 //! (`spillwayd serve --hardware-profile`, or `spillwayd calibrate`); bytes moved between
@@ -362,6 +365,9 @@ fn trace(model: &str, steps: &[pb::ProfileStep]) -> Value {
         "args": {"name": format!("spillwayd: {model}")},
     })];
     let mut body = Vec::new();
+    // Per slice track, the end of the last slice on each of its lanes: slices that overlap
+    // (reads in flight together) go on lanes of their own, so every track's events nest.
+    let mut lanes: BTreeMap<String, Vec<u64>> = BTreeMap::new();
     for s in steps {
         // Each track gets the step's event, then its layers and op groups.
         let mut on_track: BTreeMap<usize, Vec<&pb::ProfileRow>> = BTreeMap::new();
@@ -419,6 +425,51 @@ fn trace(model: &str, steps: &[pb::ProfileStep]) -> Value {
                 i = j;
             }
         }
+        let mut slices: Vec<&pb::TraceSlice> = s.slices.iter().collect();
+        slices.sort_by_key(|sl| sl.start_ns);
+        for sl in slices {
+            let (start, end) = (
+                s.start_ns + sl.start_ns,
+                s.start_ns + sl.start_ns + sl.duration_ns,
+            );
+            let ends = lanes.entry(sl.track.clone()).or_default();
+            let lane = match ends.iter().position(|&e| e <= start) {
+                Some(k) => k,
+                None => {
+                    ends.push(0);
+                    ends.len() - 1
+                }
+            };
+            ends[lane] = end;
+            let name = if lane == 0 {
+                sl.track.clone()
+            } else {
+                format!("{} #{lane}", sl.track)
+            };
+            let device = if sl.track == "io_uring" { "ssd" } else { "cpu" };
+            let tid = match tracks.iter().position(|t| t.0 == name) {
+                Some(i) => i,
+                None => {
+                    tracks.push((name, device.into()));
+                    tracks.len() - 1
+                }
+            } + 1;
+            let mut label = sl.name.clone();
+            if let Some(l) = sl.layer {
+                label = format!("layer {l} {label}");
+            }
+            if let Some(e) = sl.expert {
+                label.push_str(&format!(" expert {e}"));
+            }
+            let mut args = json!({});
+            if sl.bytes > 0 {
+                args["bytes"] = json!(sl.bytes);
+            }
+            body.push(json!({
+                "name": label, "cat": "slice", "ph": "X", "pid": PID, "tid": tid,
+                "ts": us(start), "dur": us(sl.duration_ns), "args": args,
+            }));
+        }
     }
     for (i, (t, device)) in tracks.iter().enumerate() {
         events.push(json!({
@@ -463,6 +514,7 @@ mod tests {
                 duration_ns: 100,
                 rows: rows.clone(),
                 totals: None,
+                slices: Vec::new(),
             })
             .collect()
     }
@@ -511,6 +563,58 @@ mod tests {
         );
         assert!(t.contains("predicted from: measured (GPU, CPU)"), "{t}");
         assert!(t.contains("3.000"), "{t}");
+    }
+
+    /// Worker and read slices get tracks of their own; reads in flight together go on lanes
+    /// of their own track so that events on a track never overlap.
+    #[test]
+    fn slices_get_tracks_and_overlapping_reads_lanes() {
+        let mut steps = steps();
+        let slice = |track: &str, start, dur, expert| pb::TraceSlice {
+            track: track.into(),
+            name: "read".into(),
+            layer: Some(0),
+            expert: Some(expert),
+            start_ns: start,
+            duration_ns: dur,
+            bytes: 4096,
+        };
+        steps[1].slices = vec![
+            slice("io_uring", 0, 50, 1),
+            slice("io_uring", 10, 30, 2),
+            slice("io_uring", 60, 10, 3),
+            slice("cpu-worker-1", 40, 20, 1),
+        ];
+        let t = trace("m", &steps);
+        let events = t["traceEvents"].as_array().unwrap();
+        let tid_of = |name: &str| {
+            events
+                .iter()
+                .find(|e| e["name"] == "thread_name" && e["args"]["name"] == name)
+                .unwrap_or_else(|| panic!("no track {name}"))["tid"]
+                .as_u64()
+                .unwrap()
+        };
+        let (ring, lane, worker) = (
+            tid_of("io_uring (ssd)"),
+            tid_of("io_uring #1 (ssd)"),
+            tid_of("cpu-worker-1 (cpu)"),
+        );
+        let on = |tid: u64| -> Vec<String> {
+            events
+                .iter()
+                .filter(|e| e["cat"] == "slice" && e["tid"] == tid)
+                .map(|e| e["name"].as_str().unwrap().to_string())
+                .collect()
+        };
+        assert_eq!(on(ring), ["layer 0 read expert 1", "layer 0 read expert 3"]);
+        assert_eq!(on(lane), ["layer 0 read expert 2"]);
+        assert_eq!(on(worker).len(), 1);
+        let read = events.iter().find(|e| e["cat"] == "slice").unwrap();
+        assert_eq!(
+            (read["ts"].as_f64(), read["args"]["bytes"].as_u64()),
+            (Some(1.0), Some(4096))
+        );
     }
 
     #[test]

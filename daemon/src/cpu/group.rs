@@ -23,6 +23,9 @@ pub struct Product<'a> {
     pub m: MatRef<'a>,
     pub acts: &'a [Activation<'a>],
     pub out: &'a mut [f32],
+    /// What a traced pool labels the product's tasks with (an expert's index). Label all the
+    /// products of a group or none: an unlabelled one is traced under the label before it.
+    pub label: Option<u32>,
 }
 
 /// Computes every product of `products` in one job of `pool`.
@@ -32,6 +35,7 @@ pub struct Product<'a> {
 /// width does not fit its matrix.
 pub fn matmul_group(pool: &ThreadPool, products: &mut [Product<'_>]) {
     let isa = Isa::detect();
+    let labels: Vec<Option<u32>> = products.iter().map(|p| p.label).collect();
     let plans: Vec<Plan<'_>> = products
         .iter_mut()
         .map(|p| Plan::new(p, isa, pool.n_threads()))
@@ -43,7 +47,12 @@ pub fn matmul_group(pool: &ThreadPool, products: &mut [Product<'_>]) {
         first_task.push(first_task.last().unwrap() + p.n_tasks());
     }
     let n_tasks = *first_task.last().unwrap();
-    pool.run(n_tasks, &|t| {
+    let parts: Vec<(usize, u32)> = labels
+        .iter()
+        .zip(&first_task)
+        .filter_map(|(l, &first)| l.map(|l| (first, l)))
+        .collect();
+    pool.run_labeled(n_tasks, &parts, &|t| {
         let k = first_task.partition_point(|&f| f <= t) - 1;
         let plan = &plans[k];
         let start = (t - first_task[k]) * plan.rows_per;
@@ -189,7 +198,12 @@ mod tests {
                 .iter_mut()
                 .zip(&mats)
                 .zip(&acts)
-                .map(|((out, &m), acts)| Product { m, acts, out })
+                .map(|((out, &m), acts)| Product {
+                    m,
+                    acts,
+                    out,
+                    label: None,
+                })
                 .collect();
             matmul_group(&pool, &mut products);
             drop(products);

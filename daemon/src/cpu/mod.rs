@@ -21,4 +21,4 @@ pub use act::{ActFormat, Activation, BlockQ8K};
 pub use group::{matmul_group, Product};
 pub use kernels::Isa;
 pub use matvec::{activations, matmul, matmul_act, matvec, matvec_act, matvec_with};
-pub use pool::ThreadPool;
+pub use pool::{ThreadPool, WorkerSpan};

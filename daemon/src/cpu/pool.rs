@@ -9,11 +9,19 @@
 //! finds the tasks claimed and does nothing, and the caller does not wait for it. Tasks are
 //! claimed with the job's generation in the same word as the next index, so such a late worker
 //! can never claim a task of a later job with the earlier job's closure.
+//!
+//! For profiles the pool can trace which thread ran what ([`ThreadPool::set_tracing`]): each
+//! thread that takes part in a job records one span per run of its tasks with the same label
+//! (a job's tasks may carry labels, [`ThreadPool::run_labeled`]: the experts of a grouped
+//! product). Each thread writes its spans into its own slot before it counts its task done,
+//! so when `run` returns every span of the job is there. With tracing off a task pays one
+//! untaken branch.
 
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex};
 
@@ -26,6 +34,21 @@ struct Job {
     n_tasks: usize,
     /// The job's generation (the low 32 bits of [`Shared::generation`]).
     generation: u32,
+    /// Tracing: the caller's task labels (`(first task, label)`, ascending), lifetime-erased
+    /// like `task`; `None` when the pool does not trace.
+    parts: Option<*const [(usize, u32)]>,
+}
+
+/// What one thread ran of one job, when the pool traces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkerSpan {
+    /// 0 for the caller's thread, `1..` for the workers.
+    pub thread: usize,
+    /// The label of the tasks (see [`ThreadPool::run_labeled`]); `None` for unlabelled ones.
+    pub label: Option<u32>,
+    /// From the thread's first task of the run to the end of its last.
+    pub start: Instant,
+    pub end: Instant,
 }
 
 // SAFETY: the pointee is `Sync`, and `ThreadPool::run` keeps it alive while any of its tasks is
@@ -59,6 +82,9 @@ struct Shared {
     /// Tasks of the current job not finished yet; the task that finishes last notifies
     /// `done` under the lock.
     pending: AtomicUsize,
+    tracing: AtomicBool,
+    /// Per thread (the caller's first): its spans since the last `take_spans`.
+    spans: Vec<Mutex<Vec<WorkerSpan>>>,
 }
 
 pub struct ThreadPool {
@@ -82,13 +108,17 @@ impl ThreadPool {
             next: AtomicU64::new(0),
             generation: AtomicU64::new(0),
             pending: AtomicUsize::new(0),
+            tracing: AtomicBool::new(false),
+            spans: (0..n_threads.max(1))
+                .map(|_| Mutex::new(Vec::new()))
+                .collect(),
         });
         let workers = (1..n_threads.max(1))
             .map(|i| {
                 let shared = Arc::clone(&shared);
                 std::thread::Builder::new()
                     .name(format!("spillway-cpu-{i}"))
-                    .spawn(move || worker(&shared))
+                    .spawn(move || worker(&shared, i))
                     .expect("spawning a CPU worker thread")
             })
             .collect();
@@ -104,11 +134,46 @@ impl ThreadPool {
         self.workers.len() + 1
     }
 
+    /// Turns tracing on or off (see the module's documentation); turning it on drops the
+    /// spans of earlier jobs.
+    pub fn set_tracing(&self, on: bool) {
+        self.take_spans();
+        self.shared.tracing.store(on, Ordering::Relaxed);
+    }
+
+    /// The spans traced since the last call, thread by thread, each thread's in time order.
+    pub fn take_spans(&self) -> Vec<WorkerSpan> {
+        let mut out = Vec::new();
+        for slot in &self.shared.spans {
+            out.append(&mut slot.lock());
+        }
+        out
+    }
+
     /// Runs `task(i)` for every `i` in `0..n_tasks` on the pool and the calling thread, and
     /// returns when all have finished. A panic in a task is re-raised here.
     pub fn run<'a>(&self, n_tasks: usize, task: &'a (dyn Fn(usize) + Sync + 'a)) {
+        self.run_labeled(n_tasks, &[], task);
+    }
+
+    /// [`ThreadPool::run`] with labels for tracing: `parts` lists `(first task, label)` in
+    /// ascending order of first task; a task before the first part has no label.
+    pub fn run_labeled<'a>(
+        &self,
+        n_tasks: usize,
+        parts: &'a [(usize, u32)],
+        task: &'a (dyn Fn(usize) + Sync + 'a),
+    ) {
+        let traced = self.shared.tracing.load(Ordering::Relaxed);
         if self.workers.is_empty() || n_tasks <= 1 {
-            (0..n_tasks).for_each(task);
+            if traced {
+                let mut spans = Spans::new(&self.shared, 0, parts);
+                for i in 0..n_tasks {
+                    spans.run(i, || task(i));
+                }
+            } else {
+                (0..n_tasks).for_each(task);
+            }
             return;
         }
         assert!(n_tasks <= u32::MAX as usize, "{n_tasks} tasks in one job");
@@ -121,10 +186,13 @@ impl ThreadPool {
         let job = {
             let mut st = self.shared.state.lock();
             let generation = self.shared.generation.load(Ordering::Relaxed) + 1;
+            // SAFETY: as `task_ptr`: read only by tasks of this job, while `run` waits.
+            let parts = traced.then_some(parts as *const [(usize, u32)]);
             let job = Job {
                 task: task_ptr,
                 n_tasks,
                 generation: generation as u32,
+                parts,
             };
             self.shared.pending.store(n_tasks, Ordering::Relaxed);
             self.shared
@@ -135,7 +203,7 @@ impl ThreadPool {
             self.shared.wake.notify_all();
             job
         };
-        claim_tasks(&self.shared, job);
+        claim_tasks(&self.shared, job, 0);
         spin_while(|| self.shared.pending.load(Ordering::Acquire) != 0);
         let mut st = self.shared.state.lock();
         while self.shared.pending.load(Ordering::Acquire) != 0 {
@@ -176,9 +244,58 @@ struct SendPtr<T>(*mut T);
 // SAFETY: only used to hand disjoint sub-slices of a `Send` slice to pool tasks.
 unsafe impl<T: Send> Sync for SendPtr<T> {}
 
-/// Claims and runs tasks of `job` until none is left. A claim succeeds only while the shared
-/// word still holds `job`'s generation, so a worker that read a finished job claims nothing.
-fn claim_tasks(shared: &Shared, job: Job) {
+/// One thread's spans of one job while it runs tasks.
+struct Spans<'a> {
+    slot: &'a Mutex<Vec<WorkerSpan>>,
+    thread: usize,
+    parts: &'a [(usize, u32)],
+    /// The index in `slot` of this job's last span.
+    open: Option<usize>,
+}
+
+impl<'a> Spans<'a> {
+    fn new(shared: &'a Shared, thread: usize, parts: &'a [(usize, u32)]) -> Spans<'a> {
+        Spans {
+            slot: &shared.spans[thread],
+            thread,
+            parts,
+            open: None,
+        }
+    }
+
+    /// Runs task `i` with `f` and records it: the open span grows when the label is the same,
+    /// else a new one opens. Written before the task counts as done.
+    fn run(&mut self, i: usize, f: impl FnOnce()) {
+        let k = self.parts.partition_point(|&(first, _)| first <= i);
+        let label = k.checked_sub(1).map(|k| self.parts[k].1);
+        let start = Instant::now();
+        f();
+        let end = Instant::now();
+        let mut slot = self.slot.lock();
+        match self.open.and_then(|j| slot.get_mut(j)) {
+            Some(s) if s.label == label => s.end = end,
+            _ => {
+                self.open = Some(slot.len());
+                slot.push(WorkerSpan {
+                    thread: self.thread,
+                    label,
+                    start,
+                    end,
+                });
+            }
+        }
+    }
+}
+
+/// Claims and runs tasks of `job` until none is left, as thread `thread` (0: the caller). A
+/// claim succeeds only while the shared word still holds `job`'s generation, so a worker that
+/// read a finished job claims nothing.
+fn claim_tasks(shared: &Shared, job: Job, thread: usize) {
+    // SAFETY: the parts live as long as the job's closure (see `Job::parts`); a thread only
+    // reads them after claiming a task, while `run` waits.
+    let mut spans = job
+        .parts
+        .map(|p| Spans::new(shared, thread, unsafe { &*p }));
     let mut cur = shared.next.load(Ordering::Acquire);
     loop {
         let (generation, i) = ((cur >> 32) as u32, (cur as u32) as usize);
@@ -193,8 +310,14 @@ fn claim_tasks(shared: &Shared, job: Job) {
                 // SAFETY: task `i` of this job is claimed and not finished, so `run` has not
                 // returned and the closure is alive.
                 let task = unsafe { &*job.task };
-                if let Err(p) = catch_unwind(AssertUnwindSafe(|| task(i))) {
-                    shared.state.lock().panic.get_or_insert(p);
+                let run = || {
+                    if let Err(p) = catch_unwind(AssertUnwindSafe(|| task(i))) {
+                        shared.state.lock().panic.get_or_insert(p);
+                    }
+                };
+                match spans.as_mut() {
+                    Some(s) => s.run(i, run),
+                    None => run(),
                 }
                 if shared.pending.fetch_sub(1, Ordering::AcqRel) == 1 {
                     let _st = shared.state.lock();
@@ -230,7 +353,7 @@ fn spin_while(cond: impl Fn() -> bool) {
     }
 }
 
-fn worker(shared: &Shared) {
+fn worker(shared: &Shared, thread: usize) {
     let mut seen = 0u64;
     loop {
         spin_for(WORKER_SPIN, || {
@@ -248,7 +371,7 @@ fn worker(shared: &Shared) {
             st.job
         };
         if let Some(job) = job {
-            claim_tasks(shared, job);
+            claim_tasks(shared, job, thread);
         }
     }
 }
@@ -323,5 +446,43 @@ mod tests {
             count.fetch_add(1, Ordering::Relaxed);
         });
         assert_eq!(count.load(Ordering::Relaxed), 10);
+    }
+
+    /// Traced, every labelled part appears on some thread, each thread's spans follow each
+    /// other without overlapping, and every span of a job is there when `run` returns; off,
+    /// nothing is recorded.
+    #[test]
+    fn tracing_records_each_threads_runs_of_labelled_tasks() {
+        let pool = ThreadPool::new(3);
+        pool.run(100, &|_| {});
+        assert!(pool.take_spans().is_empty(), "tracing is off");
+        pool.set_tracing(true);
+        let parts = [(0, 7), (40, 9), (90, 3)];
+        for _ in 0..50 {
+            let before = Instant::now();
+            pool.run_labeled(100, &parts, &|i| {
+                std::hint::black_box((0..200 + i).sum::<usize>());
+            });
+            let after = Instant::now();
+            let spans = pool.take_spans();
+            let mut labels: Vec<u32> = spans.iter().filter_map(|s| s.label).collect();
+            labels.sort_unstable();
+            labels.dedup();
+            assert_eq!(labels, [3, 7, 9]);
+            for t in 0..3 {
+                let mine: Vec<_> = spans.iter().filter(|s| s.thread == t).collect();
+                for w in mine.windows(2) {
+                    assert!(w[0].end <= w[1].start, "{w:?}");
+                }
+            }
+            assert!(spans
+                .iter()
+                .all(|s| before <= s.start && s.start <= s.end && s.end <= after));
+        }
+        pool.run(4, &|_| {});
+        assert!(pool.take_spans().iter().all(|s| s.label.is_none()));
+        pool.set_tracing(false);
+        pool.run(10, &|_| {});
+        assert!(pool.take_spans().is_empty());
     }
 }

@@ -98,8 +98,22 @@ impl BatchEngine {
     ) -> Result<Vec<f32>, EngineError> {
         self.check(seq, tokens)?;
         if let Some(p) = profile.as_deref_mut() {
-            p.begin(tokens.len());
+            p.begin(tokens.len(), &self.pool);
         }
+        let result = self.eval_chunks(seq, tokens, all_logits, profile.as_deref_mut());
+        if let Some(p) = profile {
+            p.finish(&self.pool);
+        }
+        result
+    }
+
+    fn eval_chunks(
+        &mut self,
+        seq: usize,
+        tokens: &[u32],
+        all_logits: bool,
+        mut profile: Option<&mut StepProfile>,
+    ) -> Result<Vec<f32>, EngineError> {
         let mut logits = Vec::new();
         let mut part = Vec::new();
         for chunk in tokens.chunks(MAX_BATCH) {
@@ -130,9 +144,6 @@ impl BatchEngine {
                 logits.clear();
             }
             logits.extend_from_slice(&part);
-        }
-        if let Some(p) = profile {
-            p.finish();
         }
         Ok(logits)
     }

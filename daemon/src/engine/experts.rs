@@ -83,11 +83,13 @@ pub(crate) fn routed_experts_with<'w>(
                 m: gate,
                 acts: gate_in,
                 out: g,
+                label: Some(ex as u32),
             });
             products.push(Product {
                 m: up,
                 acts: up_in.as_ref().map_or(gate_in, |up| &up[i]),
                 out: u,
+                label: Some(ex as u32),
             });
         }
         matmul_group(pool, &mut products);
@@ -109,6 +111,7 @@ pub(crate) fn routed_experts_with<'w>(
                 m: mats(ex)[2],
                 acts,
                 out,
+                label: Some(ex as u32),
             })
             .collect();
         matmul_group(pool, &mut products);

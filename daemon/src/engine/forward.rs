@@ -293,11 +293,13 @@ fn swiglu_ffn(
                 m: model.mat(gate),
                 acts: &acts,
                 out: &mut g,
+                label: None,
             },
             Product {
                 m: model.mat(up),
                 acts: up_acts.as_deref().unwrap_or(&acts),
                 out: &mut u,
+                label: None,
             },
         ],
     );

@@ -137,8 +137,22 @@ impl Engine {
             });
         }
         if let Some(p) = profile.as_deref_mut() {
-            p.begin(tokens.len());
+            p.begin(tokens.len(), &self.pool);
         }
+        let result = self.eval_chunks(tokens, all_logits, profile.as_deref_mut());
+        if let Some(p) = profile {
+            p.finish(&self.pool);
+        }
+        result?;
+        Ok(&self.logits)
+    }
+
+    fn eval_chunks(
+        &mut self,
+        tokens: &[u32],
+        all_logits: bool,
+        mut profile: Option<&mut StepProfile>,
+    ) -> Result<(), EngineError> {
         self.logits.clear();
         let mut part = Vec::new();
         for chunk in tokens.chunks(MAX_BATCH) {
@@ -158,10 +172,7 @@ impl Engine {
             }
             self.logits.extend_from_slice(&part);
         }
-        if let Some(p) = profile {
-            p.finish();
-        }
-        Ok(&self.logits)
+        Ok(())
     }
 }
 

@@ -8,13 +8,17 @@
 //!
 //! The GPU's decode step has its own timestamps (`gpu::forward::profile`).
 //!
-//! Partial: times are the engine thread's (the kernels' worker threads are not attributed
-//! separately); `weight_bytes` counts weight matrices only (not the KV cache or activations);
-//! bytes moved between tiers, cache hits and predicted times are not measured yet (the daemon
-//! has no calibrated hardware profile for the scheduler's roofline predictors).
+//! A profiled step also traces the thread pool ([`crate::cpu::ThreadPool::set_tracing`]): what
+//! each of its threads ran, a span per job (per expert in a MoE layer's grouped products).
+//!
+//! Partial: `weight_bytes` counts weight matrices only (not the KV cache or activations); the
+//! CPU engine reads its weights through the memory map, so it moves no bytes between tiers
+//! that it could count. Predicted times are the server's (`server::profile::costs`).
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
+
+use crate::cpu::{ThreadPool, WorkerSpan};
 
 /// What part of the forward pass a record times.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -97,13 +101,16 @@ pub struct StepProfile {
     /// The engine call's wall time.
     pub duration: Duration,
     pub ops: Vec<OpRecord>,
+    /// What each thread of the pool ran during the step (the caller's thread is 0).
+    pub workers: Vec<WorkerSpan>,
     /// End of the last lap.
     mark: Option<Instant>,
 }
 
 impl StepProfile {
-    /// Starts the step's clock; records of an earlier step are dropped.
-    pub(super) fn begin(&mut self, tokens: usize) {
+    /// Starts the step's clock and `pool`'s tracing; records of an earlier step are dropped.
+    pub(super) fn begin(&mut self, tokens: usize, pool: &ThreadPool) {
+        pool.set_tracing(true);
         let now = Instant::now();
         *self = StepProfile {
             tokens,
@@ -141,10 +148,13 @@ impl StepProfile {
     }
 
     /// Stops the step's clock.
-    pub(super) fn finish(&mut self) {
+    /// Stops the clock, and `pool`'s tracing, keeping what its threads ran.
+    pub(super) fn finish(&mut self, pool: &ThreadPool) {
         if let Some(s) = self.started {
             self.duration = s.elapsed();
         }
+        self.workers = pool.take_spans();
+        pool.set_tracing(false);
     }
 
     /// The records' durations together.
@@ -383,13 +393,14 @@ mod tests {
 
     #[test]
     fn laps_are_contiguous_and_expert_lists_distinct() {
+        let pool = ThreadPool::new(1);
         let mut p = StepProfile::default();
-        p.begin(2);
+        p.begin(2, &pool);
         let mut laps = Laps(Some(&mut p));
         laps.mark();
         laps.lap(None, OpGroup::Embedding, || 7);
         laps.lap_experts(0, &[3, 1, 3, 2], || 10);
-        p.finish();
+        p.finish(&pool);
         assert_eq!(p.ops.len(), 2);
         assert_eq!(p.ops[1].start, p.ops[0].start + p.ops[0].duration);
         assert_eq!(p.ops[1].experts, [1, 2, 3]);

@@ -19,17 +19,19 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::cpu::ThreadPool;
+use crate::cpu::{ThreadPool, WorkerSpan};
 use crate::engine::experts::{routed_experts, routed_experts_with};
 use crate::engine::routing::RoutedExpert;
 use crate::model::{Ffn, MatRef, Model};
-use crate::stream::{Expert, ExpertCache, ExpertKey, LayerStats, StreamError};
+use crate::stream::{Expert, ExpertCache, ExpertKey, ExpertRead, LayerStats, StreamError};
 
 pub struct CpuExperts {
     model: Arc<Model>,
     pool: ThreadPool,
     /// The RAM tier under a budget; `None`: the memory map.
     ram: Option<Mutex<ExpertCache>>,
+    /// While tracing: the pool's spans, each with the layer whose experts it ran.
+    traced: Mutex<Option<Vec<(usize, WorkerSpan)>>>,
 }
 
 impl CpuExperts {
@@ -39,6 +41,7 @@ impl CpuExperts {
             model,
             pool: ThreadPool::new(threads.max(1)),
             ram: ram.map(Mutex::new),
+            traced: Mutex::new(None),
         }
     }
 
@@ -87,6 +90,9 @@ impl CpuExperts {
                 routed_experts_with(&self.pool, &mats, xn, &chosen, chosen.len())
             }
         };
+        if let Some(traced) = self.traced.lock().as_mut() {
+            traced.extend(self.pool.take_spans().into_iter().map(|s| (layer, s)));
+        }
         let mut sum = vec![0.0f32; e];
         for (r, y) in experts.iter().zip(y.chunks_exact(e)) {
             for (s, y) in sum.iter_mut().zip(y) {
@@ -101,6 +107,27 @@ impl CpuExperts {
     pub fn ram_stats(&self) -> Option<(Vec<LayerStats>, u64)> {
         let cache = self.ram.as_ref()?.lock();
         Some((cache.layer_stats().to_vec(), cache.buffer_bytes()))
+    }
+
+    /// Traces what the pool's threads run and, under a RAM budget, each expert read from the
+    /// SSD ([`CpuExperts::take_trace`]), or stops.
+    pub fn set_tracing(&self, on: bool) {
+        self.pool.set_tracing(on);
+        *self.traced.lock() = on.then(Vec::new);
+        if let Some(ram) = &self.ram {
+            ram.lock().set_tracing(on);
+        }
+    }
+
+    /// The pool's spans (each with the layer whose experts it ran) and the RAM tier's reads
+    /// since the last call, while tracing.
+    pub fn take_trace(&self) -> (Vec<(usize, WorkerSpan)>, Vec<ExpertRead>) {
+        let reads = self
+            .ram
+            .as_ref()
+            .map_or_else(Vec::new, |r| r.lock().take_reads());
+        let spans = self.traced.lock().as_mut().map(std::mem::take);
+        (spans.unwrap_or_default(), reads)
     }
 
     /// Bytes and tiles the RAM tier's reader has delivered from the SSD; `None` without a RAM

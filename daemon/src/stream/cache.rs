@@ -9,11 +9,12 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Instant;
 
 use super::error::StreamError;
 use super::policy::{ExpertKey, LayerStats, ReplacementPolicy, Residency};
 use super::reader::TileReader;
-use super::request::{Priority, ReadHandle, Tile, TileRequest};
+use super::request::{Priority, ReadHandle, ReadTimes, Tile, TileRequest};
 
 /// `len` bytes of the file at `offset`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -76,6 +77,19 @@ pub struct ExpertCache {
     residency: Residency,
     entries: HashMap<ExpertKey, Entry>,
     stats: Vec<LayerStats>,
+    /// The loads finished since the last [`ExpertCache::take_reads`], while tracing.
+    reads: Option<Vec<ExpertRead>>,
+}
+
+/// One expert's load from the file, for traces: from its first read's issue to its last read's
+/// end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertRead {
+    pub key: ExpertKey,
+    /// Bytes of its tiles that arrived.
+    pub bytes: u64,
+    pub issued: Instant,
+    pub done: Instant,
 }
 
 impl ExpertCache {
@@ -93,7 +107,18 @@ impl ExpertCache {
             residency: Residency::new(policy),
             entries: HashMap::new(),
             stats: Vec::new(),
+            reads: None,
         }
+    }
+
+    /// Records each load's times from now on ([`ExpertCache::take_reads`]), or stops.
+    pub fn set_tracing(&mut self, on: bool) {
+        self.reads = on.then(Vec::new);
+    }
+
+    /// The loads finished since the last call, while tracing.
+    pub fn take_reads(&mut self) -> Vec<ExpertRead> {
+        self.reads.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     /// The expert, from the cache or read now as a demand read (overtaking prefetches).
@@ -254,10 +279,18 @@ impl ExpertCache {
         let Some(Entry::Loading(handles)) = self.entries.remove(&key) else {
             unreachable!("finish_load of an expert that is not loading");
         };
-        let results: Vec<Result<Tile, StreamError>> =
-            handles.into_iter().map(|h| h.wait()).collect();
+        let (results, times): (Vec<Result<Tile, StreamError>>, Vec<ReadTimes>) =
+            handles.into_iter().map(|h| h.wait_timed()).unzip();
         let read: u64 = results.iter().flatten().map(|t| t.len() as u64).sum();
         self.stats_mut(key.layer).bytes_read += read;
+        if let (Some(reads), Some(first)) = (self.reads.as_mut(), times.first()) {
+            reads.push(ExpertRead {
+                key,
+                bytes: read,
+                issued: times.iter().map(|t| t.issued).min().unwrap_or(first.issued),
+                done: times.iter().map(|t| t.done).max().unwrap_or(first.done),
+            });
+        }
         let tiles: Result<Vec<Tile>, StreamError> = results.into_iter().collect();
         match tiles {
             Ok(tiles) => {

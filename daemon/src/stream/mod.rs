@@ -49,10 +49,10 @@ mod uring;
 mod tests;
 
 pub use buffer::{buffer_size_for_tile, AlignedRegion, BufferPool, HostRegion, TileBuffer, ALIGN};
-pub use cache::{Expert, ExpertCache, ExpertLocator, Extent};
+pub use cache::{Expert, ExpertCache, ExpertLocator, ExpertRead, Extent};
 pub use error::StreamError;
 pub use model_experts::{expert_bytes, minimum_ram_budget, open_expert_cache};
 pub(crate) use policy::Residency;
 pub use policy::{ExpertKey, LayerStats, ReplacementPolicy};
 pub use reader::{Backend, BackendChoice, ReaderOptions, TileReader};
-pub use request::{Priority, ReadHandle, Tile, TileRequest};
+pub use request::{Priority, ReadHandle, ReadTimes, Tile, TileRequest};

@@ -3,6 +3,7 @@
 
 use std::ops::Deref;
 use std::sync::Arc;
+use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex};
 
@@ -81,7 +82,8 @@ impl std::fmt::Debug for Tile {
 
 /// Where a backend leaves a request's outcome for its handle.
 pub(crate) struct Slot {
-    result: Mutex<Option<Result<Tile, StreamError>>>,
+    /// The outcome and when it was known.
+    result: Mutex<Option<(Result<Tile, StreamError>, Instant)>>,
     done: Condvar,
 }
 
@@ -94,7 +96,7 @@ impl Slot {
     }
 
     pub(crate) fn resolve(&self, result: Result<Tile, StreamError>) {
-        *self.result.lock() = Some(result);
+        *self.result.lock() = Some((result, Instant::now()));
         self.done.notify_all();
     }
 }
@@ -104,11 +106,24 @@ impl Slot {
 pub struct ReadHandle {
     slot: Arc<Slot>,
     request: TileRequest,
+    issued: Instant,
+}
+
+/// When a read was issued and when its outcome was known (the read completed, failed or was
+/// cancelled).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadTimes {
+    pub issued: Instant,
+    pub done: Instant,
 }
 
 impl ReadHandle {
     pub(crate) fn new(slot: Arc<Slot>, request: TileRequest) -> ReadHandle {
-        ReadHandle { slot, request }
+        ReadHandle {
+            slot,
+            request,
+            issued: Instant::now(),
+        }
     }
 
     pub fn request(&self) -> &TileRequest {
@@ -121,10 +136,19 @@ impl ReadHandle {
 
     /// Blocks until the read completed, failed or was cancelled.
     pub fn wait(self) -> Result<Tile, StreamError> {
+        self.wait_timed().0
+    }
+
+    /// [`ReadHandle::wait`], with when the read was issued and when it ended.
+    pub fn wait_timed(self) -> (Result<Tile, StreamError>, ReadTimes) {
         let mut result = self.slot.result.lock();
         loop {
-            if let Some(r) = result.take() {
-                return r;
+            if let Some((r, done)) = result.take() {
+                let times = ReadTimes {
+                    issued: self.issued,
+                    done,
+                };
+                return (r, times);
             }
             self.slot.done.wait(&mut result);
         }

@@ -25,10 +25,12 @@ use std::sync::Arc;
 use ash::vk;
 
 use super::{GpuFfn, GpuModel, HostTime};
+use crate::cpu::WorkerSpan;
 use crate::gpu::device::Device;
 use crate::gpu::error::{map_vk, Result};
 use crate::gpu::expert_cache::LayerExpertStats;
 use crate::gpu::record::Recorder;
+use crate::stream::ExpertRead;
 
 /// One op group of one step on the GPU.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,8 +59,12 @@ pub struct GpuStepProfile {
     /// GPU time between the step's first and last timestamps, the sum of the rows' times;
     /// `None` without timestamps.
     pub step_gpu_ns: Option<u64>,
-    /// The host's side of a chained step (some experts on the CPU), else `None`.
+    /// The host's side of a step with experts on the CPU, else `None`.
     pub host: Option<HostTime>,
+    /// What the CPU experts' pool threads ran in the step, with the layer of each span.
+    pub workers: Vec<(usize, WorkerSpan)>,
+    /// The experts the RAM tier read from the SSD in the step.
+    pub reads: Vec<ExpertRead>,
 }
 
 /// Group indices: 0 the embedding, `1 + 2l` layer `l`'s attention, `2 + 2l` its FFN,
@@ -185,6 +191,9 @@ impl GpuModel {
     /// write no timestamps and [`GpuModel::last_profile`] is `None`.
     pub fn set_profiling(&mut self, on: bool) -> Result<()> {
         self.last_profile = None;
+        if let Some(cpu) = self.experts.as_ref().and_then(|e| e.cpu.as_ref()) {
+            cpu.set_tracing(on);
+        }
         self.profiler = match (on, self.profiler.take()) {
             (false, _) => None,
             (true, Some(p)) => Some(p),
@@ -268,10 +277,18 @@ impl GpuModel {
             });
         }
         rows.push(row(None, "output_head", head(self.layers.len()), None));
+        let (workers, reads) = self
+            .experts
+            .as_ref()
+            .and_then(|e| e.cpu.as_ref())
+            .map(|c| c.take_trace())
+            .unwrap_or_default();
         self.last_profile = Some(GpuStepProfile {
             rows,
             step_gpu_ns: at(p.count as usize - 1),
             host,
+            workers,
+            reads,
         });
         Ok(())
     }

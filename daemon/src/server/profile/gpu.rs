@@ -65,6 +65,8 @@ impl GpuStep {
             r.ssd_bytes = r.ssd_bytes.zip(s.ssd_bytes).map(|(a, b)| a + b);
         }
         p.step_gpu_ns = p.step_gpu_ns.zip(q.step_gpu_ns).map(|(a, b)| a + b);
+        p.workers.extend_from_slice(&q.workers);
+        p.reads.extend_from_slice(&q.reads);
         if let (Some(a), Some(b)) = (p.host.as_mut(), q.host) {
             a.step_ns += b.step_ns;
             a.wait_ns += b.wait_ns;
@@ -127,6 +129,7 @@ pub fn gpu_step_message(
         duration_ns: ns(s.duration),
         rows,
         totals: None,
+        slices: slices(s),
     };
     let n_layer = s.experts.len();
     let (mut splits, mut ssd) = (vec![None; n_layer], vec![None; n_layer]);
@@ -138,6 +141,32 @@ pub fn gpu_step_message(
     }
     costs.annotate_gpu(&mut msg, &splits, &ssd);
     msg
+}
+
+/// The step's CPU expert threads and SSD reads as trace slices, from the step's start: one
+/// track per thread ("cpu-worker-N", 0 the model's own thread), each span an expert of a
+/// layer; and the tile reader's ring ("io_uring"), each read an expert of a layer.
+fn slices(s: &GpuStep) -> Vec<pb::TraceSlice> {
+    let from = |t: Instant| ns(t.saturating_duration_since(s.started));
+    let workers = s.profile.workers.iter().map(|(layer, w)| pb::TraceSlice {
+        track: format!("cpu-worker-{}", w.thread),
+        name: "cpu_experts".into(),
+        layer: Some(*layer as u32),
+        expert: w.label,
+        start_ns: from(w.start),
+        duration_ns: ns(w.end.saturating_duration_since(w.start)),
+        bytes: 0,
+    });
+    let reads = s.profile.reads.iter().map(|r| pb::TraceSlice {
+        track: "io_uring".into(),
+        name: "read".into(),
+        layer: Some(r.key.layer),
+        expert: Some(r.key.expert),
+        start_ns: from(r.issued),
+        duration_ns: ns(r.done.saturating_duration_since(r.issued)),
+        bytes: r.bytes,
+    });
+    workers.chain(reads).collect()
 }
 
 /// The totals of a GPU profile: device times are means per decode step ("gpu": between the
@@ -321,6 +350,8 @@ mod tests {
                     wait_ns: 5,
                     cpu_experts_ns: 4,
                 }),
+                workers: Vec::new(),
+                reads: Vec::new(),
             },
             experts: vec![BTreeSet::from([expert])],
         }

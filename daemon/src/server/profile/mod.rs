@@ -7,9 +7,11 @@
 //!
 //! Models on a Vulkan device are profiled from GPU timestamps instead ([`gpu`]).
 //!
-//! Partial: on the CPU engine, bytes moved between tiers, expert-cache hits and predicted times
-//! are left unset (the daemon has no calibrated hardware profile to feed the
-//! scheduler's roofline predictors yet).
+//! Predicted times and bandwidth limits come from [`costs`] when the daemon has a hardware
+//! profile. Each step carries its thread pool's spans as trace slices ("cpu-worker-N").
+//!
+//! Partial: on the CPU engine, bytes moved between tiers and expert-cache hits are unset: its
+//! weights come from the memory map, whose page faults the OS serves uncounted.
 
 pub mod costs;
 pub mod gpu;
@@ -71,7 +73,35 @@ pub fn step_message(index: usize, p: &StepProfile, origin: Instant) -> pb::Profi
             })
             .collect(),
         totals: None,
+        slices: worker_slices(p),
     }
+}
+
+/// The step's pool spans as trace slices on one track per thread, each named after the op
+/// group it ran in (by its start) and labelled with its expert.
+fn worker_slices(p: &StepProfile) -> Vec<pb::TraceSlice> {
+    let Some(started) = p.started else {
+        return Vec::new();
+    };
+    p.workers
+        .iter()
+        .map(|w| {
+            let start = w.start.saturating_duration_since(started);
+            let op = p
+                .ops
+                .iter()
+                .find(|o| o.start <= start && start < o.start + o.duration);
+            pb::TraceSlice {
+                track: format!("cpu-worker-{}", w.thread),
+                name: op.map_or("", |o| o.op.name()).into(),
+                layer: op.and_then(|o| o.layer).map(|l| l as u32),
+                expert: w.label,
+                start_ns: ns(start),
+                duration_ns: ns(w.end.saturating_duration_since(w.start)),
+                bytes: 0,
+            }
+        })
+        .collect()
 }
 
 /// The totals of a profile's prompt and decode steps.
