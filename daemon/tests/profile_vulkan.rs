@@ -116,13 +116,15 @@ async fn vulkan_models_answer_profile_with_gpu_rows_for_every_layer() {
     let dense = synth(dir.path(), "tiny-llama");
     let moe = synth(dir.path(), "tiny-qwen3moe");
     let start = format!("dense={}", dense.display());
-    let d = Daemon::start(&[
+    let mut d = Daemon::start(&[
         "--device",
         "vulkan",
         "--model",
         &start,
         "--hardware-profile",
         "h200",
+        "--grace-period",
+        "1",
     ])
     .await;
     let mut client = d.client().await;
@@ -196,4 +198,11 @@ async fn vulkan_models_answer_profile_with_gpu_rows_for_every_layer() {
     // The model still generates after a profile (the sequence was reset).
     let steps = profile(&mut client, "dense").await;
     assert_eq!(steps.len(), 4);
+
+    // SIGTERM with GPU models loaded: their threads end and free the device's memory before
+    // the process exits, which exits 0.
+    drop(client);
+    d.terminate();
+    let status = d.wait_exit();
+    assert_eq!(status.code(), Some(0), "log:\n{}", d.log_text());
 }

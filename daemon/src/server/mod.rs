@@ -200,6 +200,14 @@ pub async fn serve(config: ServeConfig, on_ready: impl FnOnce(&str)) -> Result<(
         let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
     }
     state.shutdown.cancel();
+    // Every model's thread ends, and its engine is dropped, before the process exits.
+    let models = state.registry.drain();
+    let _ = tokio::task::spawn_blocking(move || {
+        for m in models {
+            m.worker.stop_and_join();
+        }
+    })
+    .await;
     cleanup(&config);
     tracing::info!("stopped");
     Ok(())

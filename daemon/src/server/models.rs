@@ -303,6 +303,11 @@ impl Registry {
         Ok(())
     }
 
+    /// Removes every model (at shutdown); the caller stops their workers.
+    pub fn drain(&self) -> Vec<Arc<LoadedModel>> {
+        std::mem::take(&mut *self.models.write())
+    }
+
     /// Removes a model from the registry; the caller stops its worker.
     pub fn remove(&self, name: &str) -> Option<Arc<LoadedModel>> {
         let mut models = self.models.write();

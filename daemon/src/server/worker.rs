@@ -5,6 +5,7 @@
 //! within one decode step when its caller goes away, its deadline passes, the model is unloaded
 //! or the daemon shuts down. A profile job (`profile`) runs alone, between decode steps.
 
+use parking_lot::Mutex;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
@@ -125,7 +126,10 @@ enum Job {
 /// The handle the service keeps: submit jobs, unload. The thread ends once the handle is
 /// dropped and its queue is drained.
 pub struct Worker {
-    jobs: SyncSender<Job>,
+    /// `None` once stopped ([`Worker::stop_and_join`]): the thread ends when this is gone.
+    jobs: Mutex<Option<SyncSender<Job>>>,
+    /// The thread, until joined.
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Cancelled when the model is unloaded: running and waiting jobs end with ABORTED.
     unload: CancellationToken,
     stats: Arc<ModelStats>,
@@ -191,11 +195,12 @@ impl Worker {
             unload: unload.clone(),
             shutdown,
         };
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name(format!("model-{name}"))
             .spawn(move || ctx.run(rx))?;
         Ok(Worker {
-            jobs,
+            jobs: Mutex::new(Some(jobs)),
+            thread: Mutex::new(Some(thread)),
             unload,
             stats,
             queue_capacity,
@@ -221,7 +226,11 @@ impl Worker {
             return Err(Status::unavailable("the model is being unloaded"));
         }
         self.stats.in_queue.fetch_add(1, Ordering::SeqCst);
-        match self.jobs.try_send(job) {
+        let sent = match self.jobs.lock().as_ref() {
+            Some(jobs) => jobs.try_send(job),
+            None => Err(TrySendError::Disconnected(job)),
+        };
+        match sent {
             Ok(()) => Ok(()),
             Err(e) => {
                 self.stats.in_queue.fetch_sub(1, Ordering::SeqCst);
@@ -255,6 +264,18 @@ impl Worker {
     /// Ends the running and waiting jobs with ABORTED and refuses new ones.
     pub fn unload(&self) {
         self.unload.cancel();
+    }
+
+    /// [`Worker::unload`], then waits for the thread to end, having dropped the model's engine
+    /// (and with it, for a GPU model, its device memory). At shutdown this comes before the
+    /// process exits, so that no thread still frees Vulkan objects while the driver's own exit
+    /// handlers run (which crashed NVIDIA's driver). Blocks: call it off the async runtime.
+    pub fn stop_and_join(&self) {
+        self.unload.cancel();
+        drop(self.jobs.lock().take());
+        if let Some(thread) = self.thread.lock().take() {
+            let _ = thread.join();
+        }
     }
 }
 
