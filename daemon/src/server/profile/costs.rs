@@ -323,6 +323,26 @@ impl Costs {
     }
 }
 
+/// The link closest to its limit, as a clause for the bottleneck line: "ssd at 53% of its
+/// 2.08 GB/s"; `None` without limits.
+pub fn busiest_link(bandwidths: &[pb::Bandwidth]) -> Option<String> {
+    bandwidths
+        .iter()
+        .filter_map(|b| {
+            let limit = b.limit_bytes_per_second.filter(|&l| l > 0.0)?;
+            Some((b, b.bytes_per_second / limit, limit))
+        })
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .map(|(b, share, limit)| {
+            format!(
+                "{} at {:.0}% of its {:.2} GB/s",
+                b.link,
+                100.0 * share,
+                limit / 1e9
+            )
+        })
+}
+
 fn ns(seconds: f64) -> u64 {
     (seconds * 1e9).round() as u64
 }
@@ -534,5 +554,21 @@ pub(crate) mod tests {
         assert!(Costs::new(&model, None)
             .bandwidths(&[gpu_step(1)])
             .is_empty());
+        // The link closest to its limit names the bottleneck's link.
+        let share = |b: &pb::Bandwidth| b.bytes_per_second / b.limit_bytes_per_second.unwrap();
+        let top = bw
+            .iter()
+            .max_by(|a, b| share(a).total_cmp(&share(b)))
+            .unwrap();
+        assert_eq!(
+            busiest_link(&bw).unwrap(),
+            format!(
+                "{} at {:.0}% of its {:.2} GB/s",
+                top.link,
+                100.0 * share(top),
+                top.limit_bytes_per_second.unwrap() / 1e9
+            )
+        );
+        assert_eq!(busiest_link(&[]), None);
     }
 }

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use spillway_proto::v1 as pb;
 
-use super::costs::{Costs, ExpertSplit};
+use super::costs::{busiest_link, Costs, ExpertSplit};
 use super::ProfileJob;
 use crate::engine::argmax;
 use crate::gpu::forward::GpuStepProfile;
@@ -210,8 +210,22 @@ pub fn gpu_totals_message(
     }
 }
 
-/// The op (over all layers) that takes the most GPU time of the decode steps.
+/// What bounds the decode steps: the host's CPU experts when they take most of a step's time
+/// (the GPU's experts rows then mostly wait for them), else the op (over all layers) that
+/// takes the most GPU time.
 fn bottleneck(decode: &[GpuStep], total: u64) -> String {
+    let wall: u64 = decode.iter().map(|s| ns(s.duration)).sum();
+    let cpu: u64 = decode
+        .iter()
+        .filter_map(|s| s.profile.host)
+        .map(|h| h.cpu_experts_ns)
+        .sum();
+    if wall > 0 && 2 * cpu > wall {
+        return format!(
+            "cpu experts: {:.0}% of a decode step on the host (the GPU's experts rows wait for them)",
+            100.0 * cpu as f64 / wall as f64
+        );
+    }
     let mut by_op: Vec<(&str, u64)> = Vec::new();
     for r in decode.iter().flat_map(|s| &s.profile.rows) {
         match by_op.iter_mut().find(|(op, _)| *op == r.op) {
@@ -270,6 +284,9 @@ pub(crate) fn run(
                 let mut totals = gpu_totals_message(&prefill, &decode, layers);
                 totals.bandwidths = costs.bandwidths(&sent);
                 totals.hardware_profile = costs.hardware_name();
+                if let Some(link) = busiest_link(&totals.bandwidths) {
+                    totals.bottleneck = format!("{}; busiest link: {link}", totals.bottleneck);
+                }
                 msg.totals = Some(totals);
             }
             send(msg)?;
