@@ -313,7 +313,10 @@ impl Costs {
             ),
             link(
                 "gpu",
-                &|r| if r.device == "gpu" { r.weight_bytes } else { 0 },
+                &|r| match r.device.as_str() {
+                    "gpu" | "both" => r.weight_bytes,
+                    _ => 0,
+                },
                 hw.map(|h| h.gpu.bandwidth),
             ),
         ]

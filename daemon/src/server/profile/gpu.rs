@@ -3,7 +3,8 @@
 //!
 //! The GPU evaluates a prompt token by token: step 0 ("prefill") is the sum of its tokens'
 //! steps (each row's time summed over the tokens, its start the first token's, its experts the
-//! union). Rows are `device: "gpu"` on the track "gpu-compute", with `cache_hits` and
+//! union). Rows are `device: "gpu"` on the track "gpu-compute" (MoE rows of a model with
+//! experts on the CPU: `"both"`, their weight bytes still the GPU's), with `cache_hits` and
 //! `cache_misses` for MoE layers from the expert counters (misses were computed on the CPU or
 //! fetched). A chained step (some experts on the CPU) adds two host rows on the track
 //! "engine", without a layer: "cpu_experts" and "host_wait", the host's totals for the step,
@@ -89,6 +90,7 @@ pub fn gpu_step_message(
     s: &GpuStep,
     origin: Instant,
     costs: &Costs,
+    partial: bool,
 ) -> pb::ProfileStep {
     let mut rows: Vec<pb::ProfileRow> = s
         .profile
@@ -140,6 +142,12 @@ pub fn gpu_step_message(
         }
     }
     costs.annotate_gpu(&mut msg, &splits, &ssd);
+    if partial {
+        // Some of these layers' experts run on the CPU.
+        for r in msg.rows.iter_mut().filter(|r| r.op == "experts") {
+            r.device = "both".into();
+        }
+    }
     msg
 }
 
@@ -253,6 +261,10 @@ pub(crate) fn run(
 ) -> Result<(), Interrupt> {
     let send = |msg: pb::ProfileStep| job.tx.blocking_send(Ok(msg)).map_err(|_| Interrupt::Gone);
     let costs = Costs::new(seq.model(), job.hardware.clone());
+    let partial = seq
+        .gpu_mut()
+        .expert_stats()
+        .is_some_and(|e| e.slots < e.n_expert);
     seq.gpu_mut().reset();
     seq.gpu_mut().set_profiling(true).map_err(fail)?;
     let result = (|| {
@@ -269,7 +281,7 @@ pub(crate) fn run(
             }
         }
         let prefill = prefill.ok_or_else(|| fail_msg("the prompt is empty"))?;
-        send(gpu_step_message(0, &prefill, origin, &costs))?;
+        send(gpu_step_message(0, &prefill, origin, &costs, partial))?;
         let layers = seq.gpu_mut().config().n_layer;
         let mut decode = Vec::with_capacity(job.steps);
         let mut sent = Vec::with_capacity(job.steps);
@@ -277,7 +289,7 @@ pub(crate) fn run(
             check()?;
             let (logits, s) = step(seq, next)?;
             next = argmax(&logits) as u32;
-            let mut msg = gpu_step_message(i, &s, origin, &costs);
+            let mut msg = gpu_step_message(i, &s, origin, &costs, partial);
             decode.push(s);
             sent.push(msg.clone());
             if i == job.steps {
@@ -382,7 +394,7 @@ mod tests {
         let mut p = step(origin, 100, 2, 7);
         p.add(&step(origin, 50, 3, 1));
         let (_dir, model) = super::super::costs::tests::tiny_moe();
-        let m = gpu_step_message(0, &p, origin, &Costs::new(&model, None));
+        let m = gpu_step_message(0, &p, origin, &Costs::new(&model, None), false);
         assert_eq!(
             (m.phase.as_str(), m.tokens, m.start_ns),
             ("prefill", 2, 3_000)
