@@ -68,10 +68,15 @@ impl GpuStep {
         p.step_gpu_ns = p.step_gpu_ns.zip(q.step_gpu_ns).map(|(a, b)| a + b);
         p.workers.extend_from_slice(&q.workers);
         p.reads.extend_from_slice(&q.reads);
-        if let (Some(a), Some(b)) = (p.host.as_mut(), q.host) {
-            a.step_ns += b.step_ns;
-            a.wait_ns += b.wait_ns;
-            a.cpu_experts_ns += b.cpu_experts_ns;
+        // A token without experts on the CPU has no host time.
+        match (p.host.as_mut(), q.host) {
+            (Some(a), Some(b)) => {
+                a.step_ns += b.step_ns;
+                a.wait_ns += b.wait_ns;
+                a.cpu_experts_ns += b.cpu_experts_ns;
+            }
+            (None, b) => p.host = b,
+            (Some(_), None) => {}
         }
         for (a, b) in self.experts.iter_mut().zip(&other.experts) {
             a.extend(b);
@@ -392,7 +397,15 @@ mod tests {
     fn a_prompt_sums_its_tokens_rows() {
         let origin = Instant::now();
         let mut p = step(origin, 100, 2, 7);
+        // The first token ran no expert on the CPU: the host time is the second's.
+        let host = p.profile.host.take();
         p.add(&step(origin, 50, 3, 1));
+        assert_eq!(p.profile.host, host);
+        p.profile.host = host.map(|h| HostTime {
+            step_ns: 2 * h.step_ns,
+            wait_ns: 2 * h.wait_ns,
+            cpu_experts_ns: 2 * h.cpu_experts_ns,
+        });
         let (_dir, model) = super::super::costs::tests::tiny_moe();
         let m = gpu_step_message(0, &p, origin, &Costs::new(&model, None), false);
         assert_eq!(
