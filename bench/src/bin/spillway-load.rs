@@ -245,7 +245,7 @@ async fn main() -> anyhow::Result<()> {
         let (max_tokens, cancel) = (args.max_tokens, args.cancel);
         tasks.push(tokio::spawn(async move {
             let mut client = Client::new(channel);
-            let mut rng = Rng(0x2545_f491_4f6c_dd1d ^ (c as u64 + 1) * 0x9e37_79b9);
+            let mut rng = Rng(0x2545_f491_4f6c_dd1d ^ ((c as u64 + 1) * 0x9e37_79b9));
             while !stop.load(Ordering::Relaxed) {
                 let o = one_request(&mut client, &mut rng, max_tokens, cancel).await;
                 if let Outcome::Refused { .. } = o {
