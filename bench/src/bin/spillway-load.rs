@@ -155,6 +155,24 @@ async fn one_request(
     }
 }
 
+/// "3 × Unavailable, ..." or "none".
+fn counts<'a>(codes: impl Iterator<Item = &'a Code>) -> String {
+    let mut by: Vec<(Code, usize)> = Vec::new();
+    for &c in codes {
+        match by.iter_mut().find(|(k, _)| *k == c) {
+            Some(e) => e.1 += 1,
+            None => by.push((c, 1)),
+        }
+    }
+    if by.is_empty() {
+        return "none".into();
+    }
+    by.iter()
+        .map(|(c, n)| format!("{n} × {c:?}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 fn rss_kib(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     status
@@ -208,8 +226,10 @@ async fn main() -> anyhow::Result<()> {
     let start = Instant::now();
     let channel = loop {
         if let Ok(ch) = unix_channel(&socket).await {
+            // Listening comes before the default model is loaded.
             let mut c = Client::new(ch.clone());
-            if c.list_models(pb::ListModelsRequest {}).await.is_ok() {
+            let listed = c.list_models(pb::ListModelsRequest {}).await;
+            if listed.is_ok_and(|l| !l.get_ref().models.is_empty()) {
                 break ch;
             }
         }
@@ -311,12 +331,12 @@ async fn main() -> anyhow::Result<()> {
         args.clients, args.max_batch, args.queue_depth, args.max_tokens, 100.0 * args.cancel
     );
     println!(
-        "requests: {} done, {cancelled} cancelled by the client, {} refused ({exhausted} RESOURCE_EXHAUSTED, others {:?}), {} failed after a token {:?}",
+        "requests: {} done, {cancelled} cancelled by the client, {} refused ({exhausted} RESOURCE_EXHAUSTED, others {}), {} failed after a token ({})",
         done,
         codes.len(),
-        codes.iter().filter(|&&c| c != Code::ResourceExhausted).collect::<Vec<_>>(),
+        counts(codes.iter().filter(|&&c| c != Code::ResourceExhausted)),
         failed.len(),
-        failed
+        counts(failed.iter())
     );
     println!(
         "refusals: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms after sending",
