@@ -8,6 +8,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use spillway_bench::interleave::{interleaved, median};
 use spillway_bench::synth::{SynthModel, WeightType};
 use spillway_daemon::engine::{Engine, EngineOptions, StepProfile};
 use spillway_daemon::model::Model;
@@ -53,21 +54,8 @@ fn main() {
         n_tokens as f64 / t0.elapsed().as_secs_f64()
     };
     run(false); // warm-up: page the weights in
-    let (mut off, mut on) = (Vec::new(), Vec::new());
-    for r in 0..runs {
-        if r % 2 == 0 {
-            off.push(run(false));
-            on.push(run(true));
-        } else {
-            on.push(run(true));
-            off.push(run(false));
-        }
-    }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let (m_off, m_on) = (median(&mut off), median(&mut on));
+    let (off, on) = interleaved(runs, run);
+    let (m_off, m_on) = (median(&off), median(&on));
     println!(
         "{preset} {}: {n_tokens} decode tokens per run, {runs} runs, {threads} threads",
         arg(1, "Q8_0")

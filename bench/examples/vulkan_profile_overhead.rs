@@ -10,6 +10,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use spillway_bench::interleave::{interleaved, median};
 use spillway_bench::synth::{SynthModel, WeightType};
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
 use spillway_daemon::gpu::{Device, Instance};
@@ -58,21 +59,8 @@ fn main() {
         rate
     };
     run(false); // warm-up: pipelines, page cache
-    let (mut off, mut on) = (Vec::new(), Vec::new());
-    for r in 0..runs {
-        if r % 2 == 0 {
-            off.push(run(false));
-            on.push(run(true));
-        } else {
-            on.push(run(true));
-            off.push(run(false));
-        }
-    }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let (m_off, m_on) = (median(&mut off), median(&mut on));
+    let (off, on) = interleaved(runs, run);
+    let (m_off, m_on) = (median(&off), median(&on));
     println!(
         "{preset} {} on {}, {n_tokens} tokens, {runs} runs{}: profiling off {m_off:.1} tok/s \
          (runs {:.1}-{:.1}), on {m_on:.1} tok/s (runs {:.1}-{:.1}), on/off {:.3}",

@@ -4,8 +4,10 @@
 //!   the daemon library, which writes its default model with it; re-exported here).
 //! - [`demo`]: the README's first command.
 //! - [`progress`]: a progress line for long jobs.
+//! - [`interleave`]: two variants of a measurement taken in turns.
 
 pub mod demo;
+pub mod interleave;
 pub mod progress;
 
 pub use spillway_daemon::synth;

@@ -42,7 +42,8 @@ impl LayerExpertStats {
         }
     }
 
-    fn add(&mut self, o: &LayerExpertStats) {
+    /// Adds `o`'s counts to these.
+    pub fn add(&mut self, o: &LayerExpertStats) {
         self.hits += o.hits;
         self.misses += o.misses;
         self.cpu += o.cpu;

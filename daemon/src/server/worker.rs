@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
 use super::gpu::GpuSequence;
-use super::profile::costs::{busiest_link, Costs};
+use super::profile::costs::Costs;
 use super::profile::{step_message, totals_message, ProfileJob};
 use super::stats::ModelStats;
 use crate::engine::decode::{DecodeOptions, Decoder, TokenStep};
@@ -538,11 +538,7 @@ impl<E: Sequences> WorkerContext<E> {
             sent.push(msg.clone());
             if i == job.steps {
                 let mut totals = totals_message(&prefill, &decode, layers);
-                totals.bandwidths = costs.bandwidths(&sent);
-                totals.hardware_profile = costs.hardware_name();
-                if let Some(link) = busiest_link(&totals.bandwidths) {
-                    totals.bottleneck = format!("{}; busiest link: {link}", totals.bottleneck);
-                }
+                costs.complete_totals(&mut totals, &sent);
                 msg.totals = Some(totals);
             }
             send(msg)?;

@@ -276,6 +276,16 @@ impl Costs {
         }
     }
 
+    /// Completes a profile's totals from its decode steps (`decode`, as sent): each link's
+    /// bandwidth, where the predictions come from, and the busiest link on the bottleneck line.
+    pub fn complete_totals(&self, totals: &mut pb::ProfileTotals, decode: &[pb::ProfileStep]) {
+        totals.bandwidths = self.bandwidths(decode);
+        totals.hardware_profile = self.hardware_name();
+        if let Some(link) = busiest_link(&totals.bandwidths) {
+            totals.bottleneck = format!("{}; busiest link: {link}", totals.bottleneck);
+        }
+    }
+
     /// The decode steps' bandwidths per link, against the hardware profile's limits: each
     /// link's bytes over the measured time of the rows that carried them.
     pub fn bandwidths(&self, decode: &[pb::ProfileStep]) -> Vec<pb::Bandwidth> {

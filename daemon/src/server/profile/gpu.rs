@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use spillway_proto::v1 as pb;
 
-use super::costs::{busiest_link, Costs, ExpertSplit};
+use super::costs::{Costs, ExpertSplit};
 use super::ProfileJob;
 use crate::engine::argmax;
 use crate::gpu::forward::GpuStepProfile;
@@ -56,12 +56,7 @@ impl GpuStep {
         for (r, s) in p.rows.iter_mut().zip(&q.rows) {
             r.gpu_ns = r.gpu_ns.zip(s.gpu_ns).map(|(a, b)| a + b);
             if let (Some(a), Some(b)) = (r.experts.as_mut(), s.experts) {
-                a.hits += b.hits;
-                a.misses += b.misses;
-                a.cpu += b.cpu;
-                a.fetched += b.fetched;
-                a.evictions += b.evictions;
-                a.bytes_uploaded += b.bytes_uploaded;
+                a.add(&b);
             }
             r.ssd_bytes = r.ssd_bytes.zip(s.ssd_bytes).map(|(a, b)| a + b);
         }
@@ -299,11 +294,7 @@ pub(crate) fn run(
             sent.push(msg.clone());
             if i == job.steps {
                 let mut totals = gpu_totals_message(&prefill, &decode, layers);
-                totals.bandwidths = costs.bandwidths(&sent);
-                totals.hardware_profile = costs.hardware_name();
-                if let Some(link) = busiest_link(&totals.bandwidths) {
-                    totals.bottleneck = format!("{}; busiest link: {link}", totals.bottleneck);
-                }
+                costs.complete_totals(&mut totals, &sent);
                 msg.totals = Some(totals);
             }
             send(msg)?;
