@@ -4,6 +4,12 @@
 //! a template, or with one minijinja cannot compile, gets ChatML
 //! (`<|im_start|>role\ncontent<|im_end|>\n`, then an open assistant turn), which Qwen models use
 //! natively.
+//!
+//! Fuel bounds the work, not the depth of what a template builds: a loop that wraps a list in
+//! a list a few hundred thousand times stays within it, and rendering or dropping that value
+//! recurses once per level. Templates are therefore rendered on a thread of their own with a
+//! stack that such a value fits in ([`RENDER_STACK`]); on a runtime thread's 2 MiB it
+//! overflowed and aborted the daemon.
 
 use minijinja::{context, Environment, Error, ErrorKind};
 use spillway_proto::v1::ChatMessage;
@@ -13,6 +19,10 @@ use crate::gguf::Metadata;
 /// Work a template may do per rendering (minijinja's instruction budget); real templates need
 /// a few thousand for a long conversation.
 const FUEL: u64 = 5_000_000;
+/// Stack of the thread a template renders on: room for the deepest value [`FUEL`] lets a
+/// template build (about 64 MiB in a test build). Address space only: pages are committed as
+/// the recursion touches them.
+const RENDER_STACK: usize = 512 << 20;
 /// Longest prompt a template may render, in bytes.
 const MAX_OUTPUT: usize = super::validate::MAX_PROMPT_BYTES * 2;
 
@@ -69,8 +79,21 @@ impl ChatTemplate {
         }
     }
 
-    /// Renders `messages` with an open assistant turn for the model to complete.
+    /// Renders `messages` with an open assistant turn for the model to complete, on a thread
+    /// with a [`RENDER_STACK`] stack.
     pub fn render(&self, messages: &[ChatMessage]) -> Result<String, String> {
+        std::thread::scope(|scope| {
+            std::thread::Builder::new()
+                .name("chat-template".into())
+                .stack_size(RENDER_STACK)
+                .spawn_scoped(scope, || self.render_here(messages))
+                .map_err(|e| format!("no thread to render the chat template on: {e}"))?
+                .join()
+                .unwrap_or_else(|p| std::panic::resume_unwind(p))
+        })
+    }
+
+    fn render_here(&self, messages: &[ChatMessage]) -> Result<String, String> {
         let env = environment();
         let template = env
             .template_from_str(&self.source)
@@ -195,5 +218,32 @@ mod tests {
                 ..ChatTemplate::chatml()
             }
         );
+    }
+
+    /// Found by fuzzing (`chat_template` in CI, a SIGSEGV): a template that nests a list in a
+    /// list as deep as its fuel allows. Rendering and dropping that value recursed past a
+    /// runtime thread's stack and killed the process; now it renders, or runs out of fuel, on
+    /// its own thread.
+    #[test]
+    fn a_list_nested_as_deep_as_the_fuel_allows_is_no_crash() {
+        let deep = "{% set ns = namespace(x=[]) %}{% for i in range(10000) %}\
+            {% for j in range(10000) %}{% set ns.x = [ns.x] %}{% endfor %}{% endfor %}{{ ns.x }}";
+        let t = ChatTemplate::from_metadata(&with_template(deep), "", "");
+        assert!(t.from_model);
+        // Called from a thread with a small stack, as the daemon's runtime threads are.
+        let e = std::thread::Builder::new()
+            .stack_size(1 << 20)
+            .spawn(move || t.render(&[m("user", "x")]))
+            .unwrap()
+            .join()
+            .unwrap()
+            .unwrap_err();
+        assert!(e.contains("too much work"), "{e}");
+        // Shallower, it renders: 100,000 levels of brackets.
+        let shallower = "{% set ns = namespace(x=[]) %}{% for i in range(100) %}\
+            {% for j in range(1000) %}{% set ns.x = [ns.x] %}{% endfor %}{% endfor %}{{ ns.x }}";
+        let t = ChatTemplate::from_metadata(&with_template(shallower), "", "");
+        let out = t.render(&[]).unwrap();
+        assert_eq!(out.len(), 2 * 100_001);
     }
 }
