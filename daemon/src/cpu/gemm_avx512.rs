@@ -41,9 +41,9 @@ const PANEL_ROWS: usize = 4;
 const GROUP_ROWS: usize = 8 * PANEL_ROWS;
 /// Bytes of activations (as the kernels read them) in one chunk of tokens.
 const CHUNK_BYTES: usize = 256 << 10;
-/// Q4_0 token pairs, and K-quant tokens, multiplied together.
+/// Token pairs multiplied together (Q4_0, K-quants).
 const Q4_0_PAIRS: usize = 3;
-const K_TOKENS: usize = 4;
+const K_PAIRS: usize = 2;
 
 /// Whether the CPU has what these kernels use (AVX2, FMA and F16C too, for the helpers shared
 /// with [`super::avx2`]).
@@ -73,17 +73,35 @@ struct PairBlock {
     dy: __m512,
 }
 
-/// The tokens of a batch, converted for one weight type, with their per-batch extras.
+/// One Q8_K super-block of two tokens (the second a copy of the first for the last token of
+/// an odd batch), copied to aligned memory: a 512-bit load at the activations' own offset
+/// would straddle two cache lines every time.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct PairSuper {
+    /// Each token's 256 activations.
+    y: [[__m512i; 4]; 2],
+    /// The activation scale, in the eight lanes of each token.
+    dy: __m512,
+    /// The activation scale, in the four lanes of each token (for the mins).
+    dy4: __m256,
+    /// Each token's activation sums per 32 elements.
+    sums: __m256i,
+}
+
+/// The tokens of a batch, converted for one weight type, with their per-batch extras; by
+/// pairs of tokens, then blocks.
 pub struct Batch<'a> {
     ty: GgmlType,
-    acts: &'a [Activation<'a>],
+    n_tok: usize,
     blocks: usize,
-    /// Q4_0: pair-major, then block.
+    /// Q4_0.
     pairs: Vec<PairBlock>,
-    /// Q8_K: each super-block's activation sums per 32 elements, token-major.
-    pair_sums: Vec<__m128i>,
-    /// Q6_K: `maddubs(32, y)` for every 64 activations, token-major.
-    y32: Vec<__m512i>,
+    /// Q4_K and Q6_K.
+    supers: Vec<PairSuper>,
+    /// Q6_K: `maddubs(32, y)` for every 64 activations of each token.
+    y32: Vec<[[__m512i; 4]; 2]>,
+    _acts: std::marker::PhantomData<&'a [Activation<'a>]>,
 }
 
 impl<'a> Batch<'a> {
@@ -91,79 +109,93 @@ impl<'a> Batch<'a> {
     /// The CPU must have the features [`available`] checks for.
     ///
     /// # Panics
-    /// If `ty` has no kernel here, or an activation is not in `ty`'s format.
+    /// If `ty` has no kernel here, or an activation is not in `ty`'s format or width.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn new(ty: GgmlType, acts: &'a [Activation<'a>]) -> Batch<'a> {
         assert!(supports(ty), "no AVX-512 batched kernel for {ty}");
         let mut b = Batch {
             ty,
-            acts,
+            n_tok: acts.len(),
             blocks: 0,
             pairs: Vec::new(),
-            pair_sums: Vec::new(),
+            supers: Vec::new(),
             y32: Vec::new(),
+            _acts: std::marker::PhantomData,
         };
-        if ty == GgmlType::Q4_0 {
-            let q8 = |a: &'a Activation<'a>| match a {
-                Activation::Q8_0(y) => &y[..],
-                _ => panic!("activation format does not match {ty}"),
-            };
-            for pair in acts.chunks(2) {
-                let (y0, y1) = (q8(&pair[0]), q8(pair.last().unwrap()));
-                assert_eq!(y0.len(), y1.len(), "activation widths");
-                b.blocks = y0.len();
-                for (a, c) in y0.iter().zip(y1) {
-                    // SAFETY: `qs` is 32 bytes.
-                    let (qa, qc) = unsafe {
-                        (
-                            _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i),
-                            _mm256_loadu_si256(c.qs.as_ptr() as *const __m256i),
-                        )
-                    };
-                    let y = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(qa), qc);
-                    let eights =
-                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(8), y);
-                    let (da, dc) = (f16_to_f32(a.d.to_bits()), f16_to_f32(c.d.to_bits()));
-                    b.pairs.push(PairBlock {
-                        y,
-                        neg8: _mm512_sub_epi32(_mm512_setzero_si512(), eights),
-                        dy: _mm512_insertf32x8::<1>(
-                            _mm512_castps256_ps512(_mm256_set1_ps(da)),
-                            _mm256_set1_ps(dc),
-                        ),
-                    });
-                }
-            }
-            return b;
-        }
-        let m32 = _mm512_set1_epi8(32);
-        for act in acts {
-            let Activation::Q8K(y) = act else {
-                panic!("activation format does not match {ty}");
-            };
-            b.blocks = y.len();
-            for blk in y {
-                // SAFETY: `bsums` is 16 i16 = 32 bytes.
-                let bsums = unsafe { _mm256_loadu_si256(blk.bsums.as_ptr() as *const __m256i) };
-                b.pair_sums.push(_mm_hadd_epi16(
-                    _mm256_castsi256_si128(bsums),
-                    _mm256_extracti128_si256::<1>(bsums),
-                ));
-                if ty == GgmlType::Q6K {
-                    for m in 0..4 {
-                        // SAFETY: 64 activations at 64 m < 256.
-                        let y =
-                            unsafe { _mm512_loadu_si512(blk.qs.as_ptr().add(64 * m) as *const _) };
-                        b.y32.push(_mm512_maddubs_epi16(m32, y));
+        for pair in acts.chunks(2) {
+            let (a, c) = (&pair[0], pair.last().unwrap());
+            match (a, c) {
+                (Activation::Q8_0(ya), Activation::Q8_0(yc)) if ty == GgmlType::Q4_0 => {
+                    assert_eq!(ya.len(), yc.len(), "activation widths");
+                    b.blocks = ya.len();
+                    for (a, c) in ya.iter().zip(yc.iter()) {
+                        // SAFETY: `qs` is 32 bytes.
+                        let (qa, qc) = unsafe {
+                            (
+                                _mm256_loadu_si256(a.qs.as_ptr() as *const __m256i),
+                                _mm256_loadu_si256(c.qs.as_ptr() as *const __m256i),
+                            )
+                        };
+                        let y = join(qa, qc);
+                        let eights =
+                            _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(8), y);
+                        let (da, dc) = (f16_to_f32(a.d.to_bits()), f16_to_f32(c.d.to_bits()));
+                        b.pairs.push(PairBlock {
+                            y,
+                            neg8: _mm512_sub_epi32(_mm512_setzero_si512(), eights),
+                            dy: join_ps(_mm256_set1_ps(da), _mm256_set1_ps(dc)),
+                        });
                     }
                 }
+                (Activation::Q8K(ya), Activation::Q8K(yc)) if ty != GgmlType::Q4_0 => {
+                    assert_eq!(ya.len(), yc.len(), "activation widths");
+                    b.blocks = ya.len();
+                    for (a, c) in ya.iter().zip(yc.iter()) {
+                        // SAFETY: reads inside the blocks' arrays.
+                        unsafe { b.push_super(ty, a, c) };
+                    }
+                }
+                _ => panic!("activation format does not match {ty}"),
             }
         }
         b
     }
 
-    fn n_tokens(&self) -> usize {
-        self.acts.len()
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn push_super(&mut self, ty: GgmlType, a: &BlockQ8K, c: &BlockQ8K) {
+        let mut y = [[_mm512_setzero_si512(); 4]; 2];
+        let mut sums = [_mm_setzero_si128(); 2];
+        for (h, blk) in [a, c].into_iter().enumerate() {
+            for (i, v) in y[h].iter_mut().enumerate() {
+                // SAFETY: 64 activations at 64 i < 256.
+                *v = unsafe { _mm512_loadu_si512(blk.qs.as_ptr().add(64 * i) as *const _) };
+            }
+            // SAFETY: `bsums` is 16 i16 = 32 bytes.
+            let bsums = unsafe { _mm256_loadu_si256(blk.bsums.as_ptr() as *const __m256i) };
+            sums[h] = _mm_hadd_epi16(
+                _mm256_castsi256_si128(bsums),
+                _mm256_extracti128_si256::<1>(bsums),
+            );
+        }
+        self.supers.push(PairSuper {
+            y,
+            dy: join_ps(_mm256_set1_ps(a.d), _mm256_set1_ps(c.d)),
+            dy4: _mm256_insertf128_ps::<1>(
+                _mm256_castps128_ps256(_mm_set1_ps(a.d)),
+                _mm_set1_ps(c.d),
+            ),
+            sums: _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(sums[0]), sums[1]),
+        });
+        if ty == GgmlType::Q6K {
+            let m32 = _mm512_set1_epi8(32);
+            let mut y32 = [[_mm512_setzero_si512(); 4]; 2];
+            for h in 0..2 {
+                for i in 0..4 {
+                    y32[h][i] = _mm512_maddubs_epi16(m32, y[h][i]);
+                }
+            }
+            self.y32.push(y32);
+        }
     }
 
     /// Bytes of per-token data the kernels read for one token.
@@ -171,17 +203,15 @@ impl<'a> Batch<'a> {
         self.blocks
             * match self.ty {
                 GgmlType::Q4_0 => size_of::<PairBlock>() / 2,
-                GgmlType::Q4K => 256 + 16,
-                _ => 2 * 256 + 16,
+                GgmlType::Q4K => size_of::<PairSuper>() / 2,
+                _ => size_of::<PairSuper>() / 2 + 256,
             }
     }
+}
 
-    fn q8k(&self, t: usize) -> &[BlockQ8K] {
-        match &self.acts[t] {
-            Activation::Q8K(y) => y,
-            _ => unreachable!("checked by Batch::new"),
-        }
-    }
+thread_local! {
+    /// Each thread's panels, kept from one task to the next.
+    static PANELS: std::cell::RefCell<Vec<Panel>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `row_i(m) · token_t` for rows `start..end` of `m` and every token of `batch`, into
@@ -194,7 +224,6 @@ impl<'a> Batch<'a> {
 ///
 /// # Panics
 /// If a row is not as many whole blocks as the activations.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub unsafe fn products(
     batch: &Batch<'_>,
     m: MatRef<'_>,
@@ -204,27 +233,80 @@ pub unsafe fn products(
     stride: usize,
 ) {
     assert_eq!(m.ty, batch.ty, "batch made for another weight type");
-    let n_tok = batch.n_tokens();
-    // A multiple of both token blocks (pairs of Q4_0 pairs, K-quant fours).
-    let step = 2 * Q4_0_PAIRS * K_TOKENS;
-    let chunk = (CHUNK_BYTES / batch.token_bytes().max(1) / step).max(1) * step;
-    let mut panels: Vec<Panel> = (0..GROUP_ROWS / PANEL_ROWS)
-        .map(|_| Panel::default())
-        .collect();
+    PANELS.with_borrow_mut(|panels| {
+        panels.resize_with(GROUP_ROWS / PANEL_ROWS, Panel::default);
+        // SAFETY: the caller's guarantee.
+        unsafe { products_with(panels, batch, m, start, end, out, stride) }
+    })
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn products_with(
+    panels: &mut [Panel],
+    batch: &Batch<'_>,
+    m: MatRef<'_>,
+    start: usize,
+    end: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    let n_pairs = batch.n_tok.div_ceil(2);
+    // Pairs of tokens a chunk: a multiple of both kernels' pairs at once.
+    let step = Q4_0_PAIRS * K_PAIRS;
+    let chunk = (CHUNK_BYTES / (2 * batch.token_bytes()).max(1) / step).max(1) * step;
     for g in (start..end).step_by(GROUP_ROWS) {
         let g_end = (g + GROUP_ROWS).min(end);
-        let firsts = (g..g_end).step_by(PANEL_ROWS);
-        for (panel, first) in panels.iter_mut().zip(firsts.clone()) {
+        let n_panels = (g_end - g).div_ceil(PANEL_ROWS);
+        for (k, panel) in panels[..n_panels].iter_mut().enumerate() {
+            let first = g + k * PANEL_ROWS;
             let n = PANEL_ROWS.min(g_end - first);
-            let rows: [&[u8]; PANEL_ROWS] = std::array::from_fn(|k| m.row(first + k.min(n - 1)));
+            let mut rows: [&[u8]; PANEL_ROWS] = [&[]; PANEL_ROWS];
+            for (j, row) in rows[..n].iter_mut().enumerate() {
+                *row = m.row(first + j);
+            }
             // SAFETY: the caller's guarantee.
             unsafe { panel.unpack(batch, &rows[..n]) };
         }
-        for t0 in (0..n_tok).step_by(chunk) {
-            let t1 = (t0 + chunk).min(n_tok);
-            for (panel, first) in panels.iter().zip(firsts.clone()) {
+        for p0 in (0..n_pairs).step_by(chunk) {
+            let p1 = (p0 + chunk).min(n_pairs);
+            for (k, panel) in panels[..n_panels].iter().enumerate() {
+                let at = Out {
+                    ptr: out,
+                    stride,
+                    first: g + k * PANEL_ROWS,
+                    n_tok: batch.n_tok,
+                };
                 // SAFETY: the caller's guarantee.
-                unsafe { panel.products(batch, t0, t1, out, stride, first) };
+                unsafe { panel.products(batch, p0, p1, at) };
+            }
+        }
+    }
+}
+
+/// Where a panel's results go: `ptr[t * stride + first + r]` for tokens below `n_tok`.
+#[derive(Clone, Copy)]
+struct Out {
+    ptr: *mut f32,
+    stride: usize,
+    first: usize,
+    n_tok: usize,
+}
+
+impl Out {
+    /// Writes row `r`'s products with tokens `2 pair` and `2 pair + 1`.
+    ///
+    /// # Safety
+    /// As [`products`].
+    #[inline]
+    unsafe fn put(&self, pair: usize, r: usize, a: f32, b: f32) {
+        let t = 2 * pair;
+        // SAFETY: the caller's guarantee.
+        unsafe {
+            self.ptr.add(t * self.stride + self.first + r).write(a);
+            if t + 1 < self.n_tok {
+                self.ptr
+                    .add((t + 1) * self.stride + self.first + r)
+                    .write(b);
             }
         }
     }
@@ -239,8 +321,8 @@ struct Panel {
     /// K-quants: per super-block, four pairs of (two sub-blocks' unsigned weights, their
     /// scales spread for `vpdpwssd`).
     vecs: Vec<__m512i>,
-    /// Q4_K: each super-block's mins, widened to i16.
-    mins: Vec<__m128i>,
+    /// Q4_K: each super-block's mins, widened to i16, in both halves.
+    mins: Vec<__m256i>,
     /// Block scales (`d`) and, for Q4_K, interleaved with `dmin`.
     scales: Vec<f32>,
     rows: usize,
@@ -253,6 +335,55 @@ fn join(lo: __m256i, hi: __m256i) -> __m512i {
     _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
 }
 
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn join_ps(lo: __m256, hi: __m256) -> __m512 {
+    _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+        _mm512_castpd256_pd512(_mm256_castps_pd(lo)),
+        _mm256_castps_pd(hi),
+    ))
+}
+
+/// The sums of the eight lanes of each half.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn hsum_halves(a: __m512) -> (f32, f32) {
+    (
+        hsum_ps(_mm512_castps512_ps256(a)),
+        hsum_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(
+            _mm512_castps_pd(a),
+        ))),
+    )
+}
+
+/// The sums of the four lanes of each half.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn hsum4_halves(a: __m256) -> (f32, f32) {
+    let h = |a: __m128| {
+        let m = _mm_add_ps(a, _mm_movehl_ps(a, a));
+        _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)))
+    };
+    (
+        h(_mm256_castps256_ps128(a)),
+        h(_mm256_extractf128_ps::<1>(a)),
+    )
+}
+
+/// Per token of each pair, the per-lane integer sums of a super-block: the two sub-block
+/// halves of each token's register added, `[token a | token b]`.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn fold_halves(a: __m512i, b: __m512i) -> __m512i {
+    _mm512_add_epi32(
+        _mm512_shuffle_i64x2::<0x44>(a, b),
+        _mm512_shuffle_i64x2::<0xee>(a, b),
+    )
+}
+
+// The kernels index accumulators, registers and activations by the same row and token indices:
+// plain index loops say that most directly.
+#[allow(clippy::needless_range_loop)]
 impl Panel {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn unpack(&mut self, batch: &Batch<'_>, rows: &[&[u8]]) {
@@ -286,8 +417,11 @@ impl Panel {
             GgmlType::Q4K => {
                 let low = _mm256_set1_epi8(0x0f);
                 let (scales, mins) = unpack_q4_k_scales(&b[4..16]);
-                self.mins
-                    .push(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(mins as i64)));
+                let mins = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mins as i64));
+                self.mins.push(_mm256_inserti128_si256::<1>(
+                    _mm256_castsi128_si256(mins),
+                    mins,
+                ));
                 let sc128 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(scales as i64));
                 let sc = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(sc128), sc128);
                 for i in 0..4 {
@@ -337,24 +471,19 @@ impl Panel {
         }
     }
 
-    /// Products of the unpacked rows with tokens `t0..t1` into `out[t * stride + first + r]`.
+    /// Products of the unpacked rows with token pairs `p0..p1`.
+    ///
+    /// # Safety
+    /// As [`products`].
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn products(
-        &self,
-        batch: &Batch<'_>,
-        t0: usize,
-        t1: usize,
-        out: *mut f32,
-        stride: usize,
-        first: usize,
-    ) {
+    unsafe fn products(&self, batch: &Batch<'_>, p0: usize, p1: usize, out: Out) {
         // SAFETY (all): the caller's guarantee.
         unsafe {
             match self.rows {
-                4 => self.products_of::<4>(batch, t0, t1, out, stride, first),
-                3 => self.products_of::<3>(batch, t0, t1, out, stride, first),
-                2 => self.products_of::<2>(batch, t0, t1, out, stride, first),
-                _ => self.products_of::<1>(batch, t0, t1, out, stride, first),
+                4 => self.products_of::<4>(batch, p0, p1, out),
+                3 => self.products_of::<3>(batch, p0, p1, out),
+                2 => self.products_of::<2>(batch, p0, p1, out),
+                _ => self.products_of::<1>(batch, p0, p1, out),
             }
         }
     }
@@ -363,106 +492,79 @@ impl Panel {
     unsafe fn products_of<const R: usize>(
         &self,
         batch: &Batch<'_>,
-        t0: usize,
-        t1: usize,
-        out: *mut f32,
-        stride: usize,
-        first: usize,
+        p0: usize,
+        p1: usize,
+        out: Out,
     ) {
-        // SAFETY (all writes): the caller's guarantee, for tokens below `t1`.
-        let put = |t: usize, r: usize, v: f32| {
-            if t < t1 {
-                unsafe { out.add(t * stride + first + r).write(v) };
-            }
-        };
-        if batch.ty == GgmlType::Q4_0 {
-            // `t0` is even: chunks are whole pairs.
-            let (p0, p1) = (t0 / 2, t1.div_ceil(2));
-            let mut p = p0;
+        let mut p = p0;
+        // SAFETY (all): the caller's guarantee.
+        unsafe {
             while p < p1 {
-                let n = Q4_0_PAIRS.min(p1 - p);
-                let acc = match n {
-                    3 => self.q4_0::<R, 3>(batch, p).map(|a| a.to_vec()),
-                    2 => self.q4_0::<R, 2>(batch, p).map(|a| a.to_vec()),
-                    _ => self.q4_0::<R, 1>(batch, p).map(|a| a.to_vec()),
+                let left = p1 - p;
+                p += match batch.ty {
+                    GgmlType::Q4_0 if left >= 3 => self.q4_0::<R, 3>(batch, p, out),
+                    GgmlType::Q4_0 if left == 2 => self.q4_0::<R, 2>(batch, p, out),
+                    GgmlType::Q4_0 => self.q4_0::<R, 1>(batch, p, out),
+                    GgmlType::Q4K if left >= 2 => self.q4_k::<R, 2>(batch, p, out),
+                    GgmlType::Q4K => self.q4_k::<R, 1>(batch, p, out),
+                    _ if left >= 2 => self.q6_k::<R, 2>(batch, p, out),
+                    _ => self.q6_k::<R, 1>(batch, p, out),
                 };
-                for (r, accs) in acc.iter().enumerate() {
-                    for (k, &a) in accs.iter().enumerate() {
-                        let t = 2 * (p + k);
-                        put(t, r, hsum_ps(_mm512_castps512_ps256(a)));
-                        put(t + 1, r, hsum_ps(_mm512_extractf32x8_ps::<1>(a)));
-                    }
-                }
-                p += n;
             }
-            return;
-        }
-        let mut t = t0;
-        while t < t1 {
-            let n = K_TOKENS.min(t1 - t);
-            let dots = match (batch.ty, n) {
-                (GgmlType::Q4K, 4) => self.q4_k::<R, 4>(batch, t).map(|a| a.to_vec()),
-                (GgmlType::Q4K, 3) => self.q4_k::<R, 3>(batch, t).map(|a| a.to_vec()),
-                (GgmlType::Q4K, 2) => self.q4_k::<R, 2>(batch, t).map(|a| a.to_vec()),
-                (GgmlType::Q4K, _) => self.q4_k::<R, 1>(batch, t).map(|a| a.to_vec()),
-                (_, 4) => self.q6_k::<R, 4>(batch, t).map(|a| a.to_vec()),
-                (_, 3) => self.q6_k::<R, 3>(batch, t).map(|a| a.to_vec()),
-                (_, 2) => self.q6_k::<R, 2>(batch, t).map(|a| a.to_vec()),
-                _ => self.q6_k::<R, 1>(batch, t).map(|a| a.to_vec()),
-            };
-            for (r, ds) in dots.iter().enumerate() {
-                for (k, &d) in ds.iter().enumerate() {
-                    put(t + k, r, d);
-                }
-            }
-            t += n;
         }
     }
 
     /// `super::avx2::dot_q4_0` for `R` rows and token pairs `pair..pair + P`: per lane
-    /// `acc = fma(d_w · d_y, Σ w y, acc)` block after block, as there.
+    /// `acc = fma(d_w · d_y, Σ w y, acc)` block after block, as there. Returns `P`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    fn q4_0<const R: usize, const P: usize>(
+    unsafe fn q4_0<const R: usize, const P: usize>(
         &self,
         batch: &Batch<'_>,
         pair: usize,
-    ) -> [[__m512; P]; R] {
+        out: Out,
+    ) -> usize {
         let nb = batch.blocks;
         let mut acc = [[_mm512_setzero_ps(); P]; R];
-        let ys: [&[PairBlock]; P] =
-            std::array::from_fn(|k| &batch.pairs[(pair + k) * nb..(pair + k + 1) * nb]);
+        let ys = &batch.pairs[pair * nb..(pair + P) * nb];
         for (b, (w, dw)) in self
             .w256
             .chunks_exact(R)
             .zip(self.scales.chunks_exact(R))
             .enumerate()
         {
-            let y = ys.map(|ys| &ys[b]);
             for r in 0..R {
                 let w = _mm512_broadcast_i64x4(w[r]);
                 let dw = _mm512_set1_ps(dw[r]);
                 for k in 0..P {
-                    let s = _mm512_dpbusd_epi32(y[k].neg8, w, y[k].y);
-                    acc[r][k] = _mm512_fmadd_ps(
-                        _mm512_mul_ps(dw, y[k].dy),
-                        _mm512_cvtepi32_ps(s),
-                        acc[r][k],
-                    );
+                    let y = &ys[k * nb + b];
+                    let s = _mm512_dpbusd_epi32(y.neg8, w, y.y);
+                    acc[r][k] =
+                        _mm512_fmadd_ps(_mm512_mul_ps(dw, y.dy), _mm512_cvtepi32_ps(s), acc[r][k]);
                 }
             }
         }
-        acc
+        for r in 0..R {
+            for k in 0..P {
+                let (a, b) = hsum_halves(acc[r][k]);
+                // SAFETY: the caller's guarantee.
+                unsafe { out.put(pair + k, r, a, b) };
+            }
+        }
+        P
     }
 
-    /// `super::avx2::dot_q4_k` for `R` rows and tokens `t..t + T`.
+    /// `super::avx2::dot_q4_k` for `R` rows and token pairs `pair..pair + P`. Returns `P`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    fn q4_k<const R: usize, const T: usize>(&self, batch: &Batch<'_>, t: usize) -> [[f32; T]; R] {
+    unsafe fn q4_k<const R: usize, const P: usize>(
+        &self,
+        batch: &Batch<'_>,
+        pair: usize,
+        out: Out,
+    ) -> usize {
         let nb = batch.blocks;
-        let y: [&[BlockQ8K]; T] = std::array::from_fn(|k| batch.q8k(t + k));
-        let ps: [&[__m128i]; T] =
-            std::array::from_fn(|k| &batch.pair_sums[(t + k) * nb..(t + k + 1) * nb]);
-        let mut acc = [[_mm256_setzero_ps(); T]; R];
-        let mut acc_m = [[_mm_setzero_ps(); T]; R];
+        let ys = &batch.supers[pair * nb..(pair + P) * nb];
+        let mut acc = [[_mm512_setzero_ps(); P]; R];
+        let mut acc_m = [[_mm256_setzero_ps(); P]; R];
         for (b, ((v, mins), d)) in self
             .vecs
             .chunks_exact(8 * R)
@@ -470,88 +572,92 @@ impl Panel {
             .zip(self.scales.chunks_exact(2 * R))
             .enumerate()
         {
-            let y = y.map(|y| &y[b]);
             for r in 0..R {
-                let mut isum = [_mm512_setzero_si512(); T];
+                let mut isum = [[_mm512_setzero_si512(); 2]; P];
                 for i in 0..4 {
                     let (w, s) = (v[8 * r + 2 * i], v[8 * r + 2 * i + 1]);
-                    for k in 0..T {
-                        // SAFETY: 64 activations at 64 i < 256.
-                        let q =
-                            unsafe { _mm512_loadu_si512(y[k].qs.as_ptr().add(64 * i) as *const _) };
-                        isum[k] = _mm512_dpwssd_epi32(isum[k], _mm512_maddubs_epi16(w, q), s);
+                    for k in 0..P {
+                        let y = &ys[k * nb + b];
+                        for h in 0..2 {
+                            let p = _mm512_maddubs_epi16(w, y.y[h][i]);
+                            isum[k][h] = _mm512_dpwssd_epi32(isum[k][h], p, s);
+                        }
                     }
                 }
-                for k in 0..T {
-                    let m = _mm_madd_epi16(mins[r], ps[k][b]);
-                    acc_m[r][k] = _mm_fmadd_ps(
-                        _mm_set1_ps(d[2 * r + 1] * y[k].d),
-                        _mm_cvtepi32_ps(m),
+                let (dr, dmin) = (_mm512_set1_ps(d[2 * r]), _mm256_set1_ps(d[2 * r + 1]));
+                for k in 0..P {
+                    let y = &ys[k * nb + b];
+                    let m = _mm256_madd_epi16(mins[r], y.sums);
+                    acc_m[r][k] = _mm256_fmadd_ps(
+                        _mm256_mul_ps(dmin, y.dy4),
+                        _mm256_cvtepi32_ps(m),
                         acc_m[r][k],
                     );
-                    let i = _mm256_add_epi32(
-                        _mm512_castsi512_si256(isum[k]),
-                        _mm512_extracti64x4_epi64::<1>(isum[k]),
-                    );
-                    acc[r][k] = _mm256_fmadd_ps(
-                        _mm256_set1_ps(d[2 * r] * y[k].d),
-                        _mm256_cvtepi32_ps(i),
-                        acc[r][k],
-                    );
+                    let i = fold_halves(isum[k][0], isum[k][1]);
+                    acc[r][k] =
+                        _mm512_fmadd_ps(_mm512_mul_ps(dr, y.dy), _mm512_cvtepi32_ps(i), acc[r][k]);
                 }
             }
         }
-        std::array::from_fn(|r| {
-            std::array::from_fn(|k| {
-                let a = acc_m[r][k];
-                let m = _mm_add_ps(a, _mm_movehl_ps(a, a));
-                let m = _mm_add_ss(m, _mm_movehdup_ps(m));
-                hsum_ps(acc[r][k]) - _mm_cvtss_f32(m)
-            })
-        })
+        for r in 0..R {
+            for k in 0..P {
+                let (a, b) = hsum_halves(acc[r][k]);
+                let (ma, mb) = hsum4_halves(acc_m[r][k]);
+                // SAFETY: the caller's guarantee.
+                unsafe { out.put(pair + k, r, a - ma, b - mb) };
+            }
+        }
+        P
     }
 
-    /// `super::avx2::dot_q6_k` for `R` rows and tokens `t..t + T`.
+    /// `super::avx2::dot_q6_k` for `R` rows and token pairs `pair..pair + P`. Returns `P`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    fn q6_k<const R: usize, const T: usize>(&self, batch: &Batch<'_>, t: usize) -> [[f32; T]; R] {
+    unsafe fn q6_k<const R: usize, const P: usize>(
+        &self,
+        batch: &Batch<'_>,
+        pair: usize,
+        out: Out,
+    ) -> usize {
         let nb = batch.blocks;
-        let y: [&[BlockQ8K]; T] = std::array::from_fn(|k| batch.q8k(t + k));
-        let y32: [&[__m512i]; T] =
-            std::array::from_fn(|k| &batch.y32[(t + k) * nb * 4..(t + k + 1) * nb * 4]);
-        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        let ys = &batch.supers[pair * nb..(pair + P) * nb];
+        let y32 = &batch.y32[pair * nb..(pair + P) * nb];
+        let mut acc = [[_mm512_setzero_ps(); P]; R];
         for (b, (v, d)) in self
             .vecs
             .chunks_exact(8 * R)
             .zip(self.scales.chunks_exact(R))
             .enumerate()
         {
-            let y = y.map(|y| &y[b]);
             for r in 0..R {
-                let mut isum = [_mm512_setzero_si512(); T];
+                let mut isum = [[_mm512_setzero_si512(); 2]; P];
                 for j in 0..4 {
                     let (w, s) = (v[8 * r + 2 * j], v[8 * r + 2 * j + 1]);
-                    for k in 0..T {
-                        // SAFETY: 64 activations at 64 j < 256.
-                        let q =
-                            unsafe { _mm512_loadu_si512(y[k].qs.as_ptr().add(64 * j) as *const _) };
-                        let p16 = _mm512_sub_epi16(_mm512_maddubs_epi16(w, q), y32[k][4 * b + j]);
-                        isum[k] = _mm512_dpwssd_epi32(isum[k], p16, s);
+                    for k in 0..P {
+                        let (y, y32) = (&ys[k * nb + b], &y32[k * nb + b]);
+                        for h in 0..2 {
+                            let p16 =
+                                _mm512_sub_epi16(_mm512_maddubs_epi16(w, y.y[h][j]), y32[h][j]);
+                            isum[k][h] = _mm512_dpwssd_epi32(isum[k][h], p16, s);
+                        }
                     }
                 }
-                for k in 0..T {
-                    let i = _mm256_add_epi32(
-                        _mm512_castsi512_si256(isum[k]),
-                        _mm512_extracti64x4_epi64::<1>(isum[k]),
-                    );
-                    acc[r][k] = _mm256_fmadd_ps(
-                        _mm256_set1_ps(d[r] * y[k].d),
-                        _mm256_cvtepi32_ps(i),
-                        acc[r][k],
-                    );
+                let dr = _mm512_set1_ps(d[r]);
+                for k in 0..P {
+                    let y = &ys[k * nb + b];
+                    let i = fold_halves(isum[k][0], isum[k][1]);
+                    acc[r][k] =
+                        _mm512_fmadd_ps(_mm512_mul_ps(dr, y.dy), _mm512_cvtepi32_ps(i), acc[r][k]);
                 }
             }
         }
-        acc.map(|a| a.map(|a| hsum_ps(a)))
+        for r in 0..R {
+            for k in 0..P {
+                let (a, b) = hsum_halves(acc[r][k]);
+                // SAFETY: the caller's guarantee.
+                unsafe { out.put(pair + k, r, a, b) };
+            }
+        }
+        P
     }
 }
 
