@@ -344,6 +344,26 @@ fn join_ps(lo: __m256, hi: __m256) -> __m512 {
     ))
 }
 
+/// `_mm512_dpwssd_epi32`, kept as one instruction: LLVM splits the intrinsic into `vpmaddwd`
+/// and `vpaddd` unless it is tuning for a CPU it knows to run `vpdpwssd` fast, and the split
+/// costs a quarter of the K-quant kernels' speed on Sapphire Rapids. Same result.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn dpwssd(acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
+    let mut acc = acc;
+    // SAFETY: the function's target features include AVX-512 VNNI; no memory access.
+    unsafe {
+        std::arch::asm!(
+            "vpdpwssd {acc}, {a}, {b}",
+            acc = inout(zmm_reg) acc,
+            a = in(zmm_reg) a,
+            b = in(zmm_reg) b,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+    }
+    acc
+}
+
 /// The sums of the eight lanes of each half.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -564,11 +584,9 @@ impl Panel {
         let nb = batch.blocks;
         let ys = &batch.supers[pair * nb..(pair + P) * nb];
         let mut acc = [[_mm512_setzero_ps(); P]; R];
-        let mut acc_m = [[_mm256_setzero_ps(); P]; R];
-        for (b, ((v, mins), d)) in self
+        for (b, (v, d)) in self
             .vecs
             .chunks_exact(8 * R)
-            .zip(self.mins.chunks_exact(R))
             .zip(self.scales.chunks_exact(2 * R))
             .enumerate()
         {
@@ -580,11 +598,30 @@ impl Panel {
                         let y = &ys[k * nb + b];
                         for h in 0..2 {
                             let p = _mm512_maddubs_epi16(w, y.y[h][i]);
-                            isum[k][h] = _mm512_dpwssd_epi32(isum[k][h], p, s);
+                            isum[k][h] = dpwssd(isum[k][h], p, s);
                         }
                     }
                 }
-                let (dr, dmin) = (_mm512_set1_ps(d[2 * r]), _mm256_set1_ps(d[2 * r + 1]));
+                let dr = _mm512_set1_ps(d[2 * r]);
+                for k in 0..P {
+                    let y = &ys[k * nb + b];
+                    let i = fold_halves(isum[k][0], isum[k][1]);
+                    acc[r][k] =
+                        _mm512_fmadd_ps(_mm512_mul_ps(dr, y.dy), _mm512_cvtepi32_ps(i), acc[r][k]);
+                }
+            }
+        }
+        // The mins' chains apart (their own block order, as in `dot_q4_k`): fewer live
+        // registers in the loop above.
+        let mut acc_m = [[_mm256_setzero_ps(); P]; R];
+        for (b, (mins, d)) in self
+            .mins
+            .chunks_exact(R)
+            .zip(self.scales.chunks_exact(2 * R))
+            .enumerate()
+        {
+            for r in 0..R {
+                let dmin = _mm256_set1_ps(d[2 * r + 1]);
                 for k in 0..P {
                     let y = &ys[k * nb + b];
                     let m = _mm256_madd_epi16(mins[r], y.sums);
@@ -593,9 +630,6 @@ impl Panel {
                         _mm256_cvtepi32_ps(m),
                         acc_m[r][k],
                     );
-                    let i = fold_halves(isum[k][0], isum[k][1]);
-                    acc[r][k] =
-                        _mm512_fmadd_ps(_mm512_mul_ps(dr, y.dy), _mm512_cvtepi32_ps(i), acc[r][k]);
                 }
             }
         }
@@ -637,7 +671,7 @@ impl Panel {
                         for h in 0..2 {
                             let p16 =
                                 _mm512_sub_epi16(_mm512_maddubs_epi16(w, y.y[h][j]), y32[h][j]);
-                            isum[k][h] = _mm512_dpwssd_epi32(isum[k][h], p16, s);
+                            isum[k][h] = dpwssd(isum[k][h], p16, s);
                         }
                     }
                 }
