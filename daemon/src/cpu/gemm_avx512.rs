@@ -11,7 +11,8 @@
 //! - Q4_K and Q6_K: a register holds two 32-weight sub-blocks of one row; `vpdpwssd` applies
 //!   their scales and accumulates in one instruction. The two halves are added at the end of
 //!   each super-block, which is the AVX2 kernels' per-lane integer sum (integer additions in
-//!   any order give the same result).
+//!   any order give the same result). Q6_K's `Σ (q - 32) y` comes from one `vpdpbusd` too,
+//!   started from `-Σ 32 y`, instead of two `maddubs` and a subtraction.
 //!
 //! A prompt's activations are larger than the caches closest to the core, so the rows of a
 //! task are unpacked [`GROUP_ROWS`] at a time and met with the tokens a chunk at a time: a
@@ -99,7 +100,8 @@ pub struct Batch<'a> {
     pairs: Vec<PairBlock>,
     /// Q4_K and Q6_K.
     supers: Vec<PairSuper>,
-    /// Q6_K: `maddubs(32, y)` for every 64 activations of each token.
+    /// Q6_K: `-Σ 32 y` in fours for every 64 activations of each token: what `vpdpbusd`
+    /// starts from, so that the unsigned weights `q` give `Σ (q - 32) y`.
     y32: Vec<[[__m512i; 4]; 2]>,
     _acts: std::marker::PhantomData<&'a [Activation<'a>]>,
 }
@@ -187,11 +189,12 @@ impl<'a> Batch<'a> {
             sums: _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(sums[0]), sums[1]),
         });
         if ty == GgmlType::Q6K {
-            let m32 = _mm512_set1_epi8(32);
-            let mut y32 = [[_mm512_setzero_si512(); 4]; 2];
+            let (m32, zero) = (_mm512_set1_epi8(32), _mm512_setzero_si512());
+            let mut y32 = [[zero; 4]; 2];
             for h in 0..2 {
                 for i in 0..4 {
-                    y32[h][i] = _mm512_maddubs_epi16(m32, y[h][i]);
+                    let s = _mm512_dpbusd_epi32(zero, m32, y[h][i]);
+                    y32[h][i] = _mm512_sub_epi32(zero, s);
                 }
             }
             self.y32.push(y32);
@@ -480,9 +483,14 @@ impl Panel {
                         )
                     };
                     let q = q6_k_quarters(l0, l1, h);
+                    // Each 32-bit lane's sum `Σ (q - 32) y` of four weights fits in its low
+                    // 16 bits (|·| ≤ 4 · 32 · 128), so `vpdpwssd` with the scale in the low
+                    // half and 0 in the high half multiplies it by the scale.
+                    let low16 = _mm512_set1_epi32(0xffff);
                     for k in [0, 2] {
                         self.vecs.push(join(q[k], q[k + 1]));
-                        self.vecs.push(join(sc(4 * n + k), sc(4 * n + k + 1)));
+                        let sc = join(sc(4 * n + k), sc(4 * n + k + 1));
+                        self.vecs.push(_mm512_and_si512(sc, low16));
                     }
                 }
                 self.scales.push(half(b, 208));
@@ -669,9 +677,8 @@ impl Panel {
                     for k in 0..P {
                         let (y, y32) = (&ys[k * nb + b], &y32[k * nb + b]);
                         for h in 0..2 {
-                            let p16 =
-                                _mm512_sub_epi16(_mm512_maddubs_epi16(w, y.y[h][j]), y32[h][j]);
-                            isum[k][h] = dpwssd(isum[k][h], p16, s);
+                            let p = _mm512_dpbusd_epi32(y32[h][j], w, y.y[h][j]);
+                            isum[k][h] = dpwssd(isum[k][h], p, s);
                         }
                     }
                 }
