@@ -8,10 +8,10 @@
 //!   accumulator of each in one half). `vpdpbusd` starting from `-Σ 8 y` gives `dot_q4_0`'s
 //!   per-lane integer `Σ w y` in one instruction (AVX2 needs `maddubs`, `madd` and a
 //!   subtraction), and the conversion, the scale product and the FMA cover two tokens.
-//! - Q4_K and Q6_K: a register holds two 32-weight sub-blocks of one row; `vpdpwssd` applies
-//!   their scales and accumulates in one instruction. The two halves are added at the end of
-//!   each super-block, which is the AVX2 kernels' per-lane integer sum (integer additions in
-//!   any order give the same result). Q6_K's `Σ (q - 32) y` comes from one `vpdpbusd` too,
+//! - Q4_K and Q6_K: a register holds one row's 32-weight sub-block against two tokens, as
+//!   for Q4_0; `vpdpwssd` applies the sub-block's scale and accumulates in one instruction.
+//!   Each lane's integer sum over a super-block is the AVX2 kernels' (the same terms; integer
+//!   additions in any order give the same result). Q6_K's `Σ (q - 32) y` comes from one `vpdpbusd` too,
 //!   started from `-Σ 32 y`, instead of two `maddubs` and a subtraction.
 //!
 //! A prompt's activations are larger than the caches closest to the core, so the rows of a
@@ -75,13 +75,12 @@ struct PairBlock {
 }
 
 /// One Q8_K super-block of two tokens (the second a copy of the first for the last token of
-/// an odd batch), copied to aligned memory: a 512-bit load at the activations' own offset
-/// would straddle two cache lines every time.
+/// an odd batch), each 256-bit half one token, like [`PairBlock`].
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
 struct PairSuper {
-    /// Each token's 256 activations.
-    y: [[__m512i; 4]; 2],
+    /// Each 32 activations of the two tokens.
+    y: [__m512i; 8],
     /// The activation scale, in the eight lanes of each token.
     dy: __m512,
     /// The activation scale, in the four lanes of each token (for the mins).
@@ -100,9 +99,9 @@ pub struct Batch<'a> {
     pairs: Vec<PairBlock>,
     /// Q4_K and Q6_K.
     supers: Vec<PairSuper>,
-    /// Q6_K: `-Σ 32 y` in fours for every 64 activations of each token: what `vpdpbusd`
-    /// starts from, so that the unsigned weights `q` give `Σ (q - 32) y`.
-    y32: Vec<[[__m512i; 4]; 2]>,
+    /// Q6_K: `-Σ 32 y` in fours for every 32 activations of the two tokens: what
+    /// `vpdpbusd` starts from, so that the unsigned weights `q` give `Σ (q - 32) y`.
+    y32: Vec<[__m512i; 8]>,
     _acts: std::marker::PhantomData<&'a [Activation<'a>]>,
 }
 
@@ -165,13 +164,18 @@ impl<'a> Batch<'a> {
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn push_super(&mut self, ty: GgmlType, a: &BlockQ8K, c: &BlockQ8K) {
-        let mut y = [[_mm512_setzero_si512(); 4]; 2];
+        let mut y = [_mm512_setzero_si512(); 8];
+        for (j, v) in y.iter_mut().enumerate() {
+            // SAFETY: 32 activations at 32 j < 256.
+            *v = unsafe {
+                join(
+                    _mm256_loadu_si256(a.qs.as_ptr().add(32 * j) as *const _),
+                    _mm256_loadu_si256(c.qs.as_ptr().add(32 * j) as *const _),
+                )
+            };
+        }
         let mut sums = [_mm_setzero_si128(); 2];
         for (h, blk) in [a, c].into_iter().enumerate() {
-            for (i, v) in y[h].iter_mut().enumerate() {
-                // SAFETY: 64 activations at 64 i < 256.
-                *v = unsafe { _mm512_loadu_si512(blk.qs.as_ptr().add(64 * i) as *const _) };
-            }
             // SAFETY: `bsums` is 16 i16 = 32 bytes.
             let bsums = unsafe { _mm256_loadu_si256(blk.bsums.as_ptr() as *const __m256i) };
             sums[h] = _mm_hadd_epi16(
@@ -190,12 +194,9 @@ impl<'a> Batch<'a> {
         });
         if ty == GgmlType::Q6K {
             let (m32, zero) = (_mm512_set1_epi8(32), _mm512_setzero_si512());
-            let mut y32 = [[zero; 4]; 2];
-            for h in 0..2 {
-                for i in 0..4 {
-                    let s = _mm512_dpbusd_epi32(zero, m32, y[h][i]);
-                    y32[h][i] = _mm512_sub_epi32(zero, s);
-                }
+            let mut y32 = [zero; 8];
+            for (n, y) in y32.iter_mut().zip(y) {
+                *n = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, m32, y));
             }
             self.y32.push(y32);
         }
@@ -207,7 +208,7 @@ impl<'a> Batch<'a> {
             * match self.ty {
                 GgmlType::Q4_0 => size_of::<PairBlock>() / 2,
                 GgmlType::Q4K => size_of::<PairSuper>() / 2,
-                _ => size_of::<PairSuper>() / 2 + 256,
+                _ => size_of::<PairSuper>() / 2 + 8 * 32,
             }
     }
 }
@@ -319,11 +320,9 @@ impl Out {
 /// block 1, ...).
 #[derive(Default)]
 struct Panel {
-    /// Q4_0: each block's weights plus 8, as unsigned bytes.
+    /// Q4_0: each block's weights plus 8, as unsigned bytes. K-quants: per super-block, for
+    /// each 32 weights, the unsigned weights and their scales spread for `vpdpwssd`.
     w256: Vec<__m256i>,
-    /// K-quants: per super-block, four pairs of (two sub-blocks' unsigned weights, their
-    /// scales spread for `vpdpwssd`).
-    vecs: Vec<__m512i>,
     /// Q4_K: each super-block's mins, widened to i16, in both halves.
     mins: Vec<__m256i>,
     /// Block scales (`d`) and, for Q4_K, interleaved with `dmin`.
@@ -393,17 +392,6 @@ fn hsum4_halves(a: __m256) -> (f32, f32) {
     )
 }
 
-/// Per token of each pair, the per-lane integer sums of a super-block: the two sub-block
-/// halves of each token's register added, `[token a | token b]`.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn fold_halves(a: __m512i, b: __m512i) -> __m512i {
-    _mm512_add_epi32(
-        _mm512_shuffle_i64x2::<0x44>(a, b),
-        _mm512_shuffle_i64x2::<0xee>(a, b),
-    )
-}
-
 // The kernels index accumulators, registers and activations by the same row and token indices:
 // plain index loops say that most directly.
 #[allow(clippy::needless_range_loop)]
@@ -415,7 +403,6 @@ impl Panel {
             assert_eq!(row.len(), batch.blocks * bb, "row width");
         }
         self.w256.clear();
-        self.vecs.clear();
         self.mins.clear();
         self.scales.clear();
         self.rows = rows.len();
@@ -451,14 +438,13 @@ impl Panel {
                     // SAFETY: 32 bytes of nibbles at 16 + 32 i < 144.
                     let bits =
                         unsafe { _mm256_loadu_si256(b.as_ptr().add(16 + 32 * i) as *const _) };
-                    self.vecs.push(join(
-                        _mm256_and_si256(bits, low),
-                        _mm256_and_si256(_mm256_srli_epi16::<4>(bits), low),
-                    ));
-                    self.vecs.push(join(
-                        _mm256_shuffle_epi8(sc, broadcast_i16(2 * i)),
-                        _mm256_shuffle_epi8(sc, broadcast_i16(2 * i + 1)),
-                    ));
+                    self.w256.push(_mm256_and_si256(bits, low));
+                    self.w256
+                        .push(_mm256_shuffle_epi8(sc, broadcast_i16(2 * i)));
+                    self.w256
+                        .push(_mm256_and_si256(_mm256_srli_epi16::<4>(bits), low));
+                    self.w256
+                        .push(_mm256_shuffle_epi8(sc, broadcast_i16(2 * i + 1)));
                 }
                 self.scales.push(half(b, 0));
                 self.scales.push(half(b, 2));
@@ -486,11 +472,10 @@ impl Panel {
                     // Each 32-bit lane's sum `Σ (q - 32) y` of four weights fits in its low
                     // 16 bits (|·| ≤ 4 · 32 · 128), so `vpdpwssd` with the scale in the low
                     // half and 0 in the high half multiplies it by the scale.
-                    let low16 = _mm512_set1_epi32(0xffff);
-                    for k in [0, 2] {
-                        self.vecs.push(join(q[k], q[k + 1]));
-                        let sc = join(sc(4 * n + k), sc(4 * n + k + 1));
-                        self.vecs.push(_mm512_and_si512(sc, low16));
+                    let low16 = _mm256_set1_epi32(0xffff);
+                    for (k, q) in q.into_iter().enumerate() {
+                        self.w256.push(q);
+                        self.w256.push(_mm256_and_si256(sc(4 * n + k), low16));
                     }
                 }
                 self.scales.push(half(b, 208));
@@ -593,29 +578,29 @@ impl Panel {
         let ys = &batch.supers[pair * nb..(pair + P) * nb];
         let mut acc = [[_mm512_setzero_ps(); P]; R];
         for (b, (v, d)) in self
-            .vecs
-            .chunks_exact(8 * R)
+            .w256
+            .chunks_exact(16 * R)
             .zip(self.scales.chunks_exact(2 * R))
             .enumerate()
         {
             for r in 0..R {
-                let mut isum = [[_mm512_setzero_si512(); 2]; P];
-                for i in 0..4 {
-                    let (w, s) = (v[8 * r + 2 * i], v[8 * r + 2 * i + 1]);
+                let mut isum = [_mm512_setzero_si512(); P];
+                for j in 0..8 {
+                    let w = _mm512_broadcast_i64x4(v[16 * r + 2 * j]);
+                    let s = _mm512_broadcast_i64x4(v[16 * r + 2 * j + 1]);
                     for k in 0..P {
-                        let y = &ys[k * nb + b];
-                        for h in 0..2 {
-                            let p = _mm512_maddubs_epi16(w, y.y[h][i]);
-                            isum[k][h] = dpwssd(isum[k][h], p, s);
-                        }
+                        let p = _mm512_maddubs_epi16(w, ys[k * nb + b].y[j]);
+                        isum[k] = dpwssd(isum[k], p, s);
                     }
                 }
                 let dr = _mm512_set1_ps(d[2 * r]);
                 for k in 0..P {
                     let y = &ys[k * nb + b];
-                    let i = fold_halves(isum[k][0], isum[k][1]);
-                    acc[r][k] =
-                        _mm512_fmadd_ps(_mm512_mul_ps(dr, y.dy), _mm512_cvtepi32_ps(i), acc[r][k]);
+                    acc[r][k] = _mm512_fmadd_ps(
+                        _mm512_mul_ps(dr, y.dy),
+                        _mm512_cvtepi32_ps(isum[k]),
+                        acc[r][k],
+                    );
                 }
             }
         }
@@ -665,29 +650,29 @@ impl Panel {
         let y32 = &batch.y32[pair * nb..(pair + P) * nb];
         let mut acc = [[_mm512_setzero_ps(); P]; R];
         for (b, (v, d)) in self
-            .vecs
-            .chunks_exact(8 * R)
+            .w256
+            .chunks_exact(16 * R)
             .zip(self.scales.chunks_exact(R))
             .enumerate()
         {
             for r in 0..R {
-                let mut isum = [[_mm512_setzero_si512(); 2]; P];
-                for j in 0..4 {
-                    let (w, s) = (v[8 * r + 2 * j], v[8 * r + 2 * j + 1]);
+                let mut isum = [_mm512_setzero_si512(); P];
+                for j in 0..8 {
+                    let w = _mm512_broadcast_i64x4(v[16 * r + 2 * j]);
+                    let s = _mm512_broadcast_i64x4(v[16 * r + 2 * j + 1]);
                     for k in 0..P {
-                        let (y, y32) = (&ys[k * nb + b], &y32[k * nb + b]);
-                        for h in 0..2 {
-                            let p = _mm512_dpbusd_epi32(y32[h][j], w, y.y[h][j]);
-                            isum[k][h] = dpwssd(isum[k][h], p, s);
-                        }
+                        let p = _mm512_dpbusd_epi32(y32[k * nb + b][j], w, ys[k * nb + b].y[j]);
+                        isum[k] = dpwssd(isum[k], p, s);
                     }
                 }
                 let dr = _mm512_set1_ps(d[r]);
                 for k in 0..P {
                     let y = &ys[k * nb + b];
-                    let i = fold_halves(isum[k][0], isum[k][1]);
-                    acc[r][k] =
-                        _mm512_fmadd_ps(_mm512_mul_ps(dr, y.dy), _mm512_cvtepi32_ps(i), acc[r][k]);
+                    acc[r][k] = _mm512_fmadd_ps(
+                        _mm512_mul_ps(dr, y.dy),
+                        _mm512_cvtepi32_ps(isum[k]),
+                        acc[r][k],
+                    );
                 }
             }
         }
