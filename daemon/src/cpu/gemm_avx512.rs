@@ -325,6 +325,9 @@ struct Panel {
     w256: Vec<__m256i>,
     /// Q4_K: each super-block's mins, widened to i16, in both halves.
     mins: Vec<__m256i>,
+    /// Q4_K: per super-block, for each two rows, their [`Panel::mins`] side by side, and their
+    /// `dmin` in eight lanes each (the last row twice when the rows are odd).
+    mins2: Vec<(__m512i, __m512)>,
     /// Block scales (`d`) and, for Q4_K, interleaved with `dmin`.
     scales: Vec<f32>,
     rows: usize,
@@ -404,12 +407,24 @@ impl Panel {
         }
         self.w256.clear();
         self.mins.clear();
+        self.mins2.clear();
         self.scales.clear();
-        self.rows = rows.len();
+        let n = rows.len();
+        self.rows = n;
         for b in 0..batch.blocks {
             for row in rows {
                 // SAFETY: the caller's guarantee.
                 unsafe { self.unpack_block(batch.ty, &row[b * bb..(b + 1) * bb]) };
+            }
+            if batch.ty == GgmlType::Q4K {
+                let (mins, d) = (&self.mins[b * n..], &self.scales[2 * b * n..]);
+                for r in (0..n).step_by(2) {
+                    let s = (r + 1).min(n - 1);
+                    self.mins2.push((
+                        join(mins[r], mins[s]),
+                        join_ps(_mm256_set1_ps(d[2 * r + 1]), _mm256_set1_ps(d[2 * s + 1])),
+                    ));
+                }
             }
         }
     }
@@ -604,32 +619,31 @@ impl Panel {
                 }
             }
         }
-        // The mins' chains apart (their own block order, as in `dot_q4_k`): fewer live
-        // registers in the loop above.
-        let mut acc_m = [[_mm256_setzero_ps(); P]; R];
-        for (b, (mins, d)) in self
-            .mins
-            .chunks_exact(R)
-            .zip(self.scales.chunks_exact(2 * R))
-            .enumerate()
-        {
-            for r in 0..R {
-                let dmin = _mm256_set1_ps(d[2 * r + 1]);
+        // The mins' chains apart (their own block order, as in `dot_q4_k`), two rows to a
+        // register: `[row r: token a, token b | row r + 1: token a, token b]`.
+        let rp = R.div_ceil(2);
+        let mut acc_m = [[_mm512_setzero_ps(); P]; 2];
+        for (b, mins) in self.mins2.chunks_exact(rp).enumerate() {
+            for (acc_m, &(m2, dmin2)) in acc_m.iter_mut().zip(mins) {
                 for k in 0..P {
                     let y = &ys[k * nb + b];
-                    let m = _mm256_madd_epi16(mins[r], y.sums);
-                    acc_m[r][k] = _mm256_fmadd_ps(
-                        _mm256_mul_ps(dmin, y.dy4),
-                        _mm256_cvtepi32_ps(m),
-                        acc_m[r][k],
-                    );
+                    let m = _mm512_madd_epi16(m2, _mm512_broadcast_i64x4(y.sums));
+                    let dy4 = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(y.dy4)));
+                    acc_m[k] =
+                        _mm512_fmadd_ps(_mm512_mul_ps(dmin2, dy4), _mm512_cvtepi32_ps(m), acc_m[k]);
                 }
             }
         }
         for r in 0..R {
             for k in 0..P {
                 let (a, b) = hsum_halves(acc[r][k]);
-                let (ma, mb) = hsum4_halves(acc_m[r][k]);
+                let m = acc_m[r / 2][k];
+                let m = if r % 2 == 0 {
+                    _mm512_castps512_ps256(m)
+                } else {
+                    _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(m)))
+                };
+                let (ma, mb) = hsum4_halves(m);
                 // SAFETY: the caller's guarantee.
                 unsafe { out.put(pair + k, r, a - ma, b - mb) };
             }
@@ -757,9 +771,9 @@ mod tests {
             (GgmlType::Q4K, &[0, 2][..]),
             (GgmlType::Q6K, &[208][..]),
         ] {
-            // Row counts around the panel and group sizes; odd token counts (Q4_0 pairs) and
-            // counts that are not whole blocks of tokens.
-            for (n_out, n_tok) in [(1, 1), (5, 2), (37, 5), (33, 7), (64, 13)] {
+            // Row counts around the panel and group sizes (panels of 1 to 4 rows); odd token
+            // counts (tokens go in pairs) and counts that are not whole blocks of pairs.
+            for (n_out, n_tok) in [(1, 1), (5, 2), (6, 4), (7, 5), (37, 5), (33, 7), (64, 13)] {
                 check(ty, d_at, 512, n_out, n_tok);
             }
             // Wide rows: the tokens come in several chunks.
