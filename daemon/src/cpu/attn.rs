@@ -45,6 +45,11 @@ pub fn weighted_sum_f16_with(
     }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 {
+        if is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512 F (and AVX2, FMA, F16C: `Isa::Avx2`); the bounds are
+            // checked above.
+            return unsafe { avx512::weighted_sum_f16(out, probs, values, stride, offset) };
+        }
         // SAFETY: `Isa::Avx2` means AVX2, FMA and F16C; the bounds are checked above.
         return unsafe { avx2::weighted_sum_f16(out, probs, values, stride, offset) };
     }
@@ -60,6 +65,11 @@ pub fn dot_f32_f16_with(isa: Isa, q: &[f32], k: &[f16]) -> f32 {
     assert_eq!(q.len(), k.len(), "dot_f32_f16: lengths differ");
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 {
+        if is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512 F (and AVX2, FMA, F16C: `Isa::Avx2`); the lengths
+            // are equal.
+            return unsafe { avx512::dot_f32_f16(q, k) };
+        }
         // SAFETY: `Isa::Avx2` is only returned by `Isa::detect` when the CPU has AVX2, FMA and
         // F16C; the lengths are equal.
         return unsafe { avx2::dot_f32_f16(q, k) };
@@ -213,6 +223,110 @@ mod avx2 {
     }
 }
 
+/// The AVX2 helpers with two of their 256-bit registers in each 512-bit one: the same
+/// operations on every lane, in the same order, so the same results bit for bit; half the
+/// conversions, multiplications and additions.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    // The AVX-512 intrinsics are stable since Rust 1.89 (see `gemm_avx512`).
+    #![allow(clippy::incompatible_msrv)]
+
+    use std::arch::x86_64::*;
+
+    use half::f16;
+
+    /// Sixteen halves from `p` as f32.
+    ///
+    /// # Safety
+    /// AVX-512 F; `p` valid for reading 16 halves.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn load16(p: *const f16) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    fn lo(v: __m512) -> __m256 {
+        _mm512_castps512_ps256(v)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    fn hi(v: __m512) -> __m256 {
+        _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)))
+    }
+
+    /// `super::avx2::dot_f32_f16`, its accumulators 0 and 1, and 2 and 3, in one register each.
+    ///
+    /// # Safety
+    /// AVX-512 F, AVX2, FMA and F16C; `q.len() == k.len()`.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn dot_f32_f16(q: &[f32], k: &[f16]) -> f32 {
+        let n = q.len();
+        let (qp, kp) = (q.as_ptr(), k.as_ptr());
+        let (mut a01, mut a23) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let mut i = 0;
+        while i + 32 <= n {
+            a01 = _mm512_fmadd_ps(_mm512_loadu_ps(qp.add(i)), load16(kp.add(i)), a01);
+            a23 = _mm512_fmadd_ps(_mm512_loadu_ps(qp.add(i + 16)), load16(kp.add(i + 16)), a23);
+            i += 32;
+        }
+        let mut a0 = lo(a01);
+        while i + 8 <= n {
+            let kv = _mm256_cvtph_ps(_mm_loadu_si128(kp.add(i).cast()));
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(i)), kv, a0);
+            i += 8;
+        }
+        let s = _mm256_add_ps(_mm256_add_ps(a0, hi(a01)), _mm256_add_ps(lo(a23), hi(a23)));
+        let s = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        let mut sum = _mm_cvtss_f32(s);
+        while i < n {
+            sum += k[i].to_f32() * q[i];
+            i += 1;
+        }
+        sum
+    }
+
+    /// `super::avx2::weighted_sum_f16`, 32 columns in two registers instead of four.
+    ///
+    /// # Safety
+    /// AVX-512 F, AVX2, FMA and F16C; `values` holds `probs.len()` rows of `stride` with
+    /// `offset + out.len() <= stride`.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub unsafe fn weighted_sum_f16(
+        out: &mut [f32],
+        probs: &[f32],
+        values: &[f16],
+        stride: usize,
+        offset: usize,
+    ) {
+        let n = out.len();
+        let vp = values.as_ptr().add(offset);
+        let mut i = 0;
+        while i + 32 <= n {
+            let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+            for (p, &a) in probs.iter().enumerate() {
+                let av = _mm512_set1_ps(a);
+                let row = vp.add(p * stride + i);
+                a0 = _mm512_add_ps(a0, _mm512_mul_ps(av, load16(row)));
+                a1 = _mm512_add_ps(a1, _mm512_mul_ps(av, load16(row.add(16))));
+            }
+            _mm512_storeu_ps(out.as_mut_ptr().add(i), a0);
+            _mm512_storeu_ps(out.as_mut_ptr().add(i + 16), a1);
+            i += 32;
+        }
+        if i < n {
+            // SAFETY: the caller's guarantee, for the columns left.
+            unsafe {
+                super::avx2::weighted_sum_f16(&mut out[i..], probs, values, stride, offset + i)
+            };
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -259,6 +373,27 @@ mod tests {
                 axpy_f16_with(Isa::Scalar, &mut slow, a, &values[p * stride + 16..][..n]);
             }
             assert_eq!(fast, slow, "n={n}, {positions} positions");
+        }
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx2 && is_x86_feature_detected!("avx512f") {
+            // The 512-bit versions do the 256-bit ones' operations lane for lane.
+            for n in [0, 8, 13, 32, 40, 64, 72, 100, 128, 131] {
+                let q = noise(n, 3);
+                let k = halves(&noise(n, 5));
+                // SAFETY: the CPU has the features; equal lengths.
+                let (a, b) = unsafe { (avx512::dot_f32_f16(&q, &k), avx2::dot_f32_f16(&q, &k)) };
+                assert_eq!(a.to_bits(), b.to_bits(), "n={n}: {a} vs {b}");
+                let (stride, positions) = (n + 16, 9);
+                let values = halves(&noise(stride * positions, 11));
+                let probs = noise(positions, 13);
+                let (mut a, mut b) = (vec![0.0; n], vec![0.0; n]);
+                // SAFETY: as above; `values` holds the rows.
+                unsafe {
+                    avx512::weighted_sum_f16(&mut a, &probs, &values, stride, 16);
+                    avx2::weighted_sum_f16(&mut b, &probs, &values, stride, 16);
+                }
+                assert_eq!(a, b, "n={n}");
+            }
         }
         assert_eq!(dot_f32_f16(&[2.0], &[f16::from_f32(3.0)]), 6.0);
         let mut acc = [1.0];

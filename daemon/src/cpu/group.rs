@@ -14,6 +14,8 @@ use crate::model::MatRef;
 use super::act::Activation;
 #[cfg(target_arch = "x86_64")]
 use super::gemm_avx2;
+#[cfg(target_arch = "x86_64")]
+use super::gemm_avx512;
 use super::kernels::{dot_kernel, Isa};
 use super::matvec::{rows_per_task, MIN_PANEL_TOKENS};
 use super::pool::ThreadPool;
@@ -72,6 +74,8 @@ struct Plan<'a> {
     dot: super::kernels::DotFn,
     #[cfg(target_arch = "x86_64")]
     batch: Option<gemm_avx2::Batch<'a>>,
+    #[cfg(target_arch = "x86_64")]
+    batch512: Option<gemm_avx512::Batch<'a>>,
 }
 
 /// A product's output, written by several tasks at disjoint rows.
@@ -89,7 +93,17 @@ impl<'a> Plan<'a> {
         );
         // The activations' format and width are asserted by the kernels on first use.
         #[cfg(target_arch = "x86_64")]
-        let batch = (isa == Isa::Avx2 && gemm_avx2::supports(p.m.ty) && n_tok >= MIN_PANEL_TOKENS)
+        let batch512 = (isa == Isa::Avx2
+            && gemm_avx512::supports(p.m.ty)
+            && n_tok >= MIN_PANEL_TOKENS
+            && gemm_avx512::available())
+        // SAFETY: `available` found the features.
+        .then(|| unsafe { gemm_avx512::Batch::new(p.m.ty, p.acts) });
+        #[cfg(target_arch = "x86_64")]
+        let batch = (batch512.is_none()
+            && isa == Isa::Avx2
+            && gemm_avx2::supports(p.m.ty)
+            && n_tok >= MIN_PANEL_TOKENS)
             // SAFETY: `Isa::detect` found AVX2, FMA and F16C.
             .then(|| unsafe { gemm_avx2::Batch::new(p.m.ty, p.acts) });
         Plan {
@@ -100,6 +114,8 @@ impl<'a> Plan<'a> {
             dot: dot_kernel(p.m.ty, isa),
             #[cfg(target_arch = "x86_64")]
             batch,
+            #[cfg(target_arch = "x86_64")]
+            batch512,
         }
     }
 
@@ -117,6 +133,13 @@ impl<'a> Plan<'a> {
     /// No other thread writes these rows of `out` meanwhile.
     unsafe fn rows(&self, start: usize, end: usize) {
         let n_out = self.m.n_out;
+        #[cfg(target_arch = "x86_64")]
+        if let Some(batch) = &self.batch512 {
+            // SAFETY: the batch exists only where `available` found the features; the caller
+            // owns the rows.
+            unsafe { gemm_avx512::products(batch, self.m, start, end, self.out.0, n_out) };
+            return;
+        }
         #[cfg(target_arch = "x86_64")]
         if let Some(batch) = &self.batch {
             let mut panel = gemm_avx2::Panel::default();

@@ -10,6 +10,8 @@ use crate::model::MatRef;
 use super::act::Activation;
 #[cfg(target_arch = "x86_64")]
 use super::gemm_avx2;
+#[cfg(target_arch = "x86_64")]
+use super::gemm_avx512;
 use super::kernels::{dot_kernel, Isa};
 use super::pool::ThreadPool;
 
@@ -91,6 +93,23 @@ pub fn matmul_act(pool: &ThreadPool, m: MatRef<'_>, acts: &[Activation<'_>], out
     }
     let rows_per = rows_per_task(m.n_out, pool.n_threads());
     let isa = Isa::detect();
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2
+        && gemm_avx512::supports(m.ty)
+        && n_tok >= MIN_PANEL_TOKENS
+        && gemm_avx512::available()
+    {
+        // SAFETY: `available` found the features.
+        let batch = unsafe { gemm_avx512::Batch::new(m.ty, acts) };
+        let dst = OutPtr(out.as_mut_ptr());
+        pool.run(m.n_out.div_ceil(rows_per), &|task| {
+            let dst = &dst;
+            let end = ((task + 1) * rows_per).min(m.n_out);
+            // SAFETY: as below; rows `task * rows_per..end` of every token are this task's.
+            unsafe { gemm_avx512::products(&batch, m, task * rows_per, end, dst.0, m.n_out) };
+        });
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 && gemm_avx2::supports(m.ty) && n_tok >= MIN_PANEL_TOKENS {
         // SAFETY: `Isa::detect` found AVX2, FMA and F16C.

@@ -12,6 +12,8 @@ pub mod avx2;
 pub mod dot;
 #[cfg(target_arch = "x86_64")]
 pub mod gemm_avx2;
+#[cfg(target_arch = "x86_64")]
+pub mod gemm_avx512;
 pub mod group;
 pub mod kernels;
 pub mod matvec;
