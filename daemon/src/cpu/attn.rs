@@ -228,9 +228,6 @@ mod avx2 {
 /// conversions, multiplications and additions.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    // The AVX-512 intrinsics are stable since Rust 1.89 (see `gemm_avx512`).
-    #![allow(clippy::incompatible_msrv)]
-
     use std::arch::x86_64::*;
 
     use half::f16;

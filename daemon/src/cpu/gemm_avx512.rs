@@ -21,9 +21,8 @@
 //! Every function here requires the features [`available`] checks for.
 
 #![cfg(target_arch = "x86_64")]
-// The AVX-512 intrinsics and target features are stable since Rust 1.89, one release past the
-// workspace's declared `rust-version`: this module needs 1.89 to build.
-#![allow(clippy::incompatible_msrv)]
+// The AVX-512 intrinsics and target features are stable since Rust 1.89, the workspace's
+// `rust-version`.
 
 use std::arch::x86_64::*;
 
