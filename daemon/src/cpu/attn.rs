@@ -140,10 +140,7 @@ mod avx2 {
             i += 8;
         }
         let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-        let s = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        let mut sum = _mm_cvtss_f32(s);
+        let mut sum = crate::cpu::avx2::hsum_ps(s);
         while i < n {
             sum += k[i].to_f32() * q[i];
             i += 1;
@@ -276,10 +273,7 @@ mod avx512 {
             i += 8;
         }
         let s = _mm256_add_ps(_mm256_add_ps(a0, hi(a01)), _mm256_add_ps(lo(a23), hi(a23)));
-        let s = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        let mut sum = _mm_cvtss_f32(s);
+        let mut sum = crate::cpu::avx2::hsum_ps(s);
         while i < n {
             sum += k[i].to_f32() * q[i];
             i += 1;
