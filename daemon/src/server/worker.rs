@@ -524,7 +524,7 @@ impl<E: Sequences> WorkerContext<E> {
         costs.annotate_cpu(&mut msg);
         send(msg)?;
         let mut decode: Vec<StepProfile> = Vec::with_capacity(job.steps);
-        let mut sent: Vec<pb::ProfileStep> = Vec::with_capacity(job.steps);
+        let mut sent: Vec<Vec<pb::ProfileRow>> = Vec::with_capacity(job.steps);
         for i in 1..=job.steps {
             check()?;
             let mut p = StepProfile::default();
@@ -535,7 +535,8 @@ impl<E: Sequences> WorkerContext<E> {
             let mut msg = step_message(i, &p, origin);
             costs.annotate_cpu(&mut msg);
             decode.push(p);
-            sent.push(msg.clone());
+            // Their rows, for the totals (not the trace slices, which can be many).
+            sent.push(msg.rows.clone());
             if i == job.steps {
                 let mut totals = totals_message(&prefill, &decode, layers);
                 costs.complete_totals(&mut totals, &sent);

@@ -276,9 +276,10 @@ impl Costs {
         }
     }
 
-    /// Completes a profile's totals from its decode steps (`decode`, as sent): each link's
-    /// bandwidth, where the predictions come from, and the busiest link on the bottleneck line.
-    pub fn complete_totals(&self, totals: &mut pb::ProfileTotals, decode: &[pb::ProfileStep]) {
+    /// Completes a profile's totals from its decode steps (`decode`: each step's rows, as
+    /// sent): each link's bandwidth, where the predictions come from, and the busiest link on
+    /// the bottleneck line.
+    pub fn complete_totals(&self, totals: &mut pb::ProfileTotals, decode: &[Vec<pb::ProfileRow>]) {
         totals.bandwidths = self.bandwidths(decode);
         totals.hardware_profile = self.hardware_name();
         if let Some(link) = busiest_link(&totals.bandwidths) {
@@ -288,10 +289,10 @@ impl Costs {
 
     /// The decode steps' bandwidths per link, against the hardware profile's limits: each
     /// link's bytes over the measured time of the rows that carried them.
-    pub fn bandwidths(&self, decode: &[pb::ProfileStep]) -> Vec<pb::Bandwidth> {
+    pub fn bandwidths(&self, decode: &[Vec<pb::ProfileRow>]) -> Vec<pb::Bandwidth> {
         let hw = self.hardware.as_deref();
         let n = decode.len().max(1) as u64;
-        let rows = || decode.iter().flat_map(|s| &s.rows);
+        let rows = || decode.iter().flatten();
         let link = |name: &str, carried: &dyn Fn(&pb::ProfileRow) -> u64, limit: Option<f64>| {
             let (bytes, time) = rows()
                 .map(|r| (carried(r), r.measured_ns))
@@ -555,7 +556,7 @@ pub(crate) mod tests {
         a.rows[4].weight_bytes = 800;
         let mut b = a.clone();
         b.rows[2].ssd_to_ram_bytes = Some(0);
-        let bw = costs.bandwidths(&[a, b]);
+        let bw = costs.bandwidths(&[a.rows, b.rows]);
         let links: Vec<_> = bw.iter().map(|b| b.link.as_str()).collect();
         assert_eq!(links, ["ssd", "pcie", "cpu", "gpu"]);
         // ssd: 3,000 bytes in one 1,000 ns row; a mean of 1,500 a step.
@@ -565,7 +566,7 @@ pub(crate) mod tests {
         assert!((bw[2].bytes_per_second / 2e9 - 1.0).abs() < 1e-12);
         assert_eq!(bw[3].limit_bytes_per_second, Some(hw.gpu.bandwidth));
         assert!(Costs::new(&model, None)
-            .bandwidths(&[gpu_step(1)])
+            .bandwidths(&[gpu_step(1).rows])
             .is_empty());
         // The link closest to its limit names the bottleneck's link.
         let share = |b: &pb::Bandwidth| b.bytes_per_second / b.limit_bytes_per_second.unwrap();

@@ -291,7 +291,8 @@ pub(crate) fn run(
             next = argmax(&logits) as u32;
             let mut msg = gpu_step_message(i, &s, origin, &costs, partial);
             decode.push(s);
-            sent.push(msg.clone());
+            // Their rows, for the totals (not the trace slices, which can be many).
+            sent.push(msg.rows.clone());
             if i == job.steps {
                 let mut totals = gpu_totals_message(&prefill, &decode, layers);
                 costs.complete_totals(&mut totals, &sent);
