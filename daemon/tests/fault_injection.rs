@@ -8,49 +8,33 @@ mod daemon;
 
 use std::path::Path;
 
-use daemon::{test_model, Daemon};
+use daemon::{load_model, stream_tokens, test_model, Daemon};
 use spillway_proto::v1 as pb;
 use tonic::Code;
 
 type Client = pb::spillway_client::SpillwayClient<tonic::transport::Channel>;
 
 async fn load(client: &mut Client, name: &str) -> Result<(), tonic::Status> {
-    let mut progress = client
-        .load_model(pb::LoadModelRequest {
-            path: test_model().display().to_string(),
-            name: name.into(),
-            device: "vulkan".into(),
-            ..Default::default()
-        })
-        .await?
-        .into_inner();
-    while let Some(p) = progress.message().await? {
-        if p.ready {
-            return Ok(());
-        }
-    }
-    panic!("the load stream ended before the model was ready");
+    let req = pb::LoadModelRequest {
+        path: test_model().display().to_string(),
+        name: name.into(),
+        device: "vulkan".into(),
+        ..Default::default()
+    };
+    load_model(client, req).await
 }
 
 async fn greedy(client: &mut Client, model: &str) -> Vec<u32> {
-    let mut stream = client
-        .generate(pb::GenerateRequest {
-            model: model.into(),
-            input: Some(pb::generate_request::Input::Tokens(pb::TokenIds {
-                ids: vec![1, 17, 300, 5],
-            })),
-            max_tokens: 4,
-            ignore_eos: true,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let mut tokens = Vec::new();
-    while let Some(m) = stream.message().await.unwrap() {
-        tokens.push(m.token);
-    }
-    tokens
+    let req = pb::GenerateRequest {
+        model: model.into(),
+        input: Some(pb::generate_request::Input::Tokens(pb::TokenIds {
+            ids: vec![1, 17, 300, 5],
+        })),
+        max_tokens: 4,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    stream_tokens(client, req).await.0
 }
 
 #[tokio::test]

@@ -13,7 +13,7 @@ mod daemon;
 
 use std::path::{Path, PathBuf};
 
-use daemon::Daemon;
+use daemon::{load_model, Daemon};
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
 use spillway_daemon::model::Model;
 use spillway_daemon::synth::SynthModel;
@@ -29,16 +29,6 @@ fn synth(dir: &Path, preset: &str) -> PathBuf {
         .write(&path, false, |_, _| {})
         .unwrap();
     path
-}
-
-async fn load(client: &mut Client, req: pb::LoadModelRequest) {
-    let mut progress = client.load_model(req).await.unwrap().into_inner();
-    while let Some(p) = progress.message().await.unwrap() {
-        if p.ready {
-            return;
-        }
-    }
-    panic!("the load stream ended before the model was ready");
 }
 
 async fn profile(client: &mut Client, model: &str) -> Vec<pb::ProfileStep> {
@@ -141,7 +131,7 @@ async fn vulkan_models_answer_profile_with_gpu_rows_for_every_layer() {
     let minimum = GpuModel::minimum_budget(&device, &model, &GpuModelOptions::default())
         .unwrap()
         .total();
-    load(
+    load_model(
         &mut client,
         pb::LoadModelRequest {
             path: moe.display().to_string(),
@@ -154,7 +144,8 @@ async fn vulkan_models_answer_profile_with_gpu_rows_for_every_layer() {
             ..Default::default()
         },
     )
-    .await;
+    .await
+    .unwrap();
 
     check("dense", &profile(&mut client, "dense").await, false);
     let steps = profile(&mut client, "moe").await;

@@ -8,7 +8,7 @@ mod daemon;
 use std::path::Path;
 use std::process::Command;
 
-use daemon::Daemon;
+use daemon::{stream_tokens, Daemon};
 use spillway_proto::v1 as pb;
 
 /// Debian's interpreter: the grpcio and protobuf modules are installed for it.
@@ -74,21 +74,14 @@ async fn a_python_grpcio_client_generated_from_the_proto_streams_tokens() {
 
     // The same request through our own client gives the same tokens.
     let mut client = d.client().await;
-    let mut stream = client
-        .generate(pb::GenerateRequest {
-            input: Some(pb::generate_request::Input::Tokens(pb::TokenIds {
-                ids: vec![1, 2, 3],
-            })),
-            max_tokens: 5,
-            ignore_eos: true,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let mut tokens = Vec::new();
-    while let Some(m) = stream.message().await.unwrap() {
-        tokens.push(m.token);
-    }
+    let req = pb::GenerateRequest {
+        input: Some(pb::generate_request::Input::Tokens(pb::TokenIds {
+            ids: vec![1, 2, 3],
+        })),
+        max_tokens: 5,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let (tokens, _) = stream_tokens(&mut client, req).await;
     assert_eq!(seen["tokens"], serde_json::json!(tokens));
 }

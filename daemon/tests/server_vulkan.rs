@@ -10,7 +10,7 @@ mod daemon;
 
 use std::path::{Path, PathBuf};
 
-use daemon::Daemon;
+use daemon::{load_model, stream_tokens, Daemon};
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
 use spillway_daemon::gpu::{Device, Instance};
 use spillway_daemon::model::Model;
@@ -36,16 +36,6 @@ fn synth(dir: &Path, preset: &str, seed: u64) -> PathBuf {
     path
 }
 
-async fn load(client: &mut Client, req: pb::LoadModelRequest) -> Result<(), tonic::Status> {
-    let mut progress = client.load_model(req).await?.into_inner();
-    while let Some(p) = progress.message().await? {
-        if p.ready {
-            return Ok(());
-        }
-    }
-    panic!("the load stream ended before the model was ready");
-}
-
 fn load_request(path: &Path, name: &str, device: &str) -> pb::LoadModelRequest {
     pb::LoadModelRequest {
         path: path.display().to_string(),
@@ -57,25 +47,16 @@ fn load_request(path: &Path, name: &str, device: &str) -> pb::LoadModelRequest {
 
 /// Eight greedy tokens after a fixed prompt.
 async fn greedy(client: &mut Client, model: &str) -> Vec<u32> {
-    let mut stream = client
-        .generate(pb::GenerateRequest {
-            model: model.into(),
-            input: Some(pb::generate_request::Input::Tokens(pb::TokenIds {
-                ids: vec![1, 17, 300, 5, 1000],
-            })),
-            max_tokens: 8,
-            ignore_eos: true,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let mut tokens = Vec::new();
-    let mut finish = 0;
-    while let Some(m) = stream.message().await.unwrap() {
-        tokens.push(m.token);
-        finish = m.finish_reason;
-    }
+    let req = pb::GenerateRequest {
+        model: model.into(),
+        input: Some(pb::generate_request::Input::Tokens(pb::TokenIds {
+            ids: vec![1, 17, 300, 5, 1000],
+        })),
+        max_tokens: 8,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let (tokens, finish) = stream_tokens(client, req).await;
     assert_eq!(finish, pb::FinishReason::MaxTokens as i32, "{model}");
     tokens
 }
@@ -103,13 +84,13 @@ async fn models_on_vulkan_generate_the_tokens_of_their_cpu_served_copies() {
     // model.
     let d = Daemon::start(&["--device", "vulkan", "--model", &start_model]).await;
     let mut client = d.client().await;
-    load(&mut client, load_request(&moe, "moe-cpu", "cpu"))
+    load_model(&mut client, load_request(&moe, "moe-cpu", "cpu"))
         .await
         .unwrap();
-    load(&mut client, load_request(&dense, "dense", "vulkan"))
+    load_model(&mut client, load_request(&dense, "dense", "vulkan"))
         .await
         .unwrap();
-    load(&mut client, load_request(&dense, "dense-cpu", "cpu"))
+    load_model(&mut client, load_request(&dense, "dense-cpu", "cpu"))
         .await
         .unwrap();
 
@@ -151,14 +132,14 @@ async fn bad_devices_and_budgets_get_their_documented_errors() {
     let d = Daemon::with_test_model(&[]).await;
     let mut client = d.client().await;
 
-    let err = load(&mut client, load_request(&moe, "far", "vulkan:99"))
+    let err = load_model(&mut client, load_request(&moe, "far", "vulkan:99"))
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(err.message().contains("vulkan:99"), "{}", err.message());
     assert!(err.message().contains("vulkan:0 ("), "{}", err.message());
 
-    let err = load(&mut client, load_request(&moe, "odd", "gpu"))
+    let err = load_model(&mut client, load_request(&moe, "odd", "gpu"))
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
@@ -170,11 +151,13 @@ async fn bad_devices_and_budgets_get_their_documented_errors() {
         }),
         ..load_request(&moe, "small", device)
     };
-    let err = load(&mut client, small("cpu", 1 << 20)).await.unwrap_err();
+    let err = load_model(&mut client, small("cpu", 1 << 20))
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(err.message().contains("vram_bytes"), "{}", err.message());
 
-    let err = load(&mut client, small("vulkan", 1 << 20))
+    let err = load_model(&mut client, small("vulkan", 1 << 20))
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition);
@@ -198,7 +181,9 @@ async fn bad_devices_and_budgets_get_their_documented_errors() {
         .unwrap()
         .total();
     let budget = minimum + (whole - minimum) / 3;
-    load(&mut client, small("vulkan", budget)).await.unwrap();
+    load_model(&mut client, small("vulkan", budget))
+        .await
+        .unwrap();
     assert_eq!(greedy(&mut client, "small").await.len(), 8);
     let s = status_of(&mut client, "small").await;
     assert_eq!(s.vram_budget_bytes, budget);
@@ -221,17 +206,17 @@ async fn bad_devices_and_budgets_get_their_documented_errors() {
         ..load_request(&moe, name, device)
     };
     let minimum_ram = spillway_daemon::stream::minimum_ram_budget(&model);
-    let err = load(&mut client, ram("cpu", "ram-cpu", minimum_ram))
+    let err = load_model(&mut client, ram("cpu", "ram-cpu", minimum_ram))
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(err.message().contains("ram_bytes"), "{}", err.message());
-    let err = load(&mut client, ram("vulkan", "ram-low", minimum_ram - 1))
+    let err = load_model(&mut client, ram("vulkan", "ram-low", minimum_ram - 1))
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
     assert!(err.message().contains("RAM budget"), "{}", err.message());
-    load(&mut client, ram("vulkan", "ram", 2 * minimum_ram))
+    load_model(&mut client, ram("vulkan", "ram", 2 * minimum_ram))
         .await
         .unwrap();
     assert_eq!(

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use hyper_util::rt::TokioIo;
 use spillway_daemon::gguf::GgmlType;
 use spillway_daemon::synth::{SynthModel, WeightType};
+use spillway_proto::v1 as pb;
 use spillway_proto::v1::spillway_client::SpillwayClient;
 use tokio::net::UnixStream;
 use tonic::transport::{Channel, Endpoint, Uri};
@@ -173,4 +174,32 @@ pub async fn unix_channel(path: &Path) -> Result<Channel, Box<dyn std::error::Er
         }))
         .await?;
     Ok(ch)
+}
+
+/// LoadModel, waiting for its progress stream to say the model is ready.
+pub async fn load_model(
+    client: &mut SpillwayClient<Channel>,
+    req: pb::LoadModelRequest,
+) -> Result<(), tonic::Status> {
+    let mut progress = client.load_model(req).await?.into_inner();
+    while let Some(p) = progress.message().await? {
+        if p.ready {
+            return Ok(());
+        }
+    }
+    panic!("the load stream ended before the model was ready");
+}
+
+/// Streams `req` to its end: every message's token, and the last one's finish reason.
+pub async fn stream_tokens(
+    client: &mut SpillwayClient<Channel>,
+    req: pb::GenerateRequest,
+) -> (Vec<u32>, i32) {
+    let mut stream = client.generate(req).await.unwrap().into_inner();
+    let (mut tokens, mut finish) = (Vec::new(), 0);
+    while let Some(m) = stream.message().await.unwrap() {
+        tokens.push(m.token);
+        finish = m.finish_reason;
+    }
+    (tokens, finish)
 }
