@@ -8,7 +8,9 @@ use spillway_sched::model::WeightType;
 use super::{ggml_type, median_seconds, random_matrix, CalibrateError};
 use crate::gpu::ops::GpuMatrix;
 use crate::gpu::upload::DEFAULT_STAGING_BYTES;
-use crate::gpu::{Allocator, Buffer, Device, DeviceInfo, Instance, Kernels, MemoryUse, Uploader};
+use crate::gpu::{
+    Allocator, Buffer, Device, DeviceInfo, DeviceKind, Instance, Kernels, MemoryUse, Uploader,
+};
 
 pub struct GpuBench {
     device: Arc<Device>,
@@ -95,36 +97,85 @@ impl GpuBench {
         Ok(timed.get(timed.len() / 2).copied().unwrap_or(wall))
     }
 
-    /// `batch` products of a `k`-wide, `n`-tall matrix of `t` with a vector, in one command
-    /// buffer; GPU time from timestamps where the queue has them, else wall time.
+    /// Seconds per product of a chain of `chain` products of a `k`-wide, `n`-tall matrix of
+    /// `t` with a vector, recorded into one command buffer (a barrier between each, as each
+    /// writes the same output); each product reads the next of copies of the matrix that
+    /// together pass the caches. GPU time from timestamps where the queue has them, else wall
+    /// time.
     pub fn matvec(
         &mut self,
         t: &WeightType,
         k: u64,
         n: u64,
-        batch: u64,
+        chain: u64,
     ) -> Result<f64, CalibrateError> {
         let ty = ggml_type(t)?;
         let data = random_matrix(ty, k, n)?;
         let mut uploader = Uploader::new(&self.allocator, DEFAULT_STAGING_BYTES)?;
-        let w = GpuMatrix::upload(
-            &self.allocator,
-            &mut uploader,
-            ty,
-            k as usize,
-            n as usize,
-            &data,
-        )?;
+        let copies = super::cold::copies(data.len() as u64, self.cold_bytes());
+        let w = (0..copies)
+            .map(|_| {
+                GpuMatrix::upload(
+                    &self.allocator,
+                    &mut uploader,
+                    ty,
+                    k as usize,
+                    n as usize,
+                    &data,
+                )
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let mut x = Buffer::new_in(&self.allocator, k * 4, MemoryUse::Staging)?;
         x.write_f32(&vec![0.5; k as usize]);
         let y = Buffer::new_in(&self.allocator, n * 4, MemoryUse::DeviceLocal)?;
         uploader.flush()?;
-        self.gpu_seconds(|r| {
-            for _ in 0..batch {
-                r.matvec(&w, &x, &y)?;
+        let next = std::cell::Cell::new(0usize);
+        let total = self.gpu_seconds(|r| {
+            for _ in 0..chain {
+                r.matvec(&w[next.get() % w.len()], &x, &y)?;
+                next.set(next.get() + 1);
             }
             Ok(())
-        })
+        })?;
+        Ok(total / chain.max(1) as f64)
+    }
+
+    /// Bytes a rotation of device buffers covers: the host's figure on a device that is the
+    /// CPU (its caches are the CPU's), the floor for GPUs' caches elsewhere.
+    fn cold_bytes(&self) -> u64 {
+        if self.device.info().kind == DeviceKind::Cpu {
+            super::cold::host_cold_bytes()
+        } else {
+            super::cold::MIN_COLD_BYTES
+        }
+    }
+
+    /// Seconds per dispatch of [`CHAIN`] small matrix-vector products recorded into one command
+    /// buffer, each reading the one before's output: the fixed cost of an op in a decode step.
+    pub fn dispatch(&mut self) -> Result<f64, CalibrateError> {
+        const CHAIN: u64 = 64;
+        const N: usize = 256;
+        let data = random_matrix(crate::gguf::GgmlType::F16, N as u64, N as u64)?;
+        let mut uploader = Uploader::new(&self.allocator, DEFAULT_STAGING_BYTES)?;
+        let w = GpuMatrix::upload(
+            &self.allocator,
+            &mut uploader,
+            crate::gguf::GgmlType::F16,
+            N,
+            N,
+            &data,
+        )?;
+        uploader.flush()?;
+        let a = Buffer::new_in(&self.allocator, N as u64 * 4, MemoryUse::DeviceLocal)?;
+        let b = Buffer::new_in(&self.allocator, N as u64 * 4, MemoryUse::DeviceLocal)?;
+        let chain = self.gpu_seconds(|r| {
+            for i in 0..CHAIN {
+                let (x, y) = if i % 2 == 0 { (&a, &b) } else { (&b, &a) };
+                r.matvec(&w, x, y)?;
+            }
+            Ok(())
+        })?;
+        Ok(chain / CHAIN as f64)
     }
 
     /// An empty command buffer submitted and waited for.

@@ -17,8 +17,11 @@ const IN_FLIGHT: usize = 32;
 
 pub struct HostBench {
     pools: HashMap<u32, ThreadPool>,
-    /// The last matrix made, reused while the shape and type stay the same.
+    /// The last matrix made, in copies for a cold rotation ([`super::cold`]), reused while the
+    /// shape and type stay the same.
     matrix: Option<((String, u64, u64), Vec<u8>)>,
+    /// Bytes a rotation covers.
+    cold: u64,
     /// The file the disk is read from, and whether it is ours to delete.
     file: PathBuf,
     owned: bool,
@@ -47,12 +50,14 @@ impl HostBench {
         Ok(HostBench {
             pools: HashMap::new(),
             matrix: None,
+            cold: super::cold::host_cold_bytes(),
             file,
             owned,
         })
     }
 
-    /// One product of a `k`-wide, `n`-tall matrix of `t` with a vector on `threads` threads.
+    /// One product of a `k`-wide, `n`-tall matrix of `t` with a vector on `threads` threads,
+    /// each run on a copy of the matrix the runs before it did not read.
     pub fn matvec(
         &mut self,
         t: &WeightType,
@@ -63,30 +68,62 @@ impl HostBench {
         let ty = ggml_type(t)?;
         let key = (t.name().to_string(), k, n);
         if self.matrix.as_ref().is_none_or(|(k2, _)| *k2 != key) {
-            self.matrix = Some((key, random_matrix(ty, k, n)?));
+            self.matrix = None;
+            let one = random_matrix(ty, k, n)?;
+            let copies = super::cold::copies(one.len() as u64, self.cold);
+            let mut all = Vec::with_capacity(one.len() * copies);
+            for _ in 0..copies {
+                all.extend_from_slice(&one);
+            }
+            self.matrix = Some((key, all));
         }
-        let m = MatRef {
-            ty,
-            n_in: k as usize,
-            n_out: n as usize,
-            data: &self.matrix.as_ref().expect("made above").1,
-        };
+        let all = &self.matrix.as_ref().expect("made above").1;
+        let bytes = ty.row_bytes(k).expect("random_matrix sized it") as usize * n as usize;
+        let mut copy = all.chunks_exact(bytes).cycle();
         let x = vec![0.5f32; k as usize];
         let mut out = vec![0f32; n as usize];
         let pool = pool(&mut self.pools, threads);
         median_seconds(|| {
+            let m = MatRef {
+                ty,
+                n_in: k as usize,
+                n_out: n as usize,
+                data: copy.next().expect("a cycle of at least two copies"),
+            };
             matvec(pool, m, &x, &mut out);
             Ok::<(), CalibrateError>(())
         })
     }
 
-    /// Sums `bytes` of host memory as 8-byte words on `threads` threads.
-    pub fn read(&mut self, bytes: u64, threads: u32) -> Result<f64, CalibrateError> {
-        let words = vec![1u64; (bytes / 8) as usize];
+    /// One empty job on `threads` threads of the pool, run and waited for: the fixed cost of
+    /// each parallel op of a CPU decode step.
+    pub fn dispatch(&mut self, threads: u32) -> Result<f64, CalibrateError> {
         let pool = pool(&mut self.pools, threads);
         let tasks = threads.max(1) as usize;
-        let chunk = words.len().div_ceil(tasks);
+        const JOBS: u32 = 1000;
+        let per_run = median_seconds(|| {
+            for _ in 0..JOBS {
+                pool.run(tasks, &|i| {
+                    std::hint::black_box(i);
+                });
+            }
+            Ok::<(), CalibrateError>(())
+        })?;
+        Ok(per_run / f64::from(JOBS))
+    }
+
+    /// Sums `bytes` of host memory as 8-byte words on `threads` threads, each run over a
+    /// window of a larger buffer the runs before it did not read.
+    pub fn read(&mut self, bytes: u64, threads: u32) -> Result<f64, CalibrateError> {
+        let window = (bytes / 8).max(1) as usize;
+        let copies = super::cold::copies(bytes, self.cold);
+        let words = vec![1u64; window * copies];
+        let mut windows = words.chunks_exact(window).cycle();
+        let pool = pool(&mut self.pools, threads);
+        let tasks = threads.max(1) as usize;
+        let chunk = window.div_ceil(tasks);
         median_seconds(|| {
+            let words = windows.next().expect("a cycle of at least two windows");
             pool.run(tasks, &|i| {
                 let part = &words[(i * chunk).min(words.len())..((i + 1) * chunk).min(words.len())];
                 let sum = part.iter().fold(0u64, |a, &w| a.wrapping_add(w));
