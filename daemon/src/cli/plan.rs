@@ -1,5 +1,7 @@
 //! `spillwayd plan --model FILE.gguf --vram-budget 8GiB [--profile P] [--pin 'RE=DEV']... [--json]`:
 //! where each tensor would go and the predicted decode speed, before anything is loaded.
+//! `--device cpu` plans for the CPU alone; `--resident-experts N` predicts the placement the
+//! GPU runs today (N routed experts per layer in VRAM, the rest on the CPU) instead.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -8,7 +10,7 @@ use anyhow::{bail, Context};
 use clap::Args;
 use spillway_daemon::gguf::{GgufFile, Metadata};
 use spillway_sched::model::{ExpertRouting, ModelDesc, TensorDesc, WeightType};
-use spillway_sched::plan::{plan, Pin, PlanOptions};
+use spillway_sched::plan::{plan, with_resident_experts, Pin, PlanOptions};
 use spillway_sched::profile::HardwareProfile;
 use spillway_sched::simulate::{shipped_profile, SHIPPED_PROFILES};
 use spillway_sched::ByteSize;
@@ -21,9 +23,17 @@ pub struct PlanArgs {
     /// A hardware profile: a TOML file, or a shipped one (laptop-8gb, desktop-24gb, h200).
     #[arg(long)]
     pub profile: Option<String>,
-    /// VRAM the plan may use.
+    /// VRAM the plan may use (required unless --device cpu).
     #[arg(long)]
-    pub vram_budget: ByteSize,
+    pub vram_budget: Option<ByteSize>,
+    /// `vulkan`: plan for the GPU and the CPU; `cpu`: for the CPU alone.
+    #[arg(long, default_value = "vulkan", value_parser = ["vulkan", "cpu"])]
+    pub device: String,
+    /// Predict this placement instead of planning one: every tensor but the routed experts in
+    /// VRAM, N routed experts per layer in VRAM (all of them when N is at least their count)
+    /// and the others on the CPU.
+    #[arg(long, value_name = "N")]
+    pub resident_experts: Option<u32>,
     /// RAM the plan may use; default: all the profile's RAM.
     #[arg(long)]
     pub ram_budget: Option<ByteSize>,
@@ -43,13 +53,26 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
     let file = GgufFile::open_structure_only(&args.model)
         .with_context(|| format!("reading {}", args.model.display()))?;
     let model = model_desc(&args.model.display().to_string(), &file)?;
-    let mut opts = PlanOptions::new(
-        args.vram_budget,
-        args.ram_budget.unwrap_or(profile.ram.memory),
-    );
+    let cpu_only = args.device == "cpu";
+    let vram_budget = match (args.vram_budget, cpu_only) {
+        (Some(b), _) => b,
+        (None, true) => ByteSize(0),
+        (None, false) => {
+            bail!("--vram-budget is needed to plan for the GPU (or pass --device cpu)")
+        }
+    };
+    let mut opts = PlanOptions::new(vram_budget, args.ram_budget.unwrap_or(profile.ram.memory));
     opts.pins = args.pins.clone();
     opts.context = args.context;
-    let plan = plan(&model, &profile, &opts)?;
+    opts.cpu_only = cpu_only;
+    let mut plan = plan(&model, &profile, &opts)?;
+    if let Some(n) = args.resident_experts {
+        if cpu_only {
+            bail!("--resident-experts places experts in VRAM: it needs --device vulkan");
+        }
+        plan = with_resident_experts(&plan, &model, &profile, &opts, n)
+            .context("re-predicting the plan with a fixed placement")?;
+    }
     let mut text = String::new();
     if args.json {
         text = plan.to_json();

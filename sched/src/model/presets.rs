@@ -310,6 +310,14 @@ pub fn all() -> Vec<ModelShape> {
             llama,
         ),
         shape(
+            "mixtral-8x22b",
+            (32768, 6144, 56),
+            (48, 8, 128),
+            16384,
+            Some((8, 2, 16384)),
+            llama,
+        ),
+        shape(
             "qwen3-235b-a22b",
             (151_936, 4096, 94),
             (64, 4, 128),
@@ -339,6 +347,7 @@ mod tests {
             ("llama-3-8b", 8.030),
             ("qwen3-30b-a3b", 30.53),
             ("mixtral-8x7b", 46.70),
+            ("mixtral-8x22b", 140.6),
             ("qwen3-235b-a22b", 235.1),
         ] {
             let m = find(name).unwrap().describe(&f16);

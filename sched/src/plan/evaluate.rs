@@ -4,12 +4,12 @@
 use std::collections::{BTreeMap, HashSet};
 
 use crate::model::ModelDesc;
-use crate::predict::{AccuracyReport, Work};
+use crate::predict::AccuracyReport;
 use crate::profile::HardwareProfile;
 
 use super::pins::Tier;
-use super::step::{self, State};
-use super::{LayerPrediction, Placement, Plan, PlanOptions, Source};
+use super::step::{self, KvRead, State};
+use super::{Bottleneck, ExpertSplit, LayerPrediction, Placement, Plan, PlanOptions, Source};
 
 /// Per-layer predicted times of `plan`'s placement of `model` on `profile`, in the order of
 /// [`Plan::layers`]. `None` when the plan does not describe this model.
@@ -73,12 +73,9 @@ pub fn layer_times(
         tier.push(ti);
         in_ram.push(ram);
     }
-    let kv = opts.context * model.kv_bytes_per_token();
-    let kv_read_s = profile
-        .gpu_stream()
-        .marginal(Work::transfer(kv / u64::from(model.n_layer.max(1))));
+    let kv = KvRead::of(model, profile, opts.context, plan.cpu_only);
     let miss = 1.0 - opts.prefetch_accuracy.clamp(0.0, 1.0);
-    let state = State::new(&units, model, profile, tier, in_ram, kv_read_s, miss);
+    let state = State::new(&units, model, profile, tier, in_ram, kv, miss);
     Some(
         state
             .groups
@@ -100,4 +97,45 @@ pub fn layer_accuracy(plan: &Plan, measured: &BTreeMap<String, f64>) -> Option<A
             .iter()
             .filter_map(|l| measured.get(&l.name).map(|&m| (l.time.total_s, m))),
     )
+}
+
+/// `plan` with the placement the daemon's GPU runs today instead of the planner's: every tensor
+/// but the routed experts in VRAM, and in each MoE layer experts `0..resident` in VRAM and the
+/// others on the CPU from RAM, re-predicted on `profile`. For scoring the predictors against
+/// that placement's measured layers; the memory figures stay the planner's. `None` when the
+/// plan does not describe this model.
+pub fn with_resident_experts(
+    plan: &Plan,
+    model: &ModelDesc,
+    profile: &HardwareProfile,
+    opts: &PlanOptions,
+    resident: u32,
+) -> Option<Plan> {
+    let mut out = plan.clone();
+    for t in &mut out.tensors {
+        t.placement = match &t.placement {
+            Placement::Experts(_) => {
+                let n = model.expert_count();
+                let cpu: Vec<u32> = (resident.min(n)..n).collect();
+                Placement::Experts(ExpertSplit {
+                    vram: (0..resident.min(n)).collect(),
+                    stream: Vec::new(),
+                    in_ram: cpu.clone(),
+                    cpu,
+                })
+            }
+            _ => Placement::Vram,
+        };
+        t.pinned = None;
+    }
+    out.layers = layer_times(&out, model, profile, opts)?;
+    let (step_s, bound) = super::greedy::step_totals(&out.layers, profile, out.cpu_only);
+    out.step_s = step_s;
+    out.tokens_per_s = 1.0 / step_s;
+    out.bottleneck = bound.first().map_or(Bottleneck::Gpu, |b| b.0);
+    out.bound_time_s = bound;
+    out.notes.push(format!(
+        "placement fixed, not planned: {resident} routed experts per layer in VRAM, the others on the CPU"
+    ));
+    Some(out)
 }

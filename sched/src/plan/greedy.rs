@@ -23,7 +23,7 @@ use crate::profile::HardwareProfile;
 use crate::ByteSize;
 
 use super::pins::{pinned, Tier};
-use super::step::{self, Bottleneck, State, Unit};
+use super::step::{self, Bottleneck, KvRead, State, Unit};
 use super::{
     ExpertCaches, ExpertSplit, LayerPrediction, MemoryUse, Placement, Plan, PlanError, PlanOptions,
     Source, TensorPlacement,
@@ -209,6 +209,11 @@ pub fn plan(
     let pin_of: Vec<Option<usize>> = pins.iter().map(|p| p.map(|(i, _)| i)).collect();
     let units = step::units(model, profile, tile, &pin_of);
     let pin = |u: &Unit| pins[u.tensors[0]].map(|(_, t)| t);
+    if opts.cpu_only {
+        return Ok(plan_cpu_only(
+            model, profile, opts, &units, &pins, tile, notes,
+        ));
+    }
 
     let kv = opts.context * model.kv_bytes_per_token();
     let activations = activation_bytes(model);
@@ -261,11 +266,7 @@ pub fn plan(
         });
     }
 
-    let kv_read_s = profile
-        .gpu_stream()
-        .marginal(crate::predict::Work::transfer(
-            kv / u64::from(model.n_layer.max(1)),
-        ));
+    let kv_read = KvRead::of(model, profile, opts.context, false);
     let miss = 1.0 - opts.prefetch_accuracy.clamp(0.0, 1.0);
     let free: Vec<usize> = (0..units.len())
         .filter(|&i| pin(&units[i]).is_none() && !units[i].embedding)
@@ -280,7 +281,7 @@ pub fn plan(
                 units: &units,
                 pinned: &pinned_tiers,
                 free: &free,
-                kv_read_s,
+                kv_read,
                 miss,
                 may_stream: staging > 0,
                 ram_capacity: opts.ram_budget.0 - staging,
@@ -316,6 +317,72 @@ pub fn plan(
     ))
 }
 
+/// A step's seconds (its layers and, with a GPU, one submit) and the seconds its layers spent
+/// bound by each resource, largest first.
+pub(super) fn step_totals(
+    layers: &[LayerPrediction],
+    profile: &HardwareProfile,
+    cpu_only: bool,
+) -> (f64, Vec<(Bottleneck, f64)>) {
+    let submit_s = if cpu_only { 0.0 } else { profile.gpu.submit_s };
+    let step_s = layers.iter().map(|l| l.time.total_s).sum::<f64>() + submit_s;
+    let mut bound: Vec<(Bottleneck, f64)> = Vec::new();
+    for l in layers {
+        match bound.iter_mut().find(|(b, _)| *b == l.time.bound) {
+            Some((_, t)) => *t += l.time.total_s,
+            None => bound.push((l.time.bound, l.time.total_s)),
+        }
+    }
+    bound.sort_by(|x, y| y.1.total_cmp(&x.1));
+    (step_s, bound)
+}
+
+/// The plan of a machine without a GPU: every tensor on the CPU, from RAM while the budget
+/// lasts and from the SSD after; the KV cache in RAM. Pins cannot move anything (there is
+/// nowhere else to go), so they are noted, not applied.
+fn plan_cpu_only(
+    model: &ModelDesc,
+    profile: &HardwareProfile,
+    opts: &PlanOptions,
+    units: &[Unit],
+    pins: &[Option<(usize, Tier)>],
+    tile: ByteSize,
+    mut notes: Vec<String>,
+) -> Plan {
+    if !opts.pins.is_empty() {
+        notes.push(
+            "a plan for the CPU alone places every tensor on the CPU: pins are ignored".into(),
+        );
+    }
+    let tier = vec![Tier::Cpu; units.len()];
+    let in_ram = fill_ram(units, &tier, opts.ram_budget.0);
+    let kv = KvRead::of(model, profile, opts.context, true);
+    let state = State::new(units, model, profile, tier, in_ram, kv, 0.0);
+    let no_pins = vec![None; pins.len()];
+    let mut plan = assemble(
+        model,
+        profile,
+        opts,
+        units,
+        &state,
+        &no_pins,
+        Assembly {
+            kv: 0,
+            activations: 0,
+            staging: 0,
+            ram_staging: 0,
+            tile,
+            depth: 0,
+            notes,
+            all_fit: false,
+        },
+    );
+    let kv_bytes = opts.context * model.kv_bytes_per_token();
+    plan.ram.kv_cache = ByteSize(kv_bytes);
+    plan.ram.total = ByteSize(plan.ram.total.0 + kv_bytes);
+    plan
+}
+
 /// What one run of steps 2 to 4 works with.
 struct Setting<'a> {
     model: &'a ModelDesc,
@@ -324,7 +391,7 @@ struct Setting<'a> {
     pinned: &'a [Option<Tier>],
     /// Units the planner may move: not pinned, not the embedding.
     free: &'a [usize],
-    kv_read_s: f64,
+    kv_read: KvRead,
     miss: f64,
     /// Staging slots exist, so units may stream.
     may_stream: bool,
@@ -351,7 +418,7 @@ fn place<'a>(s: &Setting<'a>, mut left: u64) -> State<'a> {
         .collect();
     let in_ram = fill_ram(units, &tier, s.ram_capacity);
     let new_state = |tier: Vec<Tier>, in_ram: Vec<bool>| {
-        State::new(units, s.model, s.profile, tier, in_ram, s.kv_read_s, s.miss)
+        State::new(units, s.model, s.profile, tier, in_ram, s.kv_read, s.miss)
     };
     let mut state = new_state(tier, in_ram);
 
@@ -588,15 +655,7 @@ fn assemble(
             time: grp.time(),
         })
         .collect();
-    let step_s = layers.iter().map(|l| l.time.total_s).sum::<f64>() + profile.gpu.submit_s;
-    let mut bound: Vec<(Bottleneck, f64)> = Vec::new();
-    for l in &layers {
-        match bound.iter_mut().find(|(b, _)| *b == l.time.bound) {
-            Some((_, t)) => *t += l.time.total_s,
-            None => bound.push((l.time.bound, l.time.total_s)),
-        }
-    }
-    bound.sort_by(|x, y| y.1.total_cmp(&x.1));
+    let (step_s, bound) = step_totals(&layers, profile, opts.cpu_only);
 
     if a.all_fit {
         notes.push("every weight fits in VRAM: no staging is reserved and nothing streams".into());
@@ -617,6 +676,7 @@ fn assemble(
         vram_budget: opts.vram_budget,
         ram_budget: opts.ram_budget,
         context: opts.context,
+        cpu_only: opts.cpu_only,
         tokens_per_s: 1.0 / step_s,
         step_s,
         bottleneck: bound.first().map_or(Bottleneck::Gpu, |b| b.0),

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::ByteSize;
 
-pub use evaluate::{layer_accuracy, layer_times};
+pub use evaluate::{layer_accuracy, layer_times, with_resident_experts};
 pub use greedy::{minimum_vram, plan};
 pub use pins::{Pin, PinError, Tier};
 pub use step::{Bottleneck, GroupTime};
@@ -30,6 +30,8 @@ pub struct PlanOptions {
     /// Share of routed experts the next-layer prefetch guesses right. mixtral-offloading
     /// reports 80–90% with a speculative next-layer router; the default takes 80%.
     pub prefetch_accuracy: f64,
+    /// Plan for the CPU alone (`--device cpu`): no VRAM, every tensor on the CPU.
+    pub cpu_only: bool,
 }
 
 impl PlanOptions {
@@ -40,6 +42,7 @@ impl PlanOptions {
             pins: Vec::new(),
             context: 4096,
             prefetch_accuracy: 0.8,
+            cpu_only: false,
         }
     }
 }
@@ -134,6 +137,9 @@ pub struct Plan {
     pub vram_budget: ByteSize,
     pub ram_budget: ByteSize,
     pub context: u64,
+    /// A plan for the CPU alone: nothing in VRAM, the KV cache in RAM.
+    #[serde(default)]
+    pub cpu_only: bool,
     /// Predicted decode speed at batch 1.
     pub tokens_per_s: f64,
     pub step_s: f64,

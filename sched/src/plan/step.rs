@@ -166,7 +166,43 @@ pub(super) fn units(
             }
         }
     }
+    if let Some(u) = tied_output(model, profile) {
+        out.push(u);
+    }
     out
+}
+
+/// A model without `output.weight` reads its embedding matrix as the output head too (tied
+/// embeddings): one whole product per token, on top of the embedding's one-row lookup. It is a
+/// unit of its own over the embedding tensor, so that it can go to VRAM while the lookup stays
+/// on the CPU.
+fn tied_output(model: &ModelDesc, profile: &HardwareProfile) -> Option<Unit> {
+    if model.tensors.iter().any(|t| t.role == TensorRole::Output) {
+        return None;
+    }
+    let (ti, t) = model
+        .tensors
+        .iter()
+        .enumerate()
+        .find(|(_, t)| t.role == TensorRole::Embedding)?;
+    let (k, n) = t.matrix();
+    let w = Work::matvec(k, n, t.bytes, 1);
+    let copy = profile.host_to_device();
+    Some(Unit {
+        tensors: vec![ti],
+        expert: None,
+        group: model.n_layer as usize,
+        phase: 1,
+        bytes: t.bytes,
+        prob: 1.0,
+        routed: false,
+        core: false,
+        embedding: false,
+        gpu: profile.gpu_matvec(&t.weight_type).marginal(w),
+        cpu: profile.cpu_matvec(&t.weight_type).marginal(w),
+        copy: copy.marginal(Work::transfer(t.bytes)) + copy.fixed_s,
+        ssd: t.bytes as f64 / profile.ssd_bandwidth(ByteSize(t.bytes)),
+    })
 }
 
 /// GPU and CPU seconds of one read of `bytes` of `t` (without the dispatch cost).
@@ -251,6 +287,44 @@ impl Group {
     }
 }
 
+/// Dispatches of a GPU layer that read no weights, by phase: attention's two RoPEs, KV store,
+/// attention and residual add; a dense FFN's activation and residual add; a MoE layer's
+/// routing (the per-expert ones are [`GPU_OPS_PER_EXPERT`]). What the GPU forward pass records
+/// (`gpu/forward`, `gpu/moe.rs`); each costs the profile's `gpu.dispatch_s`.
+const GPU_WEIGHTLESS_OPS: [f64; 3] = [5.0, 2.0, 1.0];
+
+/// Dispatches of each routed expert on the GPU beyond its products: SwiGLU and the weighted add.
+const GPU_OPS_PER_EXPERT: f64 = 2.0;
+
+/// Jobs of the CPU engine's thread pool per layer that read no weights: RoPE and attention
+/// (norms and adds run on the calling thread). Each costs the profile's `cpu.dispatch_s`.
+const CPU_WEIGHTLESS_JOBS: f64 = 2.0;
+
+/// Attention's read of one layer's KV cache: on the GPU when the cache is in VRAM, on the CPU
+/// in a plan for the CPU alone.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) enum KvRead {
+    Gpu(f64),
+    Cpu(f64),
+}
+
+impl KvRead {
+    /// Seconds per layer with `context` tokens in the cache.
+    pub fn of(
+        model: &ModelDesc,
+        profile: &HardwareProfile,
+        context: u64,
+        cpu_only: bool,
+    ) -> KvRead {
+        let per_layer = context * model.kv_bytes_per_token() / u64::from(model.n_layer.max(1));
+        if cpu_only {
+            KvRead::Cpu(per_layer as f64 / profile.cpu.memory_bandwidth)
+        } else {
+            KvRead::Gpu(profile.gpu_stream().marginal(Work::transfer(per_layer)))
+        }
+    }
+}
+
 /// A placement being built, with its group sums kept up to date.
 pub(super) struct State<'a> {
     pub units: &'a [Unit],
@@ -273,13 +347,22 @@ impl<'a> State<'a> {
         profile: &HardwareProfile,
         tier: Vec<Tier>,
         in_ram: Vec<bool>,
-        kv_read_s: f64,
+        kv: KvRead,
         miss: f64,
     ) -> State<'a> {
         let mut groups = vec![Group::default(); model.n_layer as usize + 1];
+        let moe = model.experts.is_some();
         for g in &mut groups[..model.n_layer as usize] {
-            // Attention over the KV cache, which stays in VRAM.
-            g.gpu[0] = kv_read_s;
+            // Attention over the KV cache, and the ops that read no weights.
+            match kv {
+                KvRead::Gpu(s) => {
+                    let d = profile.gpu.dispatch_s;
+                    g.gpu[0] = s + GPU_WEIGHTLESS_OPS[0] * d;
+                    g.gpu[if moe { 2 } else { 1 }] +=
+                        GPU_WEIGHTLESS_OPS[if moe { 2 } else { 1 }] * d;
+                }
+                KvRead::Cpu(s) => g.cpu[0] = s + CPU_WEIGHTLESS_JOBS * profile.cpu.dispatch_s,
+            }
         }
         let mut s = State {
             units,
@@ -312,10 +395,16 @@ impl<'a> State<'a> {
         } else {
             (&mut self.on_cpu, self.dispatch_cpu, &mut g.cpu)
         };
-        for &ti in &u.tensors {
-            let before = sums[ti].min(1.0);
-            sums[ti] = (sums[ti] + sign * p).max(0.0);
-            side[ph] += (sums[ti].min(1.0) - before) * cost;
+        if u.routed && on_gpu {
+            // The GPU runs each routed expert by itself: its products, the activation and the
+            // weighted add.
+            side[ph] += sign * p * (u.tensors.len() as f64 + GPU_OPS_PER_EXPERT) * cost;
+        } else {
+            for &ti in &u.tensors {
+                let before = sums[ti].min(1.0);
+                sums[ti] = (sums[ti] + sign * p).max(0.0);
+                side[ph] += (sums[ti].min(1.0) - before) * cost;
+            }
         }
         match self.tier[i] {
             Tier::Vram => g.gpu[ph] += sign * p * u.gpu,

@@ -416,3 +416,91 @@ fn per_layer_predictions_meet_the_accuracy_bar_on_synthetic_measurements() {
     )
     .is_none());
 }
+
+#[test]
+fn a_cpu_only_plan_holds_nothing_in_vram() {
+    let p = profile("desktop-24gb");
+    let m = model("qwen3-30b-a3b");
+    let mut o = opts(ByteSize(0), gib(64.0));
+    o.cpu_only = true;
+    let plan = plan(&m, &p, &o).unwrap();
+    assert!(plan.cpu_only);
+    assert_eq!(plan.vram.total, ByteSize(0));
+    assert_eq!(plan.ram.kv_cache.0, o.context * m.kv_bytes_per_token());
+    for t in &plan.tensors {
+        match &t.placement {
+            Placement::Cpu { .. } => {}
+            Placement::Experts(e) => assert!(e.vram.is_empty() && e.stream.is_empty()),
+            other => panic!("{}: {other:?}", t.name),
+        }
+    }
+    for l in &plan.layers {
+        assert_eq!(l.time.gpu_s, 0.0, "{}", l.name);
+        assert_eq!(l.time.bound, Bottleneck::Cpu, "{}", l.name);
+    }
+    // Without a GPU the step is slower than with the desktop's 24 GiB of VRAM.
+    let gpu = plan_gpu(&m, &p);
+    assert!(plan.tokens_per_s < gpu);
+}
+
+fn plan_gpu(m: &ModelDesc, p: &HardwareProfile) -> f64 {
+    plan(m, p, &opts(p.gpu.memory, gib(64.0)))
+        .unwrap()
+        .tokens_per_s
+}
+
+#[test]
+fn a_tied_embedding_is_read_whole_by_the_head() {
+    // small-qwen3moe ties its output to the embedding: the head reads the whole matrix a
+    // token, not one row.
+    let p = profile("laptop-8gb");
+    let m = model("small-qwen3moe");
+    assert!(!m.tensors.iter().any(|t| t.role == TensorRole::Output));
+    let embd = m
+        .tensors
+        .iter()
+        .find(|t| t.role == TensorRole::Embedding)
+        .unwrap();
+    let mut o = opts(ByteSize(0), gib(16.0));
+    o.cpu_only = true;
+    let head = plan(&m, &p, &o)
+        .unwrap()
+        .layers
+        .last()
+        .unwrap()
+        .time
+        .total_s;
+    let read = embd.bytes as f64 / p.cpu_matvec(&embd.weight_type).bandwidth;
+    assert!(
+        head >= read,
+        "head {head} s, reading the embedding {read} s"
+    );
+}
+
+#[test]
+fn more_resident_experts_predict_a_faster_step() {
+    let p = profile("h200");
+    let m = model("qwen3-30b-a3b");
+    let o = opts(gib(16.0), gib(64.0));
+    let planned = plan(&m, &p, &o).unwrap();
+    let mut last = 0.0;
+    for resident in [1, 16, 64, 128] {
+        let fixed = with_resident_experts(&planned, &m, &p, &o, resident).unwrap();
+        let e = fixed
+            .tensors
+            .iter()
+            .find_map(|t| match &t.placement {
+                Placement::Experts(e) => Some(e),
+                _ => None,
+            })
+            .unwrap();
+        assert_eq!(e.vram.len(), resident as usize);
+        assert_eq!(e.cpu.len(), 128 - resident as usize);
+        assert!(
+            fixed.tokens_per_s > last,
+            "{resident}: {}",
+            fixed.tokens_per_s
+        );
+        last = fixed.tokens_per_s;
+    }
+}
