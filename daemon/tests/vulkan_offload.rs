@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
 use spillway_daemon::gpu::moe::LayerRouting;
-use spillway_daemon::gpu::placement::MoeMiss;
+use spillway_daemon::gpu::placement::{ExpertLayout, MoeMiss};
 use spillway_daemon::gpu::{Device, GpuError};
 use spillway_daemon::model::Model;
 use spillway_daemon::stream::ReplacementPolicy;
@@ -44,6 +44,7 @@ fn options(budget: Option<u64>, miss: MoeMiss) -> GpuModelOptions {
         vram_budget: budget,
         context: 32,
         moe_miss: miss,
+        expert_layout: ExpertLayout::Even,
         expert_policy: ReplacementPolicy::Lru,
         threads: 2,
         host_routing: false,
@@ -75,6 +76,28 @@ fn experts_of(r: &[LayerRouting]) -> Vec<Vec<usize>> {
     r.iter()
         .map(|l| l.experts.iter().map(|e| e.expert).collect())
         .collect()
+}
+
+/// `got`'s logits are `want`'s within the F16 tolerance, but for tokens whose routing had a
+/// near tie (at most a quarter of them).
+fn assert_near(
+    what: &str,
+    (got, routing): (&[Vec<f32>], &[Vec<LayerRouting>]),
+    (want, want_routing): (&[Vec<f32>], &[Vec<LayerRouting>]),
+) {
+    let mut excused = 0;
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let range = w.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let diff = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        let rerouted = experts_of(&routing[i]) != experts_of(&want_routing[i]);
+        eprintln!("{what}: token {i}: |diff| {diff} of {range}, rerouted {rerouted}");
+        if diff > TOLERANCE_F16 * range {
+            let tie = want_routing[i].iter().any(near_tie);
+            assert!(tie, "{what}: token {i} differs by {diff} of {range}");
+            excused += 1;
+        }
+    }
+    assert!(excused * 4 <= TOKENS.len(), "{what}: {excused} excused");
 }
 
 fn offload(preset: &str) {
@@ -127,19 +150,7 @@ fn offload(preset: &str) {
                 let submits = gpu.last_stats().submits as usize;
                 assert!(submits > model.config.n_layer, "{what}: {submits} submits");
             }
-            let mut excused = 0;
-            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                let range = w.iter().fold(0f32, |m, v| m.max(v.abs()));
-                let diff = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-                let rerouted = experts_of(&routing[i]) != experts_of(&want_routing[i]);
-                eprintln!("{what}: token {i}: |diff| {diff} of {range}, rerouted {rerouted}");
-                if diff > TOLERANCE_F16 * range {
-                    let tie = want_routing[i].iter().any(near_tie);
-                    assert!(tie, "{what}: token {i} differs by {diff} of {range}");
-                    excused += 1;
-                }
-            }
-            assert!(excused * 4 <= TOKENS.len(), "{what}: {excused} excused");
+            assert_near(&what, (&got, &routing), (&want, &want_routing));
 
             let stats = gpu.expert_stats().unwrap();
             let t = stats.total();
@@ -336,4 +347,64 @@ fn qwen3moe_cpu_experts_from_a_ram_budget_equal_the_memory_map() {
 #[test]
 fn qwen2moe_cpu_experts_from_a_ram_budget_equal_the_memory_map() {
     ram_tier("tiny-qwen2moe");
+}
+
+/// The expert layouts under a budget of half the experts: each layer holds the slots its
+/// layout gives it, a whole layer misses nothing, a one-slot layer misses, and the logits stay
+/// the unconstrained run's.
+#[test]
+fn expert_layouts_place_slots_per_layer_and_decode_as_unconstrained() {
+    let Some(dev) = device() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model(tmp.path(), "tiny-qwen3moe");
+    let n = model.config.moe.unwrap().n_expert;
+    let layers = model.config.n_layer;
+    let whole = GpuModel::device_bytes(&model, &options(None, MoeMiss::Cpu)).total();
+    let minimum = GpuModel::minimum_budget(&dev, &model, &options(None, MoeMiss::Cpu))
+        .unwrap()
+        .total();
+    let budget = minimum + (whole - minimum) * 3 / 4;
+    let mut reference = GpuModel::new(&dev, &model, &options(None, MoeMiss::Cpu)).unwrap();
+    let want = decode(&mut reference);
+    let even = GpuModel::new(&dev, &model, &options(Some(budget), MoeMiss::Cpu)).unwrap();
+    let capacity = even.placement().slots * layers;
+    drop(even);
+    let mut given = vec![1; layers];
+    given[0] = n;
+    for layout in [
+        ExpertLayout::Layers,
+        ExpertLayout::Cpu,
+        ExpertLayout::Given(given.clone()),
+    ] {
+        let what = format!("tiny-qwen3moe, budget {budget} of {whole}, {layout:?}");
+        let o = GpuModelOptions {
+            expert_layout: layout.clone(),
+            ..options(Some(budget), MoeMiss::Cpu)
+        };
+        let mut gpu = GpuModel::new(&dev, &model, &o).unwrap();
+        let per_layer = gpu.placement().per_layer();
+        eprintln!("{what}: slots {per_layer:?} of {capacity}");
+        assert!(per_layer.iter().sum::<usize>() <= capacity, "{what}");
+        match &layout {
+            ExpertLayout::Cpu => assert!(per_layer.iter().all(|&s| s == 1), "{what}"),
+            ExpertLayout::Layers => {
+                assert_eq!(per_layer[layers - 1], n, "{what}: the last layer whole");
+                assert_eq!(per_layer[0], 1, "{what}");
+            }
+            _ => assert_eq!(per_layer, given, "{what}"),
+        }
+        let got = decode(&mut gpu);
+        assert_near(&what, (&got.0, &got.1), (&want.0, &want.1));
+        let stats = gpu.expert_stats().unwrap();
+        for (il, s) in stats.layers.iter().enumerate() {
+            if per_layer[il] == n {
+                assert_eq!(s.misses, 0, "{what}: layer {il}");
+            } else {
+                assert!(
+                    s.misses > 0 && s.cpu == s.misses,
+                    "{what}: layer {il}: {s:?}"
+                );
+            }
+        }
+    }
 }

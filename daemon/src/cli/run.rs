@@ -17,12 +17,13 @@ use spillway_daemon::engine::generate::{
 use spillway_daemon::engine::{Engine, EngineOptions, SamplerConfig};
 use spillway_daemon::gpu::expert_cache::ExpertStats;
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
-use spillway_daemon::gpu::placement::MoeMiss;
+use spillway_daemon::gpu::placement::{ExpertLayout, MoeMiss};
 use spillway_daemon::gpu::{Device, GpuError};
 use spillway_daemon::model::Model;
 use spillway_daemon::server::device::{self, OpenError};
 use spillway_daemon::stream::ReplacementPolicy;
 use spillway_daemon::tokenizer::Tokenizer;
+use spillway_sched::plan::{plan, Placement, PlanOptions};
 use spillway_sched::ByteSize;
 
 /// Where `run` computes: `cpu`, `vulkan` (the preferred Vulkan device) or `vulkan:N` (device N
@@ -65,6 +66,16 @@ pub struct RunArgs {
     /// `fetch` copies it into a VRAM slot first.
     #[arg(long, default_value = "cpu")]
     pub moe_miss: MoeMiss,
+    /// How the expert slots the VRAM budget holds are spread over the MoE layers: `even` (the
+    /// same number in each), `layers` (whole layers from the last back, the others one slot,
+    /// as llama.cpp's --n-cpu-moe), `cpu` (one slot a layer) or `planned` (the scheduler's
+    /// plan on --hardware-profile).
+    #[arg(long, default_value = "even")]
+    pub expert_layout: String,
+    /// The hardware profile `--expert-layout planned` plans on: a TOML file from
+    /// `spillwayd calibrate`, or a shipped one (laptop-8gb, desktop-24gb, h200).
+    #[arg(long)]
+    pub hardware_profile: Option<String>,
     /// Which VRAM expert a fetch replaces: `lru` or `lfu`.
     #[arg(long, default_value = "lru", value_parser = parse_policy)]
     pub expert_cache: ReplacementPolicy,
@@ -160,6 +171,39 @@ fn parse_policy(s: &str) -> Result<ReplacementPolicy, String> {
     }
 }
 
+/// `--expert-layout`, with `planned` made into the plan's VRAM experts per MoE layer.
+fn expert_layout(args: &RunArgs, model: &Model) -> anyhow::Result<ExpertLayout> {
+    if args.expert_layout != "planned" {
+        if args.hardware_profile.is_some() {
+            bail!("--hardware-profile is for --expert-layout planned");
+        }
+        return args.expert_layout.parse().map_err(anyhow::Error::msg);
+    }
+    let (Some(name), Some(budget)) = (&args.hardware_profile, args.vram_budget) else {
+        bail!("--expert-layout planned needs --hardware-profile and --vram-budget");
+    };
+    let profile = super::plan::load_profile(Some(name))?;
+    let desc = super::plan::model_desc(&args.model.display().to_string(), model.file())?;
+    let mut opts = PlanOptions::new(budget, args.ram_budget.unwrap_or(profile.ram.memory));
+    opts.context = match args.ctx {
+        0 => 4096,
+        n => n as u64,
+    };
+    let plan = plan(&desc, &profile, &opts).context("planning the placement")?;
+    let per_layer: Vec<usize> = (0..desc.n_layer)
+        .filter_map(
+            |l| match plan.placement(&format!("blk.{l}.ffn_gate_exps.weight")) {
+                Some(Placement::Experts(e)) => Some(e.vram.len()),
+                _ => None,
+            },
+        )
+        .collect();
+    if per_layer.is_empty() {
+        bail!("--expert-layout planned is for MoE models with stacked experts");
+    }
+    Ok(ExpertLayout::Given(per_layer))
+}
+
 /// The model loaded on the device `run` was given.
 enum Loaded {
     Cpu { engine: Engine, threads: usize },
@@ -203,6 +247,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 vram_budget: args.vram_budget.map(|b| b.0),
                 context: args.ctx,
                 moe_miss: args.moe_miss,
+                expert_layout: expert_layout(&args, &model)?,
                 expert_policy: args.expert_cache,
                 threads: args.threads.unwrap_or(0),
                 host_routing: false,

@@ -12,10 +12,14 @@
 //! cache and scratch, one expert slot per MoE layer, the upload staging where it counts against
 //! the budget, and a margin for the driver's alignment of each buffer.
 //!
-//! Partial: one slot count for every layer (no per-layer sizing from hit rates, and the
-//! scheduler's planner and predictors are not consulted: the CPU-or-fetch choice is the
-//! `--moe-miss` switch, not a predicted cost); the initial residents are experts `0..slots`, not
-//! the most used; dense models still refuse a budget they do not fit (no streamed tensors).
+//! The budget's slots are spread over the MoE layers by an [`ExpertLayout`]: evenly (the
+//! default), by whole layers as llama.cpp's `--n-cpu-moe` does, one per layer, or as the
+//! scheduler's plan gives them (`--expert-layout planned`).
+//!
+//! Partial: the CPU-or-fetch choice is the `--moe-miss` switch, not the plan's; the initial
+//! residents of a layer with `s` slots are experts `0..s`, not the most used (the planner has
+//! no routing statistics to choose by); dense models still refuse a budget they do not fit
+//! (no streamed tensors).
 
 use std::fmt;
 use std::str::FromStr;
@@ -52,6 +56,39 @@ impl fmt::Display for MoeMiss {
             MoeMiss::Cpu => "cpu",
             MoeMiss::Fetch => "fetch",
         })
+    }
+}
+
+/// How a MoE model's expert slots are spread over its MoE layers when not every routed expert
+/// fits the budget. Every layout keeps at least one slot in every MoE layer and holds no more
+/// slots in all than [`ExpertLayout::Even`] does under the same budget.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum ExpertLayout {
+    /// The same number of slots in every MoE layer.
+    #[default]
+    Even,
+    /// Whole layers' experts in VRAM, from the last layer back, the other layers one slot each:
+    /// the layer split of llama.cpp's `--n-cpu-moe`.
+    Layers,
+    /// One slot per layer: nearly every routed expert on the CPU, the budget left unused.
+    Cpu,
+    /// Slots per MoE layer as given (the scheduler's plan), in layer order, scaled down to the
+    /// slots the budget holds when they add up to more.
+    Given(Vec<usize>),
+}
+
+impl FromStr for ExpertLayout {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "even" => Ok(ExpertLayout::Even),
+            "layers" => Ok(ExpertLayout::Layers),
+            "cpu" => Ok(ExpertLayout::Cpu),
+            _ => Err(format!(
+                "`{s}` is not an expert layout: use even, layers or cpu"
+            )),
+        }
     }
 }
 
@@ -146,9 +183,14 @@ impl MinimumBudget {
 /// Where a model's routed experts go.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placement {
-    /// Expert slots per MoE layer: `n_expert` when all are resident (0 for dense models).
+    /// Expert slots per MoE layer the budget holds when spread evenly: `n_expert` when all
+    /// are resident (0 for dense models). [`Placement::slots_of`] gives a layer's own count.
     pub slots: usize,
     pub n_expert: usize,
+    /// How the slots are spread over the MoE layers.
+    pub layout: ExpertLayout,
+    /// The model's MoE layers, by index.
+    pub moe_layers: Vec<usize>,
     /// Staging for uploads, kept after loading when experts are fetched.
     pub staging_bytes: u64,
     /// Set when not every expert is resident.
@@ -159,6 +201,47 @@ impl Placement {
     /// Whether some routed experts are not in VRAM.
     pub fn is_partial(&self) -> bool {
         self.slots < self.n_expert
+    }
+
+    /// Slots of every MoE layer, in the order of [`Placement::moe_layers`].
+    pub fn per_layer(&self) -> Vec<usize> {
+        let (l, n, s) = (self.moe_layers.len(), self.n_expert, self.slots);
+        if !self.is_partial() || l == 0 {
+            return vec![s; l];
+        }
+        let capacity = s * l;
+        match &self.layout {
+            ExpertLayout::Even => vec![s; l],
+            ExpertLayout::Cpu => vec![1; l],
+            ExpertLayout::Layers => {
+                let full = if n > 1 {
+                    ((capacity - l) / (n - 1)).min(l)
+                } else {
+                    l
+                };
+                (0..l).map(|i| if i >= l - full { n } else { 1 }).collect()
+            }
+            ExpertLayout::Given(want) => {
+                let want: Vec<usize> = (0..l)
+                    .map(|i| want.get(i).copied().unwrap_or(s).clamp(1, n))
+                    .collect();
+                let total: usize = want.iter().sum();
+                if total <= capacity {
+                    return want;
+                }
+                // Scale the slots above one down, so the total fits.
+                let (extra, room) = (total - l, capacity - l);
+                want.iter().map(|&w| 1 + (w - 1) * room / extra).collect()
+            }
+        }
+    }
+
+    /// Slots of model layer `layer` (0 for a dense layer).
+    pub fn slots_of(&self, layer: usize) -> usize {
+        match self.moe_layers.iter().position(|&l| l == layer) {
+            Some(i) => self.per_layer()[i],
+            None => 0,
+        }
     }
 }
 
@@ -176,6 +259,7 @@ pub(super) fn plan(
     budget: Option<u64>,
     staging_counts: bool,
     miss: MoeMiss,
+    layout: &ExpertLayout,
 ) -> Result<Placement> {
     let counted = |b: u64| if staging_counts { b } else { 0 };
     let margin = margin(model.config.n_layer);
@@ -189,13 +273,24 @@ pub(super) fn plan(
         return Ok(Placement {
             slots: 0,
             n_expert: 0,
+            layout: layout.clone(),
+            moe_layers: Vec::new(),
             staging_bytes: FULL_STAGING_BYTES,
             minimum: None,
         });
     };
+    let moe_layers: Vec<usize> = model
+        .layers
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| matches!(l.ffn, Ffn::Moe(_)))
+        .map(|(i, _)| i)
+        .collect();
     let whole = Placement {
         slots: shape.n_expert,
         n_expert: shape.n_expert,
+        layout: layout.clone(),
+        moe_layers: moe_layers.clone(),
         staging_bytes: FULL_STAGING_BYTES,
         minimum: None,
     };
@@ -237,6 +332,8 @@ pub(super) fn plan(
     Ok(Placement {
         slots,
         n_expert: shape.n_expert,
+        layout: layout.clone(),
+        moe_layers,
         staging_bytes: staging,
         minimum: Some(minimum),
     })
@@ -253,6 +350,42 @@ mod tests {
         }
         assert!("gpu".parse::<MoeMiss>().is_err());
         assert_eq!(MoeMiss::default(), MoeMiss::Cpu);
+    }
+
+    fn partial(slots: usize, layout: ExpertLayout) -> Placement {
+        Placement {
+            slots,
+            n_expert: 8,
+            layout,
+            moe_layers: vec![1, 2, 3, 4],
+            staging_bytes: 0,
+            minimum: None,
+        }
+    }
+
+    #[test]
+    fn layouts_spread_the_even_slots_without_exceeding_them() {
+        let even = partial(3, ExpertLayout::Even);
+        assert_eq!(even.per_layer(), [3, 3, 3, 3]);
+        assert_eq!((even.slots_of(0), even.slots_of(2)), (0, 3));
+        assert_eq!(partial(3, ExpertLayout::Cpu).per_layer(), [1, 1, 1, 1]);
+        // 12 slots: one in each layer, and 8 more fill one layer whole, the last.
+        assert_eq!(partial(3, ExpertLayout::Layers).per_layer(), [1, 1, 1, 8]);
+        assert_eq!(partial(8, ExpertLayout::Layers).per_layer(), [8, 8, 8, 8]);
+        let given = partial(3, ExpertLayout::Given(vec![8, 2, 1, 1]));
+        assert_eq!(given.per_layer(), [8, 2, 1, 1]);
+        // 20 asked of 12: the slots above one are scaled down.
+        let over = partial(3, ExpertLayout::Given(vec![8, 8, 2, 2]));
+        assert!(
+            over.per_layer().iter().sum::<usize>() <= 12,
+            "{:?}",
+            over.per_layer()
+        );
+        assert!(over.per_layer().iter().all(|&s| s >= 1));
+        for l in ["even", "layers", "cpu"] {
+            assert!(l.parse::<ExpertLayout>().is_ok());
+        }
+        assert!("planned".parse::<ExpertLayout>().is_err());
     }
 
     #[test]

@@ -62,8 +62,13 @@ impl GpuSequence {
         let ram_weights = match placement.n_expert {
             0 => 0,
             n => {
-                let left = n.saturating_sub(placement.slots) as u64;
-                footprint.experts / n as u64 * left
+                let layers = placement.moe_layers.len().max(1) as u64;
+                let left: usize = placement
+                    .per_layer()
+                    .iter()
+                    .map(|&s| n.saturating_sub(s))
+                    .sum();
+                footprint.experts / (n as u64 * layers) * left as u64
             }
         };
         let status = Arc::new(GpuStatus {

@@ -37,7 +37,7 @@ use super::expert_cache::{ExpertStats, LayerExpertStats, LayerSlots, SlotExpert}
 use super::footprint::{device_bytes, DeviceBytes};
 use super::moe::{GpuMoe, LayerRouting, MoeScratch};
 use super::ops::{rope_table, upload_f32, AttentionArgs, GpuMatrix, RopeArgs};
-use super::placement::{plan, MinimumBudget, MoeMiss, Placement};
+use super::placement::{plan, ExpertLayout, MinimumBudget, MoeMiss, Placement};
 use super::record::{Kernels, RecordStats, Recorder};
 use super::upload::Uploader;
 use crate::engine::routing::RoutedExpert;
@@ -53,6 +53,8 @@ pub struct GpuModelOptions {
     pub context: usize,
     /// What happens to a routed expert that is not in VRAM (`--moe-miss`).
     pub moe_miss: MoeMiss,
+    /// How the expert slots the budget holds are spread over the layers (`--expert-layout`).
+    pub expert_layout: ExpertLayout,
     /// Which resident expert a fetch replaces.
     pub expert_policy: ReplacementPolicy,
     /// CPU threads for experts computed on the CPU, the caller's included; 0: every core.
@@ -75,6 +77,7 @@ impl Default for GpuModelOptions {
             vram_budget: None,
             context: 0,
             moe_miss: MoeMiss::default(),
+            expert_layout: ExpertLayout::default(),
             expert_policy: ReplacementPolicy::Lru,
             threads: 0,
             host_routing: false,
@@ -244,7 +247,14 @@ impl GpuModel {
         let needed = Self::device_bytes(model, options);
         let counts = Allocator::new(device, None).budget_counts(MemoryUse::Staging);
         // A budget of 0 is under any model: the plan says what it would have needed.
-        match plan(model, &needed, Some(0), counts, MoeMiss::Cpu) {
+        match plan(
+            model,
+            &needed,
+            Some(0),
+            counts,
+            MoeMiss::Cpu,
+            &options.expert_layout,
+        ) {
             Err(GpuError::BelowMinimumBudget { minimum, .. }) => Some(*minimum),
             _ => None,
         }
@@ -270,6 +280,7 @@ impl GpuModel {
             options.vram_budget,
             counts,
             options.moe_miss,
+            &options.expert_layout,
         )?;
         loop {
             match Self::load(&allocator, model, options, &placement, capacity) {
@@ -304,7 +315,7 @@ impl GpuModel {
         let output_norm = upload_f32(al, &mut up, &model.output_norm)?;
         let kv_bytes = (capacity * c.kv_width() * 2) as u64;
         let mut layers = Vec::with_capacity(c.n_layer);
-        for layer in &model.layers {
+        for (il, layer) in model.layers.iter().enumerate() {
             let ffn = match &layer.ffn {
                 Ffn::Dense {
                     gate,
@@ -315,9 +326,13 @@ impl GpuModel {
                     up: matrix(model, al, &mut up, w_up)?,
                     down: matrix(model, al, &mut up, down)?,
                 },
-                Ffn::Moe(moe) => {
-                    GpuFfn::Moe(GpuMoe::upload(model, al, &mut up, moe, placement.slots)?)
-                }
+                Ffn::Moe(moe) => GpuFfn::Moe(GpuMoe::upload(
+                    model,
+                    al,
+                    &mut up,
+                    moe,
+                    placement.slots_of(il),
+                )?),
             };
             let a = &layer.attn;
             layers.push(GpuLayer {
@@ -409,7 +424,7 @@ impl GpuModel {
                             LayerSlots::new(
                                 il,
                                 cfg.n_expert,
-                                placement.slots,
+                                placement.slots_of(il),
                                 options.expert_policy,
                             )
                         })
@@ -541,9 +556,11 @@ impl GpuModel {
     /// Where the routed experts ran since loading, per layer (`None` for dense models).
     pub fn expert_stats(&self) -> Option<ExpertStats> {
         let e = self.experts.as_ref()?;
+        let per_layer = self.placement.per_layer();
         Some(ExpertStats {
             miss: e.miss,
-            slots: self.placement.slots,
+            // The mean over the layers, for layouts that give them different counts.
+            slots: per_layer.iter().sum::<usize>() / per_layer.len().max(1),
             n_expert: self.placement.n_expert,
             layers: e.stats.clone(),
         })
