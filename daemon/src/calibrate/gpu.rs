@@ -6,7 +6,7 @@ use ash::vk;
 use spillway_sched::model::WeightType;
 
 use super::{ggml_type, median_seconds, random_matrix, CalibrateError};
-use crate::gpu::ops::GpuMatrix;
+use crate::gpu::ops::{upload_f32, GpuMatrix};
 use crate::gpu::upload::DEFAULT_STAGING_BYTES;
 use crate::gpu::{
     Allocator, Buffer, Device, DeviceInfo, DeviceKind, Instance, Kernels, MemoryUse, Uploader,
@@ -125,8 +125,9 @@ impl GpuBench {
                 )
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let mut x = Buffer::new_in(&self.allocator, k * 4, MemoryUse::Staging)?;
-        x.write_f32(&vec![0.5; k as usize]);
+        // The vector in device memory, as decode keeps its activations: read from host-visible
+        // memory, every workgroup's read of it would cross the bus.
+        let x = upload_f32(&self.allocator, &mut uploader, &vec![0.5; k as usize])?;
         let y = Buffer::new_in(&self.allocator, n * 4, MemoryUse::DeviceLocal)?;
         uploader.flush()?;
         let next = std::cell::Cell::new(0usize);
