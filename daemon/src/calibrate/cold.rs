@@ -13,9 +13,21 @@ pub const MIN_COLD_BYTES: u64 = 512 << 20;
 /// The ceiling, so calibration stays within the memory of small machines.
 pub const MAX_COLD_BYTES: u64 = 2 << 30;
 
+/// `SPILLWAY_CALIBRATE_COLD_BYTES`, when set: the bytes every rotation covers instead, for
+/// measuring what the rotation itself changes.
+pub fn override_bytes() -> Option<u64> {
+    std::env::var("SPILLWAY_CALIBRATE_COLD_BYTES")
+        .ok()?
+        .parse()
+        .ok()
+}
+
 /// Bytes a rotation covers on this host: twice its largest CPU cache, within
 /// [`MIN_COLD_BYTES`]..=[`MAX_COLD_BYTES`].
 pub fn host_cold_bytes() -> u64 {
+    if let Some(b) = override_bytes() {
+        return b;
+    }
     (2 * largest_cpu_cache(Path::new("/sys/devices/system/cpu/cpu0/cache")))
         .clamp(MIN_COLD_BYTES, MAX_COLD_BYTES)
 }
