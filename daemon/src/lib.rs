@@ -8,6 +8,7 @@
 //! - [`cpu`]: SIMD kernels over quantized rows and the persistent thread pool.
 //! - [`engine`]: the forward pass, KV cache and sampling.
 //! - [`gpu`]: the Vulkan backend through `ash`.
+//! - [`plan`]: the scheduler's plans for a model file, which the GPU model can run.
 //! - [`stream`]: the SSD tile reader (io_uring, or pread threads) and the expert cache.
 //! - [`server`]: the gRPC daemon (`spillwayd serve`).
 //! - [`synth`]: synthetic GGUF models (random weights, real shapes and tokenizers).
@@ -18,6 +19,7 @@ pub mod engine;
 pub mod gguf;
 pub mod gpu;
 pub mod model;
+pub mod plan;
 pub mod quant;
 pub mod server;
 pub mod stream;

@@ -249,3 +249,86 @@ async fn without_a_vulkan_driver_the_daemon_says_so_and_serves_on_the_cpu() {
     let s = status_of(&mut client, "tiny-qwen3moe-q8_0").await;
     assert_eq!(s.device, "cpu");
 }
+
+/// LoadModel's pins: the scheduler plans around them on the daemon's hardware profile, and the
+/// GPU model runs the plan (an expert stack pinned to the GPU is whole in VRAM, one pinned to the
+/// CPU keeps one slot); pins a GPU model cannot honour, on a CPU model, or without a profile get
+/// their documented errors.
+#[tokio::test]
+async fn pins_place_expert_stacks_and_impossible_pins_are_refused() {
+    if !has_vulkan() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let moe = synth(dir.path(), "tiny-qwen3moe", 3);
+    let model = Model::open(&moe).unwrap();
+    let n_expert = model.config.moe.unwrap().n_expert as u32;
+    let device = Instance::new().and_then(|i| Device::open(i, None)).unwrap();
+    let options = GpuModelOptions::default();
+    let whole = GpuModel::device_bytes(&model, &options).total();
+    let minimum = GpuModel::minimum_budget(&device, &model, &options)
+        .unwrap()
+        .total();
+    let budget = minimum + (whole - minimum) * 3 / 4;
+    let pinned = |name: &str, device: &str, pins: &[(&str, &str)]| pb::LoadModelRequest {
+        budgets: Some(pb::Budgets {
+            vram_bytes: if device == "cpu" { 0 } else { budget },
+            ram_bytes: 0,
+        }),
+        pins: pins
+            .iter()
+            .map(|(pattern, placement)| pb::TensorPin {
+                pattern: pattern.to_string(),
+                placement: placement.to_string(),
+            })
+            .collect(),
+        ..load_request(&moe, name, device)
+    };
+    let pins = [
+        (r"blk\.0\.ffn_.*_exps", "cpu"),
+        (r"blk\.1\.ffn_.*_exps", "gpu"),
+    ];
+
+    let d = Daemon::with_test_model(&["--hardware-profile", "desktop-24gb"]).await;
+    let mut client = d.client().await;
+    load_model(&mut client, pinned("pinned", "vulkan", &pins))
+        .await
+        .unwrap();
+    greedy(&mut client, "pinned").await;
+    let s = status_of(&mut client, "pinned").await;
+    let e = s.experts.clone().unwrap();
+    assert_eq!(e.n_expert, n_expert);
+    // Layer 1 whole in VRAM: every lookup hits; layer 0 has one slot of 16.
+    assert_eq!(s.expert_cache_hit_rate.len(), 2, "{s:?}");
+    assert_eq!(s.expert_cache_hit_rate[1], 1.0, "{s:?}");
+    assert!(s.expert_cache_hit_rate[0] < 0.5, "{s:?}");
+    assert!(e.cpu > 0, "{e:?}");
+
+    let err = load_model(&mut client, pinned("on-cpu", "cpu", &pins))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{}", err.message());
+    assert!(err.message().contains("Vulkan device"), "{}", err.message());
+    let err = load_model(&mut client, pinned("attn", "vulkan", &[("attn_q", "cpu")]))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+    assert!(err.message().contains("expert stacks"), "{}", err.message());
+    let err = load_model(&mut client, pinned("odd", "vulkan", &[("exps", "tpu")]))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{}", err.message());
+
+    // A daemon without a hardware profile has nothing to plan on.
+    let bare = Daemon::with_test_model(&[]).await;
+    let mut client = bare.client().await;
+    let err = load_model(&mut client, pinned("pinned", "vulkan", &pins))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+    assert!(
+        err.message().contains("hardware profile"),
+        "{}",
+        err.message()
+    );
+}

@@ -30,6 +30,22 @@ pub struct LoadArgs {
     /// (default: the daemon's --ram-budget); the others are read from the file as needed.
     #[arg(long)]
     pub ram_budget: Option<spillway_sched::ByteSize>,
+    /// PATTERN=DEVICE (`gpu` or `cpu`): a regular expression over tensor names, as llama.cpp's
+    /// -ot, placing routed expert stacks (`ffn_*_exps`); the daemon plans around the pins on
+    /// its hardware profile. Repeatable; the first matching pin wins.
+    #[arg(long = "pin", value_parser = parse_pin)]
+    pub pins: Vec<pb::TensorPin>,
+}
+
+/// `PATTERN=DEVICE`, split at the last `=` (a pattern may hold one).
+fn parse_pin(s: &str) -> Result<pb::TensorPin, String> {
+    let (pattern, placement) = s
+        .rsplit_once('=')
+        .ok_or_else(|| format!("`{s}` is not PATTERN=DEVICE (gpu, stream or cpu)"))?;
+    Ok(pb::TensorPin {
+        pattern: pattern.to_string(),
+        placement: placement.to_string(),
+    })
 }
 
 pub async fn models(client: &mut Client) -> Result<(), Failure> {
@@ -78,7 +94,7 @@ pub async fn load(client: &mut Client, args: &LoadArgs) -> Result<(), Failure> {
                     ram_bytes: args.ram_budget.map_or(0, |b| b.0),
                 }
             }),
-            ..Default::default()
+            pins: args.pins.clone(),
         })
         .await?
         .into_inner();

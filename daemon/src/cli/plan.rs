@@ -8,11 +8,9 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use spillway_daemon::gguf::{GgufFile, Metadata};
-use spillway_sched::model::{ExpertRouting, ModelDesc, TensorDesc, WeightType};
+use spillway_daemon::gguf::GgufFile;
+pub use spillway_daemon::plan::{load_profile, model_desc};
 use spillway_sched::plan::{plan, with_resident_experts, Pin, PlanOptions};
-use spillway_sched::profile::HardwareProfile;
-use spillway_sched::simulate::{shipped_profile, SHIPPED_PROFILES};
 use spillway_sched::ByteSize;
 
 #[derive(Debug, Args)]
@@ -86,72 +84,6 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
         other => other.context("writing to stdout"),
     }
-}
-
-pub fn load_profile(name: Option<&str>) -> anyhow::Result<HardwareProfile> {
-    let shipped: Vec<&str> = SHIPPED_PROFILES.iter().map(|p| p.0).collect();
-    let Some(name) = name else {
-        // Calibration is not wired into the daemon yet, so there is no stored profile to use.
-        bail!(
-            "no measured profile of this machine yet: pass --profile FILE.toml or one of {}",
-            shipped.join(", ")
-        );
-    };
-    if let Some(p) = shipped_profile(name) {
-        return Ok(p?);
-    }
-    let text = std::fs::read_to_string(name).with_context(|| format!("reading profile {name}"))?;
-    HardwareProfile::from_toml(&text).with_context(|| format!("profile {name}"))
-}
-
-/// The scheduler's view of a GGUF file: every tensor with its type, shape and bytes, and the
-/// few hyper-parameters that size the KV cache and route experts.
-pub fn model_desc(name: &str, file: &GgufFile) -> anyhow::Result<ModelDesc> {
-    let md: &Metadata = file.metadata();
-    let arch = file.architecture().context("no general.architecture")?;
-    let key = |k: &str| format!("{arch}.{k}");
-    let n_layer = md.get_u32(&key("block_count"))?;
-    let n_embd = u64::from(md.get_u32(&key("embedding_length"))?);
-    let n_head = u64::from(md.get_u32(&key("attention.head_count"))?);
-    let n_head_kv = md
-        .opt_u32(&key("attention.head_count_kv"))?
-        .map_or(n_head, u64::from);
-    let head_dim = md
-        .opt_u32(&key("attention.key_length"))?
-        .map_or(n_embd / n_head.max(1), u64::from);
-    let experts = match md.opt_u32(&key("expert_count"))? {
-        Some(count) if count > 0 => Some(ExpertRouting {
-            count,
-            used: md.get_u32(&key("expert_used_count"))?,
-            probabilities: None,
-        }),
-        _ => None,
-    };
-    let tensors = file
-        .tensors()
-        .iter()
-        .map(|t| {
-            TensorDesc::new(
-                &t.name,
-                WeightType::new(t.ggml_type.name()),
-                &t.dims,
-                t.n_bytes,
-            )
-        })
-        .collect();
-    let model = ModelDesc {
-        name: md
-            .opt_str("general.name")?
-            .map_or_else(|| name.to_string(), str::to_string),
-        n_layer,
-        n_embd,
-        n_head_kv,
-        head_dim,
-        experts,
-        tensors,
-    };
-    model.validate()?;
-    Ok(model)
 }
 
 #[cfg(test)]

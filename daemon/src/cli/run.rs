@@ -23,7 +23,7 @@ use spillway_daemon::model::Model;
 use spillway_daemon::server::device::{self, OpenError};
 use spillway_daemon::stream::ReplacementPolicy;
 use spillway_daemon::tokenizer::Tokenizer;
-use spillway_sched::plan::{plan, Placement, PlanOptions};
+use spillway_sched::plan::Pin;
 use spillway_sched::ByteSize;
 
 /// Where `run` computes: `cpu`, `vulkan` (the preferred Vulkan device) or `vulkan:N` (device N
@@ -72,6 +72,11 @@ pub struct RunArgs {
     /// plan on --hardware-profile).
     #[arg(long, default_value = "even")]
     pub expert_layout: String,
+    /// PATTERN=DEVICE (gpu or cpu) over routed expert stacks (`ffn_*_exps`), as llama.cpp's
+    /// -ot: the placement is then the scheduler's plan around them (repeatable; needs
+    /// --hardware-profile). One slot per MoE layer always stays in VRAM.
+    #[arg(long = "pin")]
+    pub pins: Vec<Pin>,
     /// The hardware profile `--expert-layout planned` plans on: a TOML file from
     /// `spillwayd calibrate`, or a shipped one (laptop-8gb, desktop-24gb, h200).
     #[arg(long)]
@@ -171,37 +176,45 @@ fn parse_policy(s: &str) -> Result<ReplacementPolicy, String> {
     }
 }
 
-/// `--expert-layout`, with `planned` made into the plan's VRAM experts per MoE layer.
-fn expert_layout(args: &RunArgs, model: &Model) -> anyhow::Result<ExpertLayout> {
-    if args.expert_layout != "planned" {
+/// `--expert-layout`, with `planned` (or any `--pin`) made into the plan's VRAM experts per
+/// MoE layer.
+fn expert_layout(
+    args: &RunArgs,
+    device: &Arc<Device>,
+    model: &Model,
+) -> anyhow::Result<ExpertLayout> {
+    if args.expert_layout != "planned" && args.pins.is_empty() {
         if args.hardware_profile.is_some() {
-            bail!("--hardware-profile is for --expert-layout planned");
+            bail!("--hardware-profile is for --expert-layout planned (or --pin)");
         }
         return args.expert_layout.parse().map_err(anyhow::Error::msg);
     }
-    let (Some(name), Some(budget)) = (&args.hardware_profile, args.vram_budget) else {
-        bail!("--expert-layout planned needs --hardware-profile and --vram-budget");
-    };
-    let profile = super::plan::load_profile(Some(name))?;
-    let desc = super::plan::model_desc(&args.model.display().to_string(), model.file())?;
-    let mut opts = PlanOptions::new(budget, args.ram_budget.unwrap_or(profile.ram.memory));
-    opts.context = match args.ctx {
-        0 => 4096,
-        n => n as u64,
-    };
-    let plan = plan(&desc, &profile, &opts).context("planning the placement")?;
-    let per_layer: Vec<usize> = (0..desc.n_layer)
-        .filter_map(
-            |l| match plan.placement(&format!("blk.{l}.ffn_gate_exps.weight")) {
-                Some(Placement::Experts(e)) => Some(e.vram.len()),
-                _ => None,
-            },
-        )
-        .collect();
-    if per_layer.is_empty() {
-        bail!("--expert-layout planned is for MoE models with stacked experts");
+    if !matches!(args.expert_layout.as_str(), "planned" | "even") {
+        bail!("--pin places experts by the scheduler's plan: it takes --expert-layout planned");
     }
-    Ok(ExpertLayout::Given(per_layer))
+    let Some(name) = &args.hardware_profile else {
+        bail!(
+            "--expert-layout planned and --pin plan on a hardware profile: give --hardware-profile"
+        );
+    };
+    let profile = spillway_daemon::plan::load_profile(Some(name))?;
+    let sized = GpuModelOptions {
+        vram_budget: args.vram_budget.map(|b| b.0),
+        context: args.ctx,
+        ..GpuModelOptions::default()
+    };
+    let room = spillway_daemon::plan::expert_room(device, model, &sized)
+        .context("--expert-layout planned and --pin place routed experts: the model has none")?;
+    let slots = spillway_daemon::plan::expert_slots(
+        model.file(),
+        &profile,
+        room,
+        args.ram_budget.map(|b| b.0),
+        args.ctx,
+        &args.pins,
+    )
+    .context("planning the placement")?;
+    Ok(ExpertLayout::Given(slots))
 }
 
 /// The model loaded on the device `run` was given.
@@ -247,7 +260,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 vram_budget: args.vram_budget.map(|b| b.0),
                 context: args.ctx,
                 moe_miss: args.moe_miss,
-                expert_layout: expert_layout(&args, &model)?,
+                expert_layout: expert_layout(&args, &device, &model)?,
                 expert_policy: args.expert_cache,
                 threads: args.threads.unwrap_or(0),
                 host_routing: false,

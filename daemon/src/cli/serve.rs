@@ -12,6 +12,7 @@ use spillway_daemon::server::auth::read_token_file;
 use spillway_daemon::server::default_model;
 use spillway_daemon::server::device::DeviceChoice;
 use spillway_daemon::server::models::name_from_path;
+use spillway_daemon::server::models::LayoutChoice;
 use spillway_daemon::server::service::ModelDefaults;
 use spillway_daemon::server::{serve, ListenAddr, ServeConfig};
 use spillway_proto::endpoint::default_socket_path;
@@ -64,6 +65,12 @@ pub struct ServeArgs {
     /// it they are read through the memory map.
     #[arg(long)]
     pub ram_budget: Option<ByteSize>,
+    /// How each MoE model over --vram-budget spreads its expert slots over the layers: `even`,
+    /// `layers` (whole layers from the last back, as llama.cpp's --n-cpu-moe), `cpu` (one slot a
+    /// layer) or `planned` (the scheduler's plan on --hardware-profile, which LoadModel's pins
+    /// also use).
+    #[arg(long, default_value = "even")]
+    pub expert_layout: LayoutChoice,
     /// Seconds in-flight requests may run on after SIGTERM before they are cancelled.
     #[arg(long, default_value_t = 10.0)]
     pub grace_period: f64,
@@ -135,6 +142,7 @@ impl ServeArgs {
                 vram_budget: self.vram_budget.map(|b| b.0),
                 ram_budget: self.ram_budget.map(|b| b.0),
                 hardware,
+                expert_layout: self.expert_layout.clone(),
             },
             grace: Duration::from_secs_f64(self.grace_period),
         })
@@ -177,7 +185,7 @@ fn hardware_profile(
     cache_dir: Option<&Path>,
 ) -> anyhow::Result<Option<HardwareProfile>> {
     if let Some(name) = name {
-        return super::plan::load_profile(Some(name)).map(Some);
+        return Ok(Some(super::plan::load_profile(Some(name))?));
     }
     let Some(dir) = cache_dir.map(|d| d.join("profiles")) else {
         return Ok(None);

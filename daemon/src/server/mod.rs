@@ -239,6 +239,9 @@ async fn load_startup_models(
             device: state.defaults.device,
             vram_budget: state.defaults.vram_budget,
             ram_budget: state.defaults.ram_budget,
+            expert_layout: state.defaults.expert_layout.clone(),
+            pins: Vec::new(),
+            hardware: state.defaults.hardware.clone(),
         };
         state
             .load_model(options, |_| {})

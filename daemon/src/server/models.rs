@@ -13,9 +13,12 @@ use super::gpu::{GpuSequence, GpuStatus};
 use super::worker::Worker;
 use crate::engine::{BatchEngine, EngineOptions};
 use crate::gpu::forward::{GpuModel, GpuModelOptions};
+use crate::gpu::placement::ExpertLayout;
 use crate::gpu::GpuError;
 use crate::model::{Model, ModelError};
 use crate::tokenizer::Tokenizer;
+use spillway_sched::plan::Pin;
+use spillway_sched::profile::HardwareProfile;
 
 /// Bytes read between two progress reports while the weights are paged in.
 const PROGRESS_STEP: u64 = 16 << 20;
@@ -62,6 +65,32 @@ pub struct LoadOptions {
     /// RAM for the routed experts a model on a Vulkan device computes on the CPU, read from
     /// its file as needed; `None`: the memory map.
     pub ram_budget: Option<u64>,
+    /// How a MoE model on a Vulkan device spreads its expert slots over the layers.
+    pub expert_layout: LayoutChoice,
+    /// Placements of routed expert stacks (LoadModel's pins), planned around on `hardware`.
+    pub pins: Vec<Pin>,
+    /// The machine's profile, which plans are made on.
+    pub hardware: Option<Arc<HardwareProfile>>,
+}
+
+/// `--expert-layout`: a fixed layout, or the scheduler's plan for each model as it loads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LayoutChoice {
+    Fixed(ExpertLayout),
+    Planned,
+}
+
+impl std::str::FromStr for LayoutChoice {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<LayoutChoice, String> {
+        match s {
+            "planned" => Ok(LayoutChoice::Planned),
+            _ => s.parse().map(LayoutChoice::Fixed).map_err(|e: String| {
+                format!("{e}, or planned (the scheduler's plan on the hardware profile)")
+            }),
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -82,6 +111,9 @@ pub enum LoadError {
         #[source]
         source: OpenError,
     },
+    /// Pins or `--expert-layout planned` could not be planned: what to change.
+    #[error("placing the experts: {0}")]
+    Placement(String),
     /// The model could not be put on the device; `message` is the GPU's, with what it needs.
     #[error("loading onto {device}: {message}")]
     Gpu {
@@ -89,6 +121,52 @@ pub enum LoadError {
         source: GpuError,
         message: String,
     },
+}
+
+/// The layout `options` asks for; with pins or `planned`, the plan's VRAM experts per layer.
+fn expert_layout(
+    options: &LoadOptions,
+    device: &Arc<crate::gpu::Device>,
+    model: &Model,
+) -> Result<ExpertLayout, LoadError> {
+    let fixed = match &options.expert_layout {
+        LayoutChoice::Fixed(layout) if options.pins.is_empty() => return Ok(layout.clone()),
+        LayoutChoice::Fixed(ExpertLayout::Even) | LayoutChoice::Planned => None,
+        LayoutChoice::Fixed(other) => Some(other),
+    };
+    if let Some(layout) = fixed {
+        return Err(LoadError::Placement(format!(
+            "pins are planned around by the scheduler, which replaces the daemon's \
+             --expert-layout {layout:?}: start it with --expert-layout even or planned"
+        )));
+    }
+    let Some(hardware) = &options.hardware else {
+        return Err(LoadError::Placement(
+            "pins and --expert-layout planned are planned on the machine's hardware profile, \
+             and the daemon has none: run `spillwayd calibrate`, or start it with \
+             --hardware-profile"
+                .into(),
+        ));
+    };
+    let sized = GpuModelOptions {
+        vram_budget: options.vram_budget,
+        context: options.context,
+        ..GpuModelOptions::default()
+    };
+    let room = crate::plan::expert_room(device, model, &sized).ok_or_else(|| {
+        LoadError::Placement("the model has no routed experts for pins to place".into())
+    })?;
+    let slots = crate::plan::expert_slots(
+        model.file(),
+        hardware,
+        room,
+        options.ram_budget,
+        options.context,
+        &options.pins,
+    )
+    .map_err(|e| LoadError::Placement(e.to_string()))?;
+    tracing::info!(model = %options.name, ?slots, "planned VRAM experts per MoE layer");
+    Ok(ExpertLayout::Given(slots))
 }
 
 /// One load stage for progress reports.
@@ -190,6 +268,7 @@ pub fn load(
                 ram_budget: options.ram_budget,
                 context: options.context,
                 threads: options.threads,
+                expert_layout: expert_layout(options, &device, &model)?,
                 ..GpuModelOptions::default()
             };
             let gpu = device::load_gpu_model(&device, &model, &gpu_options).map_err(

@@ -23,6 +23,7 @@ use super::validate::{self, ModelLimits};
 use super::worker::{GenerateItem, GenerateJob};
 use crate::gpu::GpuError;
 use crate::tokenizer::DecodeOptions as DetokenizeOptions;
+use spillway_sched::plan::Pin;
 
 /// Name under which the health service reports this service.
 pub const SERVICE_NAME: &str = "spillway.v1.Spillway";
@@ -46,6 +47,8 @@ pub struct ModelDefaults {
     /// The machine's measured limits, for profiles' predicted times and bandwidths
     /// (`--hardware-profile`).
     pub hardware: Option<Arc<spillway_sched::profile::HardwareProfile>>,
+    /// How MoE models on a Vulkan device spread their expert slots (`--expert-layout`).
+    pub expert_layout: super::models::LayoutChoice,
 }
 
 /// State shared by the service, the loader and shutdown.
@@ -125,6 +128,7 @@ impl DaemonState {
                 ..
             } => Status::invalid_argument(e.to_string()),
             LoadError::Gpu { .. } => Status::internal(e.to_string()),
+            LoadError::Placement(_) => Status::failed_precondition(e.to_string()),
         })?;
         if let Err(model) = self.registry.insert(loaded) {
             model.worker.unload();
@@ -306,11 +310,6 @@ impl Spillway for SpillwayService {
         if req.path.is_empty() {
             return Err(Status::invalid_argument("give the path of a GGUF file"));
         }
-        if !req.pins.is_empty() {
-            return Err(Status::unimplemented(
-                "tensor pins are not supported yet: load without them",
-            ));
-        }
         let defaults = &self.state.defaults;
         let device = match req.device.as_str() {
             "" => defaults.device,
@@ -318,6 +317,21 @@ impl Spillway for SpillwayService {
                 .parse::<DeviceChoice>()
                 .map_err(Status::invalid_argument)?,
         };
+        let pins = req
+            .pins
+            .iter()
+            .map(|p| {
+                format!("{}={}", p.pattern, p.placement)
+                    .parse::<Pin>()
+                    .map_err(|e| Status::invalid_argument(format!("pin {:?}: {e}", p.pattern)))
+            })
+            .collect::<Result<Vec<Pin>, Status>>()?;
+        if !pins.is_empty() && device == DeviceChoice::Cpu {
+            return Err(Status::invalid_argument(
+                "pins place routed experts between VRAM and the CPU: they apply to a model on \
+                 a Vulkan device; give device \"vulkan\" or no pins",
+            ));
+        }
         let vram_budget = match (device, req.budgets.map_or(0, |b| b.vram_bytes)) {
             (DeviceChoice::Cpu, 0) => None,
             (DeviceChoice::Cpu, _) => {
@@ -362,6 +376,9 @@ impl Spillway for SpillwayService {
             device,
             vram_budget,
             ram_budget,
+            expert_layout: defaults.expert_layout.clone(),
+            pins,
+            hardware: defaults.hardware.clone(),
         };
         let (tx, rx) = mpsc::channel(16);
         let state = self.state.clone();
