@@ -183,3 +183,24 @@ pub fn expert_room(
         None => all,
     })
 }
+
+/// The layout that runs the plan for a GPU model of `model` under `options`' VRAM budget and
+/// context, with `pins`: [`expert_room`] given to [`expert_slots`].
+pub fn planned_layout(
+    device: &std::sync::Arc<crate::gpu::Device>,
+    model: &crate::model::Model,
+    options: &crate::gpu::forward::GpuModelOptions,
+    profile: &HardwareProfile,
+    pins: &[Pin],
+) -> Result<crate::gpu::placement::ExpertLayout, PlanError> {
+    let room = expert_room(device, model, options).ok_or(PlanError::NotMoe)?;
+    let slots = expert_slots(
+        model.file(),
+        profile,
+        room,
+        options.ram_budget,
+        options.context,
+        pins,
+    )?;
+    Ok(crate::gpu::placement::ExpertLayout::Given(slots))
+}

@@ -200,21 +200,12 @@ fn expert_layout(
     let profile = spillway_daemon::plan::load_profile(Some(name))?;
     let sized = GpuModelOptions {
         vram_budget: args.vram_budget.map(|b| b.0),
+        ram_budget: args.ram_budget.map(|b| b.0),
         context: args.ctx,
         ..GpuModelOptions::default()
     };
-    let room = spillway_daemon::plan::expert_room(device, model, &sized)
-        .context("--expert-layout planned and --pin place routed experts: the model has none")?;
-    let slots = spillway_daemon::plan::expert_slots(
-        model.file(),
-        &profile,
-        room,
-        args.ram_budget.map(|b| b.0),
-        args.ctx,
-        &args.pins,
-    )
-    .context("planning the placement")?;
-    Ok(ExpertLayout::Given(slots))
+    spillway_daemon::plan::planned_layout(device, model, &sized, &profile, &args.pins)
+        .context("planning the placement")
 }
 
 /// The model loaded on the device `run` was given.

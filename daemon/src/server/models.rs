@@ -150,23 +150,14 @@ fn expert_layout(
     };
     let sized = GpuModelOptions {
         vram_budget: options.vram_budget,
+        ram_budget: options.ram_budget,
         context: options.context,
         ..GpuModelOptions::default()
     };
-    let room = crate::plan::expert_room(device, model, &sized).ok_or_else(|| {
-        LoadError::Placement("the model has no routed experts for pins to place".into())
-    })?;
-    let slots = crate::plan::expert_slots(
-        model.file(),
-        hardware,
-        room,
-        options.ram_budget,
-        options.context,
-        &options.pins,
-    )
-    .map_err(|e| LoadError::Placement(e.to_string()))?;
-    tracing::info!(model = %options.name, ?slots, "planned VRAM experts per MoE layer");
-    Ok(ExpertLayout::Given(slots))
+    let layout = crate::plan::planned_layout(device, model, &sized, hardware, &options.pins)
+        .map_err(|e| LoadError::Placement(e.to_string()))?;
+    tracing::info!(model = %options.name, ?layout, "planned VRAM experts per MoE layer");
+    Ok(layout)
 }
 
 /// One load stage for progress reports.
