@@ -49,6 +49,25 @@ fn suballocations_share_blocks_and_blocks_go_back_when_empty() {
     assert_eq!(alloc.budget().held(), 0);
 }
 
+/// Buffers over half a block get blocks of their own size: three of 600 KiB fit a 2 MiB budget
+/// with 1 MiB blocks, where blocks of the usual size would have stranded 424 KiB each and
+/// refused the third.
+#[test]
+fn buffers_over_half_a_block_strand_nothing_of_the_budget() {
+    let Some(dev) = device() else { return };
+    let alloc = Allocator::with_block_size(&dev, Some(2 << 20), 1 << 20);
+    let bufs: Vec<Buffer> = (0..3)
+        .map(|i| {
+            Buffer::new_in(&alloc, 600 << 10, MemoryUse::DeviceLocal)
+                .unwrap_or_else(|e| panic!("buffer {i}: {e}"))
+        })
+        .collect();
+    assert_eq!(alloc.block_count(), 3);
+    assert!(alloc.budget().held() < 2 << 20, "{}", alloc.budget().held());
+    drop(bufs);
+    assert_eq!(alloc.budget().held(), 0);
+}
+
 #[test]
 fn vram_budget_is_a_hard_ceiling_with_a_typed_error() {
     let Some(dev) = device() else { return };
