@@ -318,6 +318,35 @@ async fn pins_place_expert_stacks_and_impossible_pins_are_refused() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument, "{}", err.message());
+    let dense = synth(dir.path(), "tiny-llama", 3);
+    let err = load_model(
+        &mut client,
+        pb::LoadModelRequest {
+            pins: vec![pb::TensorPin {
+                pattern: "exps".into(),
+                placement: "cpu".into(),
+            }],
+            ..load_request(&dense, "dense", "vulkan")
+        },
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+    assert!(err.message().contains("has none"), "{}", err.message());
+
+    // A daemon that plans every model still loads a dense one whole.
+    let planned = Daemon::with_test_model(&[
+        "--hardware-profile",
+        "desktop-24gb",
+        "--expert-layout",
+        "planned",
+    ])
+    .await;
+    let mut client = planned.client().await;
+    load_model(&mut client, load_request(&dense, "dense", "vulkan"))
+        .await
+        .unwrap();
+    greedy(&mut client, "dense").await;
 
     // A daemon without a hardware profile has nothing to plan on.
     let bare = Daemon::with_test_model(&[]).await;

@@ -129,6 +129,15 @@ fn expert_layout(
     device: &Arc<crate::gpu::Device>,
     model: &Model,
 ) -> Result<ExpertLayout, LoadError> {
+    if model.config.moe.is_none() {
+        if !options.pins.is_empty() {
+            return Err(LoadError::Placement(
+                "pins place routed expert stacks, and this model has none".into(),
+            ));
+        }
+        // Nothing to spread: a dense model is whole in VRAM or refused.
+        return Ok(ExpertLayout::Even);
+    }
     let fixed = match &options.expert_layout {
         LayoutChoice::Fixed(layout) if options.pins.is_empty() => return Ok(layout.clone()),
         LayoutChoice::Fixed(ExpertLayout::Even) | LayoutChoice::Planned => None,
