@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 
 use crate::model::WeightType;
-use crate::predict::{Roofline, Work};
+use crate::predict::{Roofline, ShapePoint, Work};
 use crate::profile::{
     CpuProfile, GpuProfile, HardwareProfile, PcieProfile, ProfileKey, RamProfile, SsdProfile,
     SsdRead,
@@ -91,14 +91,16 @@ impl Default for CalibrationPlan {
                 .map(WeightType::new)
                 .collect(),
             // Expert-sized and projection-sized matrices beside large ones, so that the fits see
-            // what a small product costs beyond its bytes.
+            // what a small product costs beyond its bytes, and an output head's many rows.
             matrices: vec![
                 (2048, 512),
                 (512, 2048),
                 (2048, 2048),
+                (2048, 8192),
                 (4096, 4096),
                 (4096, 14336),
                 (14336, 4096),
+                (2048, 65536),
             ],
             chains: vec![16, 64],
             copy_sizes: vec![64 << 10, 1 << 20, 8 << 20, 64 << 20],
@@ -156,22 +158,35 @@ pub fn calibrate<B: MicroBench>(
     tick("GPU dispatch");
 
     let mut gpu_matvec = BTreeMap::new();
+    let mut gpu_points = BTreeMap::new();
+    // The longest chain is the steady state of a decode step's products: its timings are the
+    // points that correct the fit by shape.
+    let longest = plan.chains.iter().copied().max().unwrap_or(1);
     for t in &plan.weight_types {
-        let mut obs = Vec::new();
+        let (mut obs, mut points) = (Vec::new(), Vec::new());
         for &(k, n) in &plan.matrices {
             for &chain in &plan.chains {
                 let Some(bytes) = t.bytes_for(k * n) else {
                     tick("GPU kernels");
                     continue;
                 };
-                let secs = bench.gpu_matvec(t, k, n, chain)?;
-                obs.push((Work::matvec(k, n, bytes, 1), secs, 1.0));
+                let seconds = bench.gpu_matvec(t, k, n, chain)?;
+                obs.push((Work::matvec(k, n, bytes, 1), seconds, 1.0));
+                if chain == longest {
+                    points.push(ShapePoint {
+                        k,
+                        n,
+                        bytes,
+                        seconds,
+                    });
+                }
                 tick("GPU kernels");
             }
         }
         if obs.len() >= 3 {
             // Products one vector at a time are bound by memory: no compute roof is fitted.
             gpu_matvec.insert(t.clone(), guess(&obs).fit(&obs));
+            gpu_points.insert(t.clone(), points);
         }
     }
 
@@ -184,6 +199,7 @@ pub fn calibrate<B: MicroBench>(
 
     let threads = facts.cpu_threads.max(1);
     let (mut one_thread, mut all_threads) = (BTreeMap::new(), BTreeMap::new());
+    let mut cpu_points = BTreeMap::new();
     for t in &plan.weight_types {
         let (mut one, mut all) = (Vec::new(), Vec::new());
         for &(k, n) in &plan.matrices {
@@ -201,6 +217,21 @@ pub fn calibrate<B: MicroBench>(
         if one.len() >= 3 {
             one_thread.insert(t.clone(), guess(&one).fit(&one));
             all_threads.insert(t.clone(), guess(&all).fit(&all));
+            let points = all
+                .iter()
+                .zip(
+                    plan.matrices
+                        .iter()
+                        .filter(|(k, n)| t.bytes_for(k * n).is_some()),
+                )
+                .map(|(&(w, seconds, _), &(k, n))| ShapePoint {
+                    k,
+                    n,
+                    bytes: w.bytes as u64,
+                    seconds,
+                })
+                .collect();
+            cpu_points.insert(t.clone(), points);
         }
     }
     let cpu_dispatch_s = bench.cpu_dispatch(threads)?;
@@ -245,6 +276,7 @@ pub fn calibrate<B: MicroBench>(
             dispatch_s,
             submit_s,
             matvec: gpu_matvec,
+            matvec_points: gpu_points,
         },
         pcie: PcieProfile {
             bandwidth: copy.bandwidth,
@@ -256,6 +288,7 @@ pub fn calibrate<B: MicroBench>(
             dispatch_s: cpu_dispatch_s,
             matvec_per_thread: one_thread,
             matvec: all_threads,
+            matvec_points: cpu_points,
         },
         ram: RamProfile { memory: facts.ram },
         ssd: SsdProfile { request_s, reads },

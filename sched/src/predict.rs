@@ -139,6 +139,72 @@ impl Roofline {
     }
 }
 
+/// One calibrated product: seconds per product of a `k`-wide, `n`-tall matrix stored in
+/// `bytes`, as a decode step runs it (on the GPU, its share of a chain of products).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ShapePoint {
+    pub k: u64,
+    pub n: u64,
+    pub bytes: u64,
+    pub seconds: f64,
+}
+
+/// What calibration measured at its shapes, for a kernel whose efficiency depends on its
+/// shape, which one fixed cost and one bandwidth cannot describe (a GPU product of a few
+/// thousand rows keeps fewer loads in flight than one of a hundred thousand; short rows give
+/// each workgroup little to stream; a CPU product of a few hundred kilobytes barely wakes the
+/// pool's threads).
+///
+/// `fixed` is the kernel's measured fixed cost (a dispatch, a pool job). Each calibrated shape
+/// gives an effective bandwidth: its bytes over its time less `fixed`. The result is the
+/// seconds past `fixed` of a `k`-wide, `n`-tall product of `bytes`: its bytes over the
+/// effective bandwidth at its shape, from a local linear fit of log bandwidth in (log row
+/// length, log rows) weighted by closeness to the shape (moving least squares). At a
+/// calibrated shape that is the measurement; between shapes, the trend; past the last shapes
+/// the trend is held within the bandwidths measured (from half the least to a quarter above
+/// the most). `None` without a usable point.
+pub fn shaped_marginal(
+    fixed: f64,
+    points: &[ShapePoint],
+    bytes: u64,
+    k: u64,
+    n: u64,
+) -> Option<f64> {
+    let (lk, ln) = ((k.max(1) as f64).ln(), (n.max(1) as f64).ln());
+    let mut rows = Vec::new();
+    let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
+    for p in points {
+        let busy = p.seconds - fixed;
+        if !(busy > 0.0) || p.bytes == 0 || p.k == 0 || p.n == 0 {
+            continue;
+        }
+        let bw = (p.bytes as f64 / busy).ln();
+        let (dk, dn) = ((p.k as f64).ln() - lk, (p.n as f64).ln() - ln);
+        let d2 = dk * dk + dn * dn;
+        if d2 < 1e-12 {
+            return Some(bytes as f64 / bw.exp());
+        }
+        lo = lo.min(bw);
+        hi = hi.max(bw);
+        // A shape one e-fold away weighs a fifth of one half an e-fold away.
+        rows.push(([1.0, dk, dn], bw, 1.0 / (d2 + 0.25)));
+    }
+    if rows.is_empty() {
+        return None;
+    }
+    let weights: f64 = rows.iter().map(|r| r.2).sum();
+    let mean = rows.iter().map(|r| r.2 * r.1).sum::<f64>() / weights;
+    // The intercept of the local fit is the log bandwidth at the shape; with too few points,
+    // or points on one line, the weighted mean.
+    let local = if rows.len() >= 3 {
+        solve(&rows, &[0, 1, 2]).map_or(mean, |theta| theta[0])
+    } else {
+        mean
+    };
+    let bw = local.clamp(lo - std::f64::consts::LN_2, hi + 1.25f64.ln());
+    Some(bytes as f64 / bw.exp())
+}
+
 /// Weighted least squares over the columns `cols` of `rows` (`x`, `y`, `weight`), with
 /// coefficients that would come out negative dropped to zero and the rest solved again.
 fn solve_nonneg(rows: &[([f64; 3], f64, f64)], cols: &[usize]) -> Option<[f64; 3]> {
@@ -448,6 +514,74 @@ pub(crate) mod tests {
         }
         assert!((p.predict(w) / slow.predict(w) - 1.0).abs() < 0.08);
         assert_eq!(p.observations(), 256);
+    }
+
+    /// A kernel whose bandwidth grows with its rows: `peak · n / (n + 8192)`, plus 4 µs.
+    fn rows_bound(k: u64, n: u64) -> f64 {
+        let bytes = (k * n * 9 / 16) as f64;
+        4e-6 + bytes / (2e12 * n as f64 / (n as f64 + 8192.0))
+    }
+
+    #[test]
+    fn shaped_predictions_follow_a_kernel_that_one_roofline_cannot() {
+        let shapes = [
+            (2048, 512),
+            (512, 2048),
+            (2048, 2048),
+            (4096, 4096),
+            (4096, 14336),
+            (14336, 4096),
+            (2048, 65536),
+        ];
+        let points: Vec<ShapePoint> = shapes
+            .iter()
+            .map(|&(k, n)| ShapePoint {
+                k,
+                n,
+                bytes: k * n * 9 / 16,
+                seconds: rows_bound(k, n),
+            })
+            .collect();
+        let obs: Vec<_> = points
+            .iter()
+            .map(|p| (Work::matvec(p.k, p.n, p.bytes, 1), p.seconds, 1.0))
+            .collect();
+        let fit = Roofline::memory_bound(1e12, 0.0).fit(&obs);
+        // The fixed cost is measured on its own (a dispatch): the truth's 4 µs.
+        let shaped =
+            |k: u64, n: u64| 4e-6 + shaped_marginal(4e-6, &points, k * n * 9 / 16, k, n).unwrap();
+        // At a calibrated shape: its measurement.
+        assert!((shaped(4096, 4096) / rows_bound(4096, 4096) - 1.0).abs() < 1e-9);
+        // Shapes between and beyond the calibrated ones: a decode layer's and a head's.
+        let held_out = [
+            (2048, 8192),
+            (8192, 2048),
+            (2048, 4096),
+            (4096, 2048),
+            (2048, 768),
+            (768, 2048),
+            (2048, 128256),
+        ];
+        let score = |use_shape: bool| {
+            let pairs = held_out.iter().map(|&(k, n)| {
+                let w = Work::matvec(k, n, k * n * 9 / 16, 1);
+                let p = if use_shape {
+                    shaped(k, n)
+                } else {
+                    fit.predict(w)
+                };
+                (p, rows_bound(k, n))
+            });
+            AccuracyReport::from_pairs(pairs).unwrap()
+        };
+        let (with_shape, plain) = (score(true), score(false));
+        assert!(with_shape.within(0.10), "{with_shape:?}");
+        assert!(
+            with_shape.median_rel_error < plain.median_rel_error,
+            "{with_shape:?} {plain:?}"
+        );
+        // No points: nothing to say.
+        assert_eq!(shaped_marginal(4e-6, &[], 1 << 20, 4096, 4096), None);
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::model::WeightType;
-use crate::predict::Roofline;
+use crate::predict::{shaped_marginal, Roofline, ShapePoint, Work};
 use crate::ByteSize;
 
 /// Which machine a stored profile belongs to: a profile measured under another GPU, driver or
@@ -65,6 +65,10 @@ pub struct GpuProfile {
     /// at [`UNMEASURED_EFFICIENCY`].
     #[serde(default)]
     pub matvec: BTreeMap<WeightType, Roofline>,
+    /// The calibrated products behind `matvec` (seconds per product of a chain), which
+    /// correct its roofline by shape ([`shaped_marginal`]). Empty in described profiles.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub matvec_points: BTreeMap<WeightType, Vec<ShapePoint>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -90,6 +94,10 @@ pub struct CpuProfile {
     /// derived from the per-thread figure and `memory_bandwidth`.
     #[serde(default)]
     pub matvec: BTreeMap<WeightType, Roofline>,
+    /// The calibrated products on all `threads` behind `matvec`, which correct its roofline
+    /// by shape ([`shaped_marginal`]). Empty in described profiles.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub matvec_points: BTreeMap<WeightType, Vec<ShapePoint>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -253,6 +261,50 @@ impl HardwareProfile {
                 self.cpu.dispatch_s,
             ),
         }
+    }
+
+    /// Seconds of one `k`×`n` product of `bytes` of type `t` on the GPU as a decode step
+    /// chains it, its dispatch included.
+    pub fn gpu_product(&self, t: &WeightType, k: u64, n: u64, bytes: u64) -> f64 {
+        match self.gpu_shaped(t, k, n, bytes) {
+            Some(s) => self.gpu.dispatch_s + s,
+            None => self.gpu_matvec(t).predict(Work::matvec(k, n, bytes, 1)),
+        }
+    }
+
+    /// What a product adds to a GPU step beyond its dispatch (`gpu.dispatch_s`, which the step
+    /// model counts per op): from the calibrated shapes where the profile has them
+    /// ([`shaped_marginal`]), else the roofline's marginal.
+    pub fn gpu_product_marginal(&self, t: &WeightType, k: u64, n: u64, bytes: u64) -> f64 {
+        self.gpu_shaped(t, k, n, bytes)
+            .unwrap_or_else(|| self.gpu_matvec(t).marginal(Work::matvec(k, n, bytes, 1)))
+    }
+
+    fn gpu_shaped(&self, t: &WeightType, k: u64, n: u64, bytes: u64) -> Option<f64> {
+        let points = self.gpu.matvec_points.get(t)?;
+        shaped_marginal(self.gpu.dispatch_s, points, bytes, k, n)
+    }
+
+    /// Seconds of one `k`×`n` product of type `t` on all CPU threads, the pool's wake-up
+    /// included.
+    pub fn cpu_product(&self, t: &WeightType, k: u64, n: u64, bytes: u64) -> f64 {
+        match self.cpu_shaped(t, k, n, bytes) {
+            Some(s) => self.cpu.dispatch_s + s,
+            None => self.cpu_matvec(t).predict(Work::matvec(k, n, bytes, 1)),
+        }
+    }
+
+    /// What a product adds to the CPU's part of a step beyond the pool's wake-up
+    /// (`cpu.dispatch_s`): from the calibrated shapes where the profile has them, else the
+    /// roofline's marginal.
+    pub fn cpu_product_marginal(&self, t: &WeightType, k: u64, n: u64, bytes: u64) -> f64 {
+        self.cpu_shaped(t, k, n, bytes)
+            .unwrap_or_else(|| self.cpu_matvec(t).marginal(Work::matvec(k, n, bytes, 1)))
+    }
+
+    fn cpu_shaped(&self, t: &WeightType, k: u64, n: u64, bytes: u64) -> Option<f64> {
+        let points = self.cpu.matvec_points.get(t)?;
+        shaped_marginal(self.cpu.dispatch_s, points, bytes, k, n)
     }
 
     /// A host-to-device copy.

@@ -186,7 +186,6 @@ fn tied_output(model: &ModelDesc, profile: &HardwareProfile) -> Option<Unit> {
         .enumerate()
         .find(|(_, t)| t.role == TensorRole::Embedding)?;
     let (k, n) = t.matrix();
-    let w = Work::matvec(k, n, t.bytes, 1);
     let copy = profile.host_to_device();
     Some(Unit {
         tensors: vec![ti],
@@ -198,8 +197,8 @@ fn tied_output(model: &ModelDesc, profile: &HardwareProfile) -> Option<Unit> {
         routed: false,
         core: false,
         embedding: false,
-        gpu: profile.gpu_matvec(&t.weight_type).marginal(w),
-        cpu: profile.cpu_matvec(&t.weight_type).marginal(w),
+        gpu: profile.gpu_product_marginal(&t.weight_type, k, n, t.bytes),
+        cpu: profile.cpu_product_marginal(&t.weight_type, k, n, t.bytes),
         copy: copy.marginal(Work::transfer(t.bytes)) + copy.fixed_s,
         ssd: t.bytes as f64 / profile.ssd_bandwidth(ByteSize(t.bytes)),
     })
@@ -224,10 +223,9 @@ fn compute_cost(t: &TensorDesc, bytes: u64, profile: &HardwareProfile) -> (f64, 
         }
         _ => {
             let (k, n) = t.matrix();
-            let w = Work::matvec(k, n, bytes, 1);
             (
-                profile.gpu_matvec(&t.weight_type).marginal(w),
-                profile.cpu_matvec(&t.weight_type).marginal(w),
+                profile.gpu_product_marginal(&t.weight_type, k, n, bytes),
+                profile.cpu_product_marginal(&t.weight_type, k, n, bytes),
             )
         }
     }

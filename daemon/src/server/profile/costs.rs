@@ -42,6 +42,21 @@ impl Mat {
     fn work(&self, batch: u64) -> Work {
         Work::matvec(self.n_in, self.n_out, self.bytes, batch)
     }
+
+    /// One product on the GPU, its dispatch included, corrected by the calibrated shapes.
+    fn gpu(&self, hw: &HardwareProfile) -> f64 {
+        hw.gpu_product(&self.ty, self.n_in, self.n_out, self.bytes)
+    }
+
+    /// One product over `batch` tokens on the CPU's pool: shaped for one token, the roofline
+    /// (which has the compute roof) for more.
+    fn cpu(&self, hw: &HardwareProfile, batch: u64) -> f64 {
+        if batch == 1 {
+            hw.cpu_product(&self.ty, self.n_in, self.n_out, self.bytes)
+        } else {
+            hw.cpu_matvec(&self.ty).predict(self.work(batch))
+        }
+    }
 }
 
 fn bytes(mats: &[Mat]) -> u64 {
@@ -154,11 +169,8 @@ impl Costs {
         let tokens = u64::from(step.tokens.max(1));
         for r in &mut step.rows {
             let layer = r.layer.and_then(|l| self.layers.get(l as usize));
-            let cpu = |mats: &[Mat], batch: u64| -> f64 {
-                mats.iter()
-                    .map(|m| hw.cpu_matvec(&m.ty).predict(m.work(batch)))
-                    .sum()
-            };
+            let cpu =
+                |mats: &[Mat], batch: u64| -> f64 { mats.iter().map(|m| m.cpu(hw, batch)).sum() };
             let seconds = match (r.op.as_str(), layer) {
                 ("embedding", _) => Some(
                     Roofline::memory_bound(hw.cpu.memory_bandwidth, 0.0)
@@ -196,11 +208,7 @@ impl Costs {
         let tokens = u64::from(step.tokens.max(1));
         let gpu = |mats: &[Mat]| -> Option<f64> {
             let hw = hw?;
-            Some(
-                mats.iter()
-                    .map(|m| tokens as f64 * hw.gpu_matvec(&m.ty).predict(m.work(1)))
-                    .sum(),
-            )
+            Some(mats.iter().map(|m| tokens as f64 * m.gpu(hw)).sum())
         };
         let mut cpu_bytes = 0u64;
         let mut cpu_seconds = 0.0;
@@ -235,7 +243,7 @@ impl Costs {
                         let run: f64 = l
                             .expert
                             .iter()
-                            .map(|m| h.cpu_matvec(&m.ty).marginal(m.work(1)))
+                            .map(|m| h.cpu_product_marginal(&m.ty, m.n_in, m.n_out, m.bytes))
                             .sum::<f64>()
                             * split.cpu as f64;
                         let read = r.ssd_to_ram_bytes.filter(|&b| b > 0).map_or(0.0, |b| {
@@ -250,7 +258,7 @@ impl Costs {
                         let run: f64 = l
                             .expert
                             .iter()
-                            .map(|m| h.gpu_matvec(&m.ty).marginal(m.work(1)))
+                            .map(|m| h.gpu_product_marginal(&m.ty, m.n_in, m.n_out, m.bytes))
                             .sum::<f64>()
                             * split.gpu as f64;
                         let copy = if fetched > 0 {
