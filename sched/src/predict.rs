@@ -175,7 +175,7 @@ pub fn shaped_marginal(
     let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
     for p in points {
         let busy = p.seconds - fixed;
-        if !(busy > 0.0) || p.bytes == 0 || p.k == 0 || p.n == 0 {
+        if busy.is_nan() || busy <= 0.0 || p.bytes == 0 || p.k == 0 || p.n == 0 {
             continue;
         }
         let bw = (p.bytes as f64 / busy).ln();

@@ -18,6 +18,7 @@
 //! is measured; weight types the GPU cannot read are left out of the plan.
 
 mod cold;
+pub mod first_start;
 pub mod gpu;
 pub mod host;
 

@@ -76,13 +76,26 @@ pub struct ServeArgs {
     pub grace_period: f64,
     /// The machine's hardware profile, for the predicted times and bandwidth limits of
     /// `spillway profile`: a TOML file from `spillwayd calibrate`, or a shipped one (laptop-8gb,
-    /// desktop-24gb, h200). Default: the one profile `spillwayd calibrate` stored in the cache
-    /// directory, if there is exactly one; else profiles carry no predictions.
+    /// desktop-24gb, h200). Default with --device vulkan: this machine's stored profile, or one
+    /// calibrated at first start (see --calibrate); with --device cpu, the one profile stored
+    /// in the cache directory, if there is exactly one; else profiles carry no predictions.
     #[arg(long, value_name = "FILE|NAME")]
     pub hardware_profile: Option<String>,
+    /// With `--device vulkan` and no --hardware-profile: `auto` uses the profile stored for
+    /// this GPU, driver and CPU, or calibrates one at this first start (about ten seconds on a
+    /// GPU, with progress; longer on a software device) and stores it; `never` does not
+    /// measure.
+    #[arg(long, value_enum, default_value_t = Calibrate::Auto)]
+    pub calibrate: Calibrate,
     /// Log level or filter (`info`, `debug`, `spillway_daemon=trace`); RUST_LOG wins when set.
     #[arg(long, default_value = "info")]
     pub log_level: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Calibrate {
+    Auto,
+    Never,
 }
 
 impl ServeArgs {
@@ -123,8 +136,15 @@ impl ServeArgs {
             std::env::var_os("XDG_CACHE_HOME").map(PathBuf::from),
             std::env::var_os("HOME").map(PathBuf::from),
         );
-        let hardware =
-            hardware_profile(self.hardware_profile.as_deref(), cache_dir.as_deref())?.map(Arc::new);
+        let hardware = match (&self.hardware_profile, self.device, cache_dir.as_deref()) {
+            (None, DeviceChoice::Vulkan(index), Some(cache))
+                if self.calibrate == Calibrate::Auto =>
+            {
+                first_start_profile(index, cache)
+            }
+            _ => hardware_profile(self.hardware_profile.as_deref(), cache_dir.as_deref())?,
+        }
+        .map(Arc::new);
         Ok(ServeConfig {
             listen,
             token,
@@ -176,6 +196,57 @@ fn init_logging(level: &str) -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     Ok(())
+}
+
+/// This machine's stored profile, or one calibrated now and stored (see `--calibrate`). A
+/// machine that cannot be measured (no Vulkan device, a disk that refuses the scratch file)
+/// serves without one: the models fall back to the CPU or run without predictions, as they
+/// would have.
+fn first_start_profile(index: Option<usize>, cache: &Path) -> Option<HardwareProfile> {
+    use spillway_daemon::calibrate::first_start::{stored_or_calibrate, Outcome};
+    use std::io::{IsTerminal, Write};
+
+    let terminal = std::io::stderr().is_terminal();
+    let mut stage = String::new();
+    let mut progress = |p: spillway_sched::calibrate::Progress<'_>| {
+        if terminal {
+            let mut e = std::io::stderr();
+            let _ = write!(
+                e,
+                "\rspillwayd: calibrating this machine (first start) {:>3}/{} {:<24}",
+                p.done, p.total, p.what
+            );
+            if p.done == p.total {
+                let _ = writeln!(e);
+            }
+        } else if p.what != stage {
+            stage = p.what.to_string();
+            tracing::info!(
+                "calibrating this machine (first start): {}/{} {}",
+                p.done,
+                p.total,
+                p.what
+            );
+        }
+    };
+    match stored_or_calibrate(index, cache, &mut progress) {
+        Ok((profile, Outcome::Stored(path))) => {
+            tracing::info!("hardware profile: {}", path.display());
+            Some(profile)
+        }
+        Ok((profile, Outcome::Calibrated { path, seconds })) => {
+            tracing::info!(
+                "calibrated this machine in {seconds:.1} s; hardware profile stored in {} \
+                 (`spillwayd calibrate` measures more shapes)",
+                path.display()
+            );
+            Some(profile)
+        }
+        Err(e) => {
+            tracing::warn!("no hardware profile: calibration at first start failed: {e}");
+            None
+        }
+    }
 }
 
 /// The hardware profile `name` names (see `--hardware-profile`), or the one calibrated profile
