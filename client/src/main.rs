@@ -42,7 +42,12 @@ enum Command {
     Chat(Box<chat::ChatArgs>),
     /// List the loaded models.
     Models,
-    /// Load a GGUF model into the daemon.
+    /// Load a GGUF model into the daemon, or with --plan print where its tensors would go and
+    /// its predicted speed, loading nothing.
+    #[command(after_help = "Examples:
+  spillway load M.gguf --name moe --device vulkan --vram-budget 6GiB
+  spillway load M.gguf --device vulkan --vram-budget 8GiB --plan   # the plan; nothing loads
+  spillway load M.gguf --device vulkan --vram-budget 8GiB --plan --json")]
     Load(models::LoadArgs),
     /// Unload a model.
     Unload {

@@ -264,6 +264,57 @@ fn models_load_ps_and_unload() {
 }
 
 #[test]
+fn load_plan_prints_the_plan_and_loads_nothing() {
+    let d = Daemon::start(&["--hardware-profile", "laptop-8gb"]);
+    let model = cache_dir().join("spillway/default-kjv-moe-q8_0-1.gguf");
+    let path = model.to_str().unwrap();
+    let load = ["load", path, "--name", "planned", "--device", "vulkan"];
+    let planned = |extra: &[&str]| d.run(&[&load[..], extra].concat());
+    let out = planned(&["--vram-budget", "256MiB", "--plan"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let table = stdout(&out);
+    assert!(
+        table.contains("budgets: VRAM 256.00 MiB") && table.contains("bottleneck: "),
+        "{table}"
+    );
+    assert!(
+        stderr(&out).contains("nothing was loaded"),
+        "{}",
+        stderr(&out)
+    );
+
+    let out = planned(&["--vram-budget", "256MiB", "--plan", "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).unwrap();
+    assert_eq!(v["vram_budget"].as_u64(), Some(256 << 20), "{v}");
+    assert!(v["vram"]["total"].as_u64().unwrap() <= 256 << 20, "{v}");
+    assert!(v["tokens_per_s"].as_f64().unwrap() > 0.0, "{v}");
+    assert!(!stdout(&d.run(&["models"])).contains("planned"));
+
+    // Refusals are the daemon's, with its exit code; --json needs --plan.
+    let out = planned(&["--pin", "exps=tpu", "--plan"]);
+    assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
+    let out = planned(&["--json"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    let help = stdout(
+        &Command::new(spillway())
+            .args(["load", "--help"])
+            .output()
+            .unwrap(),
+    );
+    assert!(help.contains("--plan"), "{help}");
+
+    let bare = Daemon::start(&[]);
+    let out = bare.run(&["load", path, "--plan"]);
+    assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("spillwayd calibrate"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
 fn exit_codes_tell_failures_apart() {
     let d = Daemon::start(&["--ctx", "32"]);
     let out = d.run(&["generate", "hi", "--max-tokens", "1000"]);

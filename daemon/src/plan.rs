@@ -1,10 +1,11 @@
-//! The scheduler's plans for the daemon: a model file as the planner sees it ([`model_desc`]),
-//! hardware profiles by name or file ([`load_profile`]), and the VRAM experts per MoE layer a
-//! plan gives a model on the GPU ([`expert_slots`], which `--expert-layout planned` and
-//! LoadModel's pins run).
+//! The scheduler's plans for the daemon: a model file as the planner sees it ([`model_desc`],
+//! [`kv_positions`]), hardware profiles by name or file ([`load_profile`]), the VRAM experts per
+//! MoE layer a plan gives a model on the GPU ([`expert_slots`], which `--expert-layout planned`
+//! and LoadModel's pins run), and the pins such a model can run ([`check_gpu_pins`], which the
+//! Plan call applies too).
 
 use spillway_sched::model::{ExpertRouting, ModelDesc, TensorDesc, WeightType};
-use spillway_sched::plan::{minimum_vram, plan, Pin, Placement, PlanOptions};
+use spillway_sched::plan::{minimum_vram, plan, Pin, Placement, Plan, PlanOptions};
 use spillway_sched::profile::HardwareProfile;
 use spillway_sched::simulate::{shipped_profile, SHIPPED_PROFILES};
 use spillway_sched::ByteSize;
@@ -13,6 +14,8 @@ use crate::gguf::{GgufError, GgufFile, Metadata};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
+    #[error("reading the model's header: {0}")]
+    Header(#[source] GgufError),
     #[error("model metadata: {0}")]
     Metadata(#[from] GgufError),
     #[error("the model has no general.architecture")]
@@ -108,6 +111,40 @@ pub fn model_desc(name: &str, file: &GgufFile) -> Result<ModelDesc, PlanError> {
     Ok(model)
 }
 
+/// KV cache positions the engines give a model of `file` for a requested `context`: 0 means
+/// the model's context length (4096 when its metadata has none), at most 4096.
+pub fn kv_positions(file: &GgufFile, context: usize) -> Result<u64, PlanError> {
+    if context > 0 {
+        return Ok(context as u64);
+    }
+    let arch = file.architecture().ok_or(PlanError::NoArchitecture)?;
+    let length = file
+        .metadata()
+        .opt_u32(&format!("{arch}.context_length"))?
+        .unwrap_or(4096);
+    Ok(u64::from(length.min(4096)))
+}
+
+/// Refuses a plan for a model on the GPU that pins a tensor off VRAM which the GPU model keeps
+/// there: everything but its routed experts.
+pub fn check_gpu_pins(plan: &Plan) -> Result<(), PlanError> {
+    for t in &plan.tensors {
+        let tier = match &t.placement {
+            Placement::Vram | Placement::Experts(_) => continue,
+            Placement::Stream { .. } => "stream",
+            Placement::Cpu { .. } => "CPU",
+        };
+        if let Some(pin) = &t.pinned {
+            return Err(PlanError::PinnedOffVram {
+                pin: pin.clone(),
+                tensor: t.name.clone(),
+                tier,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// VRAM experts per MoE layer (in layer order) of the plan for `file` on `profile` with
 /// `pins`, given `expert_room` bytes of VRAM for routed experts (what the GPU model's budget
 /// leaves after everything else it keeps there): what the GPU model runs as
@@ -138,20 +175,7 @@ pub fn expert_slots(
     );
     opts.pins = pins.to_vec();
     let plan = plan(&desc, profile, &opts)?;
-    for t in &plan.tensors {
-        let tier = match &t.placement {
-            Placement::Vram | Placement::Experts(_) => continue,
-            Placement::Stream { .. } => "stream",
-            Placement::Cpu { .. } => "CPU",
-        };
-        if let Some(pin) = &t.pinned {
-            return Err(PlanError::PinnedOffVram {
-                pin: pin.clone(),
-                tensor: t.name.clone(),
-                tier,
-            });
-        }
-    }
+    check_gpu_pins(&plan)?;
     let slots: Vec<usize> = (0..desc.n_layer)
         .filter_map(
             |l| match plan.placement(&format!("blk.{l}.ffn_gate_exps.weight")) {

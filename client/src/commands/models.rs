@@ -1,4 +1,5 @@
-//! Model management: `models`, `load` (with a progress bar), `unload`, `ps`.
+//! Model management: `models`, `load` (with a progress bar, or `--plan` for the scheduler's
+//! plan of the load), `unload`, `ps`.
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -35,6 +36,17 @@ pub struct LoadArgs {
     /// its hardware profile. Repeatable; the first matching pin wins.
     #[arg(long = "pin", value_parser = parse_pin)]
     pub pins: Vec<pb::TensorPin>,
+    /// Load nothing: print the scheduler's plan for this load instead, as `spillwayd plan`
+    /// does: where each tensor (each expert, for MoE models) would go under the budgets and
+    /// pins, the predicted decode tokens/s and the bottleneck (GPU, CPU, PCIe or SSD). The
+    /// daemon plans from the file's header on its hardware profile (`spillwayd serve
+    /// --hardware-profile`); without --device vulkan (or a daemon on one) the plan is for the
+    /// CPU alone.
+    #[arg(long)]
+    pub plan: bool,
+    /// With --plan: print the plan as JSON, as `spillwayd plan --json`.
+    #[arg(long, requires = "plan")]
+    pub json: bool,
 }
 
 /// `PATTERN=DEVICE`, split at the last `=` (a pattern may hold one).
@@ -82,22 +94,21 @@ pub async fn models(client: &mut Client) -> Result<(), Failure> {
 
 pub async fn load(client: &mut Client, args: &LoadArgs) -> Result<(), Failure> {
     let path = std::path::absolute(&args.path).unwrap_or_else(|_| args.path.clone());
-    let mut stream = client
-        .load_model(pb::LoadModelRequest {
-            path: path.display().to_string(),
-            name: args.name.clone(),
-            context_length: args.ctx,
-            device: args.device.clone(),
-            budgets: (args.vram_budget.is_some() || args.ram_budget.is_some()).then(|| {
-                pb::Budgets {
-                    vram_bytes: args.vram_budget.map_or(0, |b| b.0),
-                    ram_bytes: args.ram_budget.map_or(0, |b| b.0),
-                }
-            }),
-            pins: args.pins.clone(),
-        })
-        .await?
-        .into_inner();
+    let request = pb::LoadModelRequest {
+        path: path.display().to_string(),
+        name: args.name.clone(),
+        context_length: args.ctx,
+        device: args.device.clone(),
+        budgets: (args.vram_budget.is_some() || args.ram_budget.is_some()).then(|| pb::Budgets {
+            vram_bytes: args.vram_budget.map_or(0, |b| b.0),
+            ram_bytes: args.ram_budget.map_or(0, |b| b.0),
+        }),
+        pins: args.pins.clone(),
+    };
+    if args.plan {
+        return plan(client, request, args.json).await;
+    }
+    let mut stream = client.load_model(request).await?.into_inner();
     let bar = std::io::stderr().is_terminal();
     let mut last_stage = String::new();
     while let Some(p) = stream.message().await? {
@@ -120,6 +131,26 @@ pub async fn load(client: &mut Client, args: &LoadArgs) -> Result<(), Failure> {
         1,
         "the load stream ended before the model was ready",
     ))
+}
+
+/// `spillway load --plan`: the daemon's plan of the load, as a table or JSON on stdout.
+async fn plan(client: &mut Client, load: pb::LoadModelRequest, json: bool) -> Result<(), Failure> {
+    let plan = client
+        .plan(pb::PlanRequest { load: Some(load) })
+        .await?
+        .into_inner();
+    let text = if json {
+        format!("{}\n", plan.json)
+    } else {
+        plan.table
+    };
+    // A closed pipe (`| head`) ends the output, not the program with an error.
+    let _ = std::io::stdout().lock().write_all(text.as_bytes());
+    eprintln!(
+        "nothing was loaded; hardware profile: {}",
+        plan.hardware_profile
+    );
+    Ok(())
 }
 
 /// `reading weights [#######-------]  42% 1.2 GiB / 2.9 GiB`

@@ -1,5 +1,6 @@
 //! The daemon's loaded models: loading one (open and validate the file, read its weights into
-//! the page cache, start its worker), looking them up by name, unloading.
+//! the page cache, start its worker), planning one without loading it, looking them up by name,
+//! unloading.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -12,13 +13,16 @@ use super::device::{self, DeviceChoice, OpenError};
 use super::gpu::{GpuSequence, GpuStatus};
 use super::worker::Worker;
 use crate::engine::{BatchEngine, EngineOptions};
+use crate::gguf::GgufFile;
 use crate::gpu::forward::{GpuModel, GpuModelOptions};
 use crate::gpu::placement::ExpertLayout;
 use crate::gpu::GpuError;
 use crate::model::{Model, ModelError};
+use crate::plan::PlanError;
 use crate::tokenizer::Tokenizer;
-use spillway_sched::plan::Pin;
+use spillway_sched::plan::{Pin, Plan, PlanOptions};
 use spillway_sched::profile::HardwareProfile;
+use spillway_sched::ByteSize;
 
 /// Bytes read between two progress reports while the weights are paged in.
 const PROGRESS_STEP: u64 = 16 << 20;
@@ -114,6 +118,19 @@ pub enum LoadError {
     /// Pins or `--expert-layout planned` could not be planned: what to change.
     #[error("placing the experts: {0}")]
     Placement(String),
+    /// What is planned on the machine's hardware profile, and the daemon has none.
+    #[error(
+        "{0} on the machine's hardware profile, and the daemon has none: run `spillwayd \
+         calibrate`, or start it with --hardware-profile"
+    )]
+    NoHardwareProfile(&'static str),
+    /// The scheduler could not plan the model (the Plan call).
+    #[error("planning {}: {source}", path.display())]
+    Plan {
+        path: PathBuf,
+        #[source]
+        source: PlanError,
+    },
     /// The model could not be put on the device; `message` is the GPU's, with what it needs.
     #[error("loading onto {device}: {message}")]
     Gpu {
@@ -131,9 +148,7 @@ fn expert_layout(
 ) -> Result<ExpertLayout, LoadError> {
     if model.config.moe.is_none() {
         if !options.pins.is_empty() {
-            return Err(LoadError::Placement(
-                "pins place routed expert stacks, and this model has none".into(),
-            ));
+            return Err(LoadError::Placement(NO_EXPERTS_TO_PIN.into()));
         }
         // Nothing to spread: a dense model is whole in VRAM or refused.
         return Ok(ExpertLayout::Even);
@@ -150,11 +165,8 @@ fn expert_layout(
         )));
     }
     let Some(hardware) = &options.hardware else {
-        return Err(LoadError::Placement(
-            "pins and --expert-layout planned are planned on the machine's hardware profile, \
-             and the daemon has none: run `spillwayd calibrate`, or start it with \
-             --hardware-profile"
-                .into(),
+        return Err(LoadError::NoHardwareProfile(
+            "pins and --expert-layout planned are planned",
         ));
     };
     let sized = GpuModelOptions {
@@ -167,6 +179,49 @@ fn expert_layout(
         .map_err(|e| LoadError::Placement(e.to_string()))?;
     tracing::info!(model = %options.name, ?layout, "planned VRAM experts per MoE layer");
     Ok(layout)
+}
+
+const NO_EXPERTS_TO_PIN: &str = "pins place routed expert stacks, and this model has none";
+
+/// The scheduler's plan for the load `options` describe, on their hardware profile: what the
+/// Plan call answers. Only the file's header is read; no device is opened. A model on a Vulkan
+/// device is planned under its VRAM budget (the profile's GPU memory without one) and RAM
+/// budget (the profile's RAM without one), and its pins are refused where loading would refuse
+/// them; a model on the CPU is planned for the CPU alone.
+pub fn plan(options: &LoadOptions) -> Result<Plan, LoadError> {
+    let path = &options.path;
+    if !path.exists() {
+        return Err(LoadError::NotFound(path.clone()));
+    }
+    let Some(hardware) = options.hardware.as_deref() else {
+        return Err(LoadError::NoHardwareProfile("plans are made"));
+    };
+    let planning = |source: PlanError| LoadError::Plan {
+        path: path.clone(),
+        source,
+    };
+    let file = GgufFile::open_structure_only(path).map_err(|e| planning(PlanError::Header(e)))?;
+    let desc = crate::plan::model_desc(&options.name, &file).map_err(planning)?;
+    let gpu = matches!(options.device, DeviceChoice::Vulkan(_));
+    if gpu && !options.pins.is_empty() && desc.experts.is_none() {
+        return Err(LoadError::Placement(NO_EXPERTS_TO_PIN.into()));
+    }
+    let vram_budget = if gpu {
+        options.vram_budget.map_or(hardware.gpu.memory, ByteSize)
+    } else {
+        ByteSize(0)
+    };
+    let ram_budget = options.ram_budget.map_or(hardware.ram.memory, ByteSize);
+    let mut opts = PlanOptions::new(vram_budget, ram_budget);
+    opts.cpu_only = !gpu;
+    opts.context = crate::plan::kv_positions(&file, options.context).map_err(planning)?;
+    opts.pins = options.pins.clone();
+    let plan = spillway_sched::plan::plan(&desc, hardware, &opts)
+        .map_err(|e| planning(PlanError::Plan(e)))?;
+    if gpu {
+        crate::plan::check_gpu_pins(&plan).map_err(planning)?;
+    }
+    Ok(plan)
 }
 
 /// One load stage for progress reports.

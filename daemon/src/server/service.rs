@@ -22,6 +22,7 @@ use super::profile::{ProfileItem, ProfileJob};
 use super::validate::{self, ModelLimits};
 use super::worker::{GenerateItem, GenerateJob};
 use crate::gpu::GpuError;
+use crate::plan::PlanError;
 use crate::tokenizer::DecodeOptions as DetokenizeOptions;
 use spillway_sched::plan::Pin;
 
@@ -105,31 +106,7 @@ impl DaemonState {
                 .map_err(|e| Status::internal(format!("the loader failed: {e}")));
         self.loads_running.fetch_sub(1, Ordering::SeqCst);
         self.update_health().await;
-        let loaded = result?.map_err(|e| match e {
-            LoadError::NotFound(_) => Status::not_found(e.to_string()),
-            LoadError::Model { .. } => Status::invalid_argument(e.to_string()),
-            LoadError::Thread(_) => Status::internal(e.to_string()),
-            LoadError::Device { ref source, .. } => match source {
-                OpenError::NoSuchDevice { .. } => Status::invalid_argument(e.to_string()),
-                OpenError::Unavailable(_) => Status::failed_precondition(e.to_string()),
-                OpenError::Other(_) => Status::internal(e.to_string()),
-            },
-            // The driver out of memory (other users of the device): a later try may succeed.
-            LoadError::Gpu {
-                source: GpuError::OutOfMemory(_),
-                ..
-            } => Status::resource_exhausted(e.to_string()),
-            // A model over its VRAM budget: the budget (or the model) must change.
-            LoadError::Gpu { ref source, .. } if source.is_out_of_memory() => {
-                Status::failed_precondition(e.to_string())
-            }
-            LoadError::Gpu {
-                source: GpuError::Unsupported(_),
-                ..
-            } => Status::invalid_argument(e.to_string()),
-            LoadError::Gpu { .. } => Status::internal(e.to_string()),
-            LoadError::Placement(_) => Status::failed_precondition(e.to_string()),
-        })?;
+        let loaded = result?.map_err(load_status)?;
         if let Err(model) = self.registry.insert(loaded) {
             model.worker.unload();
             return Err(name_taken(&name));
@@ -138,6 +115,57 @@ impl DaemonState {
         self.registry
             .get(&name)
             .ok_or_else(|| Status::internal("the model was unloaded while it loaded"))
+    }
+}
+
+/// The status a failed load (or plan) answers: INVALID_ARGUMENT for what the request must
+/// change, FAILED_PRECONDITION for what the budgets, pins or daemon must.
+fn load_status(e: LoadError) -> Status {
+    match e {
+        LoadError::NotFound(_) => Status::not_found(e.to_string()),
+        LoadError::Model { .. } => Status::invalid_argument(e.to_string()),
+        LoadError::Thread(_) => Status::internal(e.to_string()),
+        LoadError::Device { ref source, .. } => match source {
+            OpenError::NoSuchDevice { .. } => Status::invalid_argument(e.to_string()),
+            OpenError::Unavailable(_) => Status::failed_precondition(e.to_string()),
+            OpenError::Other(_) => Status::internal(e.to_string()),
+        },
+        // The driver out of memory (other users of the device): a later try may succeed.
+        LoadError::Gpu {
+            source: GpuError::OutOfMemory(_),
+            ..
+        } => Status::resource_exhausted(e.to_string()),
+        // A model over its VRAM budget: the budget (or the model) must change.
+        LoadError::Gpu { ref source, .. } if source.is_out_of_memory() => {
+            Status::failed_precondition(e.to_string())
+        }
+        LoadError::Gpu {
+            source: GpuError::Unsupported(_),
+            ..
+        } => Status::invalid_argument(e.to_string()),
+        LoadError::Gpu { .. } => Status::internal(e.to_string()),
+        LoadError::Placement(_) | LoadError::NoHardwareProfile(_) => {
+            Status::failed_precondition(e.to_string())
+        }
+        LoadError::Plan { ref source, .. } => {
+            use spillway_sched::plan::PlanError as Sched;
+            match source {
+                // A file that is no model, or a budget the machine does not have.
+                PlanError::Header(_)
+                | PlanError::Metadata(_)
+                | PlanError::NoArchitecture
+                | PlanError::Model(_)
+                | PlanError::Plan(Sched::Model(_) | Sched::OverMachine { .. }) => {
+                    Status::invalid_argument(e.to_string())
+                }
+                // A model over its budgets, or pins the GPU model cannot run.
+                PlanError::Plan(Sched::VramTooSmall { .. } | Sched::RamTooSmall { .. })
+                | PlanError::PinnedOffVram { .. }
+                | PlanError::NotMoe
+                | PlanError::NoProfile(_)
+                | PlanError::Profile { .. } => Status::failed_precondition(e.to_string()),
+            }
+        }
     }
 }
 
@@ -178,6 +206,83 @@ impl SpillwayService {
                     names.join(", ")
                 ))
             }
+        })
+    }
+
+    /// What a LoadModel request (or the load a Plan request plans) asks for, with the daemon's
+    /// defaults filled in; no path, a malformed pin or a budget for the wrong device is
+    /// INVALID_ARGUMENT.
+    #[allow(clippy::result_large_err)]
+    fn load_options(&self, req: &pb::LoadModelRequest) -> Result<LoadOptions, Status> {
+        if req.path.is_empty() {
+            return Err(Status::invalid_argument("give the path of a GGUF file"));
+        }
+        let defaults = &self.state.defaults;
+        let device = match req.device.as_str() {
+            "" => defaults.device,
+            d => d
+                .parse::<DeviceChoice>()
+                .map_err(Status::invalid_argument)?,
+        };
+        let pins = req
+            .pins
+            .iter()
+            .map(|p| {
+                format!("{}={}", p.pattern, p.placement)
+                    .parse::<Pin>()
+                    .map_err(|e| Status::invalid_argument(format!("pin {:?}: {e}", p.pattern)))
+            })
+            .collect::<Result<Vec<Pin>, Status>>()?;
+        if !pins.is_empty() && device == DeviceChoice::Cpu {
+            return Err(Status::invalid_argument(
+                "pins place routed experts between VRAM and the CPU: they apply to a model on \
+                 a Vulkan device; give device \"vulkan\" or no pins",
+            ));
+        }
+        let vram_budget = match (device, req.budgets.map_or(0, |b| b.vram_bytes)) {
+            (DeviceChoice::Cpu, 0) => None,
+            (DeviceChoice::Cpu, _) => {
+                return Err(Status::invalid_argument(
+                    "budgets.vram_bytes applies to a model on a Vulkan device, and this one \
+                     would run on the CPU; give device \"vulkan\" or no VRAM budget",
+                ))
+            }
+            (DeviceChoice::Vulkan(_), 0) => defaults.vram_budget,
+            (DeviceChoice::Vulkan(_), n) => Some(n),
+        };
+        let ram_budget =
+            match (device, req.budgets.map_or(0, |b| b.ram_bytes)) {
+                (DeviceChoice::Cpu, 0) => None,
+                (DeviceChoice::Vulkan(_), 0) => defaults.ram_budget,
+                (DeviceChoice::Cpu, _) => return Err(Status::invalid_argument(
+                    "budgets.ram_bytes applies to the routed experts a model on a Vulkan device \
+                     computes on the CPU; the CPU engine reads every weight through the memory \
+                     map: give device \"vulkan\" or no RAM budget",
+                )),
+                (DeviceChoice::Vulkan(_), n) => Some(n),
+            };
+        let path = PathBuf::from(&req.path);
+        let name = if req.name.is_empty() {
+            models::name_from_path(&path)
+        } else {
+            req.name.clone()
+        };
+        Ok(LoadOptions {
+            name,
+            path,
+            context: match req.context_length {
+                0 => defaults.context,
+                n => n as usize,
+            },
+            threads: defaults.threads,
+            queue_capacity: defaults.queue_capacity,
+            max_batch: defaults.max_batch,
+            device,
+            vram_budget,
+            ram_budget,
+            expert_layout: defaults.expert_layout.clone(),
+            pins,
+            hardware: defaults.hardware.clone(),
         })
     }
 }
@@ -306,80 +411,10 @@ impl Spillway for SpillwayService {
         request: Request<pb::LoadModelRequest>,
     ) -> Result<Response<Self::LoadModelStream>, Status> {
         self.check_open()?;
-        let req = request.into_inner();
-        if req.path.is_empty() {
-            return Err(Status::invalid_argument("give the path of a GGUF file"));
+        let options = self.load_options(&request.into_inner())?;
+        if self.state.registry.contains(&options.name) {
+            return Err(name_taken(&options.name));
         }
-        let defaults = &self.state.defaults;
-        let device = match req.device.as_str() {
-            "" => defaults.device,
-            d => d
-                .parse::<DeviceChoice>()
-                .map_err(Status::invalid_argument)?,
-        };
-        let pins = req
-            .pins
-            .iter()
-            .map(|p| {
-                format!("{}={}", p.pattern, p.placement)
-                    .parse::<Pin>()
-                    .map_err(|e| Status::invalid_argument(format!("pin {:?}: {e}", p.pattern)))
-            })
-            .collect::<Result<Vec<Pin>, Status>>()?;
-        if !pins.is_empty() && device == DeviceChoice::Cpu {
-            return Err(Status::invalid_argument(
-                "pins place routed experts between VRAM and the CPU: they apply to a model on \
-                 a Vulkan device; give device \"vulkan\" or no pins",
-            ));
-        }
-        let vram_budget = match (device, req.budgets.map_or(0, |b| b.vram_bytes)) {
-            (DeviceChoice::Cpu, 0) => None,
-            (DeviceChoice::Cpu, _) => {
-                return Err(Status::invalid_argument(
-                    "budgets.vram_bytes applies to a model on a Vulkan device, and this one \
-                     would run on the CPU; give device \"vulkan\" or no VRAM budget",
-                ))
-            }
-            (DeviceChoice::Vulkan(_), 0) => defaults.vram_budget,
-            (DeviceChoice::Vulkan(_), n) => Some(n),
-        };
-        let ram_budget =
-            match (device, req.budgets.map_or(0, |b| b.ram_bytes)) {
-                (DeviceChoice::Cpu, 0) => None,
-                (DeviceChoice::Vulkan(_), 0) => defaults.ram_budget,
-                (DeviceChoice::Cpu, _) => return Err(Status::invalid_argument(
-                    "budgets.ram_bytes applies to the routed experts a model on a Vulkan device \
-                     computes on the CPU; the CPU engine reads every weight through the memory \
-                     map: give device \"vulkan\" or no RAM budget",
-                )),
-                (DeviceChoice::Vulkan(_), n) => Some(n),
-            };
-        let path = PathBuf::from(&req.path);
-        let name = if req.name.is_empty() {
-            models::name_from_path(&path)
-        } else {
-            req.name.clone()
-        };
-        if self.state.registry.contains(&name) {
-            return Err(name_taken(&name));
-        }
-        let options = LoadOptions {
-            name,
-            path,
-            context: match req.context_length {
-                0 => defaults.context,
-                n => n as usize,
-            },
-            threads: defaults.threads,
-            queue_capacity: defaults.queue_capacity,
-            max_batch: defaults.max_batch,
-            device,
-            vram_budget,
-            ram_budget,
-            expert_layout: defaults.expert_layout.clone(),
-            pins,
-            hardware: defaults.hardware.clone(),
-        };
         let (tx, rx) = mpsc::channel(16);
         let state = self.state.clone();
         tokio::spawn(async move {
@@ -403,6 +438,35 @@ impl Spillway for SpillwayService {
             let _ = tx.send(last).await;
         });
         Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn plan(
+        &self,
+        request: Request<pb::PlanRequest>,
+    ) -> Result<Response<pb::PlanResponse>, Status> {
+        self.check_open()?;
+        let load = request.into_inner().load.ok_or_else(|| {
+            Status::invalid_argument("give the load to plan: a LoadModelRequest with its path")
+        })?;
+        let options = self.load_options(&load)?;
+        let hardware = options.hardware.clone();
+        // Reading the header and planning a large MoE model take a while: off the async threads.
+        let plan = tokio::task::spawn_blocking(move || models::plan(&options))
+            .await
+            .map_err(|e| Status::internal(format!("the planner failed: {e}")))?
+            .map_err(load_status)?;
+        let mut table = String::new();
+        plan.write_table(&mut table)
+            .map_err(|e| Status::internal(format!("writing the plan's table: {e}")))?;
+        Ok(Response::new(pb::PlanResponse {
+            table,
+            json: plan.to_json(),
+            tokens_per_second: plan.tokens_per_s,
+            bottleneck: plan.bottleneck.to_string(),
+            hardware_profile: hardware.map_or_else(String::new, |h| {
+                format!("{} ({}, {})", h.source, h.key.device, h.key.cpu)
+            }),
+        }))
     }
 
     async fn unload_model(
