@@ -11,6 +11,7 @@ use clap::Args;
 use spillway_daemon::server::auth::read_token_file;
 use spillway_daemon::server::default_model;
 use spillway_daemon::server::device::DeviceChoice;
+use spillway_daemon::server::hardware::HardwareCell;
 use spillway_daemon::server::models::name_from_path;
 use spillway_daemon::server::models::LayoutChoice;
 use spillway_daemon::server::service::ModelDefaults;
@@ -136,7 +137,7 @@ impl ServeArgs {
             std::env::var_os("XDG_CACHE_HOME").map(PathBuf::from),
             std::env::var_os("HOME").map(PathBuf::from),
         );
-        let hardware = match (&self.hardware_profile, self.device, cache_dir.as_deref()) {
+        let (hardware, store) = match (&self.hardware_profile, self.device, cache_dir.as_deref()) {
             (None, DeviceChoice::Vulkan(index), Some(cache))
                 if self.calibrate == Calibrate::Auto =>
             {
@@ -144,7 +145,8 @@ impl ServeArgs {
             }
             _ => hardware_profile(self.hardware_profile.as_deref(), cache_dir.as_deref())?,
         }
-        .map(Arc::new);
+        .map_or((None, None), |(p, store)| (Some(Arc::new(p)), store));
+        let hardware = HardwareCell::new(hardware, store);
         Ok(ServeConfig {
             listen,
             token,
@@ -202,7 +204,10 @@ fn init_logging(level: &str) -> anyhow::Result<()> {
 /// machine that cannot be measured (no Vulkan device, a disk that refuses the scratch file)
 /// serves without one: the models fall back to the CPU or run without predictions, as they
 /// would have.
-fn first_start_profile(index: Option<usize>, cache: &Path) -> Option<HardwareProfile> {
+fn first_start_profile(
+    index: Option<usize>,
+    cache: &Path,
+) -> Option<(HardwareProfile, Option<PathBuf>)> {
     use spillway_daemon::calibrate::first_start::{stored_or_calibrate, Outcome};
     use std::io::{IsTerminal, Write};
 
@@ -232,7 +237,7 @@ fn first_start_profile(index: Option<usize>, cache: &Path) -> Option<HardwarePro
     match stored_or_calibrate(index, cache, &mut progress) {
         Ok((profile, Outcome::Stored(path))) => {
             tracing::info!("hardware profile: {}", path.display());
-            Some(profile)
+            Some((profile, Some(path)))
         }
         Ok((profile, Outcome::Calibrated { path, seconds })) => {
             tracing::info!(
@@ -240,7 +245,7 @@ fn first_start_profile(index: Option<usize>, cache: &Path) -> Option<HardwarePro
                  (`spillwayd calibrate` measures more shapes)",
                 path.display()
             );
-            Some(profile)
+            Some((profile, Some(path)))
         }
         Err(e) => {
             tracing::warn!("no hardware profile: calibration at first start failed: {e}");
@@ -250,13 +255,13 @@ fn first_start_profile(index: Option<usize>, cache: &Path) -> Option<HardwarePro
 }
 
 /// The hardware profile `name` names (see `--hardware-profile`), or the one calibrated profile
-/// in the cache directory.
+/// in the cache directory with its path, where refinements are stored.
 fn hardware_profile(
     name: Option<&str>,
     cache_dir: Option<&Path>,
-) -> anyhow::Result<Option<HardwareProfile>> {
+) -> anyhow::Result<Option<(HardwareProfile, Option<PathBuf>)>> {
     if let Some(name) = name {
-        return Ok(Some(super::plan::load_profile(Some(name))?));
+        return Ok(Some((super::plan::load_profile(Some(name))?, None)));
     }
     let Some(dir) = cache_dir.map(|d| d.join("profiles")) else {
         return Ok(None);
@@ -275,7 +280,7 @@ fn hardware_profile(
             let profile = HardwareProfile::from_toml(&text)
                 .with_context(|| format!("hardware profile {}", one.display()))?;
             tracing::info!("hardware profile: {}", one.display());
-            Ok(Some(profile))
+            Ok(Some((profile, Some(one.clone()))))
         }
         [] => Ok(None),
         many => {

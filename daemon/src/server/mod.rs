@@ -20,6 +20,7 @@ pub mod chat;
 pub mod default_model;
 pub mod device;
 pub mod gpu;
+pub mod hardware;
 pub mod listen;
 pub mod models;
 pub mod profile;
@@ -241,7 +242,7 @@ async fn load_startup_models(
             ram_budget: state.defaults.ram_budget,
             expert_layout: state.defaults.expert_layout.clone(),
             pins: Vec::new(),
-            hardware: state.defaults.hardware.clone(),
+            hardware: state.defaults.hardware.get(),
         };
         state
             .load_model(options, |_| {})

@@ -46,8 +46,8 @@ pub struct ModelDefaults {
     /// RAM for the CPU's experts of each model on a Vulkan device (`--ram-budget`).
     pub ram_budget: Option<u64>,
     /// The machine's measured limits, for profiles' predicted times and bandwidths
-    /// (`--hardware-profile`).
-    pub hardware: Option<Arc<spillway_sched::profile::HardwareProfile>>,
+    /// (`--hardware-profile`), refined by profiled steps.
+    pub hardware: Arc<super::hardware::HardwareCell>,
     /// How MoE models on a Vulkan device spread their expert slots (`--expert-layout`).
     pub expert_layout: super::models::LayoutChoice,
 }
@@ -282,7 +282,7 @@ impl SpillwayService {
             ram_budget,
             expert_layout: defaults.expert_layout.clone(),
             pins,
-            hardware: defaults.hardware.clone(),
+            hardware: defaults.hardware.get(),
         })
     }
 }

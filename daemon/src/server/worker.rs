@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use spillway_proto::v1 as pb;
+use spillway_sched::refine::ObservedProducts;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
@@ -510,7 +511,8 @@ impl<E: Sequences> WorkerContext<E> {
         };
         let fail = |e: crate::engine::EngineError| Interrupt::Fail(Status::internal(e.to_string()));
         let layers = engine.model().config.n_layer;
-        let costs = Costs::new(engine.model(), job.hardware.clone());
+        let costs = Costs::new(engine.model(), job.hardware.get());
+        let mut seen = ObservedProducts::default();
         let send =
             |msg: pb::ProfileStep| job.tx.blocking_send(Ok(msg)).map_err(|_| Interrupt::Gone);
         engine.reset(seq);
@@ -534,6 +536,7 @@ impl<E: Sequences> WorkerContext<E> {
             next = argmax(&logits) as u32;
             let mut msg = step_message(i, &p, origin);
             costs.annotate_cpu(&mut msg);
+            costs.observe(&msg, &mut seen);
             decode.push(p);
             // Their rows, for the totals (not the trace slices, which can be many).
             sent.push(msg.rows.clone());
@@ -545,6 +548,7 @@ impl<E: Sequences> WorkerContext<E> {
             send(msg)?;
         }
         engine.reset(seq);
+        job.hardware.refine(&seen);
         Ok(())
     }
 

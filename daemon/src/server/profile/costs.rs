@@ -16,6 +16,7 @@ use spillway_proto::v1 as pb;
 use spillway_sched::model::WeightType;
 use spillway_sched::predict::{Roofline, Work};
 use spillway_sched::profile::HardwareProfile;
+use spillway_sched::refine::{ObservedProducts, Side};
 
 use crate::gpu::expert_cache::LayerExpertStats;
 use crate::model::{Ffn, Matrix, Model};
@@ -287,6 +288,54 @@ impl Costs {
     /// Completes a profile's totals from its decode steps (`decode`: each step's rows, as
     /// sent): each link's bandwidth, where the predictions come from, and the busiest link on
     /// the bottleneck line.
+    /// The products a decode step timed, for refining the hardware profile's shape points
+    /// ([`ObservedProducts`]). Only rows that are products and nothing else count: on the CPU
+    /// the projections, the dense FFN, the router, the shared expert, the chosen experts and
+    /// the head; on the GPU the dense FFN and the head (its attention and MoE rows hold
+    /// kernels that read no weights). A row of several products is shared out in proportion
+    /// to each one's prediction. Prompt steps, which run many tokens a product, do not count.
+    pub fn observe(&self, step: &pb::ProfileStep, out: &mut ObservedProducts) {
+        let Some(hw) = self.hardware.as_deref() else {
+            return;
+        };
+        if step.tokens != 1 {
+            return;
+        }
+        for r in &step.rows {
+            let layer = r.layer.and_then(|l| self.layers.get(l as usize));
+            let (side, mats): (Side, Vec<&Mat>) = match (r.device.as_str(), r.op.as_str(), layer) {
+                ("cpu", "output_head", _) => (Side::Cpu, self.output.iter().collect()),
+                ("cpu", "qkv", Some(l)) => (Side::Cpu, l.qkv.iter().collect()),
+                ("cpu", "attn_output", Some(l)) => (Side::Cpu, l.wo.iter().collect()),
+                ("cpu", "ffn", Some(l)) => (Side::Cpu, l.ffn.iter().collect()),
+                ("cpu", "router", Some(l)) => (Side::Cpu, l.router.iter().collect()),
+                ("cpu", "shared_expert", Some(l)) => (Side::Cpu, l.shared.iter().collect()),
+                ("cpu", "experts", Some(l)) => (
+                    Side::Cpu,
+                    r.experts.iter().flat_map(|_| l.expert.iter()).collect(),
+                ),
+                ("gpu", "ffn", Some(l)) => (Side::Gpu, l.ffn.iter().collect()),
+                ("gpu", "output_head", _) => (Side::Gpu, self.output.iter().collect()),
+                _ => continue,
+            };
+            let predicted: Vec<f64> = mats
+                .iter()
+                .map(|m| match side {
+                    Side::Gpu => m.gpu(hw),
+                    Side::Cpu => m.cpu(hw, 1),
+                })
+                .collect();
+            let sum: f64 = predicted.iter().sum();
+            if mats.is_empty() || r.measured_ns == 0 || sum.is_nan() || sum <= 0.0 {
+                continue;
+            }
+            let scale = r.measured_ns as f64 * 1e-9 / sum;
+            for (m, p) in mats.iter().zip(&predicted) {
+                out.observe(side, &m.ty, m.n_in, m.n_out, m.bytes, p * scale);
+            }
+        }
+    }
+
     pub fn complete_totals(&self, totals: &mut pb::ProfileTotals, decode: &[Vec<pb::ProfileRow>]) {
         totals.bandwidths = self.bandwidths(decode);
         totals.hardware_profile = self.hardware_name();

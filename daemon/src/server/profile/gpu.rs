@@ -23,6 +23,7 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use spillway_proto::v1 as pb;
+use spillway_sched::refine::ObservedProducts;
 
 use super::costs::{Costs, ExpertSplit};
 use super::ProfileJob;
@@ -260,7 +261,8 @@ pub(crate) fn run(
     check: &dyn Fn() -> Result<(), Interrupt>,
 ) -> Result<(), Interrupt> {
     let send = |msg: pb::ProfileStep| job.tx.blocking_send(Ok(msg)).map_err(|_| Interrupt::Gone);
-    let costs = Costs::new(seq.model(), job.hardware.clone());
+    let costs = Costs::new(seq.model(), job.hardware.get());
+    let mut seen = ObservedProducts::default();
     let partial = seq
         .gpu_mut()
         .expert_stats()
@@ -290,6 +292,7 @@ pub(crate) fn run(
             let (logits, s) = step(seq, next)?;
             next = argmax(&logits) as u32;
             let mut msg = gpu_step_message(i, &s, origin, &costs, partial);
+            costs.observe(&msg, &mut seen);
             decode.push(s);
             // Their rows, for the totals (not the trace slices, which can be many).
             sent.push(msg.rows.clone());
@@ -305,6 +308,9 @@ pub(crate) fn run(
     let gpu = seq.gpu_mut();
     let _ = gpu.set_profiling(false);
     gpu.reset();
+    if result.is_ok() {
+        job.hardware.refine(&seen);
+    }
     result
 }
 

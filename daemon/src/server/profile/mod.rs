@@ -19,12 +19,11 @@ pub mod gpu;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use spillway_sched::profile::HardwareProfile;
-
 use spillway_proto::v1 as pb;
 use tokio::sync::mpsc;
 use tonic::Status;
 
+use super::hardware::HardwareCell;
 use crate::engine::profile::{ProfileSummary, StepProfile};
 
 /// What a profile stream carries.
@@ -36,8 +35,9 @@ pub struct ProfileJob {
     pub steps: usize,
     pub deadline: Option<Instant>,
     pub tx: mpsc::Sender<ProfileItem>,
-    /// What predicted times and bandwidth limits come from (`--hardware-profile`).
-    pub hardware: Option<Arc<HardwareProfile>>,
+    /// What predicted times and bandwidth limits come from (`--hardware-profile`), refined by
+    /// the job's decode steps.
+    pub hardware: Arc<HardwareCell>,
 }
 
 /// Where the CPU engine's records run: the model's worker thread.
