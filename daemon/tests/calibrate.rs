@@ -24,6 +24,12 @@ fn the_quick_plan_measures_every_part_and_gives_a_valid_profile() {
     let mut steps = Vec::new();
     let profile = calibrate(&facts, &mut bench, &plan, &mut |p| steps.push(p.done)).unwrap();
     assert_eq!(steps, (1..=plan.steps()).collect::<Vec<_>>());
+    // Every weight type's experts ran as the CPU engine runs a MoE layer's.
+    for t in &plan.weight_types {
+        let points = &profile.cpu.expert_points[t];
+        assert_eq!(points.len(), plan.experts.len(), "{t}");
+        assert!(points.iter().all(|p| p.seconds > 0.0), "{t}: {points:?}");
+    }
 
     for (what, v) in [
         ("GPU bandwidth", profile.gpu.bandwidth),

@@ -58,7 +58,11 @@ async fn first_start_calibrates_stores_and_the_next_start_reuses() {
         assert_eq!(points.len(), 3, "{t}: the plan's three shapes");
         assert!(points.iter().all(|p| p.seconds > 0.0), "{t}: {points:?}");
         assert_eq!(profile.cpu.matvec_points[&WeightType::new(t)].len(), 3);
+        let experts = &profile.cpu.expert_points[&WeightType::new(t)];
+        assert_eq!(experts.len(), 2, "{t}: two MoE layers' experts");
+        assert!(experts.iter().all(|p| p.seconds > 0.0), "{t}: {experts:?}");
     }
+    assert!(log.contains("CPU experts"), "{log}");
     // No scratch file is left behind.
     let left: Vec<_> = std::fs::read_dir(cache.join("spillway"))
         .unwrap()

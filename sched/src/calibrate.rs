@@ -48,6 +48,17 @@ pub trait MicroBench {
         n: u64,
         threads: u32,
     ) -> Result<f64, Self::Error>;
+    /// One MoE layer's routed experts for one token on `threads` CPU threads, as the CPU
+    /// engine runs them: `used` experts, each a `k`→`n` gate and up product and an `n`→`k`
+    /// down product of type `t`.
+    fn cpu_experts(
+        &mut self,
+        t: &WeightType,
+        k: u64,
+        n: u64,
+        used: u64,
+        threads: u32,
+    ) -> Result<f64, Self::Error>;
     /// One empty job run on `threads` CPU threads and waited for.
     fn cpu_dispatch(&mut self, threads: u32) -> Result<f64, Self::Error>;
     /// Read `bytes` of host memory on `threads` threads.
@@ -77,6 +88,8 @@ pub struct CalibrationPlan {
     pub matrices: Vec<(u64, u64)>,
     /// Lengths of the GPU's chains of products (see [`MicroBench::gpu_matvec`]).
     pub chains: Vec<u64>,
+    /// (width, expert rows, experts used) of the CPU's MoE layers ([`MicroBench::cpu_experts`]).
+    pub experts: Vec<(u64, u64, u64)>,
     pub copy_sizes: Vec<u64>,
     pub ssd_tiles: Vec<u64>,
     /// Bytes read per tile size.
@@ -103,6 +116,8 @@ impl Default for CalibrationPlan {
                 (2048, 65536),
             ],
             chains: vec![16, 64],
+            // A small MoE's, Qwen3-30B-A3B's and Qwen3-235B-A22B's experts.
+            experts: vec![(1024, 512, 8), (2048, 768, 8), (4096, 1536, 8)],
             copy_sizes: vec![64 << 10, 1 << 20, 8 << 20, 64 << 20],
             ssd_tiles: vec![256 << 10, 1 << 20, 4 << 20, 16 << 20],
             ssd_bytes: 64 << 20,
@@ -114,7 +129,7 @@ impl CalibrationPlan {
     /// Number of measurements, for progress.
     pub fn steps(&self) -> usize {
         let gpu = self.weight_types.len() * self.matrices.len() * self.chains.len();
-        let cpu = self.weight_types.len() * self.matrices.len() * 2;
+        let cpu = self.weight_types.len() * (self.matrices.len() * 2 + self.experts.len());
         4 + 3 + 1 + gpu + self.copy_sizes.len() + cpu + 1 + 2 + self.ssd_tiles.len()
     }
 }
@@ -236,6 +251,31 @@ pub fn calibrate<B: MicroBench>(
     }
     let cpu_dispatch_s = bench.cpu_dispatch(threads)?;
     tick("CPU dispatch");
+    // Per expert, past the layer's two jobs: what one more chosen expert costs.
+    let mut expert_points = BTreeMap::new();
+    for t in &plan.weight_types {
+        let mut points = Vec::new();
+        for &(k, n, used) in &plan.experts {
+            let Some(bytes) = t.bytes_for(k * n) else {
+                tick("CPU experts");
+                continue;
+            };
+            let seconds = bench.cpu_experts(t, k, n, used, threads)?;
+            tick("CPU experts");
+            let per_expert = (seconds - 2.0 * cpu_dispatch_s) / used.max(1) as f64;
+            if per_expert > 0.0 {
+                points.push(ShapePoint {
+                    k,
+                    n,
+                    bytes: 3 * bytes,
+                    seconds: per_expert,
+                });
+            }
+        }
+        if !points.is_empty() {
+            expert_points.insert(t.clone(), points);
+        }
+    }
     let mem_bytes = 256u64 << 20;
     let t1 = bench.cpu_read(mem_bytes, threads)?;
     tick("CPU memory bandwidth");
@@ -289,6 +329,7 @@ pub fn calibrate<B: MicroBench>(
             matvec_per_thread: one_thread,
             matvec: all_threads,
             matvec_points: cpu_points,
+            expert_points,
         },
         ram: RamProfile { memory: facts.ram },
         ssd: SsdProfile { request_s, reads },
@@ -363,6 +404,19 @@ mod tests {
                 self.truth.cpu_matvec(t)
             };
             self.noisy(r.predict(w))
+        }
+        fn cpu_experts(
+            &mut self,
+            t: &WeightType,
+            k: u64,
+            n: u64,
+            used: u64,
+            _threads: u32,
+        ) -> Result<f64, ()> {
+            let w = Work::matvec(k, n, t.bytes_for(k * n).unwrap(), 1);
+            let one = self.truth.cpu_matvec(t).marginal(w);
+            let s = 2.0 * self.truth.cpu.dispatch_s + used as f64 * 3.0 * one;
+            self.noisy(s)
         }
         fn cpu_read(&mut self, bytes: u64, _threads: u32) -> Result<f64, ()> {
             let s = bytes as f64 / self.truth.cpu.memory_bandwidth;

@@ -98,6 +98,11 @@ pub struct CpuProfile {
     /// by shape ([`shaped_marginal`]). Empty in described profiles.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub matvec_points: BTreeMap<WeightType, Vec<ShapePoint>>,
+    /// Routed experts as the CPU engine runs a MoE layer's (all of them in two pool jobs):
+    /// per expert of `k`-wide, `n`-row gate, up and down matrices (`bytes` the three), the
+    /// seconds one more chosen expert adds. Empty in described profiles.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub expert_points: BTreeMap<WeightType, Vec<ShapePoint>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -300,6 +305,14 @@ impl HardwareProfile {
     pub fn cpu_product_marginal(&self, t: &WeightType, k: u64, n: u64, bytes: u64) -> f64 {
         self.cpu_shaped(t, k, n, bytes)
             .unwrap_or_else(|| self.cpu_matvec(t).marginal(Work::matvec(k, n, bytes, 1)))
+    }
+
+    /// Seconds one more chosen routed expert adds to a CPU MoE layer: `k` wide, `n` rows,
+    /// `bytes` its gate, up and down together, of type `t` (a mixed expert: its gate's). From
+    /// the calibrated experts; `None` without them.
+    pub fn cpu_expert(&self, t: &WeightType, k: u64, n: u64, bytes: u64) -> Option<f64> {
+        let points = self.cpu.expert_points.get(t)?;
+        shaped_marginal(0.0, points, bytes, k, n)
     }
 
     fn cpu_shaped(&self, t: &WeightType, k: u64, n: u64, bytes: u64) -> Option<f64> {

@@ -9,6 +9,7 @@ use spillway_sched::model::WeightType;
 use super::{ggml_type, median_seconds, random_matrix, CalibrateError};
 use crate::cpu::matvec::matvec;
 use crate::cpu::pool::ThreadPool;
+use crate::engine::experts::routed_experts_with;
 use crate::model::MatRef;
 use crate::stream::{Priority, ReaderOptions, TileReader, TileRequest};
 
@@ -91,6 +92,51 @@ impl HostBench {
                 data: copy.next().expect("a cycle of at least two copies"),
             };
             matvec(pool, m, &x, &mut out);
+            Ok::<(), CalibrateError>(())
+        })
+    }
+
+    /// One MoE layer's routed experts for one token, as the CPU engine runs them
+    /// ([`routed_experts_with`]: every gate and up product in one job of the pool, then every
+    /// down product): `used` experts, each a `k`→`n` gate and up and an `n`→`k` down of type
+    /// `t`, each run on copies of the experts the runs before it did not read.
+    pub fn experts(
+        &mut self,
+        t: &WeightType,
+        k: u64,
+        n: u64,
+        used: u64,
+        threads: u32,
+    ) -> Result<f64, CalibrateError> {
+        let ty = ggml_type(t)?;
+        let (gate, down) = (random_matrix(ty, k, n)?, random_matrix(ty, n, k)?);
+        let expert = 2 * gate.len() + down.len();
+        let group = expert * used as usize;
+        let copies = super::cold::copies(group as u64, self.cold);
+        let mut all = Vec::with_capacity(group * copies);
+        for _ in 0..copies * used as usize {
+            all.extend_from_slice(&gate);
+            all.extend_from_slice(&gate);
+            all.extend_from_slice(&down);
+        }
+        let mut groups = all.chunks_exact(group).cycle();
+        let x = vec![0.5f32; k as usize];
+        let chosen: Vec<usize> = (0..used as usize).collect();
+        let pool = pool(&mut self.pools, threads);
+        let (k, n, g) = (k as usize, n as usize, gate.len());
+        median_seconds(|| {
+            let stack = groups.next().expect("a cycle of at least two copies");
+            let mats = |ex: usize| {
+                let at = ex * expert;
+                let m = |from: usize, len: usize, n_in: usize, n_out: usize| MatRef {
+                    ty,
+                    n_in,
+                    n_out,
+                    data: &stack[at + from..at + from + len],
+                };
+                [m(0, g, k, n), m(g, g, k, n), m(2 * g, down.len(), n, k)]
+            };
+            std::hint::black_box(routed_experts_with(pool, &mats, &x, &chosen, used as usize));
             Ok::<(), CalibrateError>(())
         })
     }

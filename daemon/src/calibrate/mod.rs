@@ -69,6 +69,7 @@ pub fn quick_plan() -> CalibrationPlan {
         weight_types: ["Q8_0", "Q4_K"].into_iter().map(WeightType::new).collect(),
         matrices: vec![(256, 256), (512, 1024), (1024, 1024)],
         chains: vec![4, 16],
+        experts: vec![(512, 256, 4)],
         copy_sizes: vec![64 << 10, 1 << 20, 4 << 20],
         ssd_tiles: vec![256 << 10, 1 << 20, 4 << 20],
         ssd_bytes: 16 << 20,
@@ -114,6 +115,16 @@ impl MicroBench for Bench {
     }
     fn gpu_dispatch(&mut self) -> Result<f64, CalibrateError> {
         self.gpu.dispatch()
+    }
+    fn cpu_experts(
+        &mut self,
+        t: &WeightType,
+        k: u64,
+        n: u64,
+        used: u64,
+        threads: u32,
+    ) -> Result<f64, CalibrateError> {
+        self.host.experts(t, k, n, used, threads)
     }
     fn cpu_dispatch(&mut self, threads: u32) -> Result<f64, CalibrateError> {
         self.host.dispatch(threads)

@@ -166,10 +166,29 @@ pub(super) fn units(
             }
         }
     }
+    for u in out.iter_mut().filter(|u| u.routed && u.tensors.len() == 3) {
+        if let Some(s) = expert_cpu_cost(model, profile, u) {
+            u.cpu = s;
+        }
+    }
     if let Some(u) = tied_output(model, profile) {
         out.push(u);
     }
     out
+}
+
+/// What one routed expert (its gate, up and down) adds to a CPU MoE layer, from the
+/// calibrated experts, which run as the engine runs them (all of a layer's in two jobs);
+/// `None` without them, and the products' own costs stand.
+fn expert_cpu_cost(model: &ModelDesc, profile: &HardwareProfile, u: &Unit) -> Option<f64> {
+    let tensors: Vec<&TensorDesc> = u.tensors.iter().map(|&i| &model.tensors[i]).collect();
+    let gate = tensors
+        .iter()
+        .find(|t| t.name.contains("gate"))
+        .unwrap_or(&tensors[0]);
+    let (a, b) = gate.matrix();
+    let rows = if a == model.n_embd { b } else { a };
+    profile.cpu_expert(&gate.weight_type, model.n_embd, rows, u.bytes)
 }
 
 /// A model without `output.weight` reads its embedding matrix as the output head too (tied

@@ -60,6 +60,13 @@ impl Mat {
     }
 }
 
+/// What one routed expert (gate, up, down in `mats`) adds to a CPU MoE layer, from the
+/// profile's calibrated experts; `None` without them.
+fn expert_seconds(hw: &HardwareProfile, mats: &[Mat]) -> Option<f64> {
+    let gate = mats.first()?;
+    hw.cpu_expert(&gate.ty, gate.n_in, gate.n_out, bytes(mats))
+}
+
 fn bytes(mats: &[Mat]) -> u64 {
     mats.iter().map(|m| m.bytes).sum()
 }
@@ -188,7 +195,12 @@ impl Costs {
                     // step's k routings per token spread over the experts chosen.
                     let n = r.experts.len() as u64;
                     let batch = (tokens * self.k).div_ceil(n).max(1);
-                    Some(n as f64 * cpu(&l.expert, batch))
+                    // One token: the layer's two jobs and its experts as calibrated.
+                    let calibrated = (batch == 1)
+                        .then(|| expert_seconds(hw, &l.expert))
+                        .flatten()
+                        .map(|one| 2.0 * hw.cpu.dispatch_s + n as f64 * one);
+                    Some(calibrated.unwrap_or_else(|| n as f64 * cpu(&l.expert, batch)))
                 }
                 _ => None,
             };
@@ -241,12 +253,13 @@ impl Costs {
                     r.ssd_to_ram_bytes = ssd_bytes.get(il).copied().flatten();
                     cpu_bytes += split.cpu * expert;
                     let cpu_side = hw.map(|h| {
-                        let run: f64 = l
-                            .expert
-                            .iter()
-                            .map(|m| h.cpu_product_marginal(&m.ty, m.n_in, m.n_out, m.bytes))
-                            .sum::<f64>()
-                            * split.cpu as f64;
+                        let one = expert_seconds(h, &l.expert).unwrap_or_else(|| {
+                            l.expert
+                                .iter()
+                                .map(|m| h.cpu_product_marginal(&m.ty, m.n_in, m.n_out, m.bytes))
+                                .sum::<f64>()
+                        });
+                        let run = one * split.cpu as f64;
                         let read = r.ssd_to_ram_bytes.filter(|&b| b > 0).map_or(0.0, |b| {
                             h.ssd_read(h.best_tile()).predict(Work::transfer(b))
                         });
