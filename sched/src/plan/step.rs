@@ -259,6 +259,16 @@ pub(super) struct Group {
     pub ssd: f64,
     /// Transfers after routing is known: not overlapped.
     pub exposed: f64,
+    /// Dispatches of the routed experts on the GPU when they run one by one (a layer with
+    /// experts outside VRAM): per expert, its products, the activation and the weighted add.
+    pub routed_dispatch: f64,
+    /// Dispatches of the routed experts when every one is in VRAM: the GPU routes the layer
+    /// itself and runs all its chosen experts in one dispatch per expert matrix, then the
+    /// activation and the weighted add.
+    pub indexed_dispatch: f64,
+    /// Routed units of the layer, and how many of them are outside VRAM.
+    pub routed_units: usize,
+    pub routed_off_vram: f64,
 }
 
 /// Predicted time and limits of one group.
@@ -273,11 +283,22 @@ pub struct GroupTime {
 }
 
 impl Group {
+    /// The GPU's dispatches for the routed experts, on the path the layer takes.
+    fn expert_dispatch(&self) -> f64 {
+        if self.routed_units == 0 {
+            0.0
+        } else if self.routed_off_vram < 0.5 {
+            self.indexed_dispatch
+        } else {
+            self.routed_dispatch
+        }
+    }
+
     pub fn time(&self) -> GroupTime {
         // Chains: GPU and CPU parts add up. Experts: the two sides run at once.
         let chain_gpu = self.gpu[0] + self.gpu[1];
         let chain_cpu = self.cpu[0] + self.cpu[1];
-        let (eg, ec) = (self.gpu[2], self.cpu[2]);
+        let (eg, ec) = (self.gpu[2] + self.expert_dispatch(), self.cpu[2]);
         let compute = chain_gpu + chain_cpu + eg.max(ec);
         let gpu_lead = chain_gpu + if eg >= ec { eg } else { 0.0 };
         let cpu_lead = chain_cpu + if ec > eg { ec } else { 0.0 };
@@ -295,7 +316,7 @@ impl Group {
         };
         GroupTime {
             total_s: longest + self.exposed,
-            gpu_s: self.gpu.iter().sum(),
+            gpu_s: self.gpu.iter().sum::<f64>() + self.expert_dispatch(),
             cpu_s: self.cpu.iter().sum(),
             pcie_s: self.pcie,
             ssd_s: self.ssd,
@@ -312,6 +333,11 @@ const GPU_WEIGHTLESS_OPS: [f64; 3] = [5.0, 2.0, 1.0];
 
 /// Dispatches of each routed expert on the GPU beyond its products: SwiGLU and the weighted add.
 const GPU_OPS_PER_EXPERT: f64 = 2.0;
+
+/// Dispatches of a layer whose routed experts are all in VRAM beyond one per expert matrix:
+/// SwiGLU and the weighted add, over every chosen expert at once (`gpu/moe.rs`,
+/// `record_indexed`).
+const GPU_INDEXED_OPS: f64 = 2.0;
 
 /// Jobs of the CPU engine's thread pool per layer that read no weights: RoPE and attention
 /// (norms and adds run on the calling thread). Each costs the profile's `cpu.dispatch_s`.
@@ -381,6 +407,16 @@ impl<'a> State<'a> {
                 KvRead::Cpu(s) => g.cpu[0] = s + CPU_WEIGHTLESS_JOBS * profile.cpu.dispatch_s,
             }
         }
+        // The indexed path's cost per MoE layer: one dispatch per routed expert matrix.
+        let mut routed_tensors: Vec<std::collections::BTreeSet<usize>> =
+            vec![Default::default(); groups.len()];
+        for u in units.iter().filter(|u| u.routed) {
+            groups[u.group].routed_units += 1;
+            routed_tensors[u.group].extend(u.tensors.iter().copied());
+        }
+        for (g, t) in groups.iter_mut().zip(&routed_tensors) {
+            g.indexed_dispatch = (t.len() as f64 + GPU_INDEXED_OPS) * profile.gpu.dispatch_s;
+        }
         let mut s = State {
             units,
             tier,
@@ -412,10 +448,13 @@ impl<'a> State<'a> {
         } else {
             (&mut self.on_cpu, self.dispatch_cpu, &mut g.cpu)
         };
+        if u.routed && self.tier[i] != Tier::Vram {
+            g.routed_off_vram += sign;
+        }
         if u.routed && on_gpu {
-            // The GPU runs each routed expert by itself: its products, the activation and the
-            // weighted add.
-            side[ph] += sign * p * (u.tensors.len() as f64 + GPU_OPS_PER_EXPERT) * cost;
+            // With experts outside VRAM the GPU runs each routed expert by itself: its
+            // products, the activation and the weighted add ([`Group::expert_dispatch`]).
+            g.routed_dispatch += sign * p * (u.tensors.len() as f64 + GPU_OPS_PER_EXPERT) * cost;
         } else {
             for &ti in &u.tensors {
                 let before = sums[ti].min(1.0);

@@ -504,3 +504,31 @@ fn more_resident_experts_predict_a_faster_step() {
         last = fixed.tokens_per_s;
     }
 }
+
+#[test]
+fn a_layer_with_every_expert_in_vram_pays_one_dispatch_per_expert_matrix() {
+    // With every expert resident the GPU routes the layer itself and runs the chosen experts
+    // in one dispatch per expert matrix; with one expert outside VRAM it runs them one by one
+    // (their products, the activation and the weighted add each).
+    let p = profile("h200");
+    let m = model("qwen3-30b-a3b");
+    let o = opts(gib(16.0), gib(64.0));
+    let planned = plan(&m, &p, &o).unwrap();
+    let gpu_s = |resident: u32| {
+        let fixed = with_resident_experts(&planned, &m, &p, &o, resident).unwrap();
+        fixed.layers[0].time.gpu_s
+    };
+    let (all, one_out) = (gpu_s(128), gpu_s(127));
+    let k = m.experts.as_ref().unwrap().used as f64;
+    let d = p.gpu.dispatch_s;
+    // One by one: k experts × (3 products + 2 ops) of dispatches, in expectation over the
+    // experts on the GPU (127 of 128); all at once: 3 products + 2 ops.
+    let per_expert = k * 127.0 / 128.0 * 5.0 * d;
+    let indexed = 5.0 * d;
+    let diff = one_out - all;
+    // The expert moved off VRAM also takes its reads from the GPU: a small share.
+    assert!(
+        (diff - (per_expert - indexed)).abs() < 0.25 * (per_expert - indexed),
+        "{all} s with every expert resident, {one_out} s with one out; dispatch {d}"
+    );
+}
