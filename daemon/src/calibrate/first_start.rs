@@ -75,12 +75,16 @@ pub fn stored_or_calibrate(
          `spillwayd calibrate` measures more shapes.\n{}",
         profile.to_toml()
     );
-    // Written whole under another name, then renamed: a daemon killed mid-write leaves no
-    // half profile for the next start to trip on.
+    store(&path, &text)?;
+    Ok((profile, Outcome::Calibrated { path, seconds }))
+}
+
+/// Writes a profile's `text` to `path` whole under another name, then renames it: a daemon
+/// killed mid-write leaves no half profile for the next start to trip on.
+pub fn store(path: &Path, text: &str) -> std::io::Result<()> {
     let partial = path.with_extension("toml.partial");
     std::fs::write(&partial, text)?;
-    std::fs::rename(&partial, &path)?;
-    Ok((profile, Outcome::Calibrated { path, seconds }))
+    std::fs::rename(&partial, path)
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -41,8 +41,8 @@ impl HardwareCell {
         self.current.read().clone()
     }
 
-    /// Folds `seen` into the profile; returns the shapes refined. The stored copy is written
-    /// whole under another name, then renamed over the old one.
+    /// Folds `seen` into the profile; returns the shapes refined. The stored copy is replaced
+    /// whole ([`store`](crate::calibrate::first_start::store)).
     pub fn refine(&self, seen: &ObservedProducts) -> usize {
         if seen.is_empty() {
             return 0;
@@ -57,10 +57,7 @@ impl HardwareCell {
             return 0;
         }
         if let Some(path) = &self.store {
-            let partial = path.with_extension("toml.partial");
-            let written = std::fs::write(&partial, refined.to_toml())
-                .and_then(|()| std::fs::rename(&partial, path));
-            match written {
+            match crate::calibrate::first_start::store(path, &refined.to_toml()) {
                 Ok(()) => {
                     tracing::info!(shapes, path = %path.display(), "hardware profile refined")
                 }
