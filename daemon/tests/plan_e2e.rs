@@ -7,7 +7,7 @@ mod daemon;
 
 use std::path::{Path, PathBuf};
 
-use daemon::{test_model, Daemon};
+use daemon::{tensor_pins, test_model, Daemon};
 use spillway_daemon::gguf::GgmlType;
 use spillway_daemon::synth::{SynthModel, WeightType};
 use spillway_proto::v1 as pb;
@@ -39,13 +39,7 @@ fn request(path: &Path, device: &str, vram_bytes: u64, pins: &[(&str, &str)]) ->
                 vram_bytes,
                 ram_bytes: 0,
             }),
-            pins: pins
-                .iter()
-                .map(|(pattern, placement)| pb::TensorPin {
-                    pattern: pattern.to_string(),
-                    placement: placement.to_string(),
-                })
-                .collect(),
+            pins: tensor_pins(pins),
             ..Default::default()
         }),
     }

@@ -10,7 +10,7 @@ mod daemon;
 
 use std::path::{Path, PathBuf};
 
-use daemon::{load_model, stream_tokens, Daemon};
+use daemon::{load_model, stream_tokens, tensor_pins, Daemon};
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
 use spillway_daemon::gpu::{Device, Instance};
 use spillway_daemon::model::Model;
@@ -275,13 +275,7 @@ async fn pins_place_expert_stacks_and_impossible_pins_are_refused() {
             vram_bytes: if device == "cpu" { 0 } else { budget },
             ram_bytes: 0,
         }),
-        pins: pins
-            .iter()
-            .map(|(pattern, placement)| pb::TensorPin {
-                pattern: pattern.to_string(),
-                placement: placement.to_string(),
-            })
-            .collect(),
+        pins: tensor_pins(pins),
         ..load_request(&moe, name, device)
     };
     let pins = [

@@ -180,6 +180,16 @@ pub async fn unix_channel(path: &Path) -> Result<Channel, Box<dyn std::error::Er
     Ok(ch)
 }
 
+/// LoadModel's `pins` from (pattern, placement) pairs.
+pub fn tensor_pins(pins: &[(&str, &str)]) -> Vec<pb::TensorPin> {
+    pins.iter()
+        .map(|(pattern, placement)| pb::TensorPin {
+            pattern: pattern.to_string(),
+            placement: placement.to_string(),
+        })
+        .collect()
+}
+
 /// LoadModel, waiting for its progress stream to say the model is ready.
 pub async fn load_model(
     client: &mut SpillwayClient<Channel>,
