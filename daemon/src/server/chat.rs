@@ -7,14 +7,20 @@
 //!
 //! Fuel bounds the work, not the depth of what a template builds: a loop that wraps a list in
 //! a list a few hundred thousand times stays within it, and rendering or dropping that value
-//! recurses once per level. Templates are therefore rendered on a thread of their own with a
-//! stack that such a value fits in ([`RENDER_STACK`]); on a runtime thread's 2 MiB it
-//! overflowed and aborted the daemon.
+//! recurses once per level. Templates are therefore compiled and rendered on a thread of their
+//! own with a stack that such a value fits in ([`RENDER_STACK`]); on a runtime thread's 2 MiB
+//! it overflowed and aborted the daemon. A namespace that contains itself would recurse
+//! without end on any stack; [`namespaces`] keeps templates from building one.
 
+mod namespaces;
+
+use minijinja::syntax::SyntaxConfig;
 use minijinja::{context, Environment, Error, ErrorKind};
 use spillway_proto::v1::ChatMessage;
 
 use crate::gguf::Metadata;
+
+use namespaces::{guard_assignments, NamespaceGuard};
 
 /// Work a template may do per rendering (minijinja's instruction budget); real templates need
 /// a few thousand for a long conversation.
@@ -34,6 +40,7 @@ pub const CHATML: &str = "{% for message in messages %}<|im_start|>{{ message.ro
 /// Which template a model's chats are rendered with.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChatTemplate {
+    /// The template as rendered: the model's, with its namespace assignments guarded.
     source: String,
     /// True when this is the model's own template, false for the ChatML fallback.
     pub from_model: bool,
@@ -52,20 +59,28 @@ impl ChatTemplate {
             bos: bos.to_string(),
             eos: eos.to_string(),
         };
-        match own {
-            Some(src) => match environment().template_from_str(src) {
-                Ok(_) => ChatTemplate {
-                    source: src.to_string(),
-                    from_model: true,
-                    bos: bos.to_string(),
-                    eos: eos.to_string(),
-                },
-                Err(e) => {
-                    tracing::warn!("the model's chat template does not compile, using ChatML: {e}");
-                    fallback()
-                }
+        let Some(src) = own else {
+            return fallback();
+        };
+        let compiled = on_template_stack(|| {
+            let guarded = guard_assignments(src, syntax())
+                .ok_or_else(|| "the template does not lex".to_string())?;
+            environment()
+                .template_from_str(&guarded)
+                .map_err(|e| e.to_string())?;
+            Ok(guarded)
+        });
+        match compiled {
+            Ok(source) => ChatTemplate {
+                source,
+                from_model: true,
+                bos: bos.to_string(),
+                eos: eos.to_string(),
             },
-            None => fallback(),
+            Err(e) => {
+                tracing::warn!("the model's chat template does not compile, using ChatML: {e}");
+                fallback()
+            }
         }
     }
 
@@ -82,15 +97,7 @@ impl ChatTemplate {
     /// Renders `messages` with an open assistant turn for the model to complete, on a thread
     /// with a [`RENDER_STACK`] stack.
     pub fn render(&self, messages: &[ChatMessage]) -> Result<String, String> {
-        std::thread::scope(|scope| {
-            std::thread::Builder::new()
-                .name("chat-template".into())
-                .stack_size(RENDER_STACK)
-                .spawn_scoped(scope, || self.render_here(messages))
-                .map_err(|e| format!("no thread to render the chat template on: {e}"))?
-                .join()
-                .unwrap_or_else(|p| std::panic::resume_unwind(p))
-        })
+        on_template_stack(|| self.render_here(messages))
     }
 
     fn render_here(&self, messages: &[ChatMessage]) -> Result<String, String> {
@@ -100,7 +107,13 @@ impl ChatTemplate {
             .map_err(|e| e.to_string())?;
         let messages: Vec<_> = messages
             .iter()
-            .map(|m| context! { role => m.role.clone(), content => m.content.clone() })
+            // Plain maps, which a template may store in a namespace (see `namespaces`).
+            .map(|m| {
+                minijinja::Value::from_pairs([
+                    ("role", m.role.clone()),
+                    ("content", m.content.clone()),
+                ])
+            })
             .collect();
         let out = template
             .render(context! {
@@ -123,20 +136,42 @@ impl ChatTemplate {
     }
 }
 
-/// A sandboxed environment with what Hugging Face templates expect: Jinja's block trimming,
-/// Python string methods, `raise_exception`.
-fn environment() -> Environment<'static> {
-    let mut env = Environment::new();
-    env.set_fuel(Some(FUEL));
-    let syntax = minijinja::syntax::SyntaxConfig::builder()
+/// Runs `f` (compiling or rendering a template) on a thread with a [`RENDER_STACK`] stack.
+fn on_template_stack<T: Send>(f: impl FnOnce() -> Result<T, String> + Send) -> Result<T, String> {
+    std::thread::scope(|scope| {
+        std::thread::Builder::new()
+            .name("chat-template".into())
+            .stack_size(RENDER_STACK)
+            .spawn_scoped(scope, f)
+            .map_err(|e| format!("no thread to render the chat template on: {e}"))?
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p))
+    })
+}
+
+/// Jinja's block trimming, as Hugging Face renders templates.
+fn syntax() -> SyntaxConfig {
+    SyntaxConfig::builder()
         .trim_blocks(true)
         .lstrip_blocks(true)
         .build()
-        .expect("the default delimiters are valid");
-    env.set_syntax(syntax);
+        .expect("the default delimiters are valid")
+}
+
+/// A sandboxed environment with what Hugging Face templates expect: Jinja's block trimming,
+/// Python string methods, `raise_exception`; and the check of namespace assignments, with
+/// state for one rendering.
+fn environment() -> Environment<'static> {
+    let mut env = Environment::new();
+    env.set_fuel(Some(FUEL));
+    env.set_syntax(syntax());
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_function("raise_exception", |msg: String| -> Result<String, Error> {
         Err(Error::new(ErrorKind::InvalidOperation, msg))
+    });
+    let guard = NamespaceGuard::new();
+    env.add_filter(namespaces::FILTER, move |v: minijinja::Value| {
+        guard.lock().check(v)
     });
     env
 }
@@ -245,5 +280,47 @@ mod tests {
         let t = ChatTemplate::from_metadata(&with_template(shallower), "", "");
         let out = t.render(&[]).unwrap();
         assert_eq!(out.len(), 2 * 100_001);
+    }
+
+    /// Found by fuzzing (`chat_template` in CI, a SIGSEGV): `{% set ns.a = ns %}` made a
+    /// namespace that contains itself, and printing it recursed until the stack ran out, on
+    /// any stack. Every way of storing a namespace in one is now an error.
+    #[test]
+    fn a_namespace_that_would_contain_itself_is_an_error_not_a_crash() {
+        for src in [
+            "{% set ns = namespace() %}{% set ns.a = ns %}{{ ns }}",
+            "{% set ns = namespace() %}{%- set ns.a = [1, [ns]] -%}{{ ns }}",
+            "{% set ns = namespace() %}{% set ns.a = {'k': ns} %}{{ ns == ns }}",
+            "{% set ns = namespace() %}{% set ns.a, b = ns, 1 %}{{ ns|tojson }}",
+            "{% set ns = namespace() %}{% set ns.a | default(ns, true) %}{% endset %}{{ ns }}",
+            "{% set a = namespace() %}{% set b = namespace(x=a) %}{% set a.y = b %}{{ a }}",
+            "{% set ns = namespace() %}{% for x in [ns] %}{% set ns.l = loop %}{% endfor %}{{ ns }}",
+        ] {
+            let t = ChatTemplate::from_metadata(&with_template(src), "", "");
+            assert!(t.from_model, "{src}");
+            let e = t.render(&[m("user", "x")]).unwrap_err();
+            assert!(e.contains("a namespace attribute may hold"), "{src}: {e}");
+        }
+    }
+
+    #[test]
+    fn namespaces_as_real_templates_use_them_still_render() {
+        // The patterns of Qwen, Mistral and DeepSeek templates: flags, indices, accumulated
+        // strings and lists, a captured block.
+        let src = "{% set ns = namespace(system='', last_user=-1, roles=[], seen={}) %}\
+            {%- for message in messages %}\
+            {%- if message.role == 'system' %}{% set ns.system = ns.system + message.content %}\
+            {%- else %}{% set ns.roles = ns.roles + [message.role] %}{% endif %}\
+            {%- if message.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}\
+            {%- set ns.seen = {'last': message, 'count': loop.length} %}\
+            {%- endfor %}\
+            {%- set ns.tail | upper %}{{ ns.roles|join(',') }}{% endset %}\
+            [{{ ns.system }}|{{ ns.last_user }}|{{ ns.tail }}|{{ ns.seen.last.content }}]";
+        let t = ChatTemplate::from_metadata(&with_template(src), "", "");
+        assert!(t.from_model);
+        let text = t
+            .render(&[m("system", "S"), m("user", "u"), m("assistant", "a")])
+            .unwrap();
+        assert_eq!(text, "[S|1|USER,ASSISTANT|a]");
     }
 }
