@@ -17,7 +17,9 @@ use super::gemm_avx2;
 #[cfg(target_arch = "x86_64")]
 use super::gemm_avx512;
 use super::kernels::{dot_kernel, Isa};
-use super::matvec::{rows_per_task, MIN_PANEL_TOKENS};
+use super::matvec::rows_per_task;
+#[cfg(target_arch = "x86_64")]
+use super::matvec::MIN_PANEL_TOKENS;
 use super::pool::ThreadPool;
 
 /// One product of a group: `out[b * n_out + i] = row_i(m) · acts[b]` (token-major).

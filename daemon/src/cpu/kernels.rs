@@ -1,5 +1,6 @@
 //! Run-time choice of the dot-product kernel for a weight type: AVX2 when the CPU has it (and
-//! FMA), the scalar reference otherwise.
+//! FMA, F16C), NEON on aarch64, the scalar reference otherwise. (AVX-512 is used by the
+//! batched prompt kernels, `gemm_avx512`, not by these one-row dot products.)
 
 use crate::gguf::GgmlType;
 
@@ -13,6 +14,7 @@ pub type DotFn = fn(&[u8], &Activation<'_>) -> f32;
 pub enum Isa {
     Scalar,
     Avx2,
+    Neon,
 }
 
 impl Isa {
@@ -24,6 +26,10 @@ impl Isa {
             && is_x86_feature_detected!("f16c")
         {
             return Isa::Avx2;
+        }
+        #[cfg(target_arch = "aarch64")]
+        if std::arch::is_aarch64_feature_detected!("neon") {
+            return Isa::Neon;
         }
         Isa::Scalar
     }
@@ -57,6 +63,19 @@ pub fn dot_kernel(ty: GgmlType, isa: Isa) -> DotFn {
             GgmlType::Q4K => return avx2::q4_k,
             GgmlType::Q5K => return avx2::q5_k,
             GgmlType::Q6K => return avx2::q6_k,
+            _ => {}
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    if isa == Isa::Neon {
+        match ty {
+            GgmlType::F32 => return neon::f32,
+            GgmlType::F16 => return neon::f16,
+            GgmlType::Q8_0 => return neon::q8_0,
+            GgmlType::Q4_0 => return neon::q4_0,
+            GgmlType::Q4K => return neon::q4_k,
+            GgmlType::Q5K => return neon::q5_k,
+            GgmlType::Q6K => return neon::q6_k,
             _ => {}
         }
     }
@@ -104,6 +123,20 @@ mod avx2 {
     wrap!(q6_k, Q8K, |r, y| unsafe { k::dot_q6_k(r, y) });
 }
 
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use super::super::neon as k;
+    use super::Activation;
+
+    wrap!(f32, F32, k::dot_f32);
+    wrap!(f16, Rounded, k::dot_f16);
+    wrap!(q8_0, Q8_0, k::dot_q8_0);
+    wrap!(q4_0, Q8_0, k::dot_q4_0);
+    wrap!(q4_k, Q8K, k::dot_q4_k);
+    wrap!(q5_k, Q8K, k::dot_q5_k);
+    wrap!(q6_k, Q8K, k::dot_q6_k);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -128,6 +161,8 @@ mod tests {
 
     #[test]
     fn simd_kernels_agree_with_scalar_ones() {
+        #[cfg(target_arch = "aarch64")]
+        assert_eq!(Isa::detect(), Isa::Neon, "every aarch64 Linux CPU has NEON");
         if Isa::detect() == Isa::Scalar {
             eprintln!("no SIMD kernels on this CPU: nothing to compare");
             return;
@@ -163,6 +198,10 @@ mod tests {
             for row in rows.chunks_exact(rb) {
                 let (a, b) = (fast(row, &act), slow(row, &act));
                 assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{ty}: {a} vs {b}");
+                // NEON keeps the scalar kernels' float operations for the quantized types.
+                if Isa::detect() == Isa::Neon && !matches!(ty, GgmlType::F32 | GgmlType::F16) {
+                    assert_eq!(a.to_bits(), b.to_bits(), "{ty}: {a} vs {b}");
+                }
             }
             // Odd lengths exercise the scalar tails.
             if matches!(ty, GgmlType::F32 | GgmlType::F16) {

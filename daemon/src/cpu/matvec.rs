@@ -23,6 +23,7 @@ pub(super) fn rows_per_task(n_rows: usize, n_threads: usize) -> usize {
 /// Fewest tokens for which unpacking a row into a panel pays: below it (a few sequences
 /// decoding together, an expert few tokens chose) each row is dotted with each token directly.
 /// Both ways give the same bits.
+#[cfg(target_arch = "x86_64")]
 pub(super) const MIN_PANEL_TOKENS: usize = 4;
 
 /// `out[i] = row_i(m) · x` for every row of `m`.
@@ -154,8 +155,10 @@ pub fn matmul_act(pool: &ThreadPool, m: MatRef<'_>, acts: &[Activation<'_>], out
 }
 
 /// `out` of a batched product, written by several tasks at disjoint indices.
+#[cfg(target_arch = "x86_64")]
 struct OutPtr(*mut f32);
 // SAFETY: tasks write disjoint elements, and `out` outlives the pool's `run`.
+#[cfg(target_arch = "x86_64")]
 unsafe impl Sync for OutPtr {}
 
 /// `out[b * n_out + i] = by_row[i * n_tok + b]`, spread over the pool by tokens. Each 16 × 16

@@ -1,5 +1,7 @@
 //! CPU kernels: activation formats ([`act`]), dot products of weight rows with activations
-//! ([`dot`], scalar; [`avx2`]; chosen at run time by [`kernels`]), matrix-vector products ([`matvec`]), several products in one pool job ([`group`]) and a persistent thread pool ([`pool`]).
+//! ([`dot`], scalar; `avx2` on x86-64, `neon` on aarch64; chosen at run time by
+//! [`kernels`]), matrix-vector products ([`matvec`]), several products in one pool job
+//! ([`group`]) and a persistent thread pool ([`pool`]).
 //!
 //! The kernels multiply weights in place from the memory map: a row is never dequantized into
 //! a copy. Activations are converted to the format ggml pairs with each weight type (Q8_0 for
@@ -17,6 +19,8 @@ pub mod gemm_avx512;
 pub mod group;
 pub mod kernels;
 pub mod matvec;
+#[cfg(target_arch = "aarch64")]
+pub mod neon;
 pub mod pool;
 
 pub use act::{ActFormat, Activation, BlockQ8K};
