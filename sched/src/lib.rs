@@ -5,7 +5,7 @@
 //!   filled by the daemon from a GGUF header or built from a preset.
 //! - [`profile`]: what a machine can do, measured ([`calibrate`]) or described, stored as TOML.
 //! - [`predict`]: roofline latency predictors fitted by least squares, and their accuracy.
-//! - [`refine`]: predictors refined online from timings of real steps.
+//! - [`refine`]: the profile refined online from timings of real decode steps.
 //! - [`plan`]: the placement planner (VRAM, streamed, CPU; expert caches; tile size and prefetch
 //!   depth) and its table and JSON output.
 //! - [`simulate`]: the planner on described machines and preset models.

@@ -1,13 +1,11 @@
 //! Latency predictors: roofline models of kernels and transfers, fitted to measured timings by
-//! least squares, refined online, and scored against measurements.
+//! least squares, and scored against measurements.
 //!
 //! A [`Roofline`] predicts `fixed + max(bytes / bandwidth, flops / flop_rate)`. Fitting it is a
 //! piecewise-linear least-squares problem: each observation is memory-bound or compute-bound
 //! under the current parameters, which makes the model linear in (fixed, 1/bandwidth,
 //! 1/flop_rate); we alternate classifying and solving until the classes settle. Residuals are
 //! relative (weights 1/t²) so that small kernels count as much as large ones.
-
-use std::collections::VecDeque;
 
 use serde::{Deserialize, Serialize};
 
@@ -267,79 +265,6 @@ fn solve(rows: &[([f64; 3], f64, f64)], cols: &[usize]) -> Option<[f64; 3]> {
     Some(theta)
 }
 
-/// A roofline refined online from measured timings: a window of recent observations, older
-/// ones weighted down exponentially, refitted as they arrive.
-#[derive(Debug, Clone)]
-pub struct OnlinePredictor {
-    prior: Roofline,
-    current: Roofline,
-    window: VecDeque<(Work, f64)>,
-    capacity: usize,
-    half_life: f64,
-    since_fit: usize,
-}
-
-impl OnlinePredictor {
-    /// Keeps the last 256 observations; an observation's weight halves every 64 newer ones.
-    pub fn new(prior: Roofline) -> OnlinePredictor {
-        OnlinePredictor::with_window(prior, 256, 64.0)
-    }
-
-    pub fn with_window(prior: Roofline, capacity: usize, half_life: f64) -> OnlinePredictor {
-        OnlinePredictor {
-            prior,
-            current: prior,
-            window: VecDeque::with_capacity(capacity),
-            capacity: capacity.max(3),
-            half_life,
-            since_fit: 0,
-        }
-    }
-
-    pub fn roofline(&self) -> Roofline {
-        self.current
-    }
-
-    pub fn observations(&self) -> usize {
-        self.window.len()
-    }
-
-    pub fn predict(&self, w: Work) -> f64 {
-        self.current.predict(w)
-    }
-
-    /// Records a measured time; refits every 8 observations (a fit is a few 3×3 solves).
-    pub fn observe(&mut self, w: Work, seconds: f64) {
-        if !(seconds.is_finite() && seconds > 0.0) {
-            return;
-        }
-        if self.window.len() == self.capacity {
-            self.window.pop_front();
-        }
-        self.window.push_back((w, seconds));
-        self.since_fit += 1;
-        if self.since_fit >= 8 || self.window.len() <= 8 {
-            self.refit();
-        }
-    }
-
-    pub fn refit(&mut self) {
-        let n = self.window.len();
-        let obs: Vec<(Work, f64, f64)> = self
-            .window
-            .iter()
-            .enumerate()
-            .map(|(i, &(w, t))| {
-                let age = (n - 1 - i) as f64;
-                (w, t, 0.5f64.powf(age / self.half_life))
-            })
-            .collect();
-        // Start from the prior, not the last fit, so a bad fit cannot feed on itself.
-        self.current = self.prior.fit(&obs);
-        self.since_fit = 0;
-    }
-}
-
 /// How well predictions match measurements.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct AccuracyReport {
@@ -490,30 +415,6 @@ pub(crate) mod tests {
         );
         // Too few observations: unchanged.
         assert_eq!(prior.fit(&obs[..2]), prior);
-    }
-
-    #[test]
-    fn online_predictor_follows_a_change_in_the_hardware() {
-        // The device slows down by half (thermal throttling, another process): recent
-        // observations outweigh old ones and the prediction follows.
-        let mut rng = Rng::new(11);
-        let mut p = OnlinePredictor::new(TRUTH);
-        let slow = Roofline {
-            bandwidth: TRUTH.bandwidth / 2.0,
-            ..TRUTH
-        };
-        let w = Work::matvec(4096, 4096, 4096 * 4096 / 2, 1);
-        for _ in 0..200 {
-            let x = workload(&mut rng, 1)[0];
-            p.observe(x, TRUTH.predict(x) * rng.noise(0.05));
-        }
-        assert!((p.predict(w) / TRUTH.predict(w) - 1.0).abs() < 0.05);
-        for _ in 0..300 {
-            let x = workload(&mut rng, 1)[0];
-            p.observe(x, slow.predict(x) * rng.noise(0.05));
-        }
-        assert!((p.predict(w) / slow.predict(w) - 1.0).abs() < 0.08);
-        assert_eq!(p.observations(), 256);
     }
 
     /// A kernel whose bandwidth grows with its rows: `peak · n / (n + 8192)`, plus 4 µs.
