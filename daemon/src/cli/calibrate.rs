@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use spillway_daemon::calibrate::{full_plan, machine_facts, quick_plan, Bench};
+use spillway_daemon::calibrate::{first_start, full_plan, machine_facts, quick_plan, Bench};
 use spillway_daemon::calibrate::{gpu::GpuBench, host::HostBench};
 use spillway_daemon::server::default_model::cache_dir;
 use spillway_sched::calibrate::calibrate;
@@ -67,17 +67,15 @@ pub fn run(args: &CalibrateArgs) -> anyhow::Result<()> {
         Some(p) if p.as_os_str() == "-" => print!("{text}"),
         out => {
             let path = out.map_or_else(
-                || {
-                    cache
-                        .join("profiles")
-                        .join(format!("{}.toml", facts.key.file_name()))
-                },
+                || first_start::profile_path(&cache, &facts.key),
                 PathBuf::from,
             );
             if let Some(dir) = path.parent() {
                 std::fs::create_dir_all(dir)?;
             }
-            std::fs::write(&path, &text).with_context(|| format!("writing {}", path.display()))?;
+            // Whole or not at all: a daemon starting meanwhile reads the old profile or this.
+            first_start::store(&path, &text)
+                .with_context(|| format!("writing {}", path.display()))?;
             eprintln!(
                 "GPU {:.1} GB/s, host-to-device {:.1} GB/s, CPU memory {:.1} GB/s, disk {:.2} GB/s",
                 profile.gpu.bandwidth / 1e9,
