@@ -67,6 +67,9 @@ pub(super) struct Unit {
     /// Attention, norms, routers, shared experts of a MoE model: into VRAM first.
     pub core: bool,
     pub embedding: bool,
+    /// A 1-D weight (a norm): a GPU dispatch reads it, but on the CPU it is applied on the
+    /// calling thread, not in a pool job.
+    pub norm: bool,
     /// Seconds when read: on the GPU, on the CPU, copied to the GPU, read from the SSD.
     pub gpu: f64,
     pub cpu: f64,
@@ -141,6 +144,7 @@ pub(super) fn units(
                 routed: t.role.is_routed(),
                 core,
                 embedding,
+                norm: matches!(t.role, TensorRole::Norm { .. }),
                 gpu,
                 cpu,
                 copy: copy.marginal(Work::transfer(moved)) + tiles(moved) * copy.fixed_s,
@@ -216,6 +220,7 @@ fn tied_output(model: &ModelDesc, profile: &HardwareProfile) -> Option<Unit> {
         routed: false,
         core: false,
         embedding: false,
+        norm: false,
         gpu: profile.gpu_product_marginal(&t.weight_type, k, n, t.bytes),
         cpu: profile.cpu_product_marginal(&t.weight_type, k, n, t.bytes),
         copy: copy.marginal(Work::transfer(t.bytes)) + copy.fixed_s,
@@ -269,6 +274,8 @@ pub(super) struct Group {
     /// Routed units of the layer, and how many of them are outside VRAM.
     pub routed_units: usize,
     pub routed_off_vram: f64,
+    /// Summed probability of the routed experts on the CPU (for its pool jobs).
+    pub routed_cpu: f64,
 }
 
 /// Predicted time and limits of one group.
@@ -342,6 +349,10 @@ const GPU_INDEXED_OPS: f64 = 2.0;
 /// Jobs of the CPU engine's thread pool per layer that read no weights: RoPE and attention
 /// (norms and adds run on the calling thread). Each costs the profile's `cpu.dispatch_s`.
 const CPU_WEIGHTLESS_JOBS: f64 = 2.0;
+
+/// Jobs of the CPU engine's thread pool for a layer's routed experts, however many there are:
+/// gate and up of every chosen expert, then their down projections (`engine/experts.rs`).
+const CPU_EXPERT_JOBS: f64 = 2.0;
 
 /// Attention's read of one layer's KV cache: on the GPU when the cache is in VRAM, on the CPU
 /// in a plan for the CPU alone.
@@ -455,7 +466,14 @@ impl<'a> State<'a> {
             // With experts outside VRAM the GPU runs each routed expert by itself: its
             // products, the activation and the weighted add ([`Group::expert_dispatch`]).
             g.routed_dispatch += sign * p * (u.tensors.len() as f64 + GPU_OPS_PER_EXPERT) * cost;
-        } else {
+        } else if u.routed {
+            // The CPU engine runs all of a layer's chosen experts in two pool jobs (gates and
+            // ups, then downs), paid when any expert it runs is chosen.
+            let before = g.routed_cpu.min(1.0);
+            g.routed_cpu = (g.routed_cpu + sign * p).max(0.0);
+            side[ph] += (g.routed_cpu.min(1.0) - before) * CPU_EXPERT_JOBS * cost;
+        } else if on_gpu || !u.norm {
+            // Norms on the CPU run on the calling thread, not as pool jobs.
             for &ti in &u.tensors {
                 let before = sums[ti].min(1.0);
                 sums[ti] = (sums[ti] + sign * p).max(0.0);

@@ -532,3 +532,34 @@ fn a_layer_with_every_expert_in_vram_pays_one_dispatch_per_expert_matrix() {
         "{all} s with every expert resident, {one_out} s with one out; dispatch {d}"
     );
 }
+
+#[test]
+fn a_cpu_moe_layer_pays_two_pool_jobs_for_all_its_experts() {
+    // The CPU engine runs every chosen expert of a layer in two jobs (gates and ups, then
+    // downs), besides one job per other matrix and two that read no weights; norms run on
+    // the calling thread.
+    let m = model("qwen3-30b-a3b");
+    let mut o = opts(ByteSize(0), gib(64.0));
+    o.cpu_only = true;
+    let layer0_cpu = |dispatch_s: f64| {
+        let mut p = profile("desktop-24gb");
+        p.cpu.dispatch_s = dispatch_s;
+        plan(&m, &p, &o).unwrap().layers[0].time.cpu_s
+    };
+    let jobs = (layer0_cpu(2e-3) - layer0_cpu(1e-3)) / 1e-3;
+    let other_matrices = m
+        .tensors
+        .iter()
+        .filter(|t| {
+            matches!(
+                t.role,
+                TensorRole::Attention { layer: 0 } | TensorRole::Router { layer: 0 }
+            )
+        })
+        .count() as f64;
+    assert_eq!(other_matrices, 5.0, "q, k, v, output and the router");
+    assert!(
+        (jobs - (2.0 + other_matrices + 2.0)).abs() < 1e-6,
+        "{jobs} jobs in layer 0"
+    );
+}
