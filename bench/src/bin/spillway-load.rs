@@ -47,8 +47,9 @@ struct Args {
     cancel: f64,
     #[arg(long)]
     threads: Option<usize>,
-    /// Idle requests measured before the load, one at a time.
-    #[arg(long, default_value_t = 20)]
+    /// Idle requests measured before the load, one at a time (enough that their p99 is not
+    /// just their slowest).
+    #[arg(long, default_value_t = 200)]
     idle_requests: usize,
     /// More arguments for `spillwayd serve`.
     #[arg(last = true)]

@@ -45,7 +45,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 0)]
     pub ctx: usize,
     /// Requests that may wait per model while --max-batch run; more are refused with
-    /// RESOURCE_EXHAUSTED.
+    /// RESOURCE_EXHAUSTED. 0 admits only requests that start at the next step.
     #[arg(long, default_value_t = 8)]
     pub queue_depth: usize,
     /// Requests per model decoded together, sharing each decode step (each has its own KV
