@@ -1,7 +1,9 @@
-//! Faults injected into a real daemon (`SPILLWAY_FAULT_DEVICE_OOM`, `gpu::alloc::fault`): a
+//! Faults injected into a real daemon. `SPILLWAY_FAULT_DEVICE_OOM` (`gpu::alloc::fault`): a
 //! model load whose device memory allocation the driver refuses fails with RESOURCE_EXHAUSTED
 //! (a later try may succeed, unlike a model over its VRAM budget), nothing of it stays loaded,
 //! the same load then succeeds, and the next hundred requests on it succeed and agree.
+//! `SPILLWAY_FAULT_DEVICE_LOST` (`gpu::lost`): a device lost at a submission or a wait fails
+//! the request in flight with UNAVAILABLE, and the model is reloaded on a new device.
 
 #[path = "common/daemon.rs"]
 mod daemon;
@@ -78,4 +80,110 @@ async fn a_load_the_driver_refuses_memory_for_fails_and_the_next_one_serves() {
         d.log_text().contains("fault injection"),
         "the daemon logs the armed fault"
     );
+}
+
+/// The first message of `req`'s stream that is an error, or the tokens when none is.
+async fn generate_or_status(
+    client: &mut Client,
+    req: pb::GenerateRequest,
+) -> Result<Vec<u32>, tonic::Status> {
+    let mut stream = client.generate(req).await?.into_inner();
+    let mut tokens = Vec::new();
+    while let Some(m) = stream.message().await? {
+        tokens.push(m.token);
+    }
+    Ok(tokens)
+}
+
+fn greedy_request() -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        model: "gpu".into(),
+        input: Some(pb::generate_request::Input::Tokens(pb::TokenIds {
+            ids: vec![1, 17, 300, 5],
+        })),
+        max_tokens: 4,
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+/// Device loss injected at a token's submission and at its wait
+/// (`SPILLWAY_FAULT_DEVICE_LOST`, `gpu::lost`): the request in flight ends with UNAVAILABLE,
+/// the worker opens the device again and reloads the model (health NOT_SERVING meanwhile),
+/// and the model then serves the same tokens as before the loss.
+#[tokio::test]
+async fn a_lost_device_fails_the_request_in_flight_and_the_model_serves_again() {
+    if spillway_daemon::gpu::device_or_skip().is_none() {
+        return;
+    }
+    let model = test_model().display().to_string();
+    for point in ["submit", "wait"] {
+        // A request evaluates 7 tokens on the GPU (4 of prompt, 3 sampled ones; the last is
+        // only sampled): token 10 is the third of the second request.
+        let fault = format!("{point}:10");
+        let d = Daemon::spawn(
+            &["--model", &model, "--device", "cpu"],
+            &[("SPILLWAY_FAULT_DEVICE_LOST", Path::new(&fault))],
+        );
+        d.wait_serving().await;
+        let mut client = d.client().await;
+        load(&mut client, "gpu").await.unwrap();
+        let before = generate_or_status(&mut client, greedy_request())
+            .await
+            .unwrap();
+        assert_eq!(before.len(), 4, "{point}");
+
+        let lost = generate_or_status(&mut client, greedy_request())
+            .await
+            .unwrap_err();
+        assert_eq!(
+            lost.code(),
+            Code::Unavailable,
+            "{point}: {}",
+            lost.message()
+        );
+        assert!(
+            lost.message().contains("device was lost"),
+            "{point}: {}",
+            lost.message()
+        );
+
+        d.wait_serving().await;
+        // Until the reload is done requests are refused with UNAVAILABLE; after it, served.
+        let mut after = Err(tonic::Status::unavailable(""));
+        for _ in 0..600 {
+            after = generate_or_status(&mut client, greedy_request()).await;
+            match &after {
+                Err(e) if e.code() == Code::Unavailable => {
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await
+                }
+                _ => break,
+            }
+        }
+        assert_eq!(
+            after.unwrap(),
+            before,
+            "{point}: the same tokens after the reload"
+        );
+        for i in 0..20 {
+            let again = generate_or_status(&mut client, greedy_request()).await;
+            assert_eq!(
+                again.unwrap(),
+                before,
+                "{point}: request {i} after the reload"
+            );
+        }
+        let log = d.log_text();
+        assert!(log.contains("the device is lost at"), "{point}: {log}");
+        assert!(log.contains("serves again"), "{point}: {log}");
+        // Health went NOT_SERVING while the model was reloaded (the daemon logs each change).
+        assert!(log.contains("health: NOT_SERVING"), "{point}: {log}");
+        let status = client
+            .status(pb::StatusRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        let gpu = status.models.iter().find(|m| m.name == "gpu").unwrap();
+        assert!(gpu.vram_bytes > 0, "{point}: {gpu:?}");
+    }
 }

@@ -22,6 +22,7 @@ use ash::vk;
 
 use super::device::Device;
 use super::error::{map_vk, GpuError, Result};
+use super::lost::LossPoint;
 
 /// How long a wait polls the semaphore's counter before it sleeps in the driver: the host's
 /// turn is usually due within tens of microseconds, less than a sleeping wait's wake-up. After
@@ -104,6 +105,7 @@ impl Chain {
     }
 
     fn submit(&self) -> Result<()> {
+        self.device.check_lost(LossPoint::Submit)?;
         let n = self.cmds.len();
         let wait_values: Vec<[u64; 1]> = (0..n).map(|i| [2 * i as u64]).collect();
         let signal_values: Vec<[u64; 1]> = (0..n).map(|i| [2 * i as u64 + 1]).collect();
@@ -144,7 +146,7 @@ impl Chain {
                 .raw
                 .queue_submit(*queue, &submits, vk::Fence::null())
         }
-        .map_err(map_vk)
+        .map_err(|r| self.device.map_result(r))
     }
 
     /// Number of parts.
@@ -166,12 +168,23 @@ impl Chain {
             part < self.released,
             "part {part} waited for before its release"
         );
+        self.wait_done(part)?;
+        // An injected loss shows at the wait for the last part, when nothing is pending: the
+        // chain's command buffers may then be freed.
+        if part + 1 == self.len() {
+            self.device.check_lost(LossPoint::Wait)?;
+        }
+        Ok(())
+    }
+
+    fn wait_done(&self, part: usize) -> Result<()> {
         let value = 2 * part as u64 + 1;
         let dev = &self.device.raw;
         let start = Instant::now();
         loop {
             // SAFETY: the semaphore belongs to this device and lives as long as the chain.
-            let now = unsafe { dev.get_semaphore_counter_value(self.semaphore) }.map_err(map_vk)?;
+            let now = unsafe { dev.get_semaphore_counter_value(self.semaphore) }
+                .map_err(|r| self.device.map_result(r))?;
             if now >= value {
                 return Ok(());
             }
@@ -191,7 +204,7 @@ impl Chain {
             .semaphores(&semaphores)
             .values(&values);
         // SAFETY: as above; the info's arrays live across the call.
-        unsafe { dev.wait_semaphores(&info, u64::MAX) }.map_err(map_vk)
+        unsafe { dev.wait_semaphores(&info, u64::MAX) }.map_err(|r| self.device.map_result(r))
     }
 
     /// Lets part `part` start, once the previous part has completed (waited for here): call it

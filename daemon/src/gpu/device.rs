@@ -8,6 +8,7 @@ use parking_lot::Mutex;
 
 use super::error::{map_vk, GpuError, Result};
 use super::instance::{DeviceInfo, Instance};
+use super::lost::{LossPoint, LossState};
 
 pub struct Device {
     pub(crate) raw: ash::Device,
@@ -22,6 +23,8 @@ pub struct Device {
     /// Valid bits of the compute queue's timestamps; 0: it has none.
     pub(crate) timestamp_valid_bits: u32,
     info: DeviceInfo,
+    /// Lost (really, or by injection): every later submission fails with `DeviceLost`.
+    loss: LossState,
     // Dropped after `Drop::drop` destroyed the device: the instance must outlive it.
     _instance: Arc<Instance>,
 }
@@ -93,6 +96,7 @@ impl Device {
             timeline_semaphores,
             timestamp_valid_bits,
             info,
+            loss: LossState::default(),
             _instance: instance,
         }))
     }
@@ -181,7 +185,9 @@ impl Device {
             .map_err(map_vk)?;
         let cmds = [cmd];
         let submit = [vk::SubmitInfo::default().command_buffers(&cmds)];
-        let submitted = {
+        let submitted = if self.loss.lost_at(LossPoint::Submit) {
+            Err(vk::Result::ERROR_DEVICE_LOST)
+        } else {
             let queue = self.queue.lock();
             // SAFETY: the queue is externally synchronised by its mutex; `cmd` is executable.
             unsafe { self.raw.queue_submit(*queue, &submit, fence) }
@@ -195,11 +201,46 @@ impl Device {
             // SAFETY: the fence belongs to this device.
             unsafe { self.raw.wait_for_fences(&[fence], true, u64::MAX) }
         });
+        // An injected loss at the wait shows once the work is done, as a real one may.
+        let result = result.and_then(|()| {
+            if self.loss.lost_at(LossPoint::Wait) {
+                Err(vk::Result::ERROR_DEVICE_LOST)
+            } else {
+                Ok(())
+            }
+        });
         // SAFETY: the wait finished (or the submit failed), so the fence is not in use.
         unsafe { self.raw.destroy_fence(fence, None) };
         let host = host.map(|h| h.unwrap_or_else(|panic| resume_unwind(panic)));
-        result.map_err(map_vk)?;
+        result.map_err(|r| self.map_result(r))?;
         Ok((value, host.expect("ran after a successful submission")))
+    }
+
+    /// Whether the device was lost: nothing more runs on it, and its owner must open a new one.
+    pub fn is_lost(&self) -> bool {
+        self.loss.is_lost()
+    }
+
+    /// Injects a loss of this device at its next `point` (`super::lost`).
+    pub(crate) fn arm_loss(&self, point: LossPoint) {
+        self.loss.arm(point);
+    }
+
+    /// `DeviceLost` when the device is lost at `point` (an armed loss taking effect there).
+    pub(crate) fn check_lost(&self, point: LossPoint) -> Result<()> {
+        if self.loss.lost_at(point) {
+            Err(GpuError::DeviceLost)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Maps a Vulkan result, remembering a loss the driver reported.
+    pub(crate) fn map_result(&self, r: vk::Result) -> GpuError {
+        if r == vk::Result::ERROR_DEVICE_LOST {
+            self.loss.mark_lost();
+        }
+        map_vk(r)
     }
 
     /// Alignment of storage-buffer binding offsets.

@@ -24,6 +24,7 @@ pub mod expert_cache;
 pub mod footprint;
 pub mod forward;
 mod instance;
+pub mod lost;
 pub mod moe;
 pub mod ops;
 pub mod ops_batch;

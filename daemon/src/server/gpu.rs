@@ -2,18 +2,21 @@
 //! [`SequenceModel`] calls `spillwayd run --device vulkan` makes, so requests get the CPU
 //! worker's queue, sampling, stop strings, streaming, cancellation and deadlines. The GPU holds
 //! one sequence, so requests run one at a time (the worker's batch is 1); prompts go token by
-//! token, with cancellation and deadlines checked between tokens.
+//! token, with cancellation and deadlines checked between tokens. When the device is lost, the
+//! worker has [`GpuSequence::recover`] open it again and reload the model there.
 
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use super::device::{load_gpu_model, open_vulkan};
 use super::worker::Sequences;
 use crate::engine::generate::{GenerateError, SequenceModel};
 use crate::gpu::alloc::Allocator;
 use crate::gpu::expert_cache::ExpertStats;
 use crate::gpu::footprint::DeviceBytes;
-use crate::gpu::forward::GpuModel;
+use crate::gpu::forward::{GpuModel, GpuModelOptions};
+use crate::gpu::GpuError;
 use crate::model::Model;
 
 /// What `Status` reads of a model on a Vulkan device while its worker runs.
@@ -24,8 +27,9 @@ pub struct GpuStatus {
     /// fetched when routed).
     pub vram_weights: u64,
     pub ram_weights: u64,
-    /// Device memory the model holds (its allocator's blocks).
-    pub allocator: Arc<Allocator>,
+    /// Device memory the model holds (its allocator's blocks); replaced when the model is
+    /// reloaded after a device loss.
+    pub allocator: Mutex<Arc<Allocator>>,
     /// Where a MoE model's routed experts ran since loading, updated after every evaluation
     /// (`None` for dense models).
     pub experts: Mutex<Option<ExpertStats>>,
@@ -34,19 +38,24 @@ pub struct GpuStatus {
 impl GpuStatus {
     /// Device-memory bytes held now.
     pub fn vram_bytes(&self) -> u64 {
-        self.allocator.budget().held()
+        self.allocator.lock().budget().held()
     }
 
     /// The VRAM budget the model was loaded under, if any.
     pub fn vram_budget(&self) -> Option<u64> {
-        self.allocator.budget().limit()
+        self.allocator.lock().budget().limit()
     }
 }
 
 /// The worker's view of a [`GpuModel`]: one sequence.
 pub struct GpuSequence {
     model: Arc<Model>,
-    gpu: GpuModel,
+    /// `None` between dropping the model of a lost device and loading it on a new one.
+    gpu: Option<GpuModel>,
+    /// The device index asked for and the options of the load, to load again after a loss.
+    reload: (Option<usize>, GpuModelOptions),
+    /// Positions a sequence holds (the same after a reload).
+    capacity: usize,
     status: Arc<GpuStatus>,
 }
 
@@ -55,6 +64,7 @@ impl GpuSequence {
     pub fn new(
         model: Arc<Model>,
         gpu: GpuModel,
+        reload: (Option<usize>, GpuModelOptions),
         device: String,
         footprint: DeviceBytes,
     ) -> (GpuSequence, Arc<GpuStatus>) {
@@ -75,17 +85,35 @@ impl GpuSequence {
             device,
             vram_weights: footprint.weights.saturating_sub(ram_weights),
             ram_weights,
-            allocator: gpu.allocator().clone(),
+            allocator: Mutex::new(gpu.allocator().clone()),
             experts: Mutex::new(gpu.expert_stats()),
         });
         (
             GpuSequence {
                 model,
-                gpu,
+                capacity: SequenceModel::capacity(&gpu),
+                gpu: Some(gpu),
+                reload,
                 status: status.clone(),
             },
             status,
         )
+    }
+
+    /// Drops the model of the lost device (freeing what it held), opens the device again and
+    /// loads the model there with the options of the first load.
+    pub fn reload(&mut self) -> Result<(), String> {
+        self.gpu = None;
+        let (index, options) = &self.reload;
+        let device = open_vulkan(*index).map_err(|e| e.to_string())?;
+        let gpu = load_gpu_model(&device, &self.model, options).map_err(|(_, message)| message)?;
+        *self.status.allocator.lock() = gpu.allocator().clone();
+        self.gpu = Some(gpu);
+        Ok(())
+    }
+
+    fn loaded(&mut self) -> Result<&mut GpuModel, GpuError> {
+        self.gpu.as_mut().ok_or(GpuError::DeviceLost)
     }
 
     /// The model's weights, for profiles (`super::profile::gpu`).
@@ -93,23 +121,26 @@ impl GpuSequence {
         &self.model
     }
 
-    /// The model on the device, for profiles (`super::profile::gpu`).
-    pub fn gpu_mut(&mut self) -> &mut GpuModel {
-        &mut self.gpu
+    /// The model on the device, for profiles (`super::profile::gpu`); `DeviceLost` while
+    /// it is being reloaded.
+    pub fn gpu_mut(&mut self) -> Result<&mut GpuModel, GpuError> {
+        self.loaded()
     }
 
     /// One token at the next position, the expert counters in the status updated.
-    pub fn eval_one(&mut self, token: u32) -> Result<Vec<f32>, crate::gpu::GpuError> {
-        let out = self.gpu.eval(token);
-        if let Some(stats) = self.gpu.expert_stats() {
+    pub fn eval_one(&mut self, token: u32) -> Result<Vec<f32>, GpuError> {
+        let gpu = self.loaded()?;
+        let out = gpu.eval(token);
+        if let Some(stats) = gpu.expert_stats() {
             *self.status.experts.lock() = Some(stats);
         }
         out
     }
 
     fn eval(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>, GenerateError> {
-        let out = self.gpu.eval_tokens(tokens, all_logits);
-        if let Some(stats) = self.gpu.expert_stats() {
+        let gpu = self.loaded()?;
+        let out = gpu.eval_tokens(tokens, all_logits);
+        if let Some(stats) = gpu.expert_stats() {
             *self.status.experts.lock() = Some(stats);
         }
         out
@@ -126,17 +157,19 @@ impl Sequences for GpuSequence {
     }
 
     fn capacity(&self) -> usize {
-        SequenceModel::capacity(&self.gpu)
+        self.capacity
     }
 
     fn position(&self, seq: usize) -> usize {
         debug_assert_eq!(seq, 0);
-        SequenceModel::position(&self.gpu)
+        self.gpu.as_ref().map_or(0, SequenceModel::position)
     }
 
     fn reset(&mut self, seq: usize) {
         debug_assert_eq!(seq, 0);
-        SequenceModel::reset(&mut self.gpu);
+        if let Some(gpu) = &mut self.gpu {
+            SequenceModel::reset(gpu);
+        }
     }
 
     /// Token by token: the GPU has no batched prompt, so this costs nothing.
@@ -164,5 +197,9 @@ impl Sequences for GpuSequence {
 
     fn gpu_profiler(&mut self) -> Option<&mut GpuSequence> {
         Some(self)
+    }
+
+    fn recover(&mut self) -> Result<(), String> {
+        self.reload()
     }
 }

@@ -335,7 +335,13 @@ pub fn load(
             )?;
             let context = gpu.capacity();
             let footprint = GpuModel::device_bytes(&model, &gpu_options);
-            let (sequence, status) = GpuSequence::new(model.clone(), gpu, name.clone(), footprint);
+            let (sequence, status) = GpuSequence::new(
+                model.clone(),
+                gpu,
+                (index, gpu_options.clone()),
+                name.clone(),
+                footprint,
+            );
             let kv_cache_bytes = footprint.kv_cache;
             tracing::info!(
                 model = %options.name,
@@ -413,6 +419,16 @@ impl Registry {
             return models.first().cloned();
         }
         models.iter().find(|m| m.name == name).cloned()
+    }
+
+    /// Whether a model's worker is recovering from a lost device.
+    pub fn any_recovering(&self) -> bool {
+        self.models.read().iter().any(|m| {
+            m.worker
+                .stats()
+                .recovering
+                .load(std::sync::atomic::Ordering::SeqCst)
+        })
     }
 
     pub fn contains(&self, name: &str) -> bool {

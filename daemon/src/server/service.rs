@@ -62,6 +62,8 @@ pub struct DaemonState {
     /// Cancelled when the grace period is over: in-flight work stops.
     pub shutdown: CancellationToken,
     loads_running: AtomicUsize,
+    /// What health last reported (0: nothing yet, 1: SERVING, 2: NOT_SERVING), to log changes.
+    reported: std::sync::atomic::AtomicU8,
 }
 
 impl DaemonState {
@@ -73,18 +75,38 @@ impl DaemonState {
             draining: AtomicBool::new(false),
             shutdown: CancellationToken::new(),
             loads_running: AtomicUsize::new(0),
+            reported: std::sync::atomic::AtomicU8::new(0),
         })
     }
 
-    /// Reports NOT_SERVING while a load runs or once draining, SERVING otherwise.
+    /// Reports NOT_SERVING while a load runs, while a model recovers from a lost device, or
+    /// once draining; SERVING otherwise.
     pub async fn update_health(&self) {
-        let serving =
-            !self.draining.load(Ordering::SeqCst) && self.loads_running.load(Ordering::SeqCst) == 0;
+        let draining = self.draining.load(Ordering::SeqCst);
+        let loading = self.loads_running.load(Ordering::SeqCst) > 0;
+        let recovering = self.registry.any_recovering();
+        let serving = !draining && !loading && !recovering;
         let status = if serving {
             ServingStatus::Serving
         } else {
             ServingStatus::NotServing
         };
+        let code = if serving { 1 } else { 2 };
+        if self.reported.swap(code, Ordering::SeqCst) != code {
+            let why = if draining {
+                " (shutting down)"
+            } else if loading {
+                " (a model is loading)"
+            } else if recovering {
+                " (a model is reloading after its device was lost)"
+            } else {
+                ""
+            };
+            tracing::info!(
+                "health: {}{why}",
+                if serving { "SERVING" } else { "NOT_SERVING" }
+            );
+        }
         self.health.set_service_status("", status).await;
         self.health.set_service_status(SERVICE_NAME, status).await;
     }
@@ -107,6 +129,14 @@ impl DaemonState {
         self.loads_running.fetch_sub(1, Ordering::SeqCst);
         self.update_health().await;
         let loaded = result?.map_err(load_status)?;
+        // Health turns NOT_SERVING while the model recovers from a lost device. The worker's
+        // thread is outside the runtime, so it may block on the update.
+        let (state, runtime) = (Arc::downgrade(self), tokio::runtime::Handle::current());
+        loaded.worker.stats().on_recovery(Box::new(move || {
+            if let Some(state) = state.upgrade() {
+                runtime.block_on(state.update_health());
+            }
+        }));
         if let Err(model) = self.registry.insert(loaded) {
             model.worker.unload();
             return Err(name_taken(&name));

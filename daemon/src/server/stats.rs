@@ -2,7 +2,7 @@
 //! generation rate over the last few seconds.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -10,15 +10,43 @@ use parking_lot::Mutex;
 /// How far back the recent rate looks.
 const WINDOW: Duration = Duration::from_secs(5);
 
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct ModelStats {
     /// Accepted requests not yet finished: waiting ones and the running one.
     pub in_queue: AtomicUsize,
     pub generated: AtomicU64,
+    /// Set while the worker reopens a lost GPU device and reloads the model: new requests are
+    /// refused with UNAVAILABLE, and health reports NOT_SERVING.
+    pub recovering: AtomicBool,
+    /// Called when `recovering` changes (the daemon updates its health).
+    on_recovery: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
     recent: Mutex<VecDeque<Instant>>,
 }
 
+impl std::fmt::Debug for ModelStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelStats")
+            .field("in_queue", &self.in_queue)
+            .field("generated", &self.generated)
+            .field("recovering", &self.recovering)
+            .finish_non_exhaustive()
+    }
+}
+
 impl ModelStats {
+    /// Sets what runs when the model starts or ends recovering from a lost device (once).
+    pub fn on_recovery(&self, hook: Box<dyn Fn() + Send + Sync>) {
+        let _ = self.on_recovery.set(hook);
+    }
+
+    /// Marks the model recovering (or not) and runs the hook.
+    pub fn set_recovering(&self, on: bool) {
+        self.recovering.store(on, Ordering::SeqCst);
+        if let Some(hook) = self.on_recovery.get() {
+            hook();
+        }
+    }
+
     /// Records one generated token.
     pub fn token(&self, at: Instant) {
         self.generated.fetch_add(1, Ordering::Relaxed);

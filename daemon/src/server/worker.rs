@@ -59,7 +59,19 @@ pub trait Sequences: Send + 'static {
     fn gpu_profiler(&mut self) -> Option<&mut GpuSequence> {
         None
     }
+    /// After its device was lost: opens the device again and reloads the model there.
+    fn recover(&mut self) -> Result<(), String> {
+        Err("this engine has no device to recover".into())
+    }
 }
+
+/// Whether an engine error means the GPU device was lost (the model must be reloaded).
+fn device_lost(e: &GenerateError) -> bool {
+    matches!(e, GenerateError::Gpu(crate::gpu::GpuError::DeviceLost))
+}
+
+/// Pause between two failed attempts to recover a lost device.
+const RECOVERY_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Sequences for BatchEngine {
     fn model(&self) -> &Model {
@@ -195,6 +207,7 @@ impl Worker {
             stats: stats.clone(),
             unload: unload.clone(),
             shutdown,
+            lost: false,
         };
         let thread = std::thread::Builder::new()
             .name(format!("model-{name}"))
@@ -225,6 +238,11 @@ impl Worker {
     fn enqueue(&self, job: Job) -> Result<(), Status> {
         if self.unload.is_cancelled() {
             return Err(Status::unavailable("the model is being unloaded"));
+        }
+        if self.stats.recovering.load(Ordering::SeqCst) {
+            return Err(Status::unavailable(
+                "the model's GPU device was lost and the model is being reloaded; retry shortly",
+            ));
         }
         self.stats.in_queue.fetch_add(1, Ordering::SeqCst);
         let sent = match self.jobs.lock().as_ref() {
@@ -287,6 +305,8 @@ struct WorkerContext<E> {
     stats: Arc<ModelStats>,
     unload: CancellationToken,
     shutdown: CancellationToken,
+    /// The device was lost: the next turn of the loop recovers before admitting anyone.
+    lost: bool,
 }
 
 /// A request being decoded in one of the engine's sequences.
@@ -317,7 +337,13 @@ impl<E: Sequences> WorkerContext<E> {
         let mut active: Vec<Active<'_>> = Vec::new();
         let mut free: Vec<usize> = (0..self.engine.sequences()).rev().collect();
         loop {
+            if self.lost && active.is_empty() {
+                self.recover();
+            }
             while let Some(&seq) = free.last() {
+                if self.lost {
+                    break;
+                }
                 let job = if active.is_empty() {
                     match rx.recv() {
                         Ok(job) => job,
@@ -335,6 +361,8 @@ impl<E: Sequences> WorkerContext<E> {
                         let result = self.profile(&job, seq);
                         self.stats.in_queue.fetch_sub(1, Ordering::SeqCst);
                         if let Err(Interrupt::Fail(status)) = result {
+                            // The profile's only UNAVAILABLE: the device was lost.
+                            self.lost |= status.code() == tonic::Code::Unavailable;
                             tracing::debug!(code = ?status.code(), "profile ended early: {}", status.message());
                             let _ = job.tx.blocking_send(Err(status));
                         }
@@ -376,12 +404,10 @@ impl<E: Sequences> WorkerContext<E> {
             let logits = match self.engine.step(&inputs) {
                 Ok(l) => l,
                 Err(e) => {
+                    let status = self.engine_failed(&e);
                     for a in active.drain(..) {
                         free.push(a.seq);
-                        self.done(
-                            &a.job.tx,
-                            Err(Interrupt::Fail(Status::internal(e.to_string()))),
-                        );
+                        self.done(&a.job.tx, Err(Interrupt::Fail(status.clone())));
                     }
                     continue;
                 }
@@ -407,6 +433,41 @@ impl<E: Sequences> WorkerContext<E> {
                 self.done(&a.job.tx, result);
             }
         }
+    }
+
+    /// The status the requests an engine error ended get: UNAVAILABLE when the device was
+    /// lost (the model is reloaded before the next request), INTERNAL otherwise.
+    fn engine_failed(&mut self, e: &GenerateError) -> Status {
+        if device_lost(e) {
+            self.lost = true;
+            Status::unavailable(format!("{e}: the model is being reloaded; retry shortly"))
+        } else {
+            Status::internal(e.to_string())
+        }
+    }
+
+    /// Opens the lost device again and reloads the model, retrying until it works or the
+    /// model is unloaded or the daemon stops. New requests are refused meanwhile.
+    fn recover(&mut self) {
+        self.stats.set_recovering(true);
+        tracing::error!("the GPU device was lost: opening it again and reloading the model");
+        let start = Instant::now();
+        while self.lost && !self.unload.is_cancelled() && !self.shutdown.is_cancelled() {
+            match self.engine.recover() {
+                Ok(()) => {
+                    self.lost = false;
+                    tracing::info!(
+                        seconds = start.elapsed().as_secs_f64(),
+                        "the model is on a new device and serves again"
+                    );
+                }
+                Err(e) => {
+                    tracing::error!("reloading after the device loss failed: {e}; retrying");
+                    std::thread::sleep(RECOVERY_RETRY);
+                }
+            }
+        }
+        self.stats.set_recovering(false);
     }
 
     /// A job has ended: count it out of the queue and tell its caller why it failed.
@@ -454,10 +515,10 @@ impl<E: Sequences> WorkerContext<E> {
         let mut logits = Vec::new();
         for chunk in job.prompt.chunks(self.engine.prompt_chunk()) {
             self.interrupted(&job)?;
-            let out = self
-                .engine
-                .eval_sequence(seq, chunk, want_all)
-                .map_err(|e| Interrupt::Fail(Status::internal(e.to_string())))?;
+            let out = match self.engine.eval_sequence(seq, chunk, want_all) {
+                Ok(out) => out,
+                Err(e) => return Err(Interrupt::Fail(self.engine_failed(&e))),
+            };
             if want_all {
                 for l in out.chunks_exact(n_vocab) {
                     let top = top_logprobs(l, job.prompt_logprobs);

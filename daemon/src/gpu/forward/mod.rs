@@ -581,6 +581,13 @@ impl GpuModel {
                 self.capacity
             )));
         }
+        let device = self.allocator.device();
+        if device.is_lost() {
+            return Err(GpuError::DeviceLost);
+        }
+        if let Some(point) = super::lost::token_loses_device() {
+            device.arm_loss(point);
+        }
         let profiling = self.profiler.is_some();
         if profiling {
             self.profile_before();

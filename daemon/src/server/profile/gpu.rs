@@ -263,12 +263,11 @@ pub(crate) fn run(
     let send = |msg: pb::ProfileStep| job.tx.blocking_send(Ok(msg)).map_err(|_| Interrupt::Gone);
     let costs = Costs::new(seq.model(), job.hardware.get());
     let mut seen = ObservedProducts::default();
-    let partial = seq
-        .gpu_mut()
-        .expert_stats()
-        .is_some_and(|e| e.slots < e.n_expert);
-    seq.gpu_mut().reset();
-    seq.gpu_mut().set_profiling(true).map_err(fail)?;
+    let gpu = seq.gpu_mut().map_err(fail)?;
+    let partial = gpu.expert_stats().is_some_and(|e| e.slots < e.n_expert);
+    let layers = gpu.config().n_layer;
+    gpu.reset();
+    gpu.set_profiling(true).map_err(fail)?;
     let result = (|| {
         let origin = Instant::now();
         let mut prefill: Option<GpuStep> = None;
@@ -284,7 +283,6 @@ pub(crate) fn run(
         }
         let prefill = prefill.ok_or_else(|| fail_msg("the prompt is empty"))?;
         send(gpu_step_message(0, &prefill, origin, &costs, partial))?;
-        let layers = seq.gpu_mut().config().n_layer;
         let mut decode = Vec::with_capacity(job.steps);
         let mut sent = Vec::with_capacity(job.steps);
         for i in 1..=job.steps {
@@ -305,9 +303,10 @@ pub(crate) fn run(
         }
         Ok(())
     })();
-    let gpu = seq.gpu_mut();
-    let _ = gpu.set_profiling(false);
-    gpu.reset();
+    if let Ok(gpu) = seq.gpu_mut() {
+        let _ = gpu.set_profiling(false);
+        gpu.reset();
+    }
     if result.is_ok() {
         job.hardware.refine(&seen);
     }
@@ -318,7 +317,7 @@ fn step(seq: &mut GpuSequence, token: u32) -> Result<(Vec<f32>, GpuStep), Interr
     let started = Instant::now();
     let logits = seq.eval_one(token).map_err(fail)?;
     let duration = started.elapsed();
-    let gpu = seq.gpu_mut();
+    let gpu = seq.gpu_mut().map_err(fail)?;
     let profile = gpu
         .last_profile()
         .cloned()
@@ -338,6 +337,12 @@ fn step(seq: &mut GpuSequence, token: u32) -> Result<(Vec<f32>, GpuStep), Interr
 }
 
 fn fail(e: GpuError) -> Interrupt {
+    if matches!(e, GpuError::DeviceLost) {
+        // The worker reloads the model before its next request.
+        return Interrupt::Fail(tonic::Status::unavailable(format!(
+            "{e}: the model is being reloaded; retry shortly"
+        )));
+    }
     fail_msg(&e.to_string())
 }
 
