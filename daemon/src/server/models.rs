@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 use super::chat::ChatTemplate;
 use super::device::{self, DeviceChoice, OpenError};
 use super::gpu::{GpuSequence, GpuStatus};
+use super::host_memory;
 use super::worker::Worker;
 use crate::engine::{BatchEngine, EngineOptions};
 use crate::gguf::GgufFile;
@@ -130,6 +131,19 @@ pub enum LoadError {
         path: PathBuf,
         #[source]
         source: PlanError,
+    },
+    /// What the load would allocate in host memory does not fit under the daemon's memory
+    /// cgroup or the machine's available memory.
+    #[error(
+        "the load needs {} of host memory besides the mapped weights (KV cache and buffers), \
+         and {bound} leaves {}: lower --ctx or --max-batch, or give the daemon more memory",
+        host_memory::mib(*needed),
+        host_memory::mib(*available)
+    )]
+    HostMemory {
+        needed: u64,
+        available: u64,
+        bound: String,
     },
     /// The model could not be put on the device; `message` is the GPU's, with what it needs.
     #[error("loading onto {device}: {message}")]
@@ -253,6 +267,7 @@ pub fn load(
         path: path.clone(),
         source,
     })?;
+    check_host_memory(options, &model)?;
     let tensors = model.file().tensors();
     let weight_bytes: u64 = tensors.iter().map(|t| t.n_bytes).sum();
     let parameters: u64 = tensors.iter().map(|t| t.n_elements).sum();
@@ -373,6 +388,41 @@ pub fn load(
         worker,
         gpu,
     })
+}
+
+/// Host memory a load takes besides its own allocations: the worker's scratch, the thread
+/// pool, the tokenizer.
+const HOST_MARGIN: u64 = 32 << 20;
+
+/// Refuses a load whose host allocations would not fit (`host_memory`): the CPU engine's KV
+/// caches, or a GPU model's staging buffers (its KV cache is in VRAM). The weights are mapped
+/// from the file, so they are not counted: the kernel can drop their pages and read them again.
+fn check_host_memory(options: &LoadOptions, model: &Model) -> Result<(), LoadError> {
+    let c = &model.config;
+    let own = match options.device {
+        DeviceChoice::Cpu => {
+            let context = match options.context {
+                0 => c.context_length.min(4096),
+                n => n,
+            } as u64;
+            // f16 keys and values per layer and position, for every sequence.
+            2 * c.n_layer as u64
+                * context
+                * c.kv_width() as u64
+                * 2
+                * options.max_batch.max(1) as u64
+        }
+        DeviceChoice::Vulkan(_) => crate::gpu::upload::DEFAULT_STAGING_BYTES,
+    };
+    let needed = own + HOST_MARGIN;
+    match host_memory::headroom() {
+        Some(room) if needed > room.bytes => Err(LoadError::HostMemory {
+            needed,
+            available: room.bytes,
+            bound: room.bound,
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// Reads every page of the weights once, so they are in RAM before the first request rather

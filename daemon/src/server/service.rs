@@ -153,6 +153,8 @@ impl DaemonState {
 fn load_status(e: LoadError) -> Status {
     match e {
         LoadError::NotFound(_) => Status::not_found(e.to_string()),
+        // Other processes may free memory: a later try may succeed.
+        LoadError::HostMemory { .. } => Status::resource_exhausted(e.to_string()),
         LoadError::Model { .. } => Status::invalid_argument(e.to_string()),
         LoadError::Thread(_) => Status::internal(e.to_string()),
         LoadError::Device { ref source, .. } => match source {
