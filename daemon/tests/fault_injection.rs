@@ -1,7 +1,9 @@
 //! Faults injected into a real daemon. `SPILLWAY_FAULT_DEVICE_OOM` (`gpu::alloc::fault`): a
 //! model load whose device memory allocation the driver refuses fails with RESOURCE_EXHAUSTED
 //! (a later try may succeed, unlike a model over its VRAM budget), nothing of it stays loaded,
-//! the same load then succeeds, and the next hundred requests on it succeed and agree.
+//! the daemon's Vulkan memory is back at its baseline, the same load then succeeds, the next
+//! hundred requests on it succeed and agree, and unloading it gives back all Vulkan memory;
+//! three more load, serve and unload cycles keep the resident set near the first one's.
 //! `SPILLWAY_FAULT_DEVICE_LOST` (`gpu::lost`): a device lost at a submission or a wait fails
 //! the request in flight with UNAVAILABLE, and the model is reloaded on a new device.
 
@@ -52,6 +54,7 @@ async fn a_load_the_driver_refuses_memory_for_fails_and_the_next_one_serves() {
     );
     d.wait_serving().await;
     let mut client = d.client().await;
+    let baseline = memory(&mut client).await;
 
     let err = load(&mut client, "gpu").await.unwrap_err();
     assert_eq!(err.code(), Code::ResourceExhausted, "{}", err.message());
@@ -69,16 +72,94 @@ async fn a_load_the_driver_refuses_memory_for_fails_and_the_next_one_serves() {
         listed.models.iter().all(|m| m.name != "gpu"),
         "a failed load is not listed"
     );
+    // The first Vulkan use maps the driver (lavapipe links LLVM: tens of MiB resident), so
+    // the resident set is compared from here on; Vulkan memory from the start.
+    let after_failure = memory(&mut client).await;
+    assert_eq!(
+        after_failure.0, baseline.0,
+        "Vulkan memory after the failed load"
+    );
 
     load(&mut client, "gpu").await.unwrap();
-    let first = greedy(&mut client, "gpu").await;
-    assert_eq!(first.len(), 4);
+    let first_tokens = greedy(&mut client, "gpu").await;
+    assert_eq!(first_tokens.len(), 4);
     for i in 1..100 {
-        assert_eq!(greedy(&mut client, "gpu").await, first, "request {i}");
+        assert_eq!(
+            greedy(&mut client, "gpu").await,
+            first_tokens,
+            "request {i}"
+        );
     }
     assert!(
         d.log_text().contains("fault injection"),
         "the daemon logs the armed fault"
+    );
+    assert!(
+        memory(&mut client).await.0 > baseline.0,
+        "the model holds Vulkan memory"
+    );
+    client
+        .unload_model(pb::UnloadModelRequest { name: "gpu".into() })
+        .await
+        .unwrap();
+    let first = unloaded(&mut client, baseline.0).await;
+    assert_eq!(first.0, baseline.0, "Vulkan memory after unloading");
+    // The first load warms the driver (compiled pipelines) and the heap's per-thread arenas;
+    // three more load, serve, unload cycles give everything back around that level.
+    for cycle in 1..=3 {
+        load(&mut client, "gpu").await.unwrap();
+        for _ in 0..20 {
+            assert_eq!(greedy(&mut client, "gpu").await, first_tokens);
+        }
+        client
+            .unload_model(pb::UnloadModelRequest { name: "gpu".into() })
+            .await
+            .unwrap();
+        back_to(
+            &first,
+            unloaded(&mut client, baseline.0).await,
+            &format!("after cycle {cycle}"),
+        );
+    }
+}
+
+/// [`memory`] once the unloaded model's worker has dropped it (Vulkan memory back at
+/// `device_baseline`, or 5 s).
+async fn unloaded(client: &mut Client, device_baseline: u64) -> (u64, u64) {
+    let mut now = memory(client).await;
+    for _ in 0..200 {
+        if now.0 == device_baseline {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+        now = memory(client).await;
+    }
+    now
+}
+
+/// The daemon's Vulkan memory and resident set, from `Status`.
+async fn memory(client: &mut Client) -> (u64, u64) {
+    let s = client
+        .status(pb::StatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(s.rss_bytes > 0, "{s:?}");
+    (s.device_memory_bytes, s.rss_bytes)
+}
+
+/// Vulkan memory exactly as at `baseline`; the resident set within 48 MiB of it (the heap's
+/// arenas keep some of what they had for reuse: 5–25 MiB between cycles on lavapipe).
+fn back_to(baseline: &(u64, u64), now: (u64, u64), when: &str) {
+    assert_eq!(
+        now.0, baseline.0,
+        "Vulkan memory {when}: {now:?} against {baseline:?}"
+    );
+    assert!(
+        now.1 <= baseline.1 + (48 << 20),
+        "resident set {when}: {} MiB against {} MiB",
+        now.1 >> 20,
+        baseline.1 >> 20
     );
 }
 

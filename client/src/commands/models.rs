@@ -184,8 +184,13 @@ pub async fn unload(client: &mut Client, name: &str) -> Result<(), Failure> {
 
 pub async fn ps(client: &mut Client) -> Result<(), Failure> {
     let status = client.status(pb::StatusRequest {}).await?.into_inner();
+    let memory = format!(
+        "daemon: {} resident, {} of Vulkan memory",
+        human_bytes(status.rss_bytes),
+        human_bytes(status.device_memory_bytes)
+    );
     if status.models.is_empty() {
-        println!("no model is loaded");
+        println!("no model is loaded ({memory})");
         return Ok(());
     }
     println!(
@@ -213,6 +218,7 @@ pub async fn ps(client: &mut Client) -> Result<(), Failure> {
             println!("  {line}");
         }
     }
+    println!("{memory}");
     Ok(())
 }
 

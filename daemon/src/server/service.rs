@@ -148,6 +148,14 @@ impl DaemonState {
     }
 }
 
+/// This process's resident set (`VmRSS` of `/proc/self/status`).
+fn resident_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = text.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// The status a failed load (or plan) answers: INVALID_ARGUMENT for what the request must
 /// change, FAILED_PRECONDITION for what the budgets, pins or daemon must.
 fn load_status(e: LoadError) -> Status {
@@ -559,7 +567,11 @@ impl Spillway for SpillwayService {
                 status
             })
             .collect();
-        Ok(Response::new(pb::StatusResponse { models }))
+        Ok(Response::new(pb::StatusResponse {
+            models,
+            device_memory_bytes: crate::gpu::alloc::process_bytes(),
+            rss_bytes: resident_bytes().unwrap_or(0),
+        }))
     }
 }
 

@@ -6,6 +6,7 @@
 
 mod ranges;
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use ash::vk;
@@ -30,6 +31,15 @@ pub enum MemoryUse {
     /// Host-visible memory the GPU reads fast: the device-local host-visible heap when the GPU
     /// exposes one (resizable BAR, integrated GPUs), else staging memory.
     DeviceMapped,
+}
+
+/// Bytes of Vulkan memory blocks every allocator of this process holds, of any type and on
+/// any device (`Status` reports it, so a failed or unloaded model can be seen to give all back).
+static PROCESS_BYTES: AtomicU64 = AtomicU64::new(0);
+
+/// Vulkan memory this process holds now, all allocators and devices together.
+pub fn process_bytes() -> u64 {
+    PROCESS_BYTES.load(Ordering::SeqCst)
 }
 
 const DL: vk::MemoryPropertyFlags = vk::MemoryPropertyFlags::DEVICE_LOCAL;
@@ -240,6 +250,7 @@ impl Allocator {
             .memory_type_index(type_index);
         // SAFETY: a valid allocation info for this device's memory types.
         let memory = unsafe { dev.allocate_memory(&info, None) }.map_err(map_vk)?;
+        PROCESS_BYTES.fetch_add(size, Ordering::SeqCst);
         let host_visible = self.device.memory.memory_types[type_index as usize]
             .property_flags
             .contains(HV);
@@ -252,6 +263,7 @@ impl Allocator {
                 Err(e) => {
                     // SAFETY: nothing uses the memory yet.
                     unsafe { dev.free_memory(memory, None) };
+                    PROCESS_BYTES.fetch_sub(size, Ordering::SeqCst);
                     return Err(map_vk(e));
                 }
             }
@@ -296,6 +308,7 @@ impl Allocator {
             }
             // SAFETY: no allocation (hence no buffer) uses the block any more; freeing unmaps.
             unsafe { self.device.raw.free_memory(b.memory, None) };
+            PROCESS_BYTES.fetch_sub(b.ranges.size(), Ordering::SeqCst);
         }
     }
 }
