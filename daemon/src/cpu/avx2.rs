@@ -34,7 +34,7 @@ fn half_at(b: &[u8], at: usize) -> f32 {
 /// # Safety
 /// The CPU must support F16C and AVX2; `w` and `x` must each be readable for 2 bytes.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn block_scale(w: *const u8, x: *const u8) -> __m256 {
+pub(super) unsafe fn block_scale(w: *const u8, x: *const u8) -> __m256 {
     // SAFETY: the caller guarantees 2 readable bytes at each.
     let (hw, hx) = unsafe {
         (
@@ -58,7 +58,7 @@ const PREFETCH_DISTANCE: usize = 2048;
 /// Asks for the cache line `PREFETCH_DISTANCE` bytes past `p` (possibly past the row: a
 /// prefetch never faults).
 #[inline(always)]
-fn prefetch_ahead(p: *const u8) {
+pub(super) fn prefetch_ahead(p: *const u8) {
     prefetch_lines(p, 1);
 }
 

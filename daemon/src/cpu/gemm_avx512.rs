@@ -45,14 +45,20 @@ const CHUNK_BYTES: usize = 256 << 10;
 const Q4_0_PAIRS: usize = 3;
 const K_PAIRS: usize = 2;
 
-/// Whether the CPU has what these kernels use (AVX2, FMA and F16C too, for the helpers shared
-/// with [`super::avx2`]).
+/// Whether the CPU has what these kernels (and the one-row ones of [`super::avx512`]) use:
+/// AVX-512 F, BW, VL and VNNI, and AVX2, FMA and F16C for the helpers shared with
+/// [`super::avx2`]. `SPILLWAY_CPU_AVX512=0` turns them off (the AVX2 kernels give the same
+/// bits), to compare the two.
 pub fn available() -> bool {
-    is_x86_feature_detected!("avx512f")
-        && is_x86_feature_detected!("avx512bw")
-        && is_x86_feature_detected!("avx512vl")
-        && is_x86_feature_detected!("avx512vnni")
-        && super::Isa::detect() == super::Isa::Avx2
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512vnni")
+            && super::Isa::detect() == super::Isa::Avx2
+            && std::env::var("SPILLWAY_CPU_AVX512").map_or(true, |v| v != "0")
+    })
 }
 
 /// Weight types with a kernel here.

@@ -1,6 +1,6 @@
 //! Run-time choice of the dot-product kernel for a weight type: AVX2 when the CPU has it (and
-//! FMA, F16C), NEON on aarch64, the scalar reference otherwise. (AVX-512 is used by the
-//! batched prompt kernels, `gemm_avx512`, not by these one-row dot products.)
+//! FMA, F16C), with AVX-512 VNNI for Q8_0 and Q4_0 rows where the CPU has that too (the same
+//! bits as AVX2), NEON on aarch64, the scalar reference otherwise.
 
 use crate::gguf::GgmlType;
 
@@ -53,6 +53,14 @@ macro_rules! wrap {
 /// # Panics
 /// For a weight type without kernels (the model loader only accepts those with).
 pub fn dot_kernel(ty: GgmlType, isa: Isa) -> DotFn {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && super::gemm_avx512::available() {
+        match ty {
+            GgmlType::Q8_0 => return avx512::q8_0,
+            GgmlType::Q4_0 => return avx512::q4_0,
+            _ => {}
+        }
+    }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 {
         match ty {
@@ -123,6 +131,17 @@ mod avx2 {
     wrap!(q6_k, Q8K, |r, y| unsafe { k::dot_q6_k(r, y) });
 }
 
+/// SAFETY (every call below): `dot_kernel` hands these out only for `Isa::Avx2` when
+/// `gemm_avx512::available` found AVX-512 F, BW, VL and VNNI; lengths are checked inside.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::super::avx512 as k;
+    use super::Activation;
+
+    wrap!(q8_0, Q8_0, |r, y| unsafe { k::dot_q8_0(r, y) });
+    wrap!(q4_0, Q8_0, |r, y| unsafe { k::dot_q4_0(r, y) });
+}
+
 #[cfg(target_arch = "aarch64")]
 mod neon {
     use super::super::neon as k;
@@ -157,6 +176,33 @@ mod tests {
             }
         }
         bytes
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx512_vnni_kernels_give_the_avx2_kernels_bits() {
+        if Isa::detect() != Isa::Avx2 || !crate::cpu::gemm_avx512::available() {
+            eprintln!("no AVX-512 VNNI on this CPU: nothing to compare");
+            return;
+        }
+        let n_in = 4096;
+        let x = noise(n_in, 5);
+        for ty in [GgmlType::Q8_0, GgmlType::Q4_0] {
+            let rows = random_rows(ty, n_in, 7, &[0]);
+            let act = Activation::new(ty, &x);
+            let (vnni, plain) = match ty {
+                GgmlType::Q8_0 => (avx512::q8_0 as DotFn, avx2::q8_0 as DotFn),
+                _ => (avx512::q4_0 as DotFn, avx2::q4_0 as DotFn),
+            };
+            assert!(
+                std::ptr::fn_addr_eq(dot_kernel(ty, Isa::Avx2), vnni),
+                "{ty}"
+            );
+            for row in rows.chunks_exact(rows.len() / 7) {
+                let (a, b) = (vnni(row, &act), plain(row, &act));
+                assert_eq!(a.to_bits(), b.to_bits(), "{ty}: {a} vs {b}");
+            }
+        }
     }
 
     #[test]

@@ -11,6 +11,8 @@ pub mod act;
 pub mod attn;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub mod avx512;
 pub mod dot;
 #[cfg(target_arch = "x86_64")]
 pub mod gemm_avx2;
