@@ -28,8 +28,9 @@ async fn load(client: &mut Client, name: &str) -> Result<(), tonic::Status> {
     load_model(client, req).await
 }
 
-async fn greedy(client: &mut Client, model: &str) -> Vec<u32> {
-    let req = pb::GenerateRequest {
+/// Four prompt tokens, four greedy tokens back (7 tokens evaluated on the model's device).
+fn greedy_request(model: &str) -> pb::GenerateRequest {
+    pb::GenerateRequest {
         model: model.into(),
         input: Some(pb::generate_request::Input::Tokens(pb::TokenIds {
             ids: vec![1, 17, 300, 5],
@@ -37,8 +38,11 @@ async fn greedy(client: &mut Client, model: &str) -> Vec<u32> {
         max_tokens: 4,
         ignore_eos: true,
         ..Default::default()
-    };
-    stream_tokens(client, req).await.0
+    }
+}
+
+async fn greedy(client: &mut Client, model: &str) -> Vec<u32> {
+    stream_tokens(client, greedy_request(model)).await.0
 }
 
 #[tokio::test]
@@ -176,18 +180,6 @@ async fn generate_or_status(
     Ok(tokens)
 }
 
-fn greedy_request() -> pb::GenerateRequest {
-    pb::GenerateRequest {
-        model: "gpu".into(),
-        input: Some(pb::generate_request::Input::Tokens(pb::TokenIds {
-            ids: vec![1, 17, 300, 5],
-        })),
-        max_tokens: 4,
-        ignore_eos: true,
-        ..Default::default()
-    }
-}
-
 /// Device loss injected at a token's submission and at its wait
 /// (`SPILLWAY_FAULT_DEVICE_LOST`, `gpu::lost`): the request in flight ends with UNAVAILABLE,
 /// the worker opens the device again and reloads the model (health NOT_SERVING meanwhile),
@@ -209,12 +201,12 @@ async fn a_lost_device_fails_the_request_in_flight_and_the_model_serves_again() 
         d.wait_serving().await;
         let mut client = d.client().await;
         load(&mut client, "gpu").await.unwrap();
-        let before = generate_or_status(&mut client, greedy_request())
+        let before = generate_or_status(&mut client, greedy_request("gpu"))
             .await
             .unwrap();
         assert_eq!(before.len(), 4, "{point}");
 
-        let lost = generate_or_status(&mut client, greedy_request())
+        let lost = generate_or_status(&mut client, greedy_request("gpu"))
             .await
             .unwrap_err();
         assert_eq!(
@@ -233,7 +225,7 @@ async fn a_lost_device_fails_the_request_in_flight_and_the_model_serves_again() 
         // Until the reload is done requests are refused with UNAVAILABLE; after it, served.
         let mut after = Err(tonic::Status::unavailable(""));
         for _ in 0..600 {
-            after = generate_or_status(&mut client, greedy_request()).await;
+            after = generate_or_status(&mut client, greedy_request("gpu")).await;
             match &after {
                 Err(e) if e.code() == Code::Unavailable => {
                     tokio::time::sleep(std::time::Duration::from_millis(50)).await
@@ -247,7 +239,7 @@ async fn a_lost_device_fails_the_request_in_flight_and_the_model_serves_again() 
             "{point}: the same tokens after the reload"
         );
         for i in 0..20 {
-            let again = generate_or_status(&mut client, greedy_request()).await;
+            let again = generate_or_status(&mut client, greedy_request("gpu")).await;
             assert_eq!(
                 again.unwrap(),
                 before,

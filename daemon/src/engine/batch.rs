@@ -24,10 +24,7 @@ pub struct BatchEngine {
 impl BatchEngine {
     pub fn new(model: Arc<Model>, options: &EngineOptions, max_sequences: usize) -> BatchEngine {
         let c = &model.config;
-        let context = match options.context {
-            0 => c.context_length.min(4096),
-            n => n,
-        };
+        let context = options.positions(c);
         let n = max_sequences.max(1);
         BatchEngine {
             pool: ThreadPool::new(options.threads.max(1)),

@@ -14,6 +14,11 @@ pub struct KvCache {
 }
 
 impl KvCache {
+    /// Bytes of a cache of `capacity` positions: f16 keys and values per layer.
+    pub fn bytes(n_layer: usize, capacity: usize, kv_width: usize) -> u64 {
+        2 * n_layer as u64 * capacity as u64 * kv_width as u64 * 2
+    }
+
     pub fn new(n_layer: usize, capacity: usize, kv_width: usize) -> KvCache {
         let empty = || vec![vec![f16::ZERO; capacity * kv_width]; n_layer];
         KvCache {

@@ -53,6 +53,16 @@ pub struct EngineOptions {
     pub context: usize,
 }
 
+impl EngineOptions {
+    /// The KV cache positions these options give a model with `config`.
+    pub fn positions(&self, config: &crate::model::Config) -> usize {
+        match self.context {
+            0 => config.context_length.min(4096),
+            n => n,
+        }
+    }
+}
+
 impl Default for EngineOptions {
     fn default() -> Self {
         EngineOptions {
@@ -75,10 +85,7 @@ pub struct Engine {
 impl Engine {
     pub fn new(model: Arc<Model>, options: &EngineOptions) -> Engine {
         let c = &model.config;
-        let context = match options.context {
-            0 => c.context_length.min(4096),
-            n => n,
-        };
+        let context = options.positions(c);
         Engine {
             pool: ThreadPool::new(options.threads.max(1)),
             kv: KvCache::new(c.n_layer, context, c.kv_width()),

@@ -13,7 +13,7 @@ use super::device::{self, DeviceChoice, OpenError};
 use super::gpu::{GpuSequence, GpuStatus};
 use super::host_memory;
 use super::worker::Worker;
-use crate::engine::{BatchEngine, EngineOptions};
+use crate::engine::{BatchEngine, EngineOptions, KvCache};
 use crate::gguf::GgufFile;
 use crate::gpu::forward::{GpuModel, GpuModelOptions};
 use crate::gpu::placement::ExpertLayout;
@@ -310,9 +310,8 @@ pub fn load(
             );
             let context = engine.capacity();
             let c = &model.config;
-            // f16 keys and values per layer and position, for every sequence.
             let kv_cache_bytes =
-                (2 * c.n_layer * context * c.kv_width() * 2 * engine.sequences()) as u64;
+                KvCache::bytes(c.n_layer, context, c.kv_width()) * engine.sequences() as u64;
             let worker = Worker::spawn(
                 &options.name,
                 engine,
@@ -401,15 +400,12 @@ fn check_host_memory(options: &LoadOptions, model: &Model) -> Result<(), LoadErr
     let c = &model.config;
     let own = match options.device {
         DeviceChoice::Cpu => {
-            let context = match options.context {
-                0 => c.context_length.min(4096),
-                n => n,
-            } as u64;
-            // f16 keys and values per layer and position, for every sequence.
-            2 * c.n_layer as u64
-                * context
-                * c.kv_width() as u64
-                * 2
+            let engine = EngineOptions {
+                threads: options.threads,
+                context: options.context,
+            };
+            // One cache per sequence, as `BatchEngine::new` makes them.
+            KvCache::bytes(c.n_layer, engine.positions(c), c.kv_width())
                 * options.max_batch.max(1) as u64
         }
         DeviceChoice::Vulkan(_) => crate::gpu::upload::DEFAULT_STAGING_BYTES,
