@@ -15,7 +15,7 @@ pub enum Op {
     MatVecId,
     /// Quantized matrix × a batch of f32 vectors, token-major (prompts).
     MatVecBatch,
-    /// One weight row to f32 (the token embedding).
+    /// One weight row to f32 (the token embedding), the row read from the step buffer.
     GetRows,
     /// RMSNorm of rows, times a weight vector.
     RmsNorm,
@@ -47,11 +47,12 @@ impl Op {
     pub const fn bindings(self) -> u32 {
         match self {
             Op::Softmax => 1,
-            Op::Dequant | Op::GetRows | Op::Add | Op::Swiglu | Op::ScaleAdd => 2,
-            Op::Matmul | Op::MatVec | Op::MatVecBatch | Op::RmsNorm | Op::RopeNorm | Op::RopeNeox => 3,
+            Op::Dequant | Op::Add | Op::Swiglu | Op::ScaleAdd => 2,
+            Op::Matmul | Op::MatVec | Op::MatVecBatch | Op::RmsNorm | Op::GetRows => 3,
             Op::ScaleAddRouted => 3,
-            Op::KvStore | Op::MatVecId | Op::MoeRoute => 4,
-            Op::Attention => 5,
+            Op::MatVecId | Op::MoeRoute | Op::RopeNorm | Op::RopeNeox => 4,
+            Op::KvStore => 5,
+            Op::Attention => 6,
         }
     }
 }

@@ -4,7 +4,8 @@
 //! `cargo run --release -p spillway-bench --example vulkan_decode -- PRESET TYPE TOKENS [DIR]
 //! [host-routing]` e.g. `llama-3.2-1b Q4_K_M 64 /tmp`; `host-routing` routes MoE layers on the
 //! host (a read-back per layer) even with every expert in VRAM, to compare with the device's
-//! routing.
+//! routing. Decode is timed three times each way, alternating: steps replayed from one recording
+//! and steps recorded anew (`GpuModelOptions::replay`); the medians are printed.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -40,6 +41,15 @@ fn main() {
         ..GpuModelOptions::default()
     };
     let mut gpu = GpuModel::new(&device, &model, &options).unwrap();
+    let mut recorded = GpuModel::new(
+        &device,
+        &model,
+        &GpuModelOptions {
+            replay: false,
+            ..options.clone()
+        },
+    )
+    .unwrap();
     let budget = gpu.allocator().budget();
     println!(
         "{preset} {}: uploaded in {:.2} s, {:.0} MiB of device memory held, on {}, MoE routed on the {}",
@@ -70,16 +80,30 @@ fn main() {
             .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
         println!("token {t}: max |gpu - cpu| {diff:.4} of {range:.4}");
     }
-    gpu.reset();
-    let t0 = Instant::now();
-    for &t in &tokens {
-        gpu.eval(t).unwrap();
+    let time = |gpu: &mut GpuModel| {
+        gpu.reset();
+        gpu.eval(tokens[0]).unwrap(); // the replay's recording, pipelines: not timed
+        gpu.reset();
+        let t0 = Instant::now();
+        for &t in &tokens {
+            gpu.eval(t).unwrap();
+        }
+        n_tokens as f64 / t0.elapsed().as_secs_f64()
+    };
+    let (mut replayed, mut anew) = (Vec::new(), Vec::new());
+    for _ in 0..3 {
+        replayed.push(time(&mut gpu));
+        anew.push(time(&mut recorded));
     }
-    let s = t0.elapsed().as_secs_f64();
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
     let st = gpu.last_stats();
     println!(
-        "decode: {n_tokens} tokens in {s:.3} s = {:.1} tok/s ({} dispatches, {} barriers, {} submits per token)",
-        n_tokens as f64 / s,
+        "decode: {n_tokens} tokens, median of 3: replayed {:.1} tok/s, recorded each step {:.1} tok/s ({} dispatches, {} barriers, {} submits per token)",
+        median(&mut replayed),
+        median(&mut anew),
         st.dispatches,
         st.barriers,
         st.submits

@@ -8,7 +8,9 @@
 //! must hold it). Budgets are the minimum, then a quarter, half and three quarters of the way
 //! to the whole model, the whole model's bytes, and no budget; or, with `budgets=8192,1024`,
 //! those budgets in MiB. `modes=cpu` (or `fetch`) runs one miss mode only; `cpu-separate` is
-//! `cpu` with a step as separate submissions instead of one chain (`GpuModelOptions::chain`).
+//! `cpu` with a step as separate submissions instead of one chain (`GpuModelOptions::chain`);
+//! `cpu-record` is `cpu` with a step that is one submission recorded anew for every token
+//! instead of replayed (`GpuModelOptions::replay`).
 //! `threads=N` sets the CPU experts' threads (default: every core); `ram=MiB` gives the CPU's
 //! experts a RAM budget (a cache read from the file) in place of the memory map.
 
@@ -30,7 +32,7 @@ fn mib(b: u64) -> f64 {
 
 fn main() {
     let mut given_budgets: Option<Vec<u64>> = None;
-    let mut modes = vec![(MoeMiss::Cpu, true), (MoeMiss::Fetch, true)];
+    let mut modes = vec![(MoeMiss::Cpu, true, true), (MoeMiss::Fetch, true, true)];
     let mut threads = 0;
     let mut ram_budget = None;
     let args: Vec<String> = std::env::args()
@@ -53,10 +55,11 @@ fn main() {
                 modes = m
                     .split(',')
                     .map(|m| match m {
-                        "cpu" => (MoeMiss::Cpu, true),
-                        "cpu-separate" => (MoeMiss::Cpu, false),
-                        "fetch" => (MoeMiss::Fetch, true),
-                        other => panic!("modes={other}: cpu, cpu-separate or fetch"),
+                        "cpu" => (MoeMiss::Cpu, true, true),
+                        "cpu-separate" => (MoeMiss::Cpu, false, true),
+                        "cpu-record" => (MoeMiss::Cpu, true, false),
+                        "fetch" => (MoeMiss::Fetch, true, true),
+                        other => panic!("modes={other}: cpu, cpu-separate, cpu-record or fetch"),
                     })
                     .collect();
                 false
@@ -128,15 +131,17 @@ fn main() {
         .map(|i| (i * 7919 + 13) % 1000)
         .collect();
     for budget in budgets {
-        for &(miss, chain) in &modes {
+        for &(miss, chain, replay) in &modes {
             let options = GpuModelOptions {
                 vram_budget: budget,
                 moe_miss: miss,
                 chain,
+                replay,
                 ..base.clone()
             };
-            let mode = match (miss, chain) {
-                (MoeMiss::Cpu, false) => "cpu-sep".to_string(),
+            let mode = match (miss, chain, replay) {
+                (MoeMiss::Cpu, false, _) => "cpu-sep".to_string(),
+                (MoeMiss::Cpu, true, false) => "cpu-rec".to_string(),
                 _ => miss.to_string(),
             };
             let mut gpu = match GpuModel::new(&device, &model, &options) {

@@ -50,6 +50,7 @@ fn options(budget: Option<u64>, miss: MoeMiss) -> GpuModelOptions {
         host_routing: false,
         ram_budget: None,
         chain: true,
+        replay: true,
     }
 }
 

@@ -9,7 +9,7 @@ use half::f16;
 use spillway_daemon::cpu::{attn, matvec, ThreadPool};
 use spillway_daemon::engine::ops;
 use spillway_daemon::gguf::GgmlType;
-use spillway_daemon::gpu::ops::{rope_table, AttentionArgs, GpuMatrix, RopeArgs};
+use spillway_daemon::gpu::ops::{rope_table, AttentionArgs, GpuMatrix, RopeArgs, StepWord};
 use spillway_daemon::gpu::upload::download;
 use spillway_daemon::gpu::{Allocator, Buffer, Device, Kernels, MemoryUse, Uploader};
 use spillway_daemon::model::{MatRef, RopeLayout};
@@ -122,6 +122,15 @@ impl Gpu {
         b
     }
 
+    /// A step buffer holding `words` (token ids, positions) for the kernels that read them.
+    fn words(&self, words: &[u32]) -> Buffer {
+        let mut b =
+            Buffer::new_in(&self.alloc, words.len() as u64 * 4, MemoryUse::Staging).unwrap();
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        b.write(&bytes);
+        b
+    }
+
     fn zeros(&self, n: usize) -> Buffer {
         Buffer::new_in(&self.alloc, n as u64 * 4, MemoryUse::Staging).unwrap()
     }
@@ -161,6 +170,14 @@ fn check_matvec(ty: GgmlType) {
         let (xb, yb) = (gpu.f32s(&x), gpu.zeros(n_out));
         gpu.kernels.record(|r| r.matvec(&m, &xb, &yb)).unwrap();
         let got = yb.read_f32(n_out);
+
+        // Accumulating into a residual: each result is `y + (W · x)`, the same product added
+        // once, bit for bit.
+        let residual: Vec<f32> = noise(n_out, 6).iter().map(|v| v * 4.0).collect();
+        let acc = gpu.f32s(&residual);
+        gpu.kernels.record(|r| r.matvec_add(&m, &xb, &acc)).unwrap();
+        let want: Vec<f32> = residual.iter().zip(&got).map(|(a, b)| a + b).collect();
+        assert_eq!(acc.read_f32(n_out), want, "{ty}: matvec_add");
 
         let exact = exact_dots(ty, &data, n_in, n_out, &x);
         let pool = ThreadPool::new(2);
@@ -324,6 +341,8 @@ fn matvec_over_a_matrix_larger_than_max_storage_buffer_range() {
 
 // ---- rows, norms, element-wise ops ----
 
+/// The row comes from the step buffer; bound whole, and bound as runs of a few rows (as a
+/// matrix larger than `maxStorageBufferRange` is), where only the run holding it writes.
 #[test]
 fn get_rows_matches_dequantize_row_bit_for_bit() {
     let Some(dev) = device() else { return };
@@ -333,8 +352,30 @@ fn get_rows_matches_dequantize_row_bit_for_bit() {
         let data = weight_rows(ty, n_in, n_out, 21);
         let m = gpu.matrix(ty, n_in, n_out, &data);
         let out = gpu.zeros(n_in);
-        for row in [0u32, 7, 39] {
-            gpu.kernels.record(|r| r.get_rows(&m, row, &out)).unwrap();
+        for (row, max_range) in [
+            (0u32, None),
+            (7, None),
+            (39, None),
+            (0, Some(4096)),
+            (23, Some(4096)),
+            (39, Some(4096)),
+        ] {
+            let step = gpu.words(&[9999, row]);
+            let word = StepWord {
+                buffer: &step,
+                index: 1,
+            };
+            let max_range = max_range.unwrap_or(u64::MAX);
+            gpu.kernels
+                .record_with_max_range(max_range, |r| {
+                    r.get_rows(&m, word, &out)?;
+                    assert!(
+                        max_range == u64::MAX || r.stats().dispatches > 2,
+                        "{ty}: runs"
+                    );
+                    Ok(())
+                })
+                .unwrap();
             let rb = data.len() / n_out;
             let mut want = vec![0f32; n_in];
             let at = row as usize * rb;
@@ -344,7 +385,7 @@ fn get_rows_matches_dequantize_row_bit_for_bit() {
                 got.iter()
                     .zip(&want)
                     .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{ty} row {row}"
+                "{ty} row {row}, bound {max_range}"
             );
         }
     }
@@ -398,12 +439,16 @@ fn rope_matches_cpu_in_both_layouts_with_and_without_qk_norm() {
                     n_heads: n_heads as u32,
                     head_dim: head_dim as u32,
                     n_rot: n_rot as u32,
-                    pos: pos as u32,
                     eps: 1e-6,
                 };
                 let norm = qk_norm.then_some(&norm_b);
+                let step = gpu.words(&[1, pos as u32]);
+                let pos_word = StepWord {
+                    buffer: &step,
+                    index: 1,
+                };
                 gpu.kernels
-                    .record(|r| r.rope(&xb, norm, &table, args))
+                    .record(|r| r.rope(&xb, norm, &table, args, pos_word))
                     .unwrap();
                 let (mut c, mut s) = (vec![0.0; n_rot / 2], vec![0.0; n_rot / 2]);
                 ops::rope_cache(pos, n_rot, 10_000.0, 1.0, None, &mut c, &mut s);
@@ -486,11 +531,19 @@ fn kv_store_and_gqa_attention_match_cpu() {
         let keys: Vec<f32> = noise(n_kv * kvw, 1).iter().map(|v| v * 2.0).collect();
         let values = noise(n_kv * kvw, 2);
         let (mut kb, mut vb) = (gpu.zeros(kvw), gpu.zeros(kvw));
+        let mut step = gpu.words(&[0]);
+        fn pos(step: &Buffer) -> StepWord<'_> {
+            StepWord {
+                buffer: step,
+                index: 0,
+            }
+        }
         for p in 0..n_kv {
             kb.write_f32(&keys[p * kvw..(p + 1) * kvw]);
             vb.write_f32(&values[p * kvw..(p + 1) * kvw]);
+            step.write(&(p as u32).to_le_bytes());
             gpu.kernels
-                .record(|r| r.kv_store((&kb, &vb), (&k_cache, &v_cache), kvw as u32, p as u32))
+                .record(|r| r.kv_store((&kb, &vb), (&k_cache, &v_cache), kvw as u32, pos(&step)))
                 .unwrap();
         }
         // The cache holds the values rounded to f16, as the CPU's `KvCache::store` rounds them.
@@ -516,11 +569,12 @@ fn kv_store_and_gqa_attention_match_cpu() {
             n_heads: n_heads as u32,
             n_kv_heads: n_kv_heads as u32,
             head_dim: hd as u32,
-            n_kv: n_kv as u32,
             scores_stride: ctx as u32,
         };
+        // The new token's position: positions 0..=pos attend.
+        step.write(&(n_kv as u32 - 1).to_le_bytes());
         gpu.kernels
-            .record(|r| r.attention(&qb, (&k_cache, &v_cache), &scores, &out, args))
+            .record(|r| r.attention(&qb, (&k_cache, &v_cache), &scores, &out, args, pos(&step)))
             .unwrap();
 
         // The CPU engine's attention for one token (engine::forward).

@@ -1,29 +1,36 @@
 #version 450
 // One row of a weight matrix to f32 (ggml's get_rows: the token embedding). One invocation per
-// unit of 32 weights.
+// unit of 32 weights. The row is read on the device, from word `step_index` of the step buffer,
+// so a recorded step can be replayed for each new token. A matrix larger than one binding is
+// bound as runs of rows, one dispatch each; only the run that holds the row writes.
 
 layout(local_size_x = 64) in;
 
 layout(std430, binding = 0) readonly buffer Weights { uint weights[]; };
 layout(std430, binding = 1) writeonly buffer Output { float dst[]; };
+layout(std430, binding = 2) readonly buffer Step { uint step[]; };
 
 layout(push_constant) uniform Params {
-    uint n;        // row width
-    uint w_offset; // byte offset of the row in `weights`
-    uint dst_offset;
+    uint n;         // row width
+    uint row_bytes;
+    uint first_row; // the first row of the bound range
+    uint n_rows;    // rows in the bound range
+    uint w_offset;  // byte offset of `first_row` in `weights`
+    uint step_index;
 } p;
 
 #include "common.glsl"
 #include "decode.glsl"
 
 void main() {
+    const uint row = step[p.step_index];
     const uint u = gl_GlobalInvocationID.x;
-    if (u >= p.n / 32u) {
+    if (row < p.first_row || row - p.first_row >= p.n_rows || u >= p.n / 32u) {
         return;
     }
     float v[32];
-    decode_unit(p.w_offset, u, v);
+    decode_unit(p.w_offset + (row - p.first_row) * p.row_bytes, u, v);
     for (uint i = 0u; i < 32u; ++i) {
-        dst[p.dst_offset + 32u * u + i] = v[i];
+        dst[32u * u + i] = v[i];
     }
 }

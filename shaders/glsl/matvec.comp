@@ -19,6 +19,8 @@
 
 layout(local_size_x_id = 0) in;
 layout(constant_id = 1) const uint NROWS = 4u;
+// 1: the results are added to `y` (`y += W x`, the residual sums of a layer) instead of stored.
+layout(constant_id = 2) const uint ACCUMULATE = 0u;
 // The host keeps WG <= MAX_WG and NROWS <= MAX_ROWS (ops.rs, `MatVecShape`).
 #define MAX_WG 256u
 #define MAX_ROWS 8u
@@ -28,7 +30,7 @@ layout(constant_id = 1) const uint NROWS = 4u;
 layout(std430, binding = 0) readonly buffer Weights { uint weights[]; };
 layout(std430, binding = 0) readonly buffer Weights4 { uvec4 weights4[]; };
 layout(std430, binding = 1) readonly buffer X { vec4 x4[]; };
-layout(std430, binding = 2) writeonly buffer Y { float y[]; };
+layout(std430, binding = 2) buffer Y { float y[]; };
 #if defined(INDEXED)
 layout(std430, binding = 3) readonly buffer Ids { uint ids[]; };
 #endif
@@ -46,6 +48,10 @@ layout(push_constant) uniform Params {
 } p;
 
 #include "matvec_dot.glsl"
+
+void store(uint i, float v) {
+    y[i] = ACCUMULATE != 0u ? y[i] + v : v;
+}
 
 #if defined(USE_SUBGROUP)
 shared float red[MAX_ROWS * MAX_WG / 4u];
@@ -101,7 +107,7 @@ void main() {
         if (tid == 0u) {
             [[unroll]] for (uint j = 0u; j < NROWS; ++j) {
                 if (j < nr) {
-                    y[y0 + r0 + j] = acc[j];
+                    store(y0 + r0 + j, acc[j]);
                 }
             }
         }
@@ -119,7 +125,7 @@ void main() {
         for (uint k = 0u; k < ns; ++k) {
             s += red[tid * ns + k];
         }
-        y[y0 + r0 + tid] = s;
+        store(y0 + r0 + tid, s);
     }
 #else
     [[unroll]] for (uint j = 0u; j < NROWS; ++j) {
@@ -135,7 +141,7 @@ void main() {
         barrier();
     }
     if (tid < nr) {
-        y[y0 + r0 + tid] = red[tid * WG];
+        store(y0 + r0 + tid, red[tid * WG]);
     }
 #endif
 }

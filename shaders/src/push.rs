@@ -103,9 +103,14 @@ pub struct MatVecBatchParams {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GetRowsParams {
     pub n: u32,
-    /// Byte offset of the row in the bound weight range.
+    pub row_bytes: u32,
+    /// The first row the bound weight range holds, and how many it holds.
+    pub first_row: u32,
+    pub n_rows: u32,
+    /// Byte offset of `first_row` in the bound weight range.
     pub w_offset: u32,
-    pub dst_offset: u32,
+    /// Word of the step buffer that holds the row (the token id).
+    pub step_index: u32,
 }
 
 /// `rms_norm.comp`'s `Params`.
@@ -122,10 +127,13 @@ pub struct RmsNormParams {
 pub struct RopeParams {
     pub head_dim: u32,
     pub n_rot: u32,
-    pub pos: u32,
     pub eps: f32,
     /// 1: RMSNorm each head first (QK-norm).
     pub qk_norm: u32,
+    /// Positions the angle table holds.
+    pub n_pos: u32,
+    /// Word of the step buffer that holds the position.
+    pub step_index: u32,
 }
 
 /// `eltwise.comp`'s and `softmax.comp`'s `Params`.
@@ -148,7 +156,10 @@ pub struct ScaleAddParams {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct KvStoreParams {
     pub kv_width: u32,
-    pub pos: u32,
+    /// Rows the caches hold.
+    pub capacity: u32,
+    /// Word of the step buffer that holds the position.
+    pub step_index: u32,
 }
 
 /// `attention.comp`'s `Params`.
@@ -157,10 +168,13 @@ pub struct KvStoreParams {
 pub struct AttentionParams {
     pub head_dim: u32,
     pub kv_width: u32,
-    pub n_kv: u32,
     pub group: u32,
+    /// Floats per head of the scores scratch: the most positions that attend.
     pub scores_stride: u32,
     pub scale: f32,
+    /// Word of the step buffer that holds the new token's position (positions `0..=pos`
+    /// attend).
+    pub step_index: u32,
 }
 
 /// A push-constant struct: its bytes and its fields' (offset, size) in declaration order.
@@ -208,27 +222,35 @@ push_constants!(MatVecBatchParams {
 });
 push_constants!(GetRowsParams {
     n,
+    row_bytes,
+    first_row,
+    n_rows,
     w_offset,
-    dst_offset
+    step_index
 });
 push_constants!(RmsNormParams { n, eps });
 push_constants!(RopeParams {
     head_dim,
     n_rot,
-    pos,
     eps,
-    qk_norm
+    qk_norm,
+    n_pos,
+    step_index
 });
 push_constants!(EltwiseParams { n });
 push_constants!(ScaleAddParams { n, scale });
-push_constants!(KvStoreParams { kv_width, pos });
+push_constants!(KvStoreParams {
+    kv_width,
+    capacity,
+    step_index
+});
 push_constants!(AttentionParams {
     head_dim,
     kv_width,
-    n_kv,
     group,
     scores_stride,
-    scale
+    scale,
+    step_index
 });
 push_constants!(MatVecIdParams {
     n_in,

@@ -28,8 +28,8 @@ use super::lost::LossPoint;
 /// turn is usually due within tens of microseconds, less than a sleeping wait's wake-up. After
 /// the first [`SPIN_HARD`] the poll yields between reads, so a device that runs on the CPU
 /// (lavapipe) keeps the core.
-const SPIN: Duration = Duration::from_micros(2000);
-const SPIN_HARD: Duration = Duration::from_micros(50);
+pub(super) const SPIN: Duration = Duration::from_micros(2000);
+pub(super) const SPIN_HARD: Duration = Duration::from_micros(50);
 
 /// A submitted chain, and the host's side of it (see the module's notes). Dropping it releases
 /// the parts not yet released, in order, and waits for the last before freeing the command

@@ -31,6 +31,7 @@ pub mod ops_batch;
 mod pipeline;
 pub mod placement;
 pub mod record;
+pub mod replay;
 pub mod upload;
 
 pub use alloc::{Allocator, Budget, MemoryUse};

@@ -187,7 +187,6 @@ pub struct RopeArgs {
     pub n_heads: u32,
     pub head_dim: u32,
     pub n_rot: u32,
-    pub pos: u32,
     /// RMSNorm eps, used with a QK-norm weight.
     pub eps: f32,
 }
@@ -198,10 +197,24 @@ pub struct AttentionArgs {
     pub n_heads: u32,
     pub n_kv_heads: u32,
     pub head_dim: u32,
-    /// Positions that attend: the new token's included.
-    pub n_kv: u32,
-    /// Floats per head in the scores scratch buffer (the cache capacity).
+    /// Floats per head in the scores scratch buffer: the cache capacity, the most positions
+    /// that attend.
     pub scores_stride: u32,
+}
+
+/// A `u32` the device reads when a dispatch runs, not when it is recorded: word `index` of
+/// `buffer` (a token id, a position), so that one recording serves every step of a sequence
+/// ([`super::replay`]).
+#[derive(Clone, Copy)]
+pub struct StepWord<'b> {
+    pub buffer: &'b Buffer,
+    pub index: u32,
+}
+
+impl<'b> StepWord<'b> {
+    fn binding(self) -> Binding<'b> {
+        Binding::read(self.buffer)
+    }
 }
 
 /// One binding's run of a matrix's rows (see [`Recorder::row_chunks`]).
@@ -217,7 +230,13 @@ pub(crate) struct RowChunk<'w> {
 impl Recorder<'_> {
     /// `y = W · x` (f32 vectors of `n_in` and `n_out`).
     pub fn matvec(&mut self, w: &GpuMatrix, x: &Buffer, y: &Buffer) -> Result<()> {
-        self.matvec_rows(w, 0, w.n_out, x, y)
+        self.matvec_into(w, 0, w.n_out, x, y, false)
+    }
+
+    /// `y += W · x`: a product added to a residual sum in the same dispatch (each sum is
+    /// `y + (W · x)`, as an `add` after the product would give).
+    pub fn matvec_add(&mut self, w: &GpuMatrix, x: &Buffer, y: &Buffer) -> Result<()> {
+        self.matvec_into(w, 0, w.n_out, x, y, true)
     }
 
     /// `y = W[first..first + n] · x`: rows `first..first + n` of `w` only, their results at
@@ -232,9 +251,22 @@ impl Recorder<'_> {
         x: &Buffer,
         y: &Buffer,
     ) -> Result<()> {
+        self.matvec_into(w, first, n, x, y, false)
+    }
+
+    fn matvec_into(
+        &mut self,
+        w: &GpuMatrix,
+        first: usize,
+        n: usize,
+        x: &Buffer,
+        y: &Buffer,
+        accumulate: bool,
+    ) -> Result<()> {
         let chunks = self.row_chunks(w, first, n)?;
         let id = self.variant(Op::MatVec, Some(w.wtype))?;
         let shape = self.matvec_shape(w.wtype);
+        let spec = [shape.threads, shape.rows, u32::from(accumulate)];
         for chunk in chunks {
             let push = MatVecParams {
                 n_in: w.n_in as u32,
@@ -244,7 +276,7 @@ impl Recorder<'_> {
             };
             let bindings = [chunk.weights, Binding::read(x), Binding::write(y)];
             let groups = grid(chunk.rows.div_ceil(shape.rows));
-            self.dispatch_spec(id, &shape.spec(), &bindings, &push, groups)?;
+            self.dispatch_spec(id, &spec, &bindings, &push, groups)?;
         }
         Ok(())
     }
@@ -418,38 +450,24 @@ impl Recorder<'_> {
         )
     }
 
-    /// Row `row` of `w` as f32 into `dst` (the embedding lookup).
-    pub fn get_rows(&mut self, w: &GpuMatrix, row: u32, dst: &Buffer) -> Result<()> {
-        if row as usize >= w.n_out {
-            return Err(GpuError::Unsupported(format!(
-                "row {row} of a matrix of {} rows",
-                w.n_out
-            )));
-        }
+    /// The row of `w` that `row` holds when the dispatch runs, as f32 into `dst` (the
+    /// embedding lookup). A matrix larger than one binding takes a dispatch per run of rows.
+    pub fn get_rows(&mut self, w: &GpuMatrix, row: StepWord<'_>, dst: &Buffer) -> Result<()> {
         let id = self.variant(Op::GetRows, Some(w.wtype))?;
-        let start = u64::from(row) * w.row_bytes;
-        let bound = start / self.align * self.align;
-        let range = (start - bound + w.row_bytes)
-            .next_multiple_of(4)
-            .min(w.buffer.size() - bound);
-        let weights = Binding {
-            buffer: &w.buffer,
-            offset: bound,
-            range,
-            access: Access::Read,
-        };
-        let push = GetRowsParams {
-            n: w.n_in as u32,
-            w_offset: (start - bound) as u32,
-            dst_offset: 0,
-        };
         let units = (w.n_in / 32) as u32;
-        self.dispatch(
-            id,
-            &[weights, Binding::write(dst)],
-            &push,
-            [units.div_ceil(64), 1, 1],
-        )
+        for chunk in self.row_chunks(w, 0, w.n_out)? {
+            let push = GetRowsParams {
+                n: w.n_in as u32,
+                row_bytes: w.row_bytes as u32,
+                first_row: chunk.y_offset,
+                n_rows: chunk.rows,
+                w_offset: chunk.w_offset,
+                step_index: row.index,
+            };
+            let bindings = [chunk.weights, Binding::write(dst), row.binding()];
+            self.dispatch(id, &bindings, &push, [units.div_ceil(64), 1, 1])?;
+        }
+        Ok(())
     }
 
     /// RMSNorm of `rows` rows of `n` values of `x`, times `w`, into `out`.
@@ -468,14 +486,16 @@ impl Recorder<'_> {
         self.dispatch(id, &bindings, &push, [rows, 1, 1])
     }
 
-    /// RoPE of `args.n_heads` heads of `x` in place, at `args.pos`, with angles from `table`
-    /// (see [`rope_table`]); with `norm`, each head is RMS-normalised by it first (QK-norm).
+    /// RoPE of `args.n_heads` heads of `x` in place, at the position `pos` holds when the
+    /// dispatch runs, with angles from `table` (see [`rope_table`]); with `norm`, each head is
+    /// RMS-normalised by it first (QK-norm).
     pub fn rope(
         &mut self,
         x: &Buffer,
         norm: Option<&Buffer>,
         table: &Buffer,
         args: RopeArgs,
+        pos: StepWord<'_>,
     ) -> Result<()> {
         let id = self.variant(
             match args.layout {
@@ -490,18 +510,24 @@ impl Recorder<'_> {
                 args.n_rot, args.head_dim
             )));
         }
+        let n_pos = table.size() / (u64::from(args.n_rot) * 4).max(4);
+        if n_pos == 0 {
+            return Err(GpuError::Unsupported("an empty RoPE table".into()));
+        }
         let push = RopeParams {
             head_dim: args.head_dim,
             n_rot: args.n_rot,
-            pos: args.pos,
             eps: args.eps,
             qk_norm: u32::from(norm.is_some()),
+            n_pos: n_pos.min(u64::from(u32::MAX)) as u32,
+            step_index: pos.index,
         };
         // Without a norm the binding is unused; the table stands in for it.
         let bindings = [
             Binding::write(x),
             Binding::read(norm.unwrap_or(table)),
             Binding::read(table),
+            pos.binding(),
         ];
         self.dispatch(id, &bindings, &push, [args.n_heads, 1, 1])
     }
@@ -539,28 +565,34 @@ impl Recorder<'_> {
         self.dispatch(id, &[Binding::write(x)], &push, [rows, 1, 1])
     }
 
-    /// Stores `k` and `v` (f32, `kv_width` each) at `pos` of the f16 caches.
+    /// Stores `k` and `v` (f32, `kv_width` each) at the position `pos` holds when the
+    /// dispatch runs, in the f16 caches (nothing past their last row).
     pub fn kv_store(
         &mut self,
         (k, v): (&Buffer, &Buffer),
         (k_cache, v_cache): (&Buffer, &Buffer),
         kv_width: u32,
-        pos: u32,
+        pos: StepWord<'_>,
     ) -> Result<()> {
-        if !kv_width.is_multiple_of(2)
-            || u64::from(pos + 1) * u64::from(kv_width) * 2 > k_cache.size()
-        {
+        let row = u64::from(kv_width) * 2;
+        if kv_width == 0 || !kv_width.is_multiple_of(2) || v_cache.size() < k_cache.size() {
             return Err(GpuError::Unsupported(format!(
-                "KV store at {pos} of width {kv_width} in a {}-byte cache",
-                k_cache.size()
+                "KV store of width {kv_width} in {}- and {}-byte caches",
+                k_cache.size(),
+                v_cache.size()
             )));
         }
-        let push = KvStoreParams { kv_width, pos };
+        let push = KvStoreParams {
+            kv_width,
+            capacity: (k_cache.size() / row).min(u64::from(u32::MAX)) as u32,
+            step_index: pos.index,
+        };
         let bindings = [
             Binding::read(k),
             Binding::read(v),
             Binding::write(k_cache),
             Binding::write(v_cache),
+            pos.binding(),
         ];
         self.dispatch(
             ShaderId::KvStore,
@@ -570,8 +602,9 @@ impl Recorder<'_> {
         )
     }
 
-    /// One token's attention: `out` (heads × head_dim) from `q` over positions `0..n_kv` of the
-    /// caches; `scores` is scratch of `n_heads × scores_stride` floats.
+    /// One token's attention: `out` (heads × head_dim) from `q` over positions `0..=pos` of
+    /// the caches, `pos` read when the dispatch runs; `scores` is scratch of `n_heads ×
+    /// scores_stride` floats, and the caches hold at least `scores_stride` positions.
     pub fn attention(
         &mut self,
         q: &Buffer,
@@ -579,22 +612,26 @@ impl Recorder<'_> {
         scores: &Buffer,
         out: &Buffer,
         a: AttentionArgs,
+        pos: StepWord<'_>,
     ) -> Result<()> {
+        let cache_bytes = u64::from(a.scores_stride) * u64::from(a.n_kv_heads * a.head_dim) * 2;
         if a.head_dim > 512
             || !a.head_dim.is_multiple_of(2)
             || a.n_kv_heads == 0
+            || a.scores_stride == 0
             || !a.n_heads.is_multiple_of(a.n_kv_heads)
-            || a.n_kv > a.scores_stride
+            || k_cache.size().min(v_cache.size()) < cache_bytes
+            || scores.size() < u64::from(a.n_heads * a.scores_stride) * 4
         {
             return Err(GpuError::Unsupported(format!("attention shape {a:?}")));
         }
         let push = AttentionParams {
             head_dim: a.head_dim,
             kv_width: a.n_kv_heads * a.head_dim,
-            n_kv: a.n_kv,
             group: a.n_heads / a.n_kv_heads,
             scores_stride: a.scores_stride,
             scale: 1.0 / (a.head_dim as f32).sqrt(),
+            step_index: pos.index,
         };
         let bindings = [
             Binding::read(q),
@@ -602,6 +639,7 @@ impl Recorder<'_> {
             Binding::read(v_cache),
             Binding::write(scores),
             Binding::write(out),
+            pos.binding(),
         ];
         let id = self.variant(Op::Attention, None)?;
         self.dispatch(id, &bindings, &push, [a.n_heads, 1, 1])

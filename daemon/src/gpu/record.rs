@@ -16,6 +16,7 @@ use super::device::Device;
 use super::error::{map_vk, GpuError, Result};
 use super::ops::MatVecShape;
 use super::pipeline::ComputePipeline;
+use super::replay::Replay;
 
 /// A variant and the values of its specialization constants 0..n.
 type PipelineKey = (ShaderId, Vec<u32>);
@@ -212,12 +213,40 @@ impl Kernels {
         // `arena` (the descriptor sets) drops here, after the wait.
     }
 
+    /// Records `f`'s dispatches once into a [`Replay`]: a command buffer submitted again for
+    /// every step, which reads what changes between steps from buffers ([`super::ops::StepWord`]).
+    pub fn record_replay(&self, f: impl FnOnce(&mut Recorder<'_>) -> Result<()>) -> Result<Replay> {
+        let max_range = self.device.max_storage_buffer_range();
+        Replay::new(&self.device, |cmd| {
+            let mut arena = DescriptorArena {
+                pools: Vec::new(),
+                device: self.device.clone(),
+            };
+            let mut pipelines = Vec::new();
+            let stats = self.record_keeping(cmd, &mut arena, max_range, None, &mut pipelines, f)?;
+            Ok((stats, arena, pipelines))
+        })
+    }
+
     fn record_into(
         &self,
         cmd: vk::CommandBuffer,
         arena: &mut DescriptorArena,
         max_range: u64,
         timer: Option<&Timer>,
+        f: impl FnOnce(&mut Recorder<'_>) -> Result<()>,
+    ) -> Result<RecordStats> {
+        self.record_keeping(cmd, arena, max_range, timer, &mut Vec::new(), f)
+    }
+
+    /// [`Kernels::record_into`], handing the pipelines the recording uses to `keep`.
+    fn record_keeping(
+        &self,
+        cmd: vk::CommandBuffer,
+        arena: &mut DescriptorArena,
+        max_range: u64,
+        timer: Option<&Timer>,
+        keep: &mut Vec<Arc<ComputePipeline>>,
         f: impl FnOnce(&mut Recorder<'_>) -> Result<()>,
     ) -> Result<RecordStats> {
         let mut rec = Recorder {
@@ -239,6 +268,7 @@ impl Kernels {
         }
         rec.finish();
         rec.stats.submits = 1;
+        keep.append(&mut rec.pipelines);
         Ok(rec.stats)
     }
 }
@@ -390,7 +420,7 @@ impl Hazards {
 }
 
 /// Descriptor pools of one recording, destroyed with it.
-struct DescriptorArena {
+pub(super) struct DescriptorArena {
     pools: Vec<vk::DescriptorPool>,
     device: Arc<Device>,
 }

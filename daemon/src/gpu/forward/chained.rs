@@ -31,7 +31,7 @@ const EMPTY_ENTRY: u32 = u32::MAX;
 
 impl GpuModel {
     /// [`GpuModel::eval`] of `token` as a chain (see the module's notes); the logits.
-    pub(super) fn eval_chained(&mut self, token: u32) -> Result<Vec<f32>> {
+    pub(super) fn eval_chained(&mut self) -> Result<Vec<f32>> {
         let cfg = self.config.moe.expect("a chained step is a MoE model's");
         let (k, n_embd) = (cfg.n_expert_used, self.config.n_embd);
         let moe_layers: Vec<usize> = (0..self.layers.len())
@@ -42,7 +42,7 @@ impl GpuModel {
                 .start_chain(1 + 2 * moe_layers.len(), |part, rec| {
                     let a = &self.act;
                     if part == 0 {
-                        self.record_embedding(rec, token)?;
+                        self.record_embedding(rec)?;
                         return self.record_from(rec, 0, &mut None);
                     }
                     let il = moe_layers[(part - 1) / 2];

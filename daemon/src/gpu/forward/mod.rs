@@ -1,7 +1,10 @@
 //! A model's decode step on the GPU: weights uploaded to device-local memory once, the KV cache
 //! kept there in f16, and each token's whole forward pass (embedding, every layer, output norm
 //! and head) recorded into one command buffer, with barriers only where a dispatch reads what an
-//! earlier one wrote. It follows `engine::forward` operation by operation, so its logits track
+//! earlier one wrote. The token id and its position are read by the kernels from a small
+//! host-visible buffer, so a step that is one submission is recorded once and replayed for every
+//! token ([`super::replay`]). The products of the attention output and of the FFN's down matrix
+//! are added to the residual stream in their own dispatch (`Recorder::matvec_add`). It follows `engine::forward` operation by operation, so its logits track
 //! the CPU engine's; it differs in that activations stay f32 in the matrix-vector products (the
 //! CPU quantizes them to Q8_0/Q8_K, as ggml's CPU backend does).
 //!
@@ -36,9 +39,10 @@ use super::error::{GpuError, Result};
 use super::expert_cache::{ExpertStats, LayerExpertStats, LayerSlots, SlotExpert};
 use super::footprint::{device_bytes, DeviceBytes};
 use super::moe::{GpuMoe, LayerRouting, MoeScratch};
-use super::ops::{rope_table, upload_f32, AttentionArgs, GpuMatrix, RopeArgs};
+use super::ops::{rope_table, upload_f32, AttentionArgs, GpuMatrix, RopeArgs, StepWord};
 use super::placement::{plan, ExpertLayout, MinimumBudget, MoeMiss, Placement};
 use super::record::{Kernels, RecordStats, Recorder};
+use super::replay::Replay;
 use super::upload::Uploader;
 use crate::engine::routing::RoutedExpert;
 use crate::model::{Config, Ffn, Matrix, Model};
@@ -69,6 +73,10 @@ pub struct GpuModelOptions {
     /// releases layer by layer ([`chained`]); `false`: one submission and fence wait per part,
     /// for comparisons.
     pub chain: bool,
+    /// Record a step that is one submission (a dense model, or every expert in VRAM) once and
+    /// submit that recording for every token ([`super::replay`]); `false`: record each step
+    /// anew, for comparisons.
+    pub replay: bool,
 }
 
 impl Default for GpuModelOptions {
@@ -83,6 +91,7 @@ impl Default for GpuModelOptions {
             host_routing: false,
             ram_budget: None,
             chain: true,
+            replay: true,
         }
     }
 }
@@ -123,11 +132,12 @@ struct Activations {
     k: Buffer,
     v: Buffer,
     attn: Buffer,
-    proj: Buffer,
     gate: Buffer,
     up: Buffer,
-    ffn_out: Buffer,
     scores: Buffer,
+    /// Host-visible, written before each step: the token id (word 0) and its position (word 1),
+    /// which the kernels read when they run ([`StepWord`]).
+    step: Buffer,
     /// Host-visible, read back after each step.
     logits: Buffer,
     /// Present when the model has MoE layers.
@@ -203,6 +213,10 @@ pub struct GpuModel {
     last_host_time: Option<HostTime>,
     /// Present while profiling ([`GpuModel::set_profiling`]).
     profiler: Option<profile::StepQueries>,
+    /// Steps are one submission and are replayed from one recording ([`super::replay`]).
+    replays: bool,
+    /// The recording, made at the first step that uses it.
+    replay: Option<Replay>,
     last_profile: Option<GpuStepProfile>,
 }
 
@@ -383,11 +397,10 @@ impl GpuModel {
             k: f32s(c.kv_width())?,
             v: f32s(c.kv_width())?,
             attn: f32s(c.q_width())?,
-            proj: f32s(c.n_embd)?,
             gate: f32s(dense_ff)?,
             up: f32s(dense_ff)?,
-            ffn_out: f32s(c.n_embd)?,
             scores: f32s(c.n_head * capacity)?,
+            step: Buffer::new_in(al, 8, MemoryUse::DeviceMapped)?,
             logits: Buffer::new_in(al, c.n_vocab as u64 * 4, MemoryUse::Staging)?,
             moe,
         };
@@ -464,6 +477,7 @@ impl GpuModel {
             }
             _ => drop(up),
         }
+        let replays = options.replay && !chained && (routes_on_device || c.moe.is_none());
         Ok(GpuModel {
             model: model.clone(),
             kernels,
@@ -485,6 +499,8 @@ impl GpuModel {
             chained,
             last_host_time: None,
             profiler: None,
+            replays,
+            replay: None,
             last_profile: None,
         })
     }
@@ -588,15 +604,20 @@ impl GpuModel {
         if let Some(point) = super::lost::token_loses_device() {
             device.arm_loss(point);
         }
+        let mut step = token.to_le_bytes().to_vec();
+        step.extend_from_slice(&(self.pos as u32).to_le_bytes());
+        self.act.step.write(&step);
         let profiling = self.profiler.is_some();
         if profiling {
             self.profile_before();
         }
-        let (logits, host) = if self.chained {
-            let logits = self.eval_chained(token)?;
+        let (logits, host) = if self.replays && !profiling {
+            (self.eval_replay()?, None)
+        } else if self.chained {
+            let logits = self.eval_chained()?;
             (logits, self.last_host_time)
         } else {
-            let logits = self.eval_parts(token)?;
+            let logits = self.eval_parts()?;
             (logits, self.last_host_time)
         };
         if profiling {
@@ -606,9 +627,32 @@ impl GpuModel {
         Ok(logits)
     }
 
+    /// [`GpuModel::eval`] of a step that is one submission, from its recording (made now the
+    /// first time).
+    fn eval_replay(&mut self) -> Result<Vec<f32>> {
+        if self.replay.is_none() {
+            let mut paused_at = None;
+            let replay = self
+                .kernels
+                .record_replay(|rec| self.record_part(rec, &Resume::Start, &mut paused_at))?;
+            debug_assert!(paused_at.is_none(), "a replayed step is one submission");
+            self.replay = Some(replay);
+        }
+        let replay = self.replay.as_ref().expect("recorded above");
+        replay.run()?;
+        self.last_stats = replay.stats();
+        self.last_routing = if self.routes_on_device {
+            self.device_routings()
+        } else {
+            Vec::new()
+        };
+        self.last_host_time = None;
+        Ok(self.act.logits.read_f32(self.config.n_vocab))
+    }
+
     /// [`GpuModel::eval`] as one submission per part: from the start or a MoE layer's experts
     /// to the next MoE router on the host, or to the logits.
-    fn eval_parts(&mut self, token: u32) -> Result<Vec<f32>> {
+    fn eval_parts(&mut self) -> Result<Vec<f32>> {
         let mut stats = RecordStats::default();
         let mut routings: Vec<LayerRouting> = Vec::new();
         let mut resume = Resume::Start;
@@ -627,7 +671,7 @@ impl GpuModel {
             // The CPU's experts run between this part's submission and its completion.
             let (part_start, mut cpu_ns) = (Instant::now(), 0);
             let (part, cpu_sum) = self.kernels.record_overlapped(
-                |rec| self.record_part(rec, token, &resume, &mut paused_at),
+                |rec| self.record_part(rec, &resume, &mut paused_at),
                 || {
                     cpu_job.map(|(layer, experts, xn)| {
                         let cpu = cpu.expect("a partial placement has CPU experts");
@@ -678,7 +722,6 @@ impl GpuModel {
     fn record_part(
         &self,
         rec: &mut Recorder<'_>,
-        token: u32,
         resume: &Resume,
         paused_at: &mut Option<usize>,
     ) -> Result<()> {
@@ -686,7 +729,7 @@ impl GpuModel {
         let (a, e) = (&self.act, c.n_embd as u32);
         let from = match resume {
             Resume::Start => {
-                self.record_embedding(rec, token)?;
+                self.record_embedding(rec)?;
                 0
             }
             Resume::Experts {
@@ -733,8 +776,7 @@ impl GpuModel {
                     rec.matvec(gate, &a.xn, &a.gate)?;
                     rec.matvec(up, &a.xn, &a.up)?;
                     rec.swiglu(&a.gate, &a.up, gate.n_out as u32)?;
-                    rec.matvec(down, &a.gate, &a.ffn_out)?;
-                    rec.add(&a.x, &a.ffn_out, e)?;
+                    rec.matvec_add(down, &a.gate, &a.x)?;
                 }
                 GpuFfn::Moe(moe) if self.routes_on_device => {
                     let cfg = c.moe.as_ref().expect("MoE layers have a MoE config");
@@ -765,12 +807,12 @@ impl GpuModel {
 
     /// The token's embedding row into `x`: the first thing a step records (after resetting
     /// the profile's queries when profiling).
-    fn record_embedding(&self, rec: &mut Recorder<'_>, token: u32) -> Result<()> {
+    fn record_embedding(&self, rec: &mut Recorder<'_>) -> Result<()> {
         if let Some(p) = &self.profiler {
             p.start(rec);
         }
         self.mark(rec, profile::EMBEDDING);
-        rec.get_rows(&self.token_embd, token, &self.act.x)?;
+        rec.get_rows(&self.token_embd, self.step_word(0), &self.act.x)?;
         Ok(())
     }
 
@@ -848,7 +890,7 @@ impl GpuModel {
     /// Attention of layer `l` at the current position, its output added to `x`.
     fn record_attention(&self, rec: &mut Recorder<'_>, l: &GpuLayer) -> Result<()> {
         let (c, a) = (&self.config, &self.act);
-        let pos = self.pos as u32;
+        let pos = self.step_word(1);
         let (e, qw, kvw) = (c.n_embd as u32, c.q_width() as u32, c.kv_width() as u32);
         let eps = c.rms_eps;
         let rope = |n_heads: usize| RopeArgs {
@@ -856,14 +898,12 @@ impl GpuModel {
             n_heads: n_heads as u32,
             head_dim: c.head_dim as u32,
             n_rot: c.n_rot as u32,
-            pos,
             eps,
         };
         let attn_args = AttentionArgs {
             n_heads: c.n_head as u32,
             n_kv_heads: c.n_head_kv as u32,
             head_dim: c.head_dim as u32,
-            n_kv: pos + 1,
             scores_stride: self.capacity as u32,
         };
         rec.rms_norm(&a.x, &l.attn_norm, &a.xn, e, 1, eps)?;
@@ -875,8 +915,8 @@ impl GpuModel {
                 rec.add(x, b, n)?;
             }
         }
-        rec.rope(&a.q, l.q_norm.as_ref(), &self.rope, rope(c.n_head))?;
-        rec.rope(&a.k, l.k_norm.as_ref(), &self.rope, rope(c.n_head_kv))?;
+        rec.rope(&a.q, l.q_norm.as_ref(), &self.rope, rope(c.n_head), pos)?;
+        rec.rope(&a.k, l.k_norm.as_ref(), &self.rope, rope(c.n_head_kv), pos)?;
         rec.kv_store((&a.k, &a.v), (&l.k_cache, &l.v_cache), kvw, pos)?;
         rec.attention(
             &a.q,
@@ -884,9 +924,17 @@ impl GpuModel {
             &a.scores,
             &a.attn,
             attn_args,
+            pos,
         )?;
-        rec.matvec(&l.wo, &a.attn, &a.proj)?;
-        rec.add(&a.x, &a.proj, e)
+        rec.matvec_add(&l.wo, &a.attn, &a.x)
+    }
+
+    /// Word `index` of the step buffer: 0 the token id, 1 its position.
+    fn step_word(&self, index: u32) -> StepWord<'_> {
+        StepWord {
+            buffer: &self.act.step,
+            index,
+        }
     }
 
     fn moe_layer(&self, il: usize) -> &GpuMoe {

@@ -1,0 +1,169 @@
+//! A recording kept and submitted again for every step.
+//!
+//! A decode step records hundreds of dispatches (a 32-layer model: over 500), and recording them
+//! costs the host a descriptor set, its update and four commands each, every token, while the
+//! device waits. The step's shapes do not change from one token to the next: only the token id
+//! and the position do, and the kernels read those from a small host-visible buffer when they run
+//! ([`super::ops::StepWord`]). So the step is recorded once and each token is a write of two
+//! words, a submission and a wait.
+//!
+//! A [`Replay`] owns its command buffer, the descriptor sets it binds and a fence. What it binds
+//! must outlive it: its owner keeps the buffers (a [`super::forward::GpuModel`] holds both).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use ash::vk;
+
+use super::chain::{SPIN, SPIN_HARD};
+use super::device::Device;
+use super::error::{map_vk, Result};
+use super::lost::LossPoint;
+use super::pipeline::ComputePipeline;
+use super::record::{DescriptorArena, RecordStats};
+
+/// A recorded command buffer, submitted by [`Replay::run`] as often as needed.
+pub struct Replay {
+    device: Arc<Device>,
+    cmd: vk::CommandBuffer,
+    fence: vk::Fence,
+    stats: RecordStats,
+    // Freed after the command buffer (in `Drop`), which refers to them.
+    _arena: DescriptorArena,
+    _pipelines: Vec<Arc<ComputePipeline>>,
+}
+
+impl Replay {
+    /// Records `record` into a command buffer that can be submitted many times (one at a time).
+    /// Nothing runs yet.
+    pub(super) fn new(
+        device: &Arc<Device>,
+        record: impl FnOnce(
+            vk::CommandBuffer,
+        )
+            -> Result<(RecordStats, DescriptorArena, Vec<Arc<ComputePipeline>>)>,
+    ) -> Result<Replay> {
+        let dev = &device.raw;
+        let cmd = {
+            let pool = device.pool.lock();
+            let alloc = vk::CommandBufferAllocateInfo::default()
+                .command_pool(*pool)
+                .level(vk::CommandBufferLevel::PRIMARY)
+                .command_buffer_count(1);
+            // SAFETY: the pool is externally synchronised by its mutex.
+            unsafe { dev.allocate_command_buffers(&alloc) }.map_err(map_vk)?[0]
+        };
+        let free = |device: &Device| {
+            let pool = device.pool.lock();
+            // SAFETY: `cmd` was never submitted.
+            unsafe { device.raw.free_command_buffers(*pool, &[cmd]) };
+        };
+        // No ONE_TIME_SUBMIT: the buffer is submitted again after each completion.
+        let begin = vk::CommandBufferBeginInfo::default();
+        // SAFETY: `cmd` is a freshly allocated primary command buffer of this device.
+        if let Err(e) = unsafe { dev.begin_command_buffer(cmd, &begin) } {
+            free(device);
+            return Err(map_vk(e));
+        }
+        let recorded = record(cmd);
+        // SAFETY: recording began above.
+        let ended = unsafe { dev.end_command_buffer(cmd) };
+        let (stats, arena, pipelines) = match (recorded, ended) {
+            (Ok(r), Ok(())) => r,
+            (Err(e), _) => {
+                free(device);
+                return Err(e);
+            }
+            (Ok(_), Err(e)) => {
+                free(device);
+                return Err(map_vk(e));
+            }
+        };
+        // SAFETY: `dev` is live.
+        let fence = match unsafe { dev.create_fence(&vk::FenceCreateInfo::default(), None) } {
+            Ok(f) => f,
+            Err(e) => {
+                free(device);
+                return Err(map_vk(e));
+            }
+        };
+        Ok(Replay {
+            device: device.clone(),
+            cmd,
+            fence,
+            stats,
+            _arena: arena,
+            _pipelines: pipelines,
+        })
+    }
+
+    /// Dispatches, barriers and submissions (one) of a run.
+    pub fn stats(&self) -> RecordStats {
+        self.stats
+    }
+
+    /// Submits the recording and waits for it. The host's writes to mapped memory before the
+    /// call are visible to it (a submission makes them so); its writes are visible to the host
+    /// after.
+    pub fn run(&self) -> Result<()> {
+        self.device.check_lost(LossPoint::Submit)?;
+        let dev = &self.device.raw;
+        let cmds = [self.cmd];
+        let submit = [vk::SubmitInfo::default().command_buffers(&cmds)];
+        {
+            let queue = self.device.queue.lock();
+            // SAFETY: the queue is externally synchronised by its mutex; `cmd` is executable and
+            // not pending (every run waits for its fence before returning); the fence is
+            // unsignalled (created so, reset after each wait).
+            unsafe { dev.queue_submit(*queue, &submit, self.fence) }
+                .map_err(|r| self.device.map_result(r))?;
+        }
+        let waited = self.wait();
+        // SAFETY: the fence is not in use by a pending submission once waited for (or once the
+        // device is lost, when nothing is pending).
+        let reset = unsafe { dev.reset_fences(&[self.fence]) };
+        waited?;
+        reset.map_err(map_vk)?;
+        self.device.check_lost(LossPoint::Wait)
+    }
+
+    /// Polls the fence for up to [`SPIN`] (a step is usually done within it), then sleeps in
+    /// the driver.
+    fn wait(&self) -> Result<()> {
+        let dev = &self.device.raw;
+        let start = Instant::now();
+        loop {
+            // SAFETY: the fence belongs to this device.
+            match unsafe { dev.get_fence_status(self.fence) } {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(r) => return Err(self.device.map_result(r)),
+            }
+            let spun = start.elapsed();
+            if spun > SPIN {
+                break;
+            }
+            if spun > SPIN_HARD {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        // SAFETY: as above.
+        unsafe { dev.wait_for_fences(&[self.fence], true, u64::MAX) }
+            .map_err(|r| self.device.map_result(r))
+    }
+}
+
+impl Drop for Replay {
+    fn drop(&mut self) {
+        let dev = &self.device.raw;
+        // SAFETY: `run` waits for every submission before returning, so nothing is pending; the
+        // fence and the command buffer belong to this device.
+        unsafe {
+            dev.destroy_fence(self.fence, None);
+            let pool = self.device.pool.lock();
+            dev.free_command_buffers(*pool, &[self.cmd]);
+        }
+    }
+}

@@ -1,0 +1,95 @@
+//! A step that is one submission (a dense model, or a MoE model with every expert in VRAM) is
+//! recorded once and replayed for every token, the token id and position read from a buffer on
+//! the device (`gpu::replay`). Replayed steps give the logits, routings and counters of steps
+//! recorded anew, bit for bit, across positions and after a reset. The tests run on whatever
+//! Vulkan device the machine has (lavapipe in CI) and skip without one, unless
+//! `SPILLWAY_REQUIRE_VULKAN` is set.
+
+use std::sync::Arc;
+
+use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
+use spillway_daemon::gpu::moe::LayerRouting;
+use spillway_daemon::model::Model;
+use spillway_daemon::synth::SynthModel;
+
+const TOKENS: [u32; 8] = [1, 17, 300, 5, 1000, 42, 7, 99];
+
+type Step = (Vec<f32>, Vec<LayerRouting>, u32, u32);
+
+fn decode(gpu: &mut GpuModel) -> Vec<Step> {
+    TOKENS
+        .iter()
+        .map(|&t| {
+            let logits = gpu.eval(t).unwrap();
+            let stats = gpu.last_stats();
+            (
+                logits,
+                gpu.last_routing().to_vec(),
+                stats.dispatches,
+                stats.submits,
+            )
+        })
+        .collect()
+}
+
+fn replay_matches_recording(preset: &str, ty: &str) {
+    let Some(dev) = spillway_daemon::gpu::device_or_skip() else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join(format!("{preset}.gguf"));
+    SynthModel::from_name(preset, ty.parse().unwrap(), 3)
+        .unwrap()
+        .write(&path, false, |_, _| {})
+        .unwrap();
+    let model = Arc::new(Model::open(&path).unwrap());
+    let options = |replay| GpuModelOptions {
+        context: 16,
+        replay,
+        ..Default::default()
+    };
+    let mut recorded = GpuModel::new(&dev, &model, &options(false)).unwrap();
+    let want = decode(&mut recorded);
+    let mut replayed = GpuModel::new(&dev, &model, &options(true)).unwrap();
+    let got = decode(&mut replayed);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g.3, 1, "{preset}: token {i} is one submission");
+        assert_eq!(g.2, w.2, "{preset}: token {i}'s dispatches");
+        assert!(
+            g.0.iter()
+                .zip(&w.0)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{preset}: token {i}'s logits differ"
+        );
+        assert_eq!(g.1, w.1, "{preset}: token {i}'s routing");
+    }
+    if model.config.moe.is_some() {
+        assert!(
+            replayed.routes_on_device(),
+            "{preset}: routed on the device"
+        );
+        assert_eq!(replayed.expert_stats(), recorded.expert_stats(), "{preset}");
+    }
+    // A new sequence replays the same recording from position 0.
+    replayed.reset();
+    let again = decode(&mut replayed);
+    assert!(
+        again.iter().zip(&got).all(|(a, b)| a.0 == b.0),
+        "{preset}: after a reset"
+    );
+}
+
+#[test]
+fn llama_replayed_steps_equal_recorded_ones() {
+    replay_matches_recording("tiny-llama", "Q4_0");
+}
+
+#[test]
+fn qwen3moe_replayed_steps_equal_recorded_ones() {
+    replay_matches_recording("tiny-qwen3moe", "Q8_0");
+}
+
+#[test]
+fn qwen3_replayed_steps_equal_recorded_ones() {
+    replay_matches_recording("tiny-qwen3", "Q4_K_M");
+}
