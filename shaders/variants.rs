@@ -8,7 +8,8 @@ pub enum Op {
     Dequant,
     /// f16 × f16 → f32 matrix product.
     Matmul,
-    /// Quantized matrix × f32 vector (decode).
+    /// Quantized matrix × f32 vector (decode); specialization constants fuse an RMSNorm of the
+    /// input, a SwiGLU of two stacked matrices and the residual sum into it.
     MatVec,
     /// Quantized matrix × f32 vector for experts of a stack chosen on the device (the ids
     /// buffer of [`Op::MoeRoute`]), one workgroup layer per expert.
@@ -48,7 +49,8 @@ impl Op {
         match self {
             Op::Softmax => 1,
             Op::Dequant | Op::Add | Op::Swiglu | Op::ScaleAdd => 2,
-            Op::Matmul | Op::MatVec | Op::MatVecBatch | Op::RmsNorm | Op::GetRows => 3,
+            Op::Matmul | Op::MatVecBatch | Op::RmsNorm | Op::GetRows => 3,
+            Op::MatVec => 4,
             Op::ScaleAddRouted => 3,
             Op::MatVecId | Op::MoeRoute | Op::RopeNorm | Op::RopeNeox => 4,
             Op::KvStore => 5,

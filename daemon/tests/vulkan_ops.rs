@@ -9,7 +9,7 @@ use half::f16;
 use spillway_daemon::cpu::{attn, matvec, ThreadPool};
 use spillway_daemon::engine::ops;
 use spillway_daemon::gguf::GgmlType;
-use spillway_daemon::gpu::ops::{rope_table, AttentionArgs, GpuMatrix, RopeArgs, StepWord};
+use spillway_daemon::gpu::ops::{rope_table, AttentionArgs, Fused, GpuMatrix, RopeArgs, StepWord};
 use spillway_daemon::gpu::upload::download;
 use spillway_daemon::gpu::{Allocator, Buffer, Device, Kernels, MemoryUse, Uploader};
 use spillway_daemon::model::{MatRef, RopeLayout};
@@ -179,6 +179,8 @@ fn check_matvec(ty: GgmlType) {
         let want: Vec<f32> = residual.iter().zip(&got).map(|(a, b)| a + b).collect();
         assert_eq!(acc.read_f32(n_out), want, "{ty}: matvec_add");
 
+        check_fused(&gpu, ty, (&data, n_in, n_out), &x);
+
         let exact = exact_dots(ty, &data, n_in, n_out, &x);
         let pool = ThreadPool::new(2);
         let mref = MatRef {
@@ -201,6 +203,87 @@ fn check_matvec(ty: GgmlType) {
                 "{ty} row {r}: gpu {g} cpu {c}"
             );
         }
+    }
+}
+
+/// The norm and SwiGLU fused into a product (`Fused`) against the same ops as separate
+/// dispatches: RMSNorm then the product, and the gate and up products then SwiGLU. The fused
+/// kernel scales each sum once instead of each input, so they agree to f32 rounding: 1e-5 of
+/// Σ|w·x| (from `exact_dots`) plus a few ulp of the activation.
+fn check_fused(gpu: &Gpu, ty: GgmlType, (data, n_in, n_out): (&[u8], usize, usize), x: &[f32]) {
+    let norm_w: Vec<f32> = noise(n_in, 7).iter().map(|v| 1.0 + 0.5 * v).collect();
+    let x_scaled: Vec<f32> = x.iter().map(|v| v * 3.0).collect();
+    let (xb, nb) = (gpu.f32s(&x_scaled), gpu.f32s(&norm_w));
+    let eps = 1e-5;
+    let m = gpu.matrix(ty, n_in, n_out, data);
+    // Separate dispatches.
+    let (xn, want) = (gpu.zeros(n_in), gpu.zeros(n_out));
+    gpu.kernels
+        .record(|r| {
+            r.rms_norm(&xb, &nb, &xn, n_in as u32, 1, eps)?;
+            r.matvec(&m, &xn, &want)
+        })
+        .unwrap();
+    let want = want.read_f32(n_out);
+    let mut xn_cpu = vec![0f32; n_in];
+    ops::rms_norm(&x_scaled, &norm_w, eps, &mut xn_cpu);
+    let bound: Vec<f64> = exact_dots(ty, data, n_in, n_out, &xn_cpu)
+        .iter()
+        .map(|&(_, abs)| 1e-5 * abs + 1e-6)
+        .collect();
+    let got = gpu.zeros(n_out);
+    let normed = Fused {
+        norm: Some((&nb, eps)),
+        ..Fused::default()
+    };
+    gpu.kernels
+        .record(|r| r.matvec_fused(&m, &xb, &got, normed))
+        .unwrap();
+    for (r, (g, w)) in got.read_f32(n_out).iter().zip(&want).enumerate() {
+        assert!(
+            f64::from((g - w).abs()) <= bound[r],
+            "{ty} row {r}: fused norm {g}, separate {w}"
+        );
+    }
+
+    // A stack of gate rows (the first half) and up rows (the second).
+    let half = n_out / 2;
+    let rb = data.len() / n_out;
+    let (gate, up) = data[..2 * half * rb].split_at(half * rb);
+    let (gm, um) = (
+        gpu.matrix(ty, n_in, half, gate),
+        gpu.matrix(ty, n_in, half, up),
+    );
+    let (gb, ub) = (gpu.zeros(half), gpu.zeros(half));
+    gpu.kernels
+        .record(|r| {
+            r.matvec(&gm, &xn, &gb)?;
+            r.matvec(&um, &xn, &ub)?;
+            r.swiglu(&gb, &ub, half as u32)
+        })
+        .unwrap();
+    let g_sep = gb.read_f32(half);
+    let stack = gpu.matrix(ty, n_in, 2 * half, &data[..2 * half * rb]);
+    let glu = gpu.zeros(half);
+    let fused = Fused {
+        norm: Some((&nb, eps)),
+        glu: true,
+        ..Fused::default()
+    };
+    gpu.kernels
+        .record(|r| r.matvec_fused(&stack, &xb, &glu, fused))
+        .unwrap();
+    for (r, g) in glu.read_f32(half).iter().enumerate() {
+        // d(silu(g)·u) = silu'(g)·u·dg + silu(g)·du, |silu'| <= 1.1, |silu(g)| <= |g| + 0.3.
+        let (gv, uv) = (want[r], want[half + r]);
+        let tol = 1.1 * f64::from(uv.abs()) * bound[r]
+            + f64::from(gv.abs() + 0.3) * bound[half + r]
+            + 1e-5 * f64::from(g_sep[r].abs()).max(1e-3);
+        assert!(
+            f64::from((g - g_sep[r]).abs()) <= tol,
+            "{ty} row {r}: fused SwiGLU {g}, separate {} (gate {gv}, up {uv}, tol {tol})",
+            g_sep[r]
+        );
     }
 }
 

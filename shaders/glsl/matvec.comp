@@ -16,12 +16,20 @@
 // come back to the host. Layer z reads x at `z * x_stride` and writes y at `y_offset + z *
 // y_stride`: the k experts of a token are one dispatch. An id of 0xFFFFFFFF is an empty entry:
 // nothing is computed or written for it.
+//
+// Without INDEXED, three specialization constants fuse the ops around a product into it:
+// ACCUMULATE adds the results to `y` (a residual sum); NORM takes RMSNorm(x) times the weights
+// `norm_w` as the input, each workgroup summing the squares of the x it loads anyway and scaling
+// its sums once (W (x * s * w) = s W (x * w)); GLU reads a stack of two matrices, gate rows then
+// up rows, and writes silu(gate · x) * (up · x), half of a workgroup's rows being gate rows and
+// half up rows.
 
 layout(local_size_x_id = 0) in;
 layout(constant_id = 1) const uint NROWS = 4u;
-// 1: the results are added to `y` (`y += W x`, the residual sums of a layer) instead of stored.
 layout(constant_id = 2) const uint ACCUMULATE = 0u;
-// The host keeps WG <= MAX_WG and NROWS <= MAX_ROWS (ops.rs, `MatVecShape`).
+layout(constant_id = 3) const uint NORM = 0u;
+layout(constant_id = 4) const uint GLU = 0u;
+// The host keeps WG <= MAX_WG and NROWS <= MAX_ROWS (ops.rs, `MatVecShape`), NROWS even with GLU.
 #define MAX_WG 256u
 #define MAX_ROWS 8u
 
@@ -33,40 +41,74 @@ layout(std430, binding = 1) readonly buffer X { vec4 x4[]; };
 layout(std430, binding = 2) buffer Y { float y[]; };
 #if defined(INDEXED)
 layout(std430, binding = 3) readonly buffer Ids { uint ids[]; };
+#else
+// With NORM, the RMSNorm weights; otherwise unused (the host binds x in its place).
+layout(std430, binding = 3) readonly buffer NormW { vec4 norm_w4[]; };
 #endif
 
 layout(push_constant) uniform Params {
     uint n_in;
-    uint n_rows;
+    uint n_rows;   // rows of one matrix (with GLU: of the gate matrix, and of the results)
     uint w_offset; // byte offset of row 0 in `weights`
     uint y_offset; // element offset of row 0's result in `y`
 #if defined(INDEXED)
     uint rank;     // index in `ids` of layer 0's expert
     uint x_stride; // floats from one layer's input to the next (a multiple of 4)
     uint y_stride; // floats from one layer's results to the next
+#else
+    float eps;     // RMSNorm's, with NORM
 #endif
 } p;
 
-#include "matvec_dot.glsl"
+// Σ x² of the inputs this invocation loaded (NORM).
+float sumsq = 0.0;
 
-void store(uint i, float v) {
-    y[i] = ACCUMULATE != 0u ? y[i] + v : v;
+// Four inputs of the product: x, or with NORM x times the norm weights.
+vec4 xin(uint i) {
+    vec4 v = x4[i];
+#if !defined(INDEXED)
+    if (NORM != 0u) {
+        sumsq += dot(v, v);
+        v *= norm_w4[i];
+    }
+#endif
+    return v;
 }
 
+#include "matvec_dot.glsl"
+
 #if defined(USE_SUBGROUP)
-shared float red[MAX_ROWS * MAX_WG / 4u];
+shared float red[(MAX_ROWS + 1u) * MAX_WG / 4u];
 #else
-shared float red[MAX_ROWS * MAX_WG];
+shared float red[(MAX_ROWS + 1u) * MAX_WG];
 #endif
+
+// Writes result `i` from a row's sum `g`, the up row's `u` (GLU) and Σ x² (NORM).
+void emit(uint i, float g, float u, float ss) {
+#if !defined(INDEXED)
+    if (NORM != 0u) {
+        const float scale = 1.0 / sqrt(ss / float(p.n_in) + p.eps);
+        g *= scale;
+        u *= scale;
+    }
+#endif
+    float v = g;
+    if (GLU != 0u) {
+        v = (g / (1.0 + exp(-g))) * u;
+    }
+    y[i] = ACCUMULATE != 0u ? y[i] + v : v;
+}
 
 void main() {
     const uint WG = gl_WorkGroupSize.x;
     const uint tid = gl_LocalInvocationID.x;
-    const uint r0 = NROWS * (gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x);
+    // Results per workgroup: with GLU each takes a gate row and an up row.
+    const uint OUT = GLU != 0u ? NROWS / 2u : NROWS;
+    const uint r0 = OUT * (gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x);
     if (r0 >= p.n_rows) {
         return; // whole workgroups leave together, so the barriers below stay uniform
     }
-    const uint nr = min(NROWS, p.n_rows - r0);
+    const uint nr = min(OUT, p.n_rows - r0);
     const uint rb = row_bytes(p.n_in);
 #if defined(INDEXED)
     const uint z = gl_WorkGroupID.z;
@@ -84,11 +126,12 @@ void main() {
     const uint y0 = p.y_offset;
 #endif
     // Rows past the last (a partial last workgroup) repeat it, so every row slot runs the same
-    // straight-line code; their sums are not written.
+    // straight-line code; their sums are not written. With GLU, slots OUT.. are the up rows.
     uint row[NROWS];
-    float acc[NROWS];
+    float acc[NROWS + 1u];
     [[unroll]] for (uint j = 0u; j < NROWS; ++j) {
-        row[j] = w0 + min(r0 + j, p.n_rows - 1u) * rb;
+        const uint up = j >= OUT ? p.n_rows * rb : 0u;
+        row[j] = w0 + up + min(r0 + j % OUT, p.n_rows - 1u) * rb;
         acc[j] = 0.0;
     }
     const uint n_items = p.n_in / ITEM_WEIGHTS;
@@ -98,16 +141,18 @@ void main() {
             acc[j] += dot_item(row[j], i, xi);
         }
     }
+    acc[NROWS] = sumsq;
+    const uint up = min(OUT, NROWS); // slot of result 0's up row (GLU)
 
 #if defined(USE_SUBGROUP)
-    [[unroll]] for (uint j = 0u; j < NROWS; ++j) {
+    [[unroll]] for (uint j = 0u; j <= NROWS; ++j) {
         acc[j] = subgroupAdd(acc[j]);
     }
     if (gl_NumSubgroups == 1u) {
         if (tid == 0u) {
-            [[unroll]] for (uint j = 0u; j < NROWS; ++j) {
+            [[unroll]] for (uint j = 0u; j < OUT; ++j) {
                 if (j < nr) {
-                    store(y0 + r0 + j, acc[j]);
+                    emit(y0 + r0 + j, acc[j], acc[min(j + up, NROWS)], acc[NROWS]);
                 }
             }
         }
@@ -115,33 +160,36 @@ void main() {
     }
     const uint ns = gl_NumSubgroups;
     if (subgroupElect()) {
-        [[unroll]] for (uint j = 0u; j < NROWS; ++j) {
+        [[unroll]] for (uint j = 0u; j <= NROWS; ++j) {
             red[j * ns + gl_SubgroupID] = acc[j];
         }
     }
     barrier();
     if (tid < nr) {
-        float s = 0.0;
+        float s[3] = float[3](0.0, 0.0, 0.0);
+        const uint at[3] = uint[3](tid, min(tid + up, NROWS), NROWS);
         for (uint k = 0u; k < ns; ++k) {
-            s += red[tid * ns + k];
+            [[unroll]] for (uint q = 0u; q < 3u; ++q) {
+                s[q] += red[at[q] * ns + k];
+            }
         }
-        store(y0 + r0 + tid, s);
+        emit(y0 + r0 + tid, s[0], s[1], s[2]);
     }
 #else
-    [[unroll]] for (uint j = 0u; j < NROWS; ++j) {
+    [[unroll]] for (uint j = 0u; j <= NROWS; ++j) {
         red[j * WG + tid] = acc[j];
     }
     barrier();
     for (uint s = WG / 2u; s > 0u; s >>= 1) {
         if (tid < s) {
-            [[unroll]] for (uint j = 0u; j < NROWS; ++j) {
+            [[unroll]] for (uint j = 0u; j <= NROWS; ++j) {
                 red[j * WG + tid] += red[j * WG + tid + s];
             }
         }
         barrier();
     }
     if (tid < nr) {
-        store(y0 + r0 + tid, red[tid * WG]);
+        emit(y0 + r0 + tid, red[tid * WG], red[min(tid + up, NROWS) * WG], red[NROWS * WG]);
     }
 #endif
 }

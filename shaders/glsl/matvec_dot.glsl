@@ -2,7 +2,7 @@
 // ITEM_WEIGHTS weights; `load_inputs` reads an item's inputs (and the sums of them that the
 // offsets of the quantized types need) once for all rows, `dot_item` reads the item's bytes of one
 // row as whole words and returns its share of the row's dot product. Needs `weights`, `weights4`
-// and `x4`.
+// and `xin(i)`, the i-th four inputs.
 //
 // Quants become floats without an int-to-float conversion (a quarter-rate instruction on NVIDIA):
 // a value v of at most 23 bits or'ed into the mantissa of 2^23 is the float 2^23 + v, and one
@@ -79,7 +79,7 @@ float vsum(vec4 v) {
 uint row_bytes(uint n) { return 4u * n; }
 struct Inputs { vec4 x; };
 Inputs load_inputs(uint x0, uint i) {
-    return Inputs(x4[(x0 >> 2) + i]);
+    return Inputs(xin((x0 >> 2) + i));
 }
 float dot_item(uint row, uint i, Inputs xi) {
     return dot(uintBitsToFloat(weights4[(row >> 4) + i]), xi.x);
@@ -92,7 +92,7 @@ uint row_bytes(uint n) { return 2u * n; }
 struct Inputs { vec4 a; vec4 b; };
 Inputs load_inputs(uint x0, uint i) {
     const uint at = (x0 >> 2) + 2u * i;
-    return Inputs(x4[at], x4[at + 1u]);
+    return Inputs(xin(at), xin(at + 1u));
 }
 float dot_item(uint row, uint i, Inputs xi) {
     const uvec4 w = weights4[(row >> 4) + i];
@@ -111,7 +111,7 @@ Inputs load_inputs(uint x0, uint i) {
     Inputs xi;
     const uint at = (x0 >> 2) + 4u * i;
     [[unroll]] for (uint k = 0u; k < 4u; ++k) {
-        xi.x[k] = x4[at + k];
+        xi.x[k] = xin(at + k);
     }
     xi.sum = (vsum(xi.x[0]) + vsum(xi.x[1])) + (vsum(xi.x[2]) + vsum(xi.x[3]));
     return xi;
@@ -138,7 +138,7 @@ Inputs load_inputs(uint x0, uint i) {
     const uint at = (x0 >> 2) + 8u * i;
     float s = 0.0;
     [[unroll]] for (uint k = 0u; k < 8u; ++k) {
-        xi.x[k] = x4[at + k];
+        xi.x[k] = xin(at + k);
         s += vsum(xi.x[k]);
     }
     xi.sum = s;
@@ -167,8 +167,8 @@ Inputs load_inputs(uint x0, uint i) {
     const uint c = i & 7u;
     const uint at = (x0 >> 2) + 64u * (i >> 3) + 16u * (c >> 1) + 4u * (c & 1u);
     [[unroll]] for (uint k = 0u; k < 4u; ++k) {
-        xi.lo[k] = x4[at + k];
-        xi.hi[k] = x4[at + 8u + k];
+        xi.lo[k] = xin(at + k);
+        xi.hi[k] = xin(at + 8u + k);
     }
     xi.sum_lo = (vsum(xi.lo[0]) + vsum(xi.lo[1])) + (vsum(xi.lo[2]) + vsum(xi.lo[3]));
     xi.sum_hi = (vsum(xi.hi[0]) + vsum(xi.hi[1])) + (vsum(xi.hi[2]) + vsum(xi.hi[3]));
@@ -211,8 +211,8 @@ Inputs load_inputs(uint x0, uint i) {
     Inputs xi;
     const uint at = (x0 >> 2) + 64u * (i >> 3) + 32u * ((i >> 2) & 1u) + 2u * (i & 3u);
     [[unroll]] for (uint k = 0u; k < 4u; ++k) {
-        xi.x[2u * k] = x4[at + 8u * k];
-        xi.x[2u * k + 1u] = x4[at + 8u * k + 1u];
+        xi.x[2u * k] = xin(at + 8u * k);
+        xi.x[2u * k + 1u] = xin(at + 8u * k + 1u);
         xi.sums[k] = vsum(xi.x[2u * k]) + vsum(xi.x[2u * k + 1u]);
     }
     return xi;

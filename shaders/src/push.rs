@@ -27,14 +27,17 @@ pub struct MatmulParams {
 
 /// `matvec.comp`'s `Params`.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct MatVecParams {
     pub n_in: u32,
+    /// Rows of the matrix (with the GLU constant: of the gate matrix, and of the results).
     pub n_rows: u32,
     /// Byte offset of row 0 in the bound weight range.
     pub w_offset: u32,
     /// Element offset of row 0's result in the output.
     pub y_offset: u32,
+    /// RMSNorm's eps, with the NORM constant.
+    pub eps: f32,
 }
 
 /// `matvec.comp`'s `Params` with `INDEXED` (experts chosen on the device).
@@ -209,7 +212,8 @@ push_constants!(MatVecParams {
     n_in,
     n_rows,
     w_offset,
-    y_offset
+    y_offset,
+    eps
 });
 push_constants!(MatVecBatchParams {
     n_in,

@@ -52,29 +52,51 @@ impl GpuMatrix {
         n_out: usize,
         data: &[u8],
     ) -> Result<GpuMatrix> {
+        let m = GpuMatrix::upload_stack(allocator, uploader, ty, n_in, &[data])?;
+        assert_eq!(m.n_out, n_out, "matrix bytes");
+        Ok(m)
+    }
+
+    /// Uploads matrices of the same type and width as one, the rows of `parts[0]` first (a GLU
+    /// stack: gate rows, then up rows).
+    pub fn upload_stack(
+        allocator: &Arc<Allocator>,
+        uploader: &mut Uploader,
+        ty: GgmlType,
+        n_in: usize,
+        parts: &[&[u8]],
+    ) -> Result<GpuMatrix> {
         let wtype = weight_type(ty)
             .ok_or_else(|| GpuError::Unsupported(format!("{ty} weights on the GPU")))?;
         let row_bytes = ty
             .row_bytes(n_in as u64)
             .filter(|_| n_in.is_multiple_of(32))
             .ok_or_else(|| GpuError::Unsupported(format!("rows of {n_in} {ty} weights")))?;
-        assert_eq!(data.len() as u64, row_bytes * n_out as u64, "matrix bytes");
-        let buffer = Buffer::new_in(allocator, data.len() as u64, MemoryUse::DeviceLocal)?;
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        assert!(
+            parts
+                .iter()
+                .all(|p| (p.len() as u64).is_multiple_of(row_bytes)),
+            "matrix bytes"
+        );
+        let buffer = Buffer::new_in(allocator, len as u64, MemoryUse::DeviceLocal)?;
         // Uploads are whole words; the buffer is rounded up to them.
-        let mut padded;
-        let bytes = if data.len().is_multiple_of(4) {
-            data
+        if parts.iter().all(|p| p.len().is_multiple_of(4)) {
+            let mut at = 0u64;
+            for p in parts {
+                uploader.upload(&buffer, at, p)?;
+                at += p.len() as u64;
+            }
         } else {
-            padded = data.to_vec();
-            padded.resize(data.len().next_multiple_of(4), 0);
-            &padded[..]
-        };
-        uploader.upload(&buffer, 0, bytes)?;
+            let mut padded = parts.concat();
+            padded.resize(len.next_multiple_of(4), 0);
+            uploader.upload(&buffer, 0, &padded)?;
+        }
         Ok(GpuMatrix {
             buffer,
             wtype,
             n_in,
-            n_out,
+            n_out: (len as u64 / row_bytes) as usize,
             row_bytes,
         })
     }
@@ -202,6 +224,18 @@ pub struct AttentionArgs {
     pub scores_stride: u32,
 }
 
+/// What a matrix-vector product does besides `W · x`, in its own dispatch (`matvec.comp`).
+#[derive(Clone, Copy, Default)]
+pub struct Fused<'b> {
+    /// Add the results to `y` (a residual sum) instead of storing them.
+    pub accumulate: bool,
+    /// Take RMSNorm(x) times these weights, with this eps, as the input: no separate norm.
+    pub norm: Option<(&'b Buffer, f32)>,
+    /// The matrix is a stack of gate rows then up rows, and the results are
+    /// `silu(gate · x) * (up · x)` (SwiGLU).
+    pub glu: bool,
+}
+
 /// A `u32` the device reads when a dispatch runs, not when it is recorded: word `index` of
 /// `buffer` (a token id, a position), so that one recording serves every step of a sequence
 /// ([`super::replay`]).
@@ -230,13 +264,35 @@ pub(crate) struct RowChunk<'w> {
 impl Recorder<'_> {
     /// `y = W · x` (f32 vectors of `n_in` and `n_out`).
     pub fn matvec(&mut self, w: &GpuMatrix, x: &Buffer, y: &Buffer) -> Result<()> {
-        self.matvec_into(w, 0, w.n_out, x, y, false)
+        self.matvec_into(w, 0, w.n_out, x, y, Fused::default())
     }
 
     /// `y += W · x`: a product added to a residual sum in the same dispatch (each sum is
     /// `y + (W · x)`, as an `add` after the product would give).
     pub fn matvec_add(&mut self, w: &GpuMatrix, x: &Buffer, y: &Buffer) -> Result<()> {
-        self.matvec_into(w, 0, w.n_out, x, y, true)
+        let fused = Fused {
+            accumulate: true,
+            ..Fused::default()
+        };
+        self.matvec_into(w, 0, w.n_out, x, y, fused)
+    }
+
+    /// `W · x` with the ops `fused` names done in the same dispatch (see [`Fused`]). With
+    /// `glu`, `w` is a stack of gate rows then as many up rows, which must fit one binding
+    /// ([`Recorder::binds_whole`]), and `y` gets half as many results as `w` has rows.
+    pub fn matvec_fused(
+        &mut self,
+        w: &GpuMatrix,
+        x: &Buffer,
+        y: &Buffer,
+        fused: Fused<'_>,
+    ) -> Result<()> {
+        self.matvec_into(w, 0, w.n_out, x, y, fused)
+    }
+
+    /// Whether `w` fits one binding (`maxStorageBufferRange`), as a GLU stack must.
+    pub fn binds_whole(&self, w: &GpuMatrix) -> bool {
+        w.buffer.size() <= self.max_range
     }
 
     /// `y = W[first..first + n] · x`: rows `first..first + n` of `w` only, their results at
@@ -251,7 +307,7 @@ impl Recorder<'_> {
         x: &Buffer,
         y: &Buffer,
     ) -> Result<()> {
-        self.matvec_into(w, first, n, x, y, false)
+        self.matvec_into(w, first, n, x, y, Fused::default())
     }
 
     fn matvec_into(
@@ -261,21 +317,56 @@ impl Recorder<'_> {
         n: usize,
         x: &Buffer,
         y: &Buffer,
-        accumulate: bool,
+        fused: Fused<'_>,
     ) -> Result<()> {
         let chunks = self.row_chunks(w, first, n)?;
+        if fused.glu && (chunks.len() != 1 || first != 0 || !n.is_multiple_of(2)) {
+            return Err(GpuError::Unsupported(format!(
+                "a GLU stack of {n} rows of {} bytes in {} bindings",
+                w.row_bytes,
+                chunks.len()
+            )));
+        }
         let id = self.variant(Op::MatVec, Some(w.wtype))?;
         let shape = self.matvec_shape(w.wtype);
-        let spec = [shape.threads, shape.rows, u32::from(accumulate)];
+        // With GLU a workgroup's rows are half gate rows, half up rows.
+        let (rows, per_group) = if fused.glu {
+            let rows = shape.rows.max(2) & !1;
+            (rows, rows / 2)
+        } else {
+            (shape.rows, shape.rows)
+        };
+        let spec = [
+            shape.threads,
+            rows,
+            u32::from(fused.accumulate),
+            u32::from(fused.norm.is_some()),
+            u32::from(fused.glu),
+        ];
+        let (norm_w, eps) = match fused.norm {
+            Some((w, eps)) => (w, eps),
+            None => (x, 0.0), // unused: x stands in for the binding
+        };
         for chunk in chunks {
+            let n_rows = if fused.glu {
+                chunk.rows / 2
+            } else {
+                chunk.rows
+            };
             let push = MatVecParams {
                 n_in: w.n_in as u32,
-                n_rows: chunk.rows,
+                n_rows,
                 w_offset: chunk.w_offset,
                 y_offset: chunk.y_offset,
+                eps,
             };
-            let bindings = [chunk.weights, Binding::read(x), Binding::write(y)];
-            let groups = grid(chunk.rows.div_ceil(shape.rows));
+            let bindings = [
+                chunk.weights,
+                Binding::read(x),
+                Binding::write(y),
+                Binding::read(norm_w),
+            ];
+            let groups = grid(n_rows.div_ceil(per_group));
             self.dispatch_spec(id, &spec, &bindings, &push, groups)?;
         }
         Ok(())

@@ -39,7 +39,7 @@ use super::error::{GpuError, Result};
 use super::expert_cache::{ExpertStats, LayerExpertStats, LayerSlots, SlotExpert};
 use super::footprint::{device_bytes, DeviceBytes};
 use super::moe::{GpuMoe, LayerRouting, MoeScratch};
-use super::ops::{rope_table, upload_f32, AttentionArgs, GpuMatrix, RopeArgs, StepWord};
+use super::ops::{rope_table, upload_f32, AttentionArgs, Fused, GpuMatrix, RopeArgs, StepWord};
 use super::placement::{plan, ExpertLayout, MinimumBudget, MoeMiss, Placement};
 use super::record::{Kernels, RecordStats, Recorder};
 use super::replay::Replay;
@@ -116,12 +116,49 @@ struct GpuLayer {
 // One per layer, built once: the size difference between the variants costs nothing.
 #[allow(clippy::large_enum_variant)]
 enum GpuFfn {
-    Dense {
-        gate: GpuMatrix,
-        up: GpuMatrix,
-        down: GpuMatrix,
-    },
+    Dense { gate_up: GateUp, down: GpuMatrix },
     Moe(GpuMoe),
+}
+
+/// A dense FFN's gate and up matrices: one stack (gate rows, then up rows) that a single
+/// dispatch turns into SwiGLU's output, where both have one type and the stack fits one binding;
+/// else two matrices.
+enum GateUp {
+    Stacked(GpuMatrix),
+    Apart { gate: GpuMatrix, up: GpuMatrix },
+}
+
+impl GateUp {
+    fn upload(
+        model: &Model,
+        alloc: &Arc<Allocator>,
+        up: &mut Uploader,
+        gate: &Matrix,
+        w_up: &Matrix,
+    ) -> Result<GateUp> {
+        let (g, u) = (model.mat(gate), model.mat(w_up));
+        let bytes = (g.data.len() + u.data.len()) as u64;
+        if g.ty == u.ty
+            && g.n_in == u.n_in
+            && g.n_out == u.n_out
+            && bytes <= alloc.device().max_storage_buffer_range()
+        {
+            let stack = GpuMatrix::upload_stack(alloc, up, g.ty, g.n_in, &[g.data, u.data])?;
+            return Ok(GateUp::Stacked(stack));
+        }
+        Ok(GateUp::Apart {
+            gate: matrix(model, alloc, up, gate)?,
+            up: matrix(model, alloc, up, w_up)?,
+        })
+    }
+
+    /// Rows of the gate matrix: the FFN's width.
+    fn n_ff(&self) -> usize {
+        match self {
+            GateUp::Stacked(m) => m.n_out / 2,
+            GateUp::Apart { gate, .. } => gate.n_out,
+        }
+    }
 }
 
 /// Activations of one token, reused by every layer.
@@ -336,8 +373,7 @@ impl GpuModel {
                     up: w_up,
                     down,
                 } => GpuFfn::Dense {
-                    gate: matrix(model, al, &mut up, gate)?,
-                    up: matrix(model, al, &mut up, w_up)?,
+                    gate_up: GateUp::upload(model, al, &mut up, gate, w_up)?,
                     down: matrix(model, al, &mut up, down)?,
                 },
                 Ffn::Moe(moe) => GpuFfn::Moe(GpuMoe::upload(
@@ -382,7 +418,7 @@ impl GpuModel {
         let mut shared_ff = 0;
         for l in &layers {
             match &l.ffn {
-                GpuFfn::Dense { gate, .. } => dense_ff = dense_ff.max(gate.n_out),
+                GpuFfn::Dense { gate_up, .. } => dense_ff = dense_ff.max(gate_up.n_ff()),
                 GpuFfn::Moe(m) => shared_ff = shared_ff.max(m.shared_ff()),
             }
         }
@@ -770,9 +806,33 @@ impl GpuModel {
             self.mark(rec, profile::attention(il));
             self.record_attention(rec, l)?;
             self.mark(rec, profile::ffn(il));
-            rec.rms_norm(&a.x, &l.ffn_norm, &a.xn, e, 1, eps)?;
+            if !matches!(
+                l.ffn,
+                GpuFfn::Dense {
+                    gate_up: GateUp::Stacked(_),
+                    ..
+                }
+            ) {
+                rec.rms_norm(&a.x, &l.ffn_norm, &a.xn, e, 1, eps)?;
+            }
             match &l.ffn {
-                GpuFfn::Dense { gate, up, down } => {
+                GpuFfn::Dense {
+                    gate_up: GateUp::Stacked(gate_up),
+                    down,
+                } => {
+                    // RMSNorm, gate, up and SwiGLU in one dispatch.
+                    let fused = Fused {
+                        norm: Some((&l.ffn_norm, eps)),
+                        glu: true,
+                        ..Fused::default()
+                    };
+                    rec.matvec_fused(gate_up, &a.x, &a.gate, fused)?;
+                    rec.matvec_add(down, &a.gate, &a.x)?;
+                }
+                GpuFfn::Dense {
+                    gate_up: GateUp::Apart { gate, up },
+                    down,
+                } => {
                     rec.matvec(gate, &a.xn, &a.gate)?;
                     rec.matvec(up, &a.xn, &a.up)?;
                     rec.swiglu(&a.gate, &a.up, gate.n_out as u32)?;
@@ -796,9 +856,12 @@ impl GpuModel {
         }
         let group = profile::head(self.layers.len());
         self.mark(rec, group);
-        rec.rms_norm(&a.x, &self.output_norm, &a.xn, e, 1, eps)?;
         let head = self.output.as_ref().unwrap_or(&self.token_embd);
-        rec.matvec(head, &a.xn, &a.logits)?;
+        let normed = Fused {
+            norm: Some((&self.output_norm, eps)),
+            ..Fused::default()
+        };
+        rec.matvec_fused(head, &a.x, &a.logits, normed)?;
         if let Some(p) = &self.profiler {
             p.end(rec);
         }
@@ -891,7 +954,7 @@ impl GpuModel {
     fn record_attention(&self, rec: &mut Recorder<'_>, l: &GpuLayer) -> Result<()> {
         let (c, a) = (&self.config, &self.act);
         let pos = self.step_word(1);
-        let (e, qw, kvw) = (c.n_embd as u32, c.q_width() as u32, c.kv_width() as u32);
+        let (qw, kvw) = (c.q_width() as u32, c.kv_width() as u32);
         let eps = c.rms_eps;
         let rope = |n_heads: usize| RopeArgs {
             layout: c.rope_layout,
@@ -906,10 +969,14 @@ impl GpuModel {
             head_dim: c.head_dim as u32,
             scores_stride: self.capacity as u32,
         };
-        rec.rms_norm(&a.x, &l.attn_norm, &a.xn, e, 1, eps)?;
-        rec.matvec(&l.wq, &a.xn, &a.q)?;
-        rec.matvec(&l.wk, &a.xn, &a.k)?;
-        rec.matvec(&l.wv, &a.xn, &a.v)?;
+        // The attention norm is done by each of the three products on its own.
+        let normed = Fused {
+            norm: Some((&l.attn_norm, eps)),
+            ..Fused::default()
+        };
+        rec.matvec_fused(&l.wq, &a.x, &a.q, normed)?;
+        rec.matvec_fused(&l.wk, &a.x, &a.k, normed)?;
+        rec.matvec_fused(&l.wv, &a.x, &a.v, normed)?;
         for (x, b, n) in [(&a.q, &l.bq, qw), (&a.k, &l.bk, kvw), (&a.v, &l.bv, kvw)] {
             if let Some(b) = b {
                 rec.add(x, b, n)?;
