@@ -108,4 +108,32 @@ fn main() {
         st.barriers,
         st.submits
     );
+
+    // Where a step's GPU time goes: timestamps around each op group (profiling records each
+    // step anew, so its wall time is not the replay's).
+    gpu.set_profiling(true).unwrap();
+    gpu.reset();
+    let mut sums: Vec<(&'static str, f64)> = Vec::new();
+    let mut step_ms = 0.0;
+    for &t in &tokens {
+        gpu.eval(t).unwrap();
+    }
+    let p = gpu.last_profile().expect("profiling is on");
+    for row in &p.rows {
+        let ms = row.gpu_ns.unwrap_or(0) as f64 / 1e6;
+        match sums.iter_mut().find(|(op, _)| *op == row.op) {
+            Some((_, sum)) => *sum += ms,
+            None => sums.push((row.op, ms)),
+        }
+    }
+    step_ms += p.step_gpu_ns.unwrap_or(0) as f64 / 1e6;
+    let parts: Vec<String> = sums
+        .iter()
+        .map(|(op, ms)| format!("{op} {ms:.3} ms"))
+        .collect();
+    println!(
+        "GPU time of the step at position {}: {step_ms:.3} ms ({})",
+        n_tokens - 1,
+        parts.join(", ")
+    );
 }

@@ -8,12 +8,19 @@
 //! With `wg=THREADSxROWS,...`, each one-token product is measured with each of these workgroup
 //! shapes of `matvec.comp` in turn (the matrices uploaded once), instead of the tuned shape.
 //!
-//! `cargo run --release -p spillway-bench --example vulkan_matvec [-- [tokens=T] [wg=64x4,...] N_IN N_OUT ...]`
+//! With `serial`, every product writes the same output, so each waits for the one before (a
+//! barrier between them, as in a decode step) instead of overlapping with it: the time a product
+//! takes in a chain of dependent ones. `fused=norm` takes an RMSNorm of the input in the product,
+//! `fused=glu` reads a SwiGLU stack of 2 × N_OUT rows (gate and up) and writes N_OUT results,
+//! `fused=add` adds into the output (`gpu::ops::Fused`). `types=Q4_0,Q8_0` limits the weight
+//! types.
+//!
+//! `cargo run --release -p spillway-bench --example vulkan_matvec [-- [tokens=T] [wg=64x4,...] [serial] [fused=norm|glu|add] [types=...] N_IN N_OUT ...]`
 
 use std::sync::Arc;
 
 use spillway_daemon::gguf::GgmlType;
-use spillway_daemon::gpu::ops::{GpuMatrix, MatVecShape};
+use spillway_daemon::gpu::ops::{Fused, GpuMatrix, MatVecShape};
 use spillway_daemon::gpu::{Allocator, Buffer, Device, Instance, Kernels, MemoryUse, Uploader};
 
 /// Bytes of `ty` rows whose scales are small and finite (the values do not matter here).
@@ -40,8 +47,30 @@ fn rows(ty: GgmlType, n_in: usize, n_out: usize) -> Vec<u8> {
     out
 }
 
+/// How the products are recorded (`serial`, `fused=`).
+#[derive(Clone, Copy)]
+struct Mode {
+    serial: bool,
+    norm: bool,
+    glu: bool,
+    add: bool,
+}
+
 fn main() {
     let mut tokens = 1;
+    let mut mode = Mode {
+        serial: false,
+        norm: false,
+        glu: false,
+        add: false,
+    };
+    let mut types = vec![
+        GgmlType::Q4_0,
+        GgmlType::Q4K,
+        GgmlType::Q6K,
+        GgmlType::Q8_0,
+        GgmlType::F16,
+    ];
     let mut wg: Vec<Option<MatVecShape>> = vec![None];
     let args: Vec<usize> = std::env::args()
         .skip(1)
@@ -58,6 +87,28 @@ fn main() {
                             threads: t.parse().unwrap(),
                             rows: r.parse().unwrap(),
                         })
+                    })
+                    .collect();
+                false
+            } else if a == "serial" {
+                mode.serial = true;
+                false
+            } else if let Some(f) = a.strip_prefix("fused=") {
+                match f {
+                    "norm" => mode.norm = true,
+                    "glu" => mode.glu = true,
+                    "add" => mode.add = true,
+                    other => panic!("fused={other}: norm, glu or add"),
+                }
+                false
+            } else if let Some(list) = a.strip_prefix("types=") {
+                types = list
+                    .split(',')
+                    .map(|t| {
+                        *types
+                            .iter()
+                            .find(|ty| ty.name().eq_ignore_ascii_case(t))
+                            .unwrap_or_else(|| panic!("types={t}: Q4_0, Q4_K, Q6_K, Q8_0 or F16"))
                     })
                     .collect();
                 false
@@ -79,14 +130,8 @@ fn main() {
     );
     println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
     for (n_in, n_out) in shapes {
-        for ty in [
-            GgmlType::Q4_0,
-            GgmlType::Q4K,
-            GgmlType::Q6K,
-            GgmlType::Q8_0,
-            GgmlType::F16,
-        ] {
-            measure(&device, ty, n_in, n_out, tokens, &wg);
+        for &ty in &types {
+            measure(&device, ty, (n_in, n_out), (tokens, mode), &wg);
         }
     }
 }
@@ -94,33 +139,41 @@ fn main() {
 fn measure(
     device: &Arc<Device>,
     ty: GgmlType,
-    n_in: usize,
-    n_out: usize,
-    tokens: usize,
+    (n_in, n_out): (usize, usize),
+    (tokens, mode): (usize, Mode),
     shapes: &[Option<MatVecShape>],
 ) {
     let alloc = Allocator::new(device, None);
     let kernels = Kernels::new(device);
-    let data = rows(ty, n_in, n_out);
+    // A GLU stack holds the gate and the up matrix.
+    let data = rows(ty, n_in, if mode.glu { 2 * n_out } else { n_out });
+    let n_rows = data.len() / ty.row_bytes(n_in as u64).unwrap() as usize;
     let copies = (512usize << 20).div_ceil(data.len()).clamp(2, 256);
     let mut up = Uploader::new(&alloc, 64 << 20).unwrap();
     let mats: Vec<GpuMatrix> = (0..copies)
-        .map(|_| GpuMatrix::upload(&alloc, &mut up, ty, n_in, n_out, &data).unwrap())
+        .map(|_| GpuMatrix::upload(&alloc, &mut up, ty, n_in, n_rows, &data).unwrap())
         .collect();
     up.flush().unwrap();
     let t = tokens as u64;
     let x = Buffer::new_in(&alloc, t * n_in as u64 * 4, MemoryUse::DeviceLocal).unwrap();
-    let ys: Vec<Buffer> = (0..copies)
+    let norm_w = Buffer::new_in(&alloc, n_in as u64 * 4, MemoryUse::DeviceLocal).unwrap();
+    let outputs = if mode.serial { 1 } else { copies };
+    let ys: Vec<Buffer> = (0..outputs)
         .map(|_| Buffer::new_in(&alloc, t * n_out as u64 * 4, MemoryUse::DeviceLocal).unwrap())
         .collect();
+    let fused = Fused {
+        accumulate: mode.add,
+        norm: mode.norm.then_some((&norm_w, 1e-5)),
+        glu: mode.glu,
+    };
     let run = || {
         kernels
             .record_timed(|r| {
-                for (m, y) in mats.iter().zip(&ys) {
+                for (m, y) in mats.iter().zip(ys.iter().cycle()) {
                     if tokens > 1 {
                         r.matvec_batch(m, &x, y, tokens)?;
                     } else {
-                        r.matvec(m, &x, y)?;
+                        r.matvec_fused(m, &x, y, fused)?;
                     }
                 }
                 Ok(())
@@ -139,7 +192,15 @@ fn measure(
         let wtype = spillway_daemon::gpu::ops::weight_type(ty).unwrap();
         let used = kernels.matvec_shape(wtype);
         let label = match (tokens, shape) {
-            (1, None) => format!("{}x{} (tuned)", used.threads, used.rows),
+            (1, None) => format!(
+                "{}x{} (tuned){}{}{}{}",
+                used.threads,
+                used.rows,
+                if mode.serial { " serial" } else { "" },
+                if mode.norm { " norm" } else { "" },
+                if mode.glu { " glu" } else { "" },
+                if mode.add { " add" } else { "" }
+            ),
             (1, Some(_)) => format!("{}x{}", used.threads, used.rows),
             _ => "batch".into(),
         };

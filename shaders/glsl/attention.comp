@@ -1,38 +1,45 @@
 #version 450
+#extension GL_EXT_control_flow_attributes : require
 #if defined(USE_SUBGROUP)
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_arithmetic : require
 #endif
-// Attention of one new token over the f16 KV cache, one workgroup per query head (GQA: head h
-// reads KV head h / group). As the CPU engine (and llama.cpp): Q is rounded to f16 and dotted
-// with the f16 keys, scaled, softmaxed, and the probabilities are rounded to f16 before they
-// weigh the f16 values. Scores go through a scratch buffer of `scores_stride` per head. The new
-// token's position is read on the device, from word `step_index` of the step buffer (positions
-// 0..=pos attend, at most `scores_stride`), so a recorded step can be replayed at each position.
+// Attention of one new token over the f16 KV cache, split over positions (flash decoding): a
+// workgroup per query head and run of SPLIT positions (GQA: head h reads KV head h / group). As
+// the CPU engine, Q is rounded to f16 and dotted with the f16 keys and scaled; each workgroup then
+// takes its run's maximum m, its exponentials e_t = exp(s_t - m) (kept in shared memory), their sum
+// l, and o = Σ e_t v_t, and writes (o, m, l) to `part`. `attention_combine.comp` joins the runs.
+// Unlike the CPU engine the probabilities stay f32: they are not rounded to f16 before weighing
+// the values. The new token's position is read on the device, from word `step_index` of the step
+// buffer (positions 0..=pos attend, at most `capacity`), so a recorded step can be replayed at
+// each position; the grid covers the capacity and runs past the position leave at once.
 
 #define WG 128u
-#define MAX_HEAD_DIM 512u
+#define SPLIT 128u
 layout(local_size_x = 128) in;
+// The head size is a specialization constant (a multiple of 8, at most 512), so the loops over a
+// key are unrolled and its 16-byte loads are all in flight at once instead of one after another.
+layout(constant_id = 0) const uint HEAD_DIM = 128u;
 
 layout(std430, binding = 0) readonly buffer Q { float q[]; };
-layout(std430, binding = 1) readonly buffer KCache { uint k_cache[]; };
+layout(std430, binding = 1) readonly buffer KCache { uvec4 k4[]; };
 layout(std430, binding = 2) readonly buffer VCache { uint v_cache[]; };
-layout(std430, binding = 3) coherent buffer Scores { float scores[]; };
-layout(std430, binding = 4) writeonly buffer Out { float dst[]; };
-layout(std430, binding = 5) readonly buffer Step { uint step[]; };
+layout(std430, binding = 3) writeonly buffer Part { float part[]; };
+layout(std430, binding = 4) readonly buffer Step { uint step[]; };
 
 layout(push_constant) uniform Params {
-    uint head_dim;  // even
+    uint head_dim;  // HEAD_DIM
     uint kv_width;  // halves per cache row
     uint group;     // query heads per KV head
-    uint scores_stride;
+    uint capacity;  // positions the caches hold
     float scale;
     uint step_index;
 } p;
 
 #include "reduce.glsl"
 
-shared float qh[MAX_HEAD_DIM];
+shared float qh[HEAD_DIM];
+shared float e[SPLIT];
 
 float round_f16(float v) {
     return unpackHalf2x16(packHalf2x16(vec2(v, 0.0))).x;
@@ -40,46 +47,68 @@ float round_f16(float v) {
 
 void main() {
     const uint h = gl_WorkGroupID.x;
-    const uint kv_off = (h / p.group) * p.head_dim; // in halves, within a cache row
-    const uint sbase = h * p.scores_stride;
-    const uint n_kv = min(step[p.step_index] + 1u, p.scores_stride);
-    for (uint d = gl_LocalInvocationID.x; d < p.head_dim; d += WG) {
-        qh[d] = round_f16(q[h * p.head_dim + d]);
+    const uint split = gl_WorkGroupID.y;
+    const uint n_splits = gl_NumWorkGroups.y;
+    const uint n_kv = min(step[p.step_index] + 1u, p.capacity);
+    const uint t0 = split * SPLIT;
+    if (t0 >= n_kv) {
+        return; // the whole workgroup: its run is past the position
+    }
+    const uint count = min(SPLIT, n_kv - t0);
+    const uint tid = gl_LocalInvocationID.x;
+    const uint kv_off = (h / p.group) * HEAD_DIM; // in halves, within a cache row
+    for (uint d = tid; d < HEAD_DIM; d += WG) {
+        qh[d] = round_f16(q[h * HEAD_DIM + d]);
     }
     barrier();
 
-    float m = uintBitsToFloat(0xFF800000u); // -inf
-    for (uint t = gl_LocalInvocationID.x; t < n_kv; t += WG) {
-        const uint row = (t * p.kv_width + kv_off) / 2u;
-        float s = 0.0;
-        for (uint d = 0u; d < p.head_dim; d += 2u) {
-            const vec2 kk = unpackHalf2x16(k_cache[row + d / 2u]);
-            s += qh[d] * kk.x + qh[d + 1u] * kk.y;
+    float s = uintBitsToFloat(0xFF800000u); // -inf
+    if (tid < count) {
+        // Eight halves a load: kv_width and the offset are multiples of 8 halves.
+        const uint row = ((t0 + tid) * p.kv_width + kv_off) / 8u;
+        uvec4 kw[HEAD_DIM / 8u];
+        [[unroll]] for (uint c = 0u; c < HEAD_DIM / 8u; ++c) {
+            kw[c] = k4[row + c];
         }
-        s *= p.scale;
-        scores[sbase + t] = s;
-        m = max(m, s);
-    }
-    m = wg_max(m);
-    float sum = 0.0;
-    for (uint t = gl_LocalInvocationID.x; t < n_kv; t += WG) {
-        const float e = exp(scores[sbase + t] - m);
-        scores[sbase + t] = e;
-        sum += e;
-    }
-    const float inv = 1.0 / wg_sum(sum);
-    // Each invocation wrote its own scores; the others read them below.
-    memoryBarrierBuffer();
-    barrier();
-
-    for (uint d = gl_LocalInvocationID.x; d < p.head_dim; d += WG) {
-        const uint e = kv_off + d;
         float acc = 0.0;
-        for (uint t = 0u; t < n_kv; ++t) {
-            const float pr = round_f16(scores[sbase + t] * inv);
-            const uint w = v_cache[(t * p.kv_width + e) / 2u];
-            acc += pr * unpackHalf2x16(w)[e & 1u];
+        [[unroll]] for (uint c = 0u; c < HEAD_DIM / 8u; ++c) {
+            [[unroll]] for (uint w = 0u; w < 4u; ++w) {
+                const vec2 kk = unpackHalf2x16(kw[c][w]);
+                const uint d = 8u * c + 2u * w;
+                acc += qh[d] * kk.x + qh[d + 1u] * kk.y;
+            }
         }
-        dst[h * p.head_dim + d] = acc;
+        s = acc * p.scale;
+    }
+    const float m = wg_max(s);
+    const float ex = tid < count ? exp(s - m) : 0.0;
+    e[tid] = ex;
+    const float l = wg_sum(ex); // its barriers also order the writes to `e` before the reads
+
+    const uint base = (h * n_splits + split) * (HEAD_DIM + 2u);
+    for (uint d = tid; d < HEAD_DIM; d += WG) {
+        const uint at = kv_off + d;
+        // Four positions a round, their loads issued together.
+        float acc = 0.0;
+        uint j = 0u;
+        for (; j + 4u <= count; j += 4u) {
+            float v[4];
+            [[unroll]] for (uint u = 0u; u < 4u; ++u) {
+                const uint w = v_cache[((t0 + j + u) * p.kv_width + at) / 2u];
+                v[u] = unpackHalf2x16(w)[at & 1u];
+            }
+            [[unroll]] for (uint u = 0u; u < 4u; ++u) {
+                acc += e[j + u] * v[u];
+            }
+        }
+        for (; j < count; ++j) {
+            const uint w = v_cache[((t0 + j) * p.kv_width + at) / 2u];
+            acc += e[j] * unpackHalf2x16(w)[at & 1u];
+        }
+        part[base + d] = acc;
+    }
+    if (tid == 0u) {
+        part[base + HEAD_DIM] = m;
+        part[base + HEAD_DIM + 1u] = l;
     }
 }

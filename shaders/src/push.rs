@@ -165,15 +165,15 @@ pub struct KvStoreParams {
     pub step_index: u32,
 }
 
-/// `attention.comp`'s `Params`.
+/// `attention.comp`'s and `attention_combine.comp`'s `Params`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct AttentionParams {
     pub head_dim: u32,
     pub kv_width: u32,
     pub group: u32,
-    /// Floats per head of the scores scratch: the most positions that attend.
-    pub scores_stride: u32,
+    /// Positions the caches hold: the most that attend.
+    pub capacity: u32,
     pub scale: f32,
     /// Word of the step buffer that holds the new token's position (positions `0..=pos`
     /// attend).
@@ -252,7 +252,7 @@ push_constants!(AttentionParams {
     head_dim,
     kv_width,
     group,
-    scores_stride,
+    capacity,
     scale,
     step_index
 });

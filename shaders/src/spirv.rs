@@ -109,7 +109,7 @@ mod tests {
                 Op::Add | Op::Swiglu | Op::Softmax => EltwiseParams::layout(),
                 Op::ScaleAdd => ScaleAddParams::layout(),
                 Op::KvStore => KvStoreParams::layout(),
-                Op::Attention => AttentionParams::layout(),
+                Op::Attention | Op::AttentionCombine => AttentionParams::layout(),
             };
             assert_eq!(
                 push_constant_layout(&s.words()),

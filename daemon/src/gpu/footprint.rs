@@ -3,7 +3,7 @@
 //! needs rather than failing halfway through its upload. What a MoE model needs with only some
 //! of its routed experts in VRAM is in [`super::placement`].
 
-use super::ops::{route_floats, route_log_floats};
+use super::ops::{attention_scratch_floats, route_floats, route_log_floats};
 use crate::model::{Config, Ffn, Matrix, Model};
 
 /// Bytes of device memory, by what they hold. Buffers are counted as allocated (whole words);
@@ -79,8 +79,10 @@ pub fn device_bytes(model: &Model, capacity: usize) -> DeviceBytes {
 /// The buffers `GpuModel::new` makes for one token's activations (and MoE scratch).
 fn activation_bytes(c: &Config, capacity: usize, dense_ff: usize, shared_ff: usize) -> u64 {
     let (e, qw, kvw) = (c.n_embd, c.q_width(), c.kv_width());
-    let mut n = 4 * f32s(e) + 2 * f32s(qw) + 2 * f32s(kvw) + 2 * f32s(dense_ff);
-    n += f32s(c.n_head * capacity) + f32s(c.n_vocab);
+    let mut n = 2 * f32s(e) + 2 * f32s(qw) + 2 * f32s(kvw) + 2 * f32s(dense_ff);
+    n += f32s(attention_scratch_floats(c.n_head, c.head_dim, capacity)) + f32s(c.n_vocab);
+    // The step buffer: the token id and its position.
+    n += f32s(2);
     if let Some(m) = &c.moe {
         // Router logits, the shared gate's logit, the host-visible copy of the layer's input,
         // the CPU experts' sum and a routing the host decided.

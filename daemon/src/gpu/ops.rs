@@ -219,9 +219,17 @@ pub struct AttentionArgs {
     pub n_heads: u32,
     pub n_kv_heads: u32,
     pub head_dim: u32,
-    /// Floats per head in the scores scratch buffer: the cache capacity, the most positions
-    /// that attend.
-    pub scores_stride: u32,
+    /// Positions the caches hold: the most that attend.
+    pub capacity: u32,
+}
+
+/// Positions per workgroup of the attention kernel (`attention.comp`'s `SPLIT`).
+pub const ATTENTION_SPLIT: u32 = 128;
+
+/// Floats of scratch [`Recorder::attention`] needs: per head and run of positions, a partial
+/// output, its maximum and its sum.
+pub fn attention_scratch_floats(n_heads: usize, head_dim: usize, capacity: usize) -> usize {
+    n_heads * capacity.div_ceil(ATTENTION_SPLIT as usize) * (head_dim + 2)
 }
 
 /// What a matrix-vector product does besides `W · x`, in its own dispatch (`matvec.comp`).
@@ -694,25 +702,31 @@ impl Recorder<'_> {
     }
 
     /// One token's attention: `out` (heads × head_dim) from `q` over positions `0..=pos` of
-    /// the caches, `pos` read when the dispatch runs; `scores` is scratch of `n_heads ×
-    /// scores_stride` floats, and the caches hold at least `scores_stride` positions.
+    /// the caches, `pos` read when the dispatch runs. Two dispatches: runs of
+    /// [`ATTENTION_SPLIT`] positions, each workgroup's partial result into `scratch` (at least
+    /// [`attention_scratch_floats`]), then their join.
     pub fn attention(
         &mut self,
         q: &Buffer,
         (k_cache, v_cache): (&Buffer, &Buffer),
-        scores: &Buffer,
+        scratch: &Buffer,
         out: &Buffer,
         a: AttentionArgs,
         pos: StepWord<'_>,
     ) -> Result<()> {
-        let cache_bytes = u64::from(a.scores_stride) * u64::from(a.n_kv_heads * a.head_dim) * 2;
+        let cache_bytes = u64::from(a.capacity) * u64::from(a.n_kv_heads * a.head_dim) * 2;
+        let scratch_floats =
+            attention_scratch_floats(a.n_heads as usize, a.head_dim as usize, a.capacity as usize);
+        let n_splits = a.capacity.div_ceil(ATTENTION_SPLIT);
         if a.head_dim > 512
-            || !a.head_dim.is_multiple_of(2)
+            || a.head_dim == 0
+            || !a.head_dim.is_multiple_of(8)
             || a.n_kv_heads == 0
-            || a.scores_stride == 0
+            || a.capacity == 0
+            || n_splits > 65535
             || !a.n_heads.is_multiple_of(a.n_kv_heads)
             || k_cache.size().min(v_cache.size()) < cache_bytes
-            || scores.size() < u64::from(a.n_heads * a.scores_stride) * 4
+            || scratch.size() < scratch_floats as u64 * 4
         {
             return Err(GpuError::Unsupported(format!("attention shape {a:?}")));
         }
@@ -720,7 +734,7 @@ impl Recorder<'_> {
             head_dim: a.head_dim,
             kv_width: a.n_kv_heads * a.head_dim,
             group: a.n_heads / a.n_kv_heads,
-            scores_stride: a.scores_stride,
+            capacity: a.capacity,
             scale: 1.0 / (a.head_dim as f32).sqrt(),
             step_index: pos.index,
         };
@@ -728,12 +742,19 @@ impl Recorder<'_> {
             Binding::read(q),
             Binding::read(k_cache),
             Binding::read(v_cache),
-            Binding::write(scores),
-            Binding::write(out),
+            Binding::write(scratch),
             pos.binding(),
         ];
         let id = self.variant(Op::Attention, None)?;
-        self.dispatch(id, &bindings, &push, [a.n_heads, 1, 1])
+        let spec = [a.head_dim];
+        self.dispatch_spec(id, &spec, &bindings, &push, [a.n_heads, n_splits, 1])?;
+        let bindings = [Binding::read(scratch), Binding::write(out), pos.binding()];
+        self.dispatch(
+            ShaderId::AttentionCombine,
+            &bindings,
+            &push,
+            [a.n_heads, 1, 1],
+        )
     }
 }
 

@@ -39,7 +39,10 @@ use super::error::{GpuError, Result};
 use super::expert_cache::{ExpertStats, LayerExpertStats, LayerSlots, SlotExpert};
 use super::footprint::{device_bytes, DeviceBytes};
 use super::moe::{GpuMoe, LayerRouting, MoeScratch};
-use super::ops::{rope_table, upload_f32, AttentionArgs, Fused, GpuMatrix, RopeArgs, StepWord};
+use super::ops::{
+    attention_scratch_floats, rope_table, upload_f32, AttentionArgs, Fused, GpuMatrix, RopeArgs,
+    StepWord,
+};
 use super::placement::{plan, ExpertLayout, MinimumBudget, MoeMiss, Placement};
 use super::record::{Kernels, RecordStats, Recorder};
 use super::replay::Replay;
@@ -435,7 +438,7 @@ impl GpuModel {
             attn: f32s(c.q_width())?,
             gate: f32s(dense_ff)?,
             up: f32s(dense_ff)?,
-            scores: f32s(c.n_head * capacity)?,
+            scores: f32s(attention_scratch_floats(c.n_head, c.head_dim, capacity))?,
             step: Buffer::new_in(al, 8, MemoryUse::DeviceMapped)?,
             logits: Buffer::new_in(al, c.n_vocab as u64 * 4, MemoryUse::Staging)?,
             moe,
@@ -967,7 +970,7 @@ impl GpuModel {
             n_heads: c.n_head as u32,
             n_kv_heads: c.n_head_kv as u32,
             head_dim: c.head_dim as u32,
-            scores_stride: self.capacity as u32,
+            capacity: self.capacity as u32,
         };
         // The attention norm is done by each of the three products on its own.
         let normed = Fused {
