@@ -20,9 +20,10 @@ pub enum Op {
     GetRows,
     /// RMSNorm of rows, times a weight vector.
     RmsNorm,
-    /// RoPE of adjacent pairs (llama), with optional per-head RMSNorm first.
+    /// RoPE of adjacent pairs (llama), with optional per-head RMSNorm first; a specialization
+    /// constant stores the result and V in the KV cache instead.
     RopeNorm,
-    /// RoPE of halves (the Qwen family), with optional per-head RMSNorm first.
+    /// RoPE of halves (the Qwen family), as [`Op::RopeNorm`] otherwise.
     RopeNeox,
     /// `a += b`.
     Add,
@@ -54,7 +55,8 @@ impl Op {
             Op::Matmul | Op::MatVecBatch | Op::RmsNorm | Op::GetRows => 3,
             Op::MatVec => 4,
             Op::ScaleAddRouted => 3,
-            Op::MatVecId | Op::MoeRoute | Op::RopeNorm | Op::RopeNeox => 4,
+            Op::MatVecId | Op::MoeRoute => 4,
+            Op::RopeNorm | Op::RopeNeox => 7,
             Op::KvStore | Op::Attention => 5,
             Op::AttentionCombine => 3,
         }

@@ -552,6 +552,64 @@ fn rope_matches_cpu_in_both_layouts_with_and_without_qk_norm() {
     }
 }
 
+/// RoPE of K stored straight into the cache, with V beside it, gives the caches that RoPE then
+/// the KV store give, bit for bit, in both layouts, with and without QK-norm.
+#[test]
+fn rope_store_fills_the_caches_as_rope_then_kv_store() {
+    let Some(dev) = device() else { return };
+    for gpu in Gpu::both(&dev) {
+        let (n_heads, head_dim, n_rot, ctx) = (2usize, 64usize, 64usize, 16usize);
+        let kvw = n_heads * head_dim;
+        let table = gpu.f32s(&rope_table(ctx, n_rot, 10_000.0, 1.0, None));
+        let norm_b = gpu.f32s(
+            &noise(head_dim, 8)
+                .iter()
+                .map(|v| 1.0 + v)
+                .collect::<Vec<_>>(),
+        );
+        let (k, v) = (noise(kvw, 4), noise(kvw, 5));
+        let vb = gpu.f32s(&v);
+        let cache =
+            || Buffer::new_in(&gpu.alloc, (ctx * kvw * 2) as u64, MemoryUse::Staging).unwrap();
+        for layout in [RopeLayout::Normal, RopeLayout::Neox] {
+            for qk_norm in [false, true] {
+                let args = RopeArgs {
+                    layout,
+                    n_heads: n_heads as u32,
+                    head_dim: head_dim as u32,
+                    n_rot: n_rot as u32,
+                    eps: 1e-6,
+                };
+                let norm = qk_norm.then_some(&norm_b);
+                let step = gpu.words(&[0, 5]);
+                let pos = StepWord {
+                    buffer: &step,
+                    index: 1,
+                };
+                let (k1, k2) = (gpu.f32s(&k), gpu.f32s(&k));
+                let (kc1, vc1, kc2, vc2) = (cache(), cache(), cache(), cache());
+                gpu.kernels
+                    .record(|r| {
+                        r.rope(&k1, norm, &table, args, pos)?;
+                        r.kv_store((&k1, &vb), (&kc1, &vc1), kvw as u32, pos)
+                    })
+                    .unwrap();
+                gpu.kernels
+                    .record(|r| r.rope_store((&k2, &vb), norm, &table, args, pos, (&kc2, &vc2)))
+                    .unwrap();
+                let what = format!("{layout:?} qk_norm={qk_norm}");
+                assert_eq!(kc1.bytes(), kc2.bytes(), "K cache, {what}");
+                assert_eq!(vc1.bytes(), vc2.bytes(), "V cache, {what}");
+                assert!(
+                    kc2.bytes().iter().any(|&b| b != 0),
+                    "{what}: stored nothing"
+                );
+                assert_eq!(k2.read_f32(kvw), k, "{what}: K itself is left as it was");
+            }
+        }
+    }
+}
+
 #[test]
 fn add_swiglu_scale_add_and_softmax_match_cpu() {
     let Some(dev) = device() else { return };

@@ -9,15 +9,24 @@
 // `table[(pos * n_rot/2 + i) * 2]` = cos, `+ 1` = sin. The position is read on the device, from
 // word `step_index` of the step buffer (clamped to the table), so a recorded step can be replayed
 // at each new position.
+//
+// With the STORE specialization constant (for K) the result is not written back: it goes
+// straight to the f16 K cache at the position, and V's head goes to the V cache beside it (the
+// KV-cache append of `kv_store.comp` in the same dispatch; nothing past `capacity` rows). Without
+// it the bindings 4..6 are unused (the host binds stand-ins).
 
 #define WG 64u
 #define MAX_HEAD_DIM 512u
 layout(local_size_x = 64) in;
+layout(constant_id = 0) const uint STORE = 0u;
 
 layout(std430, binding = 0) buffer X { float x[]; };
 layout(std430, binding = 1) readonly buffer Norm { float norm_w[]; };
 layout(std430, binding = 2) readonly buffer Table { float table[]; };
 layout(std430, binding = 3) readonly buffer Step { uint step[]; };
+layout(std430, binding = 4) readonly buffer V { float v[]; };
+layout(std430, binding = 5) writeonly buffer KCache { uint k_cache[]; };
+layout(std430, binding = 6) writeonly buffer VCache { uint v_cache[]; };
 
 layout(push_constant) uniform Params {
     uint head_dim;
@@ -26,6 +35,8 @@ layout(push_constant) uniform Params {
     uint qk_norm; // 1: RMSNorm the head with `norm_w` first
     uint n_pos;   // positions in the table
     uint step_index;
+    uint kv_width; // with STORE: halves per cache row
+    uint capacity; // with STORE: rows of the caches
 } p;
 
 #include "reduce.glsl"
@@ -57,10 +68,29 @@ void main() {
         const float c = table[(pos * half_rot + i) * 2u];
         const float sn = table[(pos * half_rot + i) * 2u + 1u];
         const float x0 = h[a], x1 = h[b];
-        x[base + a] = x0 * c - x1 * sn;
-        x[base + b] = x0 * sn + x1 * c;
+        const float y0 = x0 * c - x1 * sn, y1 = x0 * sn + x1 * c;
+        if (STORE != 0u) {
+            h[a] = y0; // this invocation alone reads and writes a and b
+            h[b] = y1;
+        } else {
+            x[base + a] = y0;
+            x[base + b] = y1;
+        }
     }
-    for (uint i = p.n_rot + gl_LocalInvocationID.x; i < p.head_dim; i += WG) {
-        x[base + i] = h[i];
+    if (STORE == 0u) {
+        for (uint i = p.n_rot + gl_LocalInvocationID.x; i < p.head_dim; i += WG) {
+            x[base + i] = h[i];
+        }
+        return;
+    }
+    barrier();
+    const uint at = step[p.step_index];
+    if (at >= p.capacity) {
+        return;
+    }
+    const uint row = at * (p.kv_width / 2u) + gl_WorkGroupID.x * (p.head_dim / 2u);
+    for (uint w = gl_LocalInvocationID.x; w < p.head_dim / 2u; w += WG) {
+        k_cache[row + w] = packHalf2x16(vec2(h[2u * w], h[2u * w + 1u]));
+        v_cache[row + w] = packHalf2x16(vec2(v[base + 2u * w], v[base + 2u * w + 1u]));
     }
 }

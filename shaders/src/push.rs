@@ -137,6 +137,9 @@ pub struct RopeParams {
     pub n_pos: u32,
     /// Word of the step buffer that holds the position.
     pub step_index: u32,
+    /// With the STORE constant: halves per KV-cache row, and rows.
+    pub kv_width: u32,
+    pub capacity: u32,
 }
 
 /// `eltwise.comp`'s and `softmax.comp`'s `Params`.
@@ -239,7 +242,9 @@ push_constants!(RopeParams {
     eps,
     qk_norm,
     n_pos,
-    step_index
+    step_index,
+    kv_width,
+    capacity
 });
 push_constants!(EltwiseParams { n });
 push_constants!(ScaleAddParams { n, scale });

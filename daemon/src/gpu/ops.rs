@@ -596,6 +596,42 @@ impl Recorder<'_> {
         args: RopeArgs,
         pos: StepWord<'_>,
     ) -> Result<()> {
+        self.rope_into(x, norm, table, args, pos, None)
+    }
+
+    /// [`Recorder::rope`] of K whose result goes to the f16 K cache at the position instead of
+    /// back to `k`, with V's values stored beside it in the V cache: RoPE and
+    /// [`Recorder::kv_store`] in one dispatch, the same values (`k` is left as it was).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope_store(
+        &mut self,
+        (k, v): (&Buffer, &Buffer),
+        norm: Option<&Buffer>,
+        table: &Buffer,
+        args: RopeArgs,
+        pos: StepWord<'_>,
+        (k_cache, v_cache): (&Buffer, &Buffer),
+    ) -> Result<()> {
+        let kv_width = args.n_heads * args.head_dim;
+        if kv_width == 0 || v_cache.size() < k_cache.size() {
+            return Err(GpuError::Unsupported(format!(
+                "KV store of width {kv_width} in {}- and {}-byte caches",
+                k_cache.size(),
+                v_cache.size()
+            )));
+        }
+        self.rope_into(k, norm, table, args, pos, Some((v, k_cache, v_cache)))
+    }
+
+    fn rope_into(
+        &mut self,
+        x: &Buffer,
+        norm: Option<&Buffer>,
+        table: &Buffer,
+        args: RopeArgs,
+        pos: StepWord<'_>,
+        store: Option<(&Buffer, &Buffer, &Buffer)>,
+    ) -> Result<()> {
         let id = self.variant(
             match args.layout {
                 RopeLayout::Normal => Op::RopeNorm,
@@ -613,6 +649,10 @@ impl Recorder<'_> {
         if n_pos == 0 {
             return Err(GpuError::Unsupported("an empty RoPE table".into()));
         }
+        let kv_width = args.n_heads * args.head_dim;
+        let capacity = store.map_or(0, |(_, k_cache, _)| {
+            (k_cache.size() / (u64::from(kv_width) * 2)).min(u64::from(u32::MAX)) as u32
+        });
         let push = RopeParams {
             head_dim: args.head_dim,
             n_rot: args.n_rot,
@@ -620,15 +660,34 @@ impl Recorder<'_> {
             qk_norm: u32::from(norm.is_some()),
             n_pos: n_pos.min(u64::from(u32::MAX)) as u32,
             step_index: pos.index,
+            kv_width,
+            capacity,
         };
-        // Without a norm the binding is unused; the table stands in for it.
+        // Unused bindings get stand-ins: the table for the norm, `x` for V and the caches.
+        let x_binding = if store.is_some() {
+            Binding::read(x)
+        } else {
+            Binding::write(x)
+        };
+        let (v, k_cache, v_cache) = match store {
+            Some((v, k_cache, v_cache)) => (
+                Binding::read(v),
+                Binding::write(k_cache),
+                Binding::write(v_cache),
+            ),
+            None => (Binding::read(x), Binding::write(x), Binding::write(x)),
+        };
         let bindings = [
-            Binding::write(x),
+            x_binding,
             Binding::read(norm.unwrap_or(table)),
             Binding::read(table),
             pos.binding(),
+            v,
+            k_cache,
+            v_cache,
         ];
-        self.dispatch(id, &bindings, &push, [args.n_heads, 1, 1])
+        let spec = [u32::from(store.is_some())];
+        self.dispatch_spec(id, &spec, &bindings, &push, [args.n_heads, 1, 1])
     }
 
     /// `a += b` over `n` values.

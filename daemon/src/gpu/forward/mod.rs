@@ -986,8 +986,15 @@ impl GpuModel {
             }
         }
         rec.rope(&a.q, l.q_norm.as_ref(), &self.rope, rope(c.n_head), pos)?;
-        rec.rope(&a.k, l.k_norm.as_ref(), &self.rope, rope(c.n_head_kv), pos)?;
-        rec.kv_store((&a.k, &a.v), (&l.k_cache, &l.v_cache), kvw, pos)?;
+        // K's RoPE goes straight into the cache, with V beside it.
+        rec.rope_store(
+            (&a.k, &a.v),
+            l.k_norm.as_ref(),
+            &self.rope,
+            rope(c.n_head_kv),
+            pos,
+            (&l.k_cache, &l.v_cache),
+        )?;
         rec.attention(
             &a.q,
             (&l.k_cache, &l.v_cache),
