@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use spillway_daemon::gguf::GgmlType;
-use spillway_daemon::gpu::{Buffer, ComputePipeline, Device, Instance};
+use spillway_daemon::gpu::{Buffer, ComputePipeline, Device, Instance, Kernels};
 use spillway_daemon::quant::{dequantize_row, quantize_row};
 use spillway_shaders::{DequantParams, Feature, Op, PushConstants, ShaderId, WeightType};
 
@@ -132,6 +132,30 @@ fn devices_are_listed_with_a_kind_and_a_name() {
     assert!(listed.iter().any(|d| d.name == dev.info().name));
     assert!(dev.max_storage_buffer_range() >= 1 << 27);
     assert!(dev.subgroup_size() >= 1);
+}
+
+/// The capabilities agree with what the kernels use, and a memory budget is reported exactly
+/// where the device has the extension, within its device-local memory.
+#[test]
+fn capabilities_match_what_the_kernels_use_and_the_budget_its_extension() {
+    let Some(dev) = device() else { return };
+    let caps = *dev.capabilities();
+    eprintln!("{}: {caps:?}", dev.info().name);
+    assert_eq!(caps.subgroup_arithmetic, dev.subgroup_arithmetic());
+    let kernels = Kernels::new(&dev);
+    assert_eq!(kernels.uses_subgroups(), caps.subgroup_arithmetic);
+    let budget = dev.memory_budget();
+    assert_eq!(budget.is_some(), caps.memory_budget, "{budget:?}");
+    if let Some(b) = budget {
+        assert!(
+            b <= dev.info().device_local_bytes,
+            "{b} free of {}",
+            dev.info().device_local_bytes
+        );
+    }
+    let listed = Instance::new().unwrap().devices().unwrap();
+    let same = listed.iter().find(|d| d.name == dev.info().name).unwrap();
+    assert_eq!(same.capabilities, caps);
 }
 
 #[test]

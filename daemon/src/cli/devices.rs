@@ -27,18 +27,42 @@ pub fn run(args: &DevicesArgs) -> anyhow::Result<()> {
         println!("no Vulkan devices; Spillway runs on the CPU");
     }
     for d in &devices {
+        let free = d
+            .device_local_budget
+            .map_or(String::new(), |b| format!(" ({} MiB free for us)", b >> 20));
         println!(
-            "vulkan:{}  {}  [{:?}]  Vulkan {}  {} MiB device-local  {}{}",
+            "vulkan:{}  {}  [{:?}]  Vulkan {}  {} MiB device-local{free}  {}",
             d.index,
             d.name,
             d.kind,
             d.api_version,
             d.device_local_bytes >> 20,
             d.driver,
-            if d.cooperative_matrix {
-                "  cooperative matrices"
+        );
+        let c = &d.capabilities;
+        let named = [
+            (c.float16, "fp16"),
+            (c.int8, "int8"),
+            (c.storage_16bit, "16-bit storage"),
+            (c.storage_8bit, "8-bit storage"),
+            (c.subgroup_arithmetic, "subgroup arithmetic"),
+            (c.subgroup_size_control, "subgroup size control"),
+            (c.integer_dot_product, "integer dot product"),
+            (c.cooperative_matrix, "cooperative matrices"),
+            (c.memory_budget, "memory budget"),
+            (c.transfer_queue, "transfer queue"),
+        ];
+        let has: Vec<&str> = named
+            .iter()
+            .filter(|(on, _)| *on)
+            .map(|(_, n)| *n)
+            .collect();
+        println!(
+            "    {}",
+            if has.is_empty() {
+                "Vulkan 1.2 compute only".to_string()
             } else {
-                ""
+                has.join(", ")
             }
         );
     }

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use ash::vk;
 use parking_lot::Mutex;
 
+use super::capabilities::{device_local_budget, Capabilities};
 use super::error::{map_vk, GpuError, Result};
 use super::instance::{DeviceInfo, Instance};
 use super::lost::{LossPoint, LossState};
@@ -25,8 +26,9 @@ pub struct Device {
     info: DeviceInfo,
     /// Lost (really, or by injection): every later submission fails with `DeviceLost`.
     loss: LossState,
+    physical: vk::PhysicalDevice,
     // Dropped after `Drop::drop` destroyed the device: the instance must outlive it.
-    _instance: Arc<Instance>,
+    instance: Arc<Instance>,
 }
 
 impl Device {
@@ -97,7 +99,8 @@ impl Device {
             timestamp_valid_bits,
             info,
             loss: LossState::default(),
-            _instance: instance,
+            physical,
+            instance,
         }))
     }
 
@@ -214,6 +217,17 @@ impl Device {
         let host = host.map(|h| h.unwrap_or_else(|panic| resume_unwind(panic)));
         result.map_err(|r| self.map_result(r))?;
         Ok((value, host.expect("ran after a successful submission")))
+    }
+
+    /// What the device offers beyond Vulkan 1.2 compute.
+    pub fn capabilities(&self) -> &Capabilities {
+        &self.info.capabilities
+    }
+
+    /// Bytes of device-local memory this process may still take, as the driver reports them
+    /// now (`VK_EXT_memory_budget`); `None` where the device does not say.
+    pub fn memory_budget(&self) -> Option<u64> {
+        device_local_budget(&self.instance.raw, self.physical, &self.info.capabilities)
     }
 
     /// Whether the device was lost: nothing more runs on it, and its owner must open a new one.

@@ -1,10 +1,10 @@
 //! The Vulkan loader, instance and the listing and choice of physical devices.
 
-use std::ffi::CStr;
 use std::sync::Arc;
 
 use ash::vk;
 
+use super::capabilities::{detect, device_local_budget, Capabilities};
 use super::error::{map_vk, GpuError, Result};
 
 /// The loaded Vulkan library and an instance; destroyed when the last `Arc` goes.
@@ -23,7 +23,10 @@ pub struct DeviceInfo {
     pub api_version: String,
     pub driver: String,
     pub device_local_bytes: u64,
-    pub cooperative_matrix: bool,
+    /// Of those, what this process may still take, where the driver says
+    /// (`VK_EXT_memory_budget`).
+    pub device_local_budget: Option<u64>,
+    pub capabilities: Capabilities,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
@@ -97,6 +100,7 @@ impl Instance {
             _ => DeviceKind::Other,
         };
         let v = props.api_version;
+        let capabilities = detect(&self.raw, pd);
         DeviceInfo {
             index,
             name: c_chars(&props.device_name),
@@ -113,15 +117,9 @@ impl Instance {
                 c_chars(&driver.driver_info)
             ),
             device_local_bytes,
-            cooperative_matrix: self.has_extension(pd, c"VK_KHR_cooperative_matrix"),
+            device_local_budget: device_local_budget(&self.raw, pd, &capabilities),
+            capabilities,
         }
-    }
-
-    pub(crate) fn has_extension(&self, pd: vk::PhysicalDevice, name: &CStr) -> bool {
-        // SAFETY: `pd` belongs to this instance.
-        unsafe { self.raw.enumerate_device_extension_properties(pd) }
-            .map(|exts| exts.iter().any(|e| e.extension_name_as_c_str() == Ok(name)))
-            .unwrap_or(false)
     }
 
     /// The device to use: the one named, or the most capable kind (discrete, then integrated,

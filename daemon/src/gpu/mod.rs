@@ -16,6 +16,7 @@
 
 pub mod alloc;
 mod buffer;
+pub mod capabilities;
 pub mod chain;
 pub mod cpu_experts;
 mod device;

@@ -315,8 +315,9 @@ impl GpuModel {
     }
 
     /// Uploads `model`'s weights to `device` and makes room for `options.context` positions.
-    /// A MoE model larger than `options.vram_budget` keeps what is not a routed expert in VRAM
-    /// and as many experts per layer as the rest of the budget holds ([`super::placement`]).
+    /// A MoE model larger than `options.vram_budget` (without one: than the device memory the
+    /// driver reports free, where it reports it) keeps what is not a routed expert in VRAM and as
+    /// many experts per layer as the rest of the budget holds ([`super::placement`]).
     /// A model that cannot run within the budget is refused before anything is uploaded
     /// ([`GpuError::ModelOverBudget`], [`GpuError::BelowMinimumBudget`]).
     pub fn new(
@@ -328,10 +329,14 @@ impl GpuModel {
         let needed = device_bytes(model, capacity);
         let allocator = Allocator::new(device, options.vram_budget);
         let counts = allocator.budget_counts(MemoryUse::Staging);
+        // Without a budget the plan keeps to what the driver says is free for this process
+        // (VK_EXT_memory_budget): a MoE model larger than that is placed in part, not refused by
+        // an allocation halfway through its upload.
+        let plan_budget = options.vram_budget.or_else(|| device.memory_budget());
         let mut placement = plan(
             model,
             &needed,
-            options.vram_budget,
+            plan_budget,
             counts,
             options.moe_miss,
             &options.expert_layout,
