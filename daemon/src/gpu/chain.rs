@@ -87,17 +87,36 @@ impl Chain {
             released: n_parts,
             finished: true,
         };
-        let mut values = Vec::with_capacity(n_parts);
-        for (i, &cmd) in chain.cmds.iter().enumerate() {
-            let begin = vk::CommandBufferBeginInfo::default()
-                .flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT);
-            // SAFETY: `cmd` is a freshly allocated primary command buffer of this device.
-            unsafe { dev.begin_command_buffer(cmd, &begin) }.map_err(map_vk)?;
-            let recorded = record(i, cmd);
-            // SAFETY: recording began above.
-            unsafe { dev.end_command_buffer(cmd) }.map_err(map_vk)?;
-            values.push(recorded?);
-        }
+        // Recording needs the command pool synchronised: its lock is held while the parts are
+        // recorded (recording never takes it), and released before an error drops the chain.
+        let values = {
+            let _pool = device.pool.lock();
+            let mut values = Vec::with_capacity(n_parts);
+            let mut failed = None;
+            for (i, &cmd) in chain.cmds.iter().enumerate() {
+                let begin = vk::CommandBufferBeginInfo::default()
+                    .flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT);
+                // SAFETY: `cmd` is a freshly allocated primary command buffer of this device.
+                if let Err(e) = unsafe { dev.begin_command_buffer(cmd, &begin) } {
+                    failed = Some(map_vk(e));
+                    break;
+                }
+                let recorded = record(i, cmd);
+                // SAFETY: recording began above.
+                let ended = unsafe { dev.end_command_buffer(cmd) }.map_err(map_vk);
+                match recorded.and_then(|v| ended.map(|()| v)) {
+                    Ok(v) => values.push(v),
+                    Err(e) => {
+                        failed = Some(e);
+                        break;
+                    }
+                }
+            }
+            match failed {
+                Some(e) => Err(e),
+                None => Ok(values),
+            }
+        }?;
         chain.submit()?;
         chain.released = 1;
         chain.finished = false;

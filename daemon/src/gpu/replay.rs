@@ -44,25 +44,24 @@ impl Replay {
             -> Result<(RecordStats, DescriptorArena, Vec<Arc<ComputePipeline>>)>,
     ) -> Result<Replay> {
         let dev = &device.raw;
-        let cmd = {
-            let pool = device.pool.lock();
-            let alloc = vk::CommandBufferAllocateInfo::default()
-                .command_pool(*pool)
-                .level(vk::CommandBufferLevel::PRIMARY)
-                .command_buffer_count(1);
-            // SAFETY: the pool is externally synchronised by its mutex.
-            unsafe { dev.allocate_command_buffers(&alloc) }.map_err(map_vk)?[0]
-        };
-        let free = |device: &Device| {
-            let pool = device.pool.lock();
-            // SAFETY: `cmd` was never submitted.
-            unsafe { device.raw.free_command_buffers(*pool, &[cmd]) };
+        // Recording into a command buffer needs its pool synchronised too: the lock is held
+        // until the recording ends (the recording itself never takes it).
+        let pool = device.pool.lock();
+        let alloc = vk::CommandBufferAllocateInfo::default()
+            .command_pool(*pool)
+            .level(vk::CommandBufferLevel::PRIMARY)
+            .command_buffer_count(1);
+        // SAFETY: the pool is externally synchronised by its mutex, held here.
+        let cmd = unsafe { dev.allocate_command_buffers(&alloc) }.map_err(map_vk)?[0];
+        let free = || {
+            // SAFETY: `cmd` was never submitted; the pool's lock is held.
+            unsafe { dev.free_command_buffers(*pool, &[cmd]) };
         };
         // No ONE_TIME_SUBMIT: the buffer is submitted again after each completion.
         let begin = vk::CommandBufferBeginInfo::default();
         // SAFETY: `cmd` is a freshly allocated primary command buffer of this device.
         if let Err(e) = unsafe { dev.begin_command_buffer(cmd, &begin) } {
-            free(device);
+            free();
             return Err(map_vk(e));
         }
         let recorded = record(cmd);
@@ -71,19 +70,22 @@ impl Replay {
         let (stats, arena, pipelines) = match (recorded, ended) {
             (Ok(r), Ok(())) => r,
             (Err(e), _) => {
-                free(device);
+                free();
                 return Err(e);
             }
             (Ok(_), Err(e)) => {
-                free(device);
+                free();
                 return Err(map_vk(e));
             }
         };
+        drop(pool);
         // SAFETY: `dev` is live.
         let fence = match unsafe { dev.create_fence(&vk::FenceCreateInfo::default(), None) } {
             Ok(f) => f,
             Err(e) => {
-                free(device);
+                let pool = device.pool.lock();
+                // SAFETY: `cmd` was never submitted; the pool's lock is held.
+                unsafe { dev.free_command_buffers(*pool, &[cmd]) };
                 return Err(map_vk(e));
             }
         };
