@@ -24,12 +24,32 @@ use super::device::Device;
 use super::error::{map_vk, GpuError, Result};
 use super::lost::LossPoint;
 
-/// How long a wait polls the semaphore's counter before it sleeps in the driver: the host's
-/// turn is usually due within tens of microseconds, less than a sleeping wait's wake-up. After
-/// the first [`SPIN_HARD`] the poll yields between reads, so a device that runs on the CPU
-/// (lavapipe) keeps the core.
-pub(super) const SPIN: Duration = Duration::from_micros(2000);
-pub(super) const SPIN_HARD: Duration = Duration::from_micros(50);
+/// How long a wait polls the device before it sleeps in the driver: the host's turn is usually
+/// due within tens of microseconds, less than a sleeping wait's wake-up. After the first
+/// [`SPIN_HARD`] the poll yields between reads, so a device that runs on the CPU (lavapipe)
+/// keeps the core.
+const SPIN: Duration = Duration::from_micros(2000);
+const SPIN_HARD: Duration = Duration::from_micros(50);
+
+/// Polls `done` for up to [`SPIN`]: `Ok(true)` once it says so, `Ok(false)` when the time ran
+/// out (the caller then sleeps in the driver). Chains and replays wait this way.
+pub(super) fn poll(mut done: impl FnMut() -> Result<bool>) -> Result<bool> {
+    let start = Instant::now();
+    loop {
+        if done()? {
+            return Ok(true);
+        }
+        let spun = start.elapsed();
+        if spun > SPIN {
+            return Ok(false);
+        }
+        if spun > SPIN_HARD {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+}
 
 /// A submitted chain, and the host's side of it (see the module's notes). Dropping it releases
 /// the parts not yet released, in order, and waits for the last before freeing the command
@@ -199,23 +219,14 @@ impl Chain {
     fn wait_done(&self, part: usize) -> Result<()> {
         let value = 2 * part as u64 + 1;
         let dev = &self.device.raw;
-        let start = Instant::now();
-        loop {
+        let reached = poll(|| {
             // SAFETY: the semaphore belongs to this device and lives as long as the chain.
             let now = unsafe { dev.get_semaphore_counter_value(self.semaphore) }
                 .map_err(|r| self.device.map_result(r))?;
-            if now >= value {
-                return Ok(());
-            }
-            let spun = start.elapsed();
-            if spun > SPIN {
-                break;
-            }
-            if spun > SPIN_HARD {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
+            Ok(now >= value)
+        })?;
+        if reached {
+            return Ok(());
         }
         let semaphores = [self.semaphore];
         let values = [value];

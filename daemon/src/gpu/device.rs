@@ -18,7 +18,6 @@ pub struct Device {
     pub(crate) memory: vk::PhysicalDeviceMemoryProperties,
     pub(crate) limits: vk::PhysicalDeviceLimits,
     pub(crate) subgroup_size: u32,
-    subgroup_arithmetic: bool,
     /// Timeline semaphores (core in Vulkan 1.2, optional on some drivers) are enabled.
     pub(super) timeline_semaphores: bool,
     /// Valid bits of the compute queue's timestamps; 0: it has none.
@@ -89,12 +88,6 @@ impl Device {
             memory,
             limits,
             subgroup_size: subgroup.subgroup_size,
-            subgroup_arithmetic: subgroup
-                .supported_operations
-                .contains(vk::SubgroupFeatureFlags::ARITHMETIC)
-                && subgroup
-                    .supported_stages
-                    .contains(vk::ShaderStageFlags::COMPUTE),
             timeline_semaphores,
             timestamp_valid_bits,
             info,
@@ -119,7 +112,7 @@ impl Device {
 
     /// Whether compute shaders may use subgroup arithmetic (the `Subgroup` shader variants).
     pub fn subgroup_arithmetic(&self) -> bool {
-        self.subgroup_arithmetic
+        self.info.capabilities.subgroup_arithmetic
     }
 
     /// Records commands with `record`, submits them and waits for them to finish.

@@ -287,7 +287,7 @@ impl Recorder<'_> {
 
     /// `W · x` with the ops `fused` names done in the same dispatch (see [`Fused`]). With
     /// `glu`, `w` is a stack of gate rows then as many up rows, which must fit one binding
-    /// ([`Recorder::binds_whole`]), and `y` gets half as many results as `w` has rows.
+    /// (`maxStorageBufferRange`), and `y` gets half as many results as `w` has rows.
     pub fn matvec_fused(
         &mut self,
         w: &GpuMatrix,
@@ -296,11 +296,6 @@ impl Recorder<'_> {
         fused: Fused<'_>,
     ) -> Result<()> {
         self.matvec_into(w, 0, w.n_out, x, y, fused)
-    }
-
-    /// Whether `w` fits one binding (`maxStorageBufferRange`), as a GLU stack must.
-    pub fn binds_whole(&self, w: &GpuMatrix) -> bool {
-        w.buffer.size() <= self.max_range
     }
 
     /// `y = W[first..first + n] · x`: rows `first..first + n` of `w` only, their results at

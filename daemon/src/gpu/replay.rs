@@ -11,11 +11,10 @@
 //! must outlive it: its owner keeps the buffers (a [`super::forward::GpuModel`] holds both).
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use ash::vk;
 
-use super::chain::{SPIN, SPIN_HARD};
+use super::chain::poll;
 use super::device::Device;
 use super::error::{map_vk, Result};
 use super::lost::LossPoint;
@@ -129,27 +128,16 @@ impl Replay {
         self.device.check_lost(LossPoint::Wait)
     }
 
-    /// Polls the fence for up to [`SPIN`] (a step is usually done within it), then sleeps in
+    /// Polls the fence a while (a step is usually done within it, [`poll`]), then sleeps in
     /// the driver.
     fn wait(&self) -> Result<()> {
         let dev = &self.device.raw;
-        let start = Instant::now();
-        loop {
+        let done = poll(|| {
             // SAFETY: the fence belongs to this device.
-            match unsafe { dev.get_fence_status(self.fence) } {
-                Ok(true) => return Ok(()),
-                Ok(false) => {}
-                Err(r) => return Err(self.device.map_result(r)),
-            }
-            let spun = start.elapsed();
-            if spun > SPIN {
-                break;
-            }
-            if spun > SPIN_HARD {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
+            unsafe { dev.get_fence_status(self.fence) }.map_err(|r| self.device.map_result(r))
+        })?;
+        if done {
+            return Ok(());
         }
         // SAFETY: as above.
         unsafe { dev.wait_for_fences(&[self.fence], true, u64::MAX) }

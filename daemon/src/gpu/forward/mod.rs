@@ -24,9 +24,12 @@
 //! budget whole (no streamed tensors).
 
 mod chained;
+mod gate_up;
 mod profile;
 
 pub use profile::{GpuProfileRow, GpuStepProfile};
+
+use gate_up::GateUp;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -121,47 +124,6 @@ struct GpuLayer {
 enum GpuFfn {
     Dense { gate_up: GateUp, down: GpuMatrix },
     Moe(GpuMoe),
-}
-
-/// A dense FFN's gate and up matrices: one stack (gate rows, then up rows) that a single
-/// dispatch turns into SwiGLU's output, where both have one type and the stack fits one binding;
-/// else two matrices.
-enum GateUp {
-    Stacked(GpuMatrix),
-    Apart { gate: GpuMatrix, up: GpuMatrix },
-}
-
-impl GateUp {
-    fn upload(
-        model: &Model,
-        alloc: &Arc<Allocator>,
-        up: &mut Uploader,
-        gate: &Matrix,
-        w_up: &Matrix,
-    ) -> Result<GateUp> {
-        let (g, u) = (model.mat(gate), model.mat(w_up));
-        let bytes = (g.data.len() + u.data.len()) as u64;
-        if g.ty == u.ty
-            && g.n_in == u.n_in
-            && g.n_out == u.n_out
-            && bytes <= alloc.device().max_storage_buffer_range()
-        {
-            let stack = GpuMatrix::upload_stack(alloc, up, g.ty, g.n_in, &[g.data, u.data])?;
-            return Ok(GateUp::Stacked(stack));
-        }
-        Ok(GateUp::Apart {
-            gate: matrix(model, alloc, up, gate)?,
-            up: matrix(model, alloc, up, w_up)?,
-        })
-    }
-
-    /// Rows of the gate matrix: the FFN's width.
-    fn n_ff(&self) -> usize {
-        match self {
-            GateUp::Stacked(m) => m.n_out / 2,
-            GateUp::Apart { gate, .. } => gate.n_out,
-        }
-    }
 }
 
 /// Activations of one token, reused by every layer.
