@@ -117,6 +117,9 @@ const fn v(
 /// The define that switches a kernel's reductions to subgroup operations.
 const SG: (&str, &str) = ("USE_SUBGROUP", "1");
 
+/// The define that switches `matvec_batch.comp` to cooperative matrices.
+const CM: (&str, &str) = ("COOPMAT", "1");
+
 /// The define that makes `matvec.comp` read its expert from the device's routing.
 const ID: (&str, &str) = ("INDEXED", "1");
 
@@ -167,12 +170,12 @@ pub const VARIANTS: &[Variant] = &[
     v("matvec_batch_q4_0", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::Q4_0), Feature::Base, &[("WTYPE_Q4_0", "1")]),
     v("matvec_batch_q4_k", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::Q4K), Feature::Base, &[("WTYPE_Q4_K", "1")]),
     v("matvec_batch_q6_k", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::Q6K), Feature::Base, &[("WTYPE_Q6_K", "1")]),
-    v("matvec_batch_f32_subgroup", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::F32), Feature::Subgroup, &[("WTYPE_F32", "1"), SG]),
-    v("matvec_batch_f16_subgroup", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::F16), Feature::Subgroup, &[("WTYPE_F16", "1"), SG]),
-    v("matvec_batch_q8_0_subgroup", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::Q8_0), Feature::Subgroup, &[("WTYPE_Q8_0", "1"), SG]),
-    v("matvec_batch_q4_0_subgroup", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::Q4_0), Feature::Subgroup, &[("WTYPE_Q4_0", "1"), SG]),
-    v("matvec_batch_q4_k_subgroup", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::Q4K), Feature::Subgroup, &[("WTYPE_Q4_K", "1"), SG]),
-    v("matvec_batch_q6_k_subgroup", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::Q6K), Feature::Subgroup, &[("WTYPE_Q6_K", "1"), SG]),
+    v("matvec_batch_f32_coopmat", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::F32), Feature::CoopMat, &[("WTYPE_F32", "1"), CM]),
+    v("matvec_batch_f16_coopmat", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::F16), Feature::CoopMat, &[("WTYPE_F16", "1"), CM]),
+    v("matvec_batch_q8_0_coopmat", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::Q8_0), Feature::CoopMat, &[("WTYPE_Q8_0", "1"), CM]),
+    v("matvec_batch_q4_0_coopmat", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::Q4_0), Feature::CoopMat, &[("WTYPE_Q4_0", "1"), CM]),
+    v("matvec_batch_q4_k_coopmat", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::Q4K), Feature::CoopMat, &[("WTYPE_Q4_K", "1"), CM]),
+    v("matvec_batch_q6_k_coopmat", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::Q6K), Feature::CoopMat, &[("WTYPE_Q6_K", "1"), CM]),
     v("matvec_id_f32", "matvec.comp", Op::MatVecId, Some(WeightType::F32), Feature::Base, &[("WTYPE_F32", "1"), ID]),
     v("matvec_id_f16", "matvec.comp", Op::MatVecId, Some(WeightType::F16), Feature::Base, &[("WTYPE_F16", "1"), ID]),
     v("matvec_id_q8_0", "matvec.comp", Op::MatVecId, Some(WeightType::Q8_0), Feature::Base, &[("WTYPE_Q8_0", "1"), ID]),

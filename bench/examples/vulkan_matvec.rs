@@ -2,8 +2,10 @@
 //! from GPU timestamps around one recording of many products. Each product reads another copy
 //! of the matrix (at least 512 MiB of copies in all, ten times the L2 of an H100/H200), so the weights come from VRAM, not L2.
 //!
-//! With `tokens=T` (T > 1), each product is the batched kernel over T tokens (prompts), and
-//! GB/s counts the weights once per product: the tile of eight tokens shares each weight read.
+//! With `tokens=T` (T > 1), each product is the batched kernel over T tokens (prompts): GB/s
+//! counts the weights once per product, and the last column gives TFLOPS (2 · n_in · n_out · T
+//! per product). It uses cooperative matrices where the device has them; `nocoop` measures the
+//! f32 kernel instead.
 //!
 //! With `wg=THREADSxROWS,...`, each one-token product is measured with each of these workgroup
 //! shapes of `matvec.comp` in turn (the matrices uploaded once), instead of the tuned shape.
@@ -54,6 +56,8 @@ struct Mode {
     norm: bool,
     glu: bool,
     add: bool,
+    /// The batched products without cooperative matrices.
+    nocoop: bool,
 }
 
 fn main() {
@@ -63,6 +67,7 @@ fn main() {
         norm: false,
         glu: false,
         add: false,
+        nocoop: false,
     };
     let mut types = vec![
         GgmlType::Q4_0,
@@ -89,6 +94,9 @@ fn main() {
                         })
                     })
                     .collect();
+                false
+            } else if a == "nocoop" {
+                mode.nocoop = true;
                 false
             } else if a == "serial" {
                 mode.serial = true;
@@ -126,9 +134,9 @@ fn main() {
     let device = Device::open(Instance::new().unwrap(), None).unwrap();
     println!("device: {}", device.info().name);
     println!(
-        "| weights | n_in × n_out | tokens | workgroup | matrix MiB | copies | GPU µs / product | GB/s |"
+        "| weights | n_in × n_out | tokens | workgroup | matrix MiB | copies | GPU µs / product | GB/s | TFLOPS |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     for (n_in, n_out) in shapes {
         for &ty in &types {
             measure(&device, ty, (n_in, n_out), (tokens, mode), &wg);
@@ -144,7 +152,7 @@ fn measure(
     shapes: &[Option<MatVecShape>],
 ) {
     let alloc = Allocator::new(device, None);
-    let kernels = Kernels::new(device);
+    let kernels = Kernels::with_features(device, true, !mode.nocoop);
     // A GLU stack holds the gate and the up matrix.
     let data = rows(ty, n_in, if mode.glu { 2 * n_out } else { n_out });
     let n_rows = data.len() / ty.row_bytes(n_in as u64).unwrap() as usize;
@@ -165,6 +173,7 @@ fn measure(
         accumulate: mode.add,
         norm: mode.norm.then_some((&norm_w, 1e-5)),
         glu: mode.glu,
+        ..Fused::default()
     };
     let run = || {
         kernels
@@ -202,14 +211,17 @@ fn measure(
                 if mode.add { " add" } else { "" }
             ),
             (1, Some(_)) => format!("{}x{}", used.threads, used.rows),
+            _ if kernels.uses_coopmat() => "batch, coopmat".into(),
             _ => "batch".into(),
         };
+        let tflops = 2.0 * (n_in * n_out * tokens) as f64 / per / 1e3;
         println!(
-            "| {} | {n_in} × {n_out} | {tokens} | {label} | {:.1} | {copies} | {:.1} | {:.0} |",
+            "| {} | {n_in} × {n_out} | {tokens} | {label} | {:.1} | {copies} | {:.1} | {:.0} | {:.1} |",
             ty.name(),
             data.len() as f64 / (1 << 20) as f64,
             per / 1e3,
-            gbs
+            gbs,
+            tflops
         );
     }
 }

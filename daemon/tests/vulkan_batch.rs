@@ -1,6 +1,6 @@
 //! The batched matrix product for prompts (`Recorder::matvec_batch`) against the one-token
 //! product (`Recorder::matvec`, itself checked against the CPU in `vulkan_ops.rs`), for every
-//! weight type, token counts around the kernel's tile of eight, a row range of a stack, and a
+//! weight type, token counts around the kernel's tile of 64, a row range of a stack, and a
 //! matrix split over several bindings. On whatever Vulkan device the machine has (lavapipe in
 //! CI); without one these tests skip, unless `SPILLWAY_REQUIRE_VULKAN` is set.
 
@@ -73,7 +73,7 @@ fn check(ty: GgmlType) {
     let Some(dev) = device() else { return };
     let (n_in, n_out) = (512, 67);
     let s = setup(&dev, ty, n_in, n_out);
-    for n_tok in [1, 7, 8, 9, 20] {
+    for n_tok in [1, 7, 64, 65, 130] {
         let xs = inputs(n_tok * n_in, n_tok as u32);
         let want = one_by_one(&s, &xs, n_tok);
         let x = host(&s, &xs);
@@ -154,5 +154,47 @@ fn a_row_range_and_a_split_binding_give_the_same_rows() {
     assert!(s
         .kernels
         .record(|r| r.matvec_batch(&s.w, &x, &small, n_tok))
+        .is_err());
+}
+
+#[test]
+fn an_added_product_is_added_to_what_the_output_held() {
+    let Some(dev) = device() else { return };
+    let (n_in, n_out, n_tok) = (256, 70, 66);
+    let s = setup(&dev, GgmlType::Q4_0, n_in, n_out);
+    let xs = inputs(n_tok * n_in, 9);
+    let product = one_by_one(&s, &xs, n_tok);
+    let before = inputs(n_tok * n_out, 3);
+    let x = host(&s, &xs);
+    let y = host(&s, &before);
+    s.kernels
+        .record(|r| r.matvec_batch_add(&s.w, &x, &y, n_tok))
+        .unwrap();
+    let want: Vec<f32> = before.iter().zip(&product).map(|(b, p)| b + p).collect();
+    assert_close(&y.read_f32(n_tok * n_out), &want, "y + W·x");
+}
+
+#[test]
+fn a_repeated_addend_is_added_to_every_token() {
+    let Some(dev) = device() else { return };
+    let s = setup(&dev, GgmlType::Q8_0, 32, 1);
+    let (width, n_tok) = (96, 5);
+    let a0 = inputs(width * n_tok, 1);
+    let bias = inputs(width, 2);
+    let a = host(&s, &a0);
+    let b = host(&s, &bias);
+    s.kernels
+        .record(|r| r.add_repeated(&a, &b, (width * n_tok) as u32, width as u32))
+        .unwrap();
+    let want: Vec<f32> = a0
+        .iter()
+        .enumerate()
+        .map(|(i, v)| v + bias[i % width])
+        .collect();
+    assert_eq!(a.read_f32(width * n_tok), want);
+    // An addend longer than its buffer is refused.
+    assert!(s
+        .kernels
+        .record(|r| r.add_repeated(&a, &b, 10, width as u32 + 1))
         .is_err());
 }

@@ -12,7 +12,9 @@
 // Unlike the CPU engine the probabilities stay f32: they are not rounded to f16 before weighing
 // the values. The new token's position is read on the device, from word `step_index` of the step
 // buffer (positions 0..=pos attend, at most `capacity`), so a recorded step can be replayed at
-// each position; the grid covers the capacity and runs past the position leave at once.
+// each position; runs past the position leave at once. A prompt's tokens are the workgroup
+// layers (z): token t is at the step word's position plus t, its query and its partial results
+// follow token t - 1's.
 
 #define WG 128u
 #define SPLIT 128u
@@ -48,8 +50,10 @@ float round_f16(float v) {
 void main() {
     const uint h = gl_WorkGroupID.x;
     const uint split = gl_WorkGroupID.y;
-    const uint n_splits = gl_NumWorkGroups.y;
-    const uint n_kv = min(step[p.step_index] + 1u, p.capacity);
+    const uint tok = gl_WorkGroupID.z;
+    const uint n_heads = gl_NumWorkGroups.x;
+    const uint n_splits = (p.capacity + SPLIT - 1u) / SPLIT;
+    const uint n_kv = min(step[p.step_index] + tok + 1u, p.capacity);
     const uint t0 = split * SPLIT;
     if (t0 >= n_kv) {
         return; // the whole workgroup: its run is past the position
@@ -58,7 +62,7 @@ void main() {
     const uint tid = gl_LocalInvocationID.x;
     const uint kv_off = (h / p.group) * HEAD_DIM; // in halves, within a cache row
     for (uint d = tid; d < HEAD_DIM; d += WG) {
-        qh[d] = round_f16(q[h * HEAD_DIM + d]);
+        qh[d] = round_f16(q[(tok * n_heads + h) * HEAD_DIM + d]);
     }
     barrier();
 
@@ -85,7 +89,7 @@ void main() {
     e[tid] = ex;
     const float l = wg_sum(ex); // its barriers also order the writes to `e` before the reads
 
-    const uint base = (h * n_splits + split) * (HEAD_DIM + 2u);
+    const uint base = ((tok * n_heads + h) * n_splits + split) * (HEAD_DIM + 2u);
     for (uint d = tid; d < HEAD_DIM; d += WG) {
         const uint at = kv_off + d;
         // Four positions a round, their loads issued together.

@@ -2,7 +2,8 @@
 // One row of a weight matrix to f32 (ggml's get_rows: the token embedding). One invocation per
 // unit of 32 weights. The row is read on the device, from word `step_index` of the step buffer,
 // so a recorded step can be replayed for each new token. A matrix larger than one binding is
-// bound as runs of rows, one dispatch each; only the run that holds the row writes.
+// bound as runs of rows, one dispatch each; only the run that holds the row writes. A prompt's
+// tokens are the workgroup rows (y): token t's row is word `step_index + t`, written at `t * n`.
 
 layout(local_size_x = 64) in;
 
@@ -23,7 +24,8 @@ layout(push_constant) uniform Params {
 #include "decode.glsl"
 
 void main() {
-    const uint row = step[p.step_index];
+    const uint t = gl_WorkGroupID.y;
+    const uint row = step[p.step_index + t];
     const uint u = gl_GlobalInvocationID.x;
     if (row < p.first_row || row - p.first_row >= p.n_rows || u >= p.n / 32u) {
         return;
@@ -31,6 +33,6 @@ void main() {
     float v[32];
     decode_unit(p.w_offset + (row - p.first_row) * p.row_bytes, u, v);
     for (uint i = 0u; i < 32u; ++i) {
-        dst[32u * u + i] = v[i];
+        dst[t * p.n + 32u * u + i] = v[i];
     }
 }

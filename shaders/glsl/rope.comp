@@ -8,7 +8,8 @@
 // family). Angles come from a table that the host fills with the CPU's own `rope_cache`:
 // `table[(pos * n_rot/2 + i) * 2]` = cos, `+ 1` = sin. The position is read on the device, from
 // word `step_index` of the step buffer (clamped to the table), so a recorded step can be replayed
-// at each new position.
+// at each new position. A prompt's tokens are the workgroup rows (y): token t's heads follow
+// token t - 1's and its position is the step word's plus t.
 //
 // With the STORE specialization constant (for K) the result is not written back: it goes
 // straight to the f16 K cache at the position, and V's head goes to the V cache beside it (the
@@ -44,7 +45,8 @@ layout(push_constant) uniform Params {
 shared float h[MAX_HEAD_DIM];
 
 void main() {
-    const uint base = gl_WorkGroupID.x * p.head_dim;
+    const uint t = gl_WorkGroupID.y;
+    const uint base = (t * gl_NumWorkGroups.x + gl_WorkGroupID.x) * p.head_dim;
     float s = 0.0;
     for (uint i = gl_LocalInvocationID.x; i < p.head_dim; i += WG) {
         h[i] = x[base + i];
@@ -58,7 +60,7 @@ void main() {
     }
     barrier();
     const uint half_rot = p.n_rot / 2u;
-    const uint pos = min(step[p.step_index], p.n_pos - 1u);
+    const uint pos = min(step[p.step_index] + t, p.n_pos - 1u);
     for (uint i = gl_LocalInvocationID.x; i < half_rot; i += WG) {
 #if defined(ROPE_NEOX)
         const uint a = i, b = i + half_rot;
@@ -84,7 +86,7 @@ void main() {
         return;
     }
     barrier();
-    const uint at = step[p.step_index];
+    const uint at = step[p.step_index] + t;
     if (at >= p.capacity) {
         return;
     }

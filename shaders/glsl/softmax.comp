@@ -12,6 +12,7 @@ layout(std430, binding = 0) buffer X { float x[]; };
 
 layout(push_constant) uniform Params {
     uint n;
+    uint b_len; // unused: eltwise.comp's push block
 } p;
 
 #include "reduce.glsl"

@@ -147,6 +147,9 @@ pub struct RopeParams {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct EltwiseParams {
     pub n: u32,
+    /// ADD: `b` holds this many values, repeated over `a` (a bias added to each token of a
+    /// prompt); `n` for one vector. Unused by the other ops.
+    pub b_len: u32,
 }
 
 /// `scale_add.comp`'s `Params`.
@@ -246,7 +249,7 @@ push_constants!(RopeParams {
     kv_width,
     capacity
 });
-push_constants!(EltwiseParams { n });
+push_constants!(EltwiseParams { n, b_len });
 push_constants!(ScaleAddParams { n, scale });
 push_constants!(KvStoreParams {
     kv_width,

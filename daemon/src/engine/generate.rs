@@ -127,7 +127,8 @@ impl SequenceModel for Engine {
     }
 }
 
-/// Token by token: the GPU path has no batched prompt yet.
+/// Prompts in chunks of tokens for dense models, token by token for MoE models
+/// ([`GpuModel::eval_prompt`]).
 impl SequenceModel for GpuModel {
     fn n_vocab(&self) -> usize {
         self.config().n_vocab
@@ -154,14 +155,7 @@ impl SequenceModel for GpuModel {
             let capacity = self.capacity();
             return Err(EngineError::ContextFull { capacity }.into());
         }
-        let mut out = Vec::with_capacity(if all_logits { tokens.len() } else { 1 } * n_vocab);
-        for (i, &t) in tokens.iter().enumerate() {
-            let logits = self.eval(t)?;
-            if all_logits || i + 1 == tokens.len() {
-                out.extend_from_slice(&logits);
-            }
-        }
-        Ok(out)
+        Ok(self.eval_prompt(tokens, all_logits)?)
     }
 }
 

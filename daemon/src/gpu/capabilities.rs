@@ -25,7 +25,8 @@ pub struct Capabilities {
     pub subgroup_size_control: bool,
     /// Integer dot-product instructions (Vulkan 1.3 or `VK_KHR_shader_integer_dot_product`).
     pub integer_dot_product: bool,
-    /// `VK_KHR_cooperative_matrix`: the `CoopMat` kernel variants.
+    /// `VK_KHR_cooperative_matrix` with 16×16×16 f16 × f16 → f32 products at subgroup scope,
+    /// and f16 arithmetic: the `CoopMat` kernel variants (prompts' matrix products).
     pub cooperative_matrix: bool,
     /// `VK_EXT_memory_budget`: how much of each heap this process may still take.
     pub memory_budget: bool,
@@ -35,7 +36,11 @@ pub struct Capabilities {
 }
 
 /// Detects the capabilities of `pd`, a physical device of `instance` that supports Vulkan 1.2.
-pub(super) fn detect(instance: &ash::Instance, pd: vk::PhysicalDevice) -> Capabilities {
+pub(super) fn detect(
+    entry: &ash::Entry,
+    instance: &ash::Instance,
+    pd: vk::PhysicalDevice,
+) -> Capabilities {
     // SAFETY: `pd` belongs to `instance`.
     let extensions =
         unsafe { instance.enumerate_device_extension_properties(pd) }.unwrap_or_default();
@@ -88,10 +93,41 @@ pub(super) fn detect(instance: &ash::Instance, pd: vk::PhysicalDevice) -> Capabi
             || has(c"VK_EXT_subgroup_size_control"),
         integer_dot_product: (v13 && on(f13.shader_integer_dot_product))
             || has(c"VK_KHR_shader_integer_dot_product"),
-        cooperative_matrix: has(c"VK_KHR_cooperative_matrix"),
+        cooperative_matrix: has(c"VK_KHR_cooperative_matrix")
+            && on(f12.shader_float16)
+            && on(f12.vulkan_memory_model)
+            && cooperative_f16_16x16x16(entry, instance, pd),
         memory_budget: has(c"VK_EXT_memory_budget"),
         transfer_queue,
     }
+}
+
+/// Whether `pd` (which has `VK_KHR_cooperative_matrix`) enables the feature and multiplies
+/// 16×16×16 f16 blocks into f32 at subgroup scope, the shape `matvec_batch.comp` uses.
+fn cooperative_f16_16x16x16(
+    entry: &ash::Entry,
+    instance: &ash::Instance,
+    pd: vk::PhysicalDevice,
+) -> bool {
+    let mut coop = vk::PhysicalDeviceCooperativeMatrixFeaturesKHR::default();
+    let mut features = vk::PhysicalDeviceFeatures2::default().push_next(&mut coop);
+    // SAFETY: `pd` belongs to `instance`, whose device has the extension; the chained struct
+    // outlives the call.
+    unsafe { instance.get_physical_device_features2(pd, &mut features) };
+    if coop.cooperative_matrix != vk::TRUE {
+        return false;
+    }
+    let ext = ash::khr::cooperative_matrix::Instance::new(entry, instance);
+    // SAFETY: as above.
+    let shapes = unsafe { ext.get_physical_device_cooperative_matrix_properties(pd) };
+    let f16 = vk::ComponentTypeKHR::FLOAT16;
+    let f32 = vk::ComponentTypeKHR::FLOAT32;
+    shapes.unwrap_or_default().iter().any(|s| {
+        (s.m_size, s.n_size, s.k_size) == (16, 16, 16)
+            && (s.a_type, s.b_type) == (f16, f16)
+            && (s.c_type, s.result_type) == (f32, f32)
+            && s.scope == vk::ScopeKHR::SUBGROUP
+    })
 }
 
 /// Bytes of the device-local heaps that this process may still take, as the driver reports them

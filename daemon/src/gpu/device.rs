@@ -52,11 +52,25 @@ impl Device {
         // SAFETY: `physical` belongs to `inst`; the chained struct outlives the call.
         unsafe { inst.get_physical_device_features2(physical, &mut features2) };
         let timeline_semaphores = supported12.timeline_semaphore == vk::TRUE;
-        let mut enabled12 =
-            vk::PhysicalDeviceVulkan12Features::default().timeline_semaphore(timeline_semaphores);
-        let info = vk::DeviceCreateInfo::default()
+        // Cooperative matrices (prompts' matrix products) need their extension and feature,
+        // f16 arithmetic and the Vulkan memory model; `detect` checked all four.
+        let described = instance.describe(index, physical);
+        let coopmat = described.capabilities.cooperative_matrix;
+        let mut enabled12 = vk::PhysicalDeviceVulkan12Features::default()
+            .timeline_semaphore(timeline_semaphores)
+            .shader_float16(coopmat)
+            .vulkan_memory_model(coopmat);
+        let mut enabled_coop =
+            vk::PhysicalDeviceCooperativeMatrixFeaturesKHR::default().cooperative_matrix(true);
+        let extensions = [ash::khr::cooperative_matrix::NAME.as_ptr()];
+        let mut info = vk::DeviceCreateInfo::default()
             .queue_create_infos(&queues)
             .push_next(&mut enabled12);
+        if coopmat {
+            info = info
+                .enabled_extension_names(&extensions)
+                .push_next(&mut enabled_coop);
+        }
         // SAFETY: the create info and the arrays it points to live across the call.
         let raw = unsafe { inst.create_device(physical, &info, None) }.map_err(map_vk)?;
         // SAFETY: the family and index 0 were requested above.
@@ -80,7 +94,7 @@ impl Device {
         // SAFETY: as above; the chained struct outlives the call.
         unsafe { inst.get_physical_device_properties2(physical, &mut props2) };
         let limits = props2.properties.limits;
-        let info = instance.describe(index, physical);
+        let info = described;
         Ok(Arc::new(Device {
             raw,
             queue: Mutex::new(queue),
@@ -108,6 +122,11 @@ impl Device {
 
     pub fn subgroup_size(&self) -> u32 {
         self.subgroup_size
+    }
+
+    /// Whether cooperative matrices are enabled (the `CoopMat` shader variants).
+    pub fn cooperative_matrix(&self) -> bool {
+        self.info.capabilities.cooperative_matrix
     }
 
     /// Whether compute shaders may use subgroup arithmetic (the `Subgroup` shader variants).

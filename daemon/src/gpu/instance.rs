@@ -11,7 +11,7 @@ use super::error::{map_vk, GpuError, Result};
 pub struct Instance {
     pub(crate) raw: ash::Instance,
     // Keeps the loader library mapped until after `Drop::drop` destroyed the instance.
-    _entry: ash::Entry,
+    pub(crate) entry: ash::Entry,
 }
 
 /// What a physical device is, as listed to users.
@@ -52,7 +52,7 @@ impl Instance {
         let info = vk::InstanceCreateInfo::default().application_info(&app);
         // SAFETY: `info` and what it points to live across the call.
         let raw = unsafe { entry.create_instance(&info, None) }.map_err(map_vk)?;
-        Ok(Arc::new(Instance { raw, _entry: entry }))
+        Ok(Arc::new(Instance { raw, entry }))
     }
 
     /// Physical devices that support Vulkan 1.2, in the loader's order.
@@ -100,7 +100,7 @@ impl Instance {
             _ => DeviceKind::Other,
         };
         let v = props.api_version;
-        let capabilities = detect(&self.raw, pd);
+        let capabilities = detect(&self.entry, &self.raw, pd);
         DeviceInfo {
             index,
             name: c_chars(&props.device_name),

@@ -242,6 +242,9 @@ pub struct Fused<'b> {
     /// The matrix is a stack of gate rows then up rows, and the results are
     /// `silu(gate · x) * (up · x)` (SwiGLU).
     pub glu: bool,
+    /// Bytes into `x` where the input vector starts (one token of a prompt's activations); a
+    /// multiple of the device's storage-buffer offset alignment.
+    pub x_offset: u64,
 }
 
 /// A `u32` the device reads when a dispatch runs, not when it is recorded: word `index` of
@@ -363,9 +366,14 @@ impl Recorder<'_> {
                 y_offset: chunk.y_offset,
                 eps,
             };
+            let x_binding = Binding {
+                offset: fused.x_offset,
+                range: (w.n_in as u64 * 4).min(x.size().saturating_sub(fused.x_offset)),
+                ..Binding::read(x)
+            };
             let bindings = [
                 chunk.weights,
-                Binding::read(x),
+                x_binding,
                 Binding::write(y),
                 Binding::read(norm_w),
             ];
@@ -547,6 +555,28 @@ impl Recorder<'_> {
     /// The row of `w` that `row` holds when the dispatch runs, as f32 into `dst` (the
     /// embedding lookup). A matrix larger than one binding takes a dispatch per run of rows.
     pub fn get_rows(&mut self, w: &GpuMatrix, row: StepWord<'_>, dst: &Buffer) -> Result<()> {
+        self.get_rows_n(w, row, 1, dst)
+    }
+
+    /// [`Recorder::get_rows`] of `n_tok` rows, words `rows.index..` of the buffer, one after
+    /// another into `dst`.
+    pub(crate) fn get_rows_n(
+        &mut self,
+        w: &GpuMatrix,
+        row: StepWord<'_>,
+        n_tok: u32,
+        dst: &Buffer,
+    ) -> Result<()> {
+        if dst.size() < u64::from(n_tok) * w.n_in as u64 * 4
+            || row.buffer.size() < (u64::from(row.index) + u64::from(n_tok)) * 4
+            || n_tok > 65535
+        {
+            return Err(GpuError::Unsupported(format!(
+                "{n_tok} rows of {} values into {} bytes",
+                w.n_in,
+                dst.size()
+            )));
+        }
         let id = self.variant(Op::GetRows, Some(w.wtype))?;
         let units = (w.n_in / 32) as u32;
         for chunk in self.row_chunks(w, 0, w.n_out)? {
@@ -559,7 +589,7 @@ impl Recorder<'_> {
                 step_index: row.index,
             };
             let bindings = [chunk.weights, Binding::write(dst), row.binding()];
-            self.dispatch(id, &bindings, &push, [units.div_ceil(64), 1, 1])?;
+            self.dispatch(id, &bindings, &push, [units.div_ceil(64), n_tok, 1])?;
         }
         Ok(())
     }
@@ -591,7 +621,7 @@ impl Recorder<'_> {
         args: RopeArgs,
         pos: StepWord<'_>,
     ) -> Result<()> {
-        self.rope_into(x, norm, table, args, pos, None)
+        self.rope_into(x, norm, table, args, pos, 1, None)
     }
 
     /// [`Recorder::rope`] of K whose result goes to the f16 K cache at the position instead of
@@ -615,18 +645,33 @@ impl Recorder<'_> {
                 v_cache.size()
             )));
         }
-        self.rope_into(k, norm, table, args, pos, Some((v, k_cache, v_cache)))
+        self.rope_into(k, norm, table, args, pos, 1, Some((v, k_cache, v_cache)))
     }
 
-    fn rope_into(
+    /// RoPE of `n_tok` tokens' heads, one token's after another's, token `t` at the position
+    /// `pos` holds plus `t`; with `store`, (V, K cache, V cache) as in [`Recorder::rope_store`].
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn rope_into(
         &mut self,
         x: &Buffer,
         norm: Option<&Buffer>,
         table: &Buffer,
         args: RopeArgs,
         pos: StepWord<'_>,
+        n_tok: u32,
         store: Option<(&Buffer, &Buffer, &Buffer)>,
     ) -> Result<()> {
+        let floats = u64::from(n_tok) * u64::from(args.n_heads * args.head_dim);
+        if x.size() < floats * 4
+            || store.is_some_and(|(v, _, _)| v.size() < floats * 4)
+            || n_tok > 65535
+        {
+            return Err(GpuError::Unsupported(format!(
+                "RoPE of {n_tok} tokens of {} heads in {} bytes",
+                args.n_heads,
+                x.size()
+            )));
+        }
         let id = self.variant(
             match args.layout {
                 RopeLayout::Normal => Op::RopeNorm,
@@ -682,12 +727,24 @@ impl Recorder<'_> {
             v_cache,
         ];
         let spec = [u32::from(store.is_some())];
-        self.dispatch_spec(id, &spec, &bindings, &push, [args.n_heads, 1, 1])
+        self.dispatch_spec(id, &spec, &bindings, &push, [args.n_heads, n_tok, 1])
     }
 
     /// `a += b` over `n` values.
     pub fn add(&mut self, a: &Buffer, b: &Buffer, n: u32) -> Result<()> {
-        let push = EltwiseParams { n };
+        self.add_repeated(a, b, n, n)
+    }
+
+    /// `a[i] += b[i % b_len]` over `n` values (a bias added to each token of a prompt).
+    pub fn add_repeated(&mut self, a: &Buffer, b: &Buffer, n: u32, b_len: u32) -> Result<()> {
+        if b_len == 0 || b.size() < u64::from(b_len) * 4 || a.size() < u64::from(n) * 4 {
+            return Err(GpuError::Unsupported(format!(
+                "{n} values plus {b_len} repeated in buffers of {} and {} bytes",
+                a.size(),
+                b.size()
+            )));
+        }
+        let push = EltwiseParams { n, b_len };
         let bindings = [Binding::write(a), Binding::read(b)];
         self.dispatch(ShaderId::Add, &bindings, &push, [n.div_ceil(256), 1, 1])
     }
@@ -706,14 +763,14 @@ impl Recorder<'_> {
 
     /// `gate = silu(gate) * up` over `n` values.
     pub fn swiglu(&mut self, gate: &Buffer, up: &Buffer, n: u32) -> Result<()> {
-        let push = EltwiseParams { n };
+        let push = EltwiseParams { n, b_len: n };
         let bindings = [Binding::write(gate), Binding::read(up)];
         self.dispatch(ShaderId::Swiglu, &bindings, &push, [n.div_ceil(256), 1, 1])
     }
 
     /// Softmax of `rows` rows of `n` values of `x`, in place.
     pub fn softmax(&mut self, x: &Buffer, n: u32, rows: u32) -> Result<()> {
-        let push = EltwiseParams { n };
+        let push = EltwiseParams { n, b_len: n };
         let id = self.variant(Op::Softmax, None)?;
         self.dispatch(id, &[Binding::write(x)], &push, [rows, 1, 1])
     }
@@ -768,10 +825,39 @@ impl Recorder<'_> {
         a: AttentionArgs,
         pos: StepWord<'_>,
     ) -> Result<()> {
+        self.attention_n(q, (k_cache, v_cache), scratch, out, a, pos, (1, a.capacity))
+    }
+
+    /// [`Recorder::attention`] of `tokens.0` tokens, token `t` at the position `pos` holds plus
+    /// `t` (causal: it attends to `0..=pos + t`), queries and outputs one token's after
+    /// another's, `scratch` [`attention_scratch_floats`] of `tokens.1` positions per token. No
+    /// token's position reaches `tokens.1`: the grid and the scratch cover the runs of positions
+    /// below it.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attention_n(
+        &mut self,
+        q: &Buffer,
+        (k_cache, v_cache): (&Buffer, &Buffer),
+        scratch: &Buffer,
+        out: &Buffer,
+        a: AttentionArgs,
+        pos: StepWord<'_>,
+        (n_tok, positions): (u32, u32),
+    ) -> Result<()> {
         let cache_bytes = u64::from(a.capacity) * u64::from(a.n_kv_heads * a.head_dim) * 2;
-        let scratch_floats =
-            attention_scratch_floats(a.n_heads as usize, a.head_dim as usize, a.capacity as usize);
+        // The runs of positions below `positions` are laid out in the scratch, not the capacity's.
+        let bound = positions.min(a.capacity).max(1);
+        let scratch_floats = n_tok as usize
+            * attention_scratch_floats(a.n_heads as usize, a.head_dim as usize, bound as usize);
+        let io_bytes = u64::from(n_tok) * u64::from(a.n_heads * a.head_dim) * 4;
         let n_splits = a.capacity.div_ceil(ATTENTION_SPLIT);
+        if q.size() < io_bytes || out.size() < io_bytes || n_tok > 65535 {
+            return Err(GpuError::Unsupported(format!(
+                "attention of {n_tok} tokens of {a:?} in {} and {} bytes",
+                q.size(),
+                out.size()
+            )));
+        }
         if a.head_dim > 512
             || a.head_dim == 0
             || !a.head_dim.is_multiple_of(8)
@@ -788,7 +874,7 @@ impl Recorder<'_> {
             head_dim: a.head_dim,
             kv_width: a.n_kv_heads * a.head_dim,
             group: a.n_heads / a.n_kv_heads,
-            capacity: a.capacity,
+            capacity: bound,
             scale: 1.0 / (a.head_dim as f32).sqrt(),
             step_index: pos.index,
         };
@@ -801,13 +887,14 @@ impl Recorder<'_> {
         ];
         let id = self.variant(Op::Attention, None)?;
         let spec = [a.head_dim];
-        self.dispatch_spec(id, &spec, &bindings, &push, [a.n_heads, n_splits, 1])?;
+        let runs = bound.div_ceil(ATTENTION_SPLIT);
+        self.dispatch_spec(id, &spec, &bindings, &push, [a.n_heads, runs, n_tok])?;
         let bindings = [Binding::read(scratch), Binding::write(out), pos.binding()];
         self.dispatch(
             ShaderId::AttentionCombine,
             &bindings,
             &push,
-            [a.n_heads, 1, 1],
+            [a.n_heads, n_tok, 1],
         )
     }
 }

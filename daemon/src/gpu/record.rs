@@ -26,6 +26,8 @@ pub struct Kernels {
     device: Arc<Device>,
     /// Use the `Subgroup` variants where the table has them.
     subgroups: bool,
+    /// Use the `CoopMat` variants where the table has them.
+    coopmat: bool,
     /// Pipelines by variant and specialization constants.
     cache: Mutex<HashMap<PipelineKey, Arc<ComputePipeline>>>,
     /// A matrix-vector workgroup shape for every weight type instead of the tuned ones.
@@ -38,11 +40,19 @@ impl Kernels {
         Kernels::with_subgroups(device, device.subgroup_arithmetic())
     }
 
-    /// With `subgroups` false, only the `Base` variants (tests compare both).
+    /// With `subgroups` false, only the `Base` variants (tests compare both); cooperative
+    /// matrices where the device has them.
     pub fn with_subgroups(device: &Arc<Device>, subgroups: bool) -> Arc<Kernels> {
+        Kernels::with_features(device, subgroups, true)
+    }
+
+    /// With `subgroups` or `coopmat` false, the variants without subgroup arithmetic or without
+    /// cooperative matrices, even where the device has them (tests and benchmarks compare them).
+    pub fn with_features(device: &Arc<Device>, subgroups: bool, coopmat: bool) -> Arc<Kernels> {
         Arc::new(Kernels {
             device: device.clone(),
             subgroups: subgroups && device.subgroup_arithmetic(),
+            coopmat: coopmat && device.cooperative_matrix(),
             cache: Mutex::new(HashMap::new()),
             matvec_shape: Mutex::new(None),
         })
@@ -65,6 +75,11 @@ impl Kernels {
             .unwrap_or_else(|| MatVecShape::tuned(wtype))
     }
 
+    /// Whether the cooperative-matrix variants are in use.
+    pub fn uses_coopmat(&self) -> bool {
+        self.coopmat
+    }
+
     /// Whether the subgroup variants are in use.
     pub fn uses_subgroups(&self) -> bool {
         self.subgroups
@@ -72,6 +87,13 @@ impl Kernels {
 
     /// The variant of `op` for `wtype` this device runs best.
     pub fn variant(&self, op: Op, wtype: Option<WeightType>) -> Result<ShaderId> {
+        if let Some(id) = self
+            .coopmat
+            .then(|| ShaderId::find(op, wtype, Feature::CoopMat))
+            .flatten()
+        {
+            return Ok(id);
+        }
         let subgroup = self
             .subgroups
             .then(|| ShaderId::find(op, wtype, Feature::Subgroup))
@@ -484,6 +506,12 @@ pub struct Recorder<'k> {
 }
 
 impl Recorder<'_> {
+    /// The device's subgroup size (workgroups of the cooperative-matrix kernels are four
+    /// subgroups).
+    pub(crate) fn subgroup_size(&self) -> u32 {
+        self.kernels.device().subgroup_size()
+    }
+
     pub fn stats(&self) -> RecordStats {
         self.stats
     }

@@ -15,7 +15,7 @@ use crate::engine::generate::{GenerateError, SequenceModel};
 use crate::gpu::alloc::Allocator;
 use crate::gpu::expert_cache::ExpertStats;
 use crate::gpu::footprint::DeviceBytes;
-use crate::gpu::forward::{GpuModel, GpuModelOptions};
+use crate::gpu::forward::{GpuModel, GpuModelOptions, PREFILL_CHUNK};
 use crate::gpu::GpuError;
 use crate::model::Model;
 
@@ -172,9 +172,13 @@ impl Sequences for GpuSequence {
         }
     }
 
-    /// Token by token: the GPU has no batched prompt, so this costs nothing.
+    /// A dense model's prompt goes in chunks ([`GpuModel::eval_prompt`]); a MoE model's token
+    /// by token, so chunks would cost nothing there.
     fn prompt_chunk(&self) -> usize {
-        1
+        match &self.gpu {
+            Some(gpu) if gpu.batches_prompts() => PREFILL_CHUNK,
+            _ => 1,
+        }
     }
 
     fn eval_sequence(

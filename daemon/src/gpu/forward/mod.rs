@@ -20,13 +20,17 @@
 //! With profiling on ([`GpuModel::set_profiling`], [`profile`]) the step writes GPU timestamps
 //! around each op group of each layer; off, it writes none.
 //!
-//! Partial: one token per step (prompts go token by token); a dense model must fit the VRAM
-//! budget whole (no streamed tensors).
+//! A dense model's prompt runs in chunks of tokens ([`prefill`]); a MoE model's goes token by
+//! token.
+//!
+//! Partial: a dense model must fit the VRAM budget whole (no streamed tensors).
 
 mod chained;
 mod gate_up;
+mod prefill;
 mod profile;
 
+pub use prefill::PREFILL_CHUNK;
 pub use profile::{GpuProfileRow, GpuStepProfile};
 
 use gate_up::GateUp;
@@ -83,6 +87,9 @@ pub struct GpuModelOptions {
     /// submit that recording for every token ([`super::replay`]); `false`: record each step
     /// anew, for comparisons.
     pub replay: bool,
+    /// Multiply prompts' chunks in the device's matrix units where it has cooperative matrices;
+    /// `false`: the f32 kernel, for comparisons.
+    pub coopmat: bool,
 }
 
 impl Default for GpuModelOptions {
@@ -98,6 +105,7 @@ impl Default for GpuModelOptions {
             ram_budget: None,
             chain: true,
             replay: true,
+            coopmat: true,
         }
     }
 }
@@ -220,6 +228,8 @@ pub struct GpuModel {
     /// The recording, made at the first step that uses it.
     replay: Option<Replay>,
     last_profile: Option<GpuStepProfile>,
+    /// A prompt chunk's activations, made at the first prompt ([`prefill`]).
+    batch: Option<prefill::Batch>,
 }
 
 fn matrix(
@@ -324,7 +334,8 @@ impl GpuModel {
         capacity: usize,
     ) -> Result<GpuModel> {
         let c = model.config.clone();
-        let kernels = Kernels::new(allocator.device());
+        let device = allocator.device();
+        let kernels = Kernels::with_features(device, true, options.coopmat);
         let mut up = Uploader::new(allocator, placement.staging_bytes)?;
         let al = allocator;
         let token_embd = matrix(model, al, &mut up, &model.token_embd)?;
@@ -508,6 +519,7 @@ impl GpuModel {
             replays,
             replay: None,
             last_profile: None,
+            batch: None,
         })
     }
 

@@ -1,0 +1,123 @@
+//! A dense model's prompt on the GPU in chunks (`GpuModel::eval_prompt`) against the same model
+//! token by token (`GpuModel::eval`, itself checked against the CPU engine in
+//! `vulkan_forward.rs`): every token's logits, prompts longer than a chunk, a prompt that starts
+//! after earlier tokens, and the decode steps after a prompt, which read the KV cache the chunks
+//! wrote. On whatever Vulkan device the machine has (lavapipe in CI); without one these tests
+//! skip, unless `SPILLWAY_REQUIRE_VULKAN` is set, in which case they fail.
+
+use std::sync::Arc;
+
+use spillway_bench::synth::{SynthModel, WeightType};
+use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
+use spillway_daemon::gpu::Device;
+use spillway_daemon::model::Model;
+
+fn device() -> Option<Arc<Device>> {
+    spillway_daemon::gpu::device_or_skip()
+}
+
+/// Largest |a - b| relative to the largest |b|. The chunked products sum in another order than
+/// the one-token ones and, with cooperative matrices, round the activations to f16; a wrong op
+/// (a token's row or position off by one, a missed barrier) moves logits by their whole range.
+const TOLERANCE: f32 = 0.01;
+
+fn assert_close(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    let range = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let diff = got
+        .iter()
+        .zip(want)
+        .fold(0f32, |m, (g, w)| m.max((g - w).abs()));
+    assert!(
+        diff <= TOLERANCE * range,
+        "{what}: logits differ by {diff} (range {range})"
+    );
+}
+
+fn tokens(n: usize, n_vocab: usize) -> Vec<u32> {
+    (0..n)
+        .map(|i| ((i as u64 * 2_654_435_761 + 17) % n_vocab as u64) as u32)
+        .collect()
+}
+
+fn models(dev: &Arc<Device>, preset: &str, weights: &str) -> (GpuModel, GpuModel) {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("m.gguf");
+    SynthModel::from_name(preset, weights.parse::<WeightType>().unwrap(), 5)
+        .unwrap()
+        .write(&path, false, |_, _| {})
+        .unwrap();
+    let model = Arc::new(Model::open(&path).unwrap());
+    let options = GpuModelOptions {
+        context: 256,
+        ..GpuModelOptions::default()
+    };
+    let one = GpuModel::new(dev, &model, &options).unwrap();
+    let batched = GpuModel::new(dev, &model, &options).unwrap();
+    assert!(batched.batches_prompts(), "{preset} is dense");
+    (one, batched)
+}
+
+fn check(preset: &str, weights: &str) {
+    let Some(dev) = device() else { return };
+    let (mut one, mut batched) = models(&dev, preset, weights);
+    let n_vocab = one.config().n_vocab;
+    // 70 tokens: two chunks when every token's logits are wanted (64 a chunk).
+    let prompt = tokens(70, n_vocab);
+    let mut want = Vec::new();
+    for &t in &prompt {
+        want.extend(one.eval(t).unwrap());
+    }
+    let got = batched.eval_prompt(&prompt, true).unwrap();
+    for (i, (g, w)) in got
+        .chunks(n_vocab)
+        .zip(want.chunks(n_vocab))
+        .enumerate()
+    {
+        assert_close(g, w, &format!("{preset} {weights} prompt token {i}"));
+    }
+    assert_eq!(batched.position(), prompt.len());
+
+    // A second prompt after the first (a chunk starting at position 70), last logits only.
+    let more = tokens(90, n_vocab / 2);
+    let mut last = Vec::new();
+    for &t in &more {
+        last = one.eval(t).unwrap();
+    }
+    let got = batched.eval_prompt(&more, false).unwrap();
+    assert_close(&got, &last, &format!("{preset} {weights} second prompt"));
+
+    // Decoding after the prompts reads the cache the chunks wrote.
+    for t in [5u32, 900, 33] {
+        let want = one.eval(t).unwrap();
+        let got = batched.eval(t).unwrap();
+        assert_close(&got, &want, &format!("{preset} {weights} decode of {t}"));
+    }
+}
+
+#[test]
+fn chunked_prompt_matches_token_by_token_tiny_llama_q4_0() {
+    check("tiny-llama", "Q4_0");
+}
+
+#[test]
+fn chunked_prompt_matches_token_by_token_tiny_llama_q4_k_m() {
+    check("tiny-llama", "Q4_K_M");
+}
+
+#[test]
+fn chunked_prompt_matches_token_by_token_tiny_qwen3_q8_0() {
+    check("tiny-qwen3", "Q8_0");
+}
+
+#[test]
+fn a_prompt_that_overflows_the_context_is_refused_and_nothing_moves() {
+    let Some(dev) = device() else { return };
+    let (_, mut batched) = models(&dev, "tiny-llama", "Q8_0");
+    let n_vocab = batched.config().n_vocab;
+    assert!(batched.eval_prompt(&tokens(300, n_vocab), false).is_err());
+    assert_eq!(batched.position(), 0);
+    let bad = [1, n_vocab as u32];
+    assert!(batched.eval_prompt(&bad, false).is_err());
+    assert_eq!(batched.position(), 0);
+}

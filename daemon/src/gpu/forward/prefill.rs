@@ -1,0 +1,260 @@
+//! A prompt on the GPU in chunks of tokens: each chunk is one submission in which every weight
+//! matrix is multiplied with all of the chunk's tokens at once (`matvec_batch.comp`, tiled, in
+//! the device's matrix units where it has cooperative matrices), so a weight is read once per
+//! tile of tokens instead of once per token. Norms, RoPE with the KV-cache append, attention and
+//! SwiGLU take the chunk's tokens as one more grid dimension; token `t` of a chunk at position
+//! `pos` attends to positions `0..=pos + t` (causal), the earlier chunks' included.
+//!
+//! Partial: dense models only (a MoE model's prompt goes token by token), and attention is the
+//! decode kernel with a workgroup per (head, run of positions, token), not a fused
+//! flash-attention kernel that loads each key once per tile of queries.
+
+use super::{GateUp, GpuFfn, GpuModel};
+use crate::gpu::alloc::MemoryUse;
+use crate::gpu::buffer::Buffer;
+use crate::gpu::error::Result;
+use crate::gpu::ops::{attention_scratch_floats, AttentionArgs, Fused, RopeArgs, StepWord};
+use crate::gpu::record::Recorder;
+
+/// Most tokens in one chunk (llama.cpp's default micro-batch).
+pub const PREFILL_CHUNK: usize = 512;
+
+/// Tokens per chunk when every token's logits are wanted: the logits of a chunk are read back
+/// at once, `n_vocab` floats a token.
+const LOGITS_CHUNK: usize = 64;
+
+/// Most bytes of attention scratch a chunk takes; later chunks of a long prompt are shorter so
+/// that their runs of positions fit.
+const SCRATCH_BYTES: usize = 64 << 20;
+
+/// Activations of a chunk of tokens, token-major; made at the first prompt.
+pub(super) struct Batch {
+    x: Buffer,
+    xn: Buffer,
+    q: Buffer,
+    k: Buffer,
+    v: Buffer,
+    attn: Buffer,
+    gate: Buffer,
+    up: Buffer,
+    scores: Buffer,
+    /// Host-visible: the chunk's first position (word 0), then its token ids.
+    step: Buffer,
+    /// Host-visible: every token's logits, for the chunks that want them all.
+    logits: Option<Buffer>,
+}
+
+impl Batch {
+    fn new(m: &GpuModel) -> Result<Batch> {
+        let c = &m.config;
+        let al = &m.allocator;
+        let n = PREFILL_CHUNK;
+        let f32s = |floats: usize| Buffer::new_in(al, floats as u64 * 4, MemoryUse::DeviceLocal);
+        let n_ff = m
+            .layers
+            .iter()
+            .map(|l| match &l.ffn {
+                GpuFfn::Dense { gate_up, .. } => gate_up.n_ff(),
+                GpuFfn::Moe(_) => 0,
+            })
+            .max()
+            .unwrap_or(0);
+        Ok(Batch {
+            x: f32s(n * c.n_embd)?,
+            xn: f32s(n * c.n_embd)?,
+            q: f32s(n * c.q_width())?,
+            k: f32s(n * c.kv_width())?,
+            v: f32s(n * c.kv_width())?,
+            attn: f32s(n * c.q_width())?,
+            gate: f32s(n * n_ff)?,
+            up: f32s(n * n_ff)?,
+            scores: Buffer::new_in(al, SCRATCH_BYTES as u64, MemoryUse::DeviceLocal)?,
+            step: Buffer::new_in(al, (n as u64 + 1) * 4, MemoryUse::DeviceMapped)?,
+            logits: None,
+        })
+    }
+}
+
+impl GpuModel {
+    /// Whether [`GpuModel::eval_prompt`] runs prompts in chunks (dense models, not while
+    /// profiling) rather than token by token.
+    pub fn batches_prompts(&self) -> bool {
+        self.config.moe.is_none() && self.profiler.is_none()
+    }
+
+    /// Evaluates `tokens` at the next positions: the last token's logits, or with `all_logits`
+    /// every token's, one after another. Dense models take chunks of up to [`PREFILL_CHUNK`]
+    /// tokens per submission; MoE models, and any model while profiling, go token by token.
+    pub fn eval_prompt(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
+        let n_vocab = self.config.n_vocab;
+        if !self.batches_prompts() || tokens.len() == 1 {
+            let mut out = Vec::with_capacity(if all_logits { tokens.len() } else { 1 } * n_vocab);
+            for (i, &t) in tokens.iter().enumerate() {
+                let logits = self.eval(t)?;
+                if all_logits || i + 1 == tokens.len() {
+                    out.extend_from_slice(&logits);
+                }
+            }
+            return Ok(out);
+        }
+        self.check_prompt(tokens)?;
+        if self.batch.is_none() {
+            self.batch = Some(Batch::new(self)?);
+        }
+        let per_token = attention_scratch_floats(self.config.n_head, self.config.head_dim, 1) * 4;
+        let mut out = Vec::new();
+        let mut rest = tokens;
+        while !rest.is_empty() {
+            let most = if all_logits {
+                LOGITS_CHUNK
+            } else {
+                PREFILL_CHUNK
+            };
+            // Scratch per token grows with the runs of positions below the chunk's end.
+            let runs = (self.pos + most).min(self.capacity).div_ceil(128);
+            let fits = (SCRATCH_BYTES / (per_token * runs)).max(1);
+            let n = rest.len().min(most).min(fits);
+            let (chunk, later) = rest.split_at(n);
+            let logits = self.eval_chunk(chunk, all_logits)?;
+            if all_logits || later.is_empty() {
+                out.extend(logits);
+            }
+            rest = later;
+        }
+        Ok(out)
+    }
+
+    fn check_prompt(&self, tokens: &[u32]) -> Result<()> {
+        use crate::gpu::error::GpuError;
+        let c = &self.config;
+        if let Some(t) = tokens.iter().find(|&&t| t as usize >= c.n_vocab) {
+            return Err(GpuError::Unsupported(format!(
+                "token {t} is outside the vocabulary of {}",
+                c.n_vocab
+            )));
+        }
+        if self.pos + tokens.len() > self.capacity {
+            return Err(GpuError::Unsupported(format!(
+                "the context of {} positions is full",
+                self.capacity
+            )));
+        }
+        if self.allocator.device().is_lost() {
+            return Err(GpuError::DeviceLost);
+        }
+        Ok(())
+    }
+
+    /// One chunk of a prompt in one submission; its last token's logits, or all of them.
+    fn eval_chunk(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
+        let (n, n_vocab) = (tokens.len(), self.config.n_vocab);
+        let batch = self.batch.as_mut().expect("made by eval_prompt");
+        if all_logits && batch.logits.is_none() {
+            let bytes = (LOGITS_CHUNK * n_vocab * 4) as u64;
+            batch.logits = Some(Buffer::new_in(&self.allocator, bytes, MemoryUse::Staging)?);
+        }
+        let mut words = Vec::with_capacity((n + 1) * 4);
+        words.extend_from_slice(&(self.pos as u32).to_le_bytes());
+        for t in tokens {
+            words.extend_from_slice(&t.to_le_bytes());
+        }
+        batch.step.write(&words);
+        let batch = self.batch.as_ref().expect("made by eval_prompt");
+        let stats = self
+            .kernels
+            .record(|rec| self.record_chunk(rec, batch, n, all_logits))?;
+        self.last_stats = stats;
+        self.last_routing = Vec::new();
+        self.last_host_time = None;
+        self.pos += n;
+        Ok(match (&batch.logits, all_logits) {
+            (Some(l), true) => l.read_f32(n * n_vocab),
+            _ => self.act.logits.read_f32(n_vocab),
+        })
+    }
+
+    fn record_chunk(
+        &self,
+        rec: &mut Recorder<'_>,
+        b: &Batch,
+        n: usize,
+        all_logits: bool,
+    ) -> Result<()> {
+        let c = &self.config;
+        let (e, eps, nt) = (c.n_embd as u32, c.rms_eps, n as u32);
+        let (qw, kvw) = (c.q_width() as u32, c.kv_width() as u32);
+        let pos = StepWord {
+            buffer: &b.step,
+            index: 0,
+        };
+        let ids = StepWord {
+            buffer: &b.step,
+            index: 1,
+        };
+        let rope = |n_heads: usize| RopeArgs {
+            layout: c.rope_layout,
+            n_heads: n_heads as u32,
+            head_dim: c.head_dim as u32,
+            n_rot: c.n_rot as u32,
+            eps,
+        };
+        let attn_args = AttentionArgs {
+            n_heads: c.n_head as u32,
+            n_kv_heads: c.n_head_kv as u32,
+            head_dim: c.head_dim as u32,
+            capacity: self.capacity as u32,
+        };
+        let end = (self.pos + n) as u32;
+        rec.get_rows_n(&self.token_embd, ids, nt, &b.x)?;
+        for l in &self.layers {
+            rec.rms_norm(&b.x, &l.attn_norm, &b.xn, e, nt, eps)?;
+            rec.matvec_batch(&l.wq, &b.xn, &b.q, n)?;
+            rec.matvec_batch(&l.wk, &b.xn, &b.k, n)?;
+            rec.matvec_batch(&l.wv, &b.xn, &b.v, n)?;
+            for (x, bias, w) in [(&b.q, &l.bq, qw), (&b.k, &l.bk, kvw), (&b.v, &l.bv, kvw)] {
+                if let Some(bias) = bias {
+                    rec.add_repeated(x, bias, w * nt, w)?;
+                }
+            }
+            let (qn, kn) = (l.q_norm.as_ref(), l.k_norm.as_ref());
+            rec.rope_into(&b.q, qn, &self.rope, rope(c.n_head), pos, nt, None)?;
+            let store = Some((&b.v, &l.k_cache, &l.v_cache));
+            rec.rope_into(&b.k, kn, &self.rope, rope(c.n_head_kv), pos, nt, store)?;
+            let caches = (&l.k_cache, &l.v_cache);
+            rec.attention_n(&b.q, caches, &b.scores, &b.attn, attn_args, pos, (nt, end))?;
+            rec.matvec_batch_add(&l.wo, &b.attn, &b.x, n)?;
+            rec.rms_norm(&b.x, &l.ffn_norm, &b.xn, e, nt, eps)?;
+            let GpuFfn::Dense { gate_up, down } = &l.ffn else {
+                unreachable!("prompts are batched for dense models only")
+            };
+            let n_ff = gate_up.n_ff();
+            match gate_up {
+                GateUp::Stacked(m) => {
+                    rec.matvec_batch_rows(m, 0, n_ff, &b.xn, &b.gate, n)?;
+                    rec.matvec_batch_rows(m, n_ff, n_ff, &b.xn, &b.up, n)?;
+                }
+                GateUp::Apart { gate, up } => {
+                    rec.matvec_batch(gate, &b.xn, &b.gate, n)?;
+                    rec.matvec_batch(up, &b.xn, &b.up, n)?;
+                }
+            }
+            rec.swiglu(&b.gate, &b.up, (n * n_ff) as u32)?;
+            rec.matvec_batch_add(down, &b.gate, &b.x, n)?;
+        }
+        let head = self.output.as_ref().unwrap_or(&self.token_embd);
+        match (&b.logits, all_logits) {
+            (Some(logits), true) => {
+                rec.rms_norm(&b.x, &self.output_norm, &b.xn, e, nt, eps)?;
+                rec.matvec_batch(head, &b.xn, logits, n)
+            }
+            _ => {
+                let last = Fused {
+                    norm: Some((&self.output_norm, eps)),
+                    x_offset: ((n - 1) * c.n_embd * 4) as u64,
+                    ..Fused::default()
+                };
+                rec.matvec_fused(head, &b.x, &self.act.logits, last)
+            }
+        }
+    }
+}
