@@ -6,7 +6,10 @@
 pub enum Op {
     /// Weight blocks to f32.
     Dequant,
-    /// f16 × f16 → f32 matrix product.
+    /// Weights to f16, two to a word (a prompt's chunk: `Op::Matmul` multiplies them).
+    DequantF16,
+    /// f16 matrix (row-major, from `Op::DequantF16`) × a batch of f32 vectors, token-major, in
+    /// cooperative matrices (prompts).
     Matmul,
     /// Quantized matrix × f32 vector (decode); specialization constants fuse an RMSNorm of the
     /// input, a SwiGLU of two stacked matrices and the residual sum into it.
@@ -51,7 +54,7 @@ impl Op {
     pub const fn bindings(self) -> u32 {
         match self {
             Op::Softmax => 1,
-            Op::Dequant | Op::Add | Op::Swiglu | Op::ScaleAdd => 2,
+            Op::Dequant | Op::DequantF16 | Op::Add | Op::Swiglu | Op::ScaleAdd => 2,
             Op::Matmul | Op::MatVecBatch | Op::RmsNorm | Op::GetRows => 3,
             Op::MatVec => 4,
             Op::ScaleAddRouted => 3,
@@ -119,6 +122,9 @@ const SG: (&str, &str) = ("USE_SUBGROUP", "1");
 
 /// The define that switches `matvec_batch.comp` to cooperative matrices.
 const CM: (&str, &str) = ("COOPMAT", "1");
+
+/// The define that makes `dequant.comp` write f16.
+const F16_OUT: (&str, &str) = ("F16_OUT", "1");
 
 /// The define that makes `matvec.comp` read its expert from the device's routing.
 const ID: (&str, &str) = ("INDEXED", "1");
@@ -191,5 +197,11 @@ pub const VARIANTS: &[Variant] = &[
     v("scale_add_routed", "scale_add.comp", Op::ScaleAddRouted, None, Feature::Base, &[("ROUTED", "1")]),
     v("moe_route", "moe_route.comp", Op::MoeRoute, None, Feature::Base, &[]),
     v("moe_route_subgroup", "moe_route.comp", Op::MoeRoute, None, Feature::Subgroup, &[SG]),
-    v("matmul_f16_coopmat", "matmul_coopmat.comp", Op::Matmul, None, Feature::CoopMat, &[]),
+    v("matmul_f16_coopmat", "matvec_batch.comp", Op::Matmul, None, Feature::CoopMat, &[CM, ("F16_MATRIX", "1")]),
+    v("dequant_f16_f32", "dequant.comp", Op::DequantF16, Some(WeightType::F32), Feature::Base, &[("WTYPE_F32", "1"), F16_OUT]),
+    v("dequant_f16_f16", "dequant.comp", Op::DequantF16, Some(WeightType::F16), Feature::Base, &[("WTYPE_F16", "1"), F16_OUT]),
+    v("dequant_f16_q8_0", "dequant.comp", Op::DequantF16, Some(WeightType::Q8_0), Feature::Base, &[("WTYPE_Q8_0", "1"), F16_OUT]),
+    v("dequant_f16_q4_0", "dequant.comp", Op::DequantF16, Some(WeightType::Q4_0), Feature::Base, &[("WTYPE_Q4_0", "1"), F16_OUT]),
+    v("dequant_f16_q4_k", "dequant.comp", Op::DequantF16, Some(WeightType::Q4K), Feature::Base, &[("WTYPE_Q4_K", "1"), F16_OUT]),
+    v("dequant_f16_q6_k", "dequant.comp", Op::DequantF16, Some(WeightType::Q6K), Feature::Base, &[("WTYPE_Q6_K", "1"), F16_OUT]),
 ];

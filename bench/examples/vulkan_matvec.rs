@@ -5,7 +5,8 @@
 //! With `tokens=T` (T > 1), each product is the batched kernel over T tokens (prompts): GB/s
 //! counts the weights once per product, and the last column gives TFLOPS (2 · n_in · n_out · T
 //! per product). It uses cooperative matrices where the device has them; `nocoop` measures the
-//! f32 kernel instead.
+//! f32 kernel instead, `staged` dequantizes each matrix to f16 first and multiplies that
+//! (`Recorder::matvec_batch_rows_staged`, the dequantization included in the time), and `tile=DEPTH` the inputs per step of its tile (32, 64 or 128).
 //!
 //! With `wg=THREADSxROWS,...`, each one-token product is measured with each of these workgroup
 //! shapes of `matvec.comp` in turn (the matrices uploaded once), instead of the tuned shape.
@@ -23,7 +24,9 @@ use std::sync::Arc;
 
 use spillway_daemon::gguf::GgmlType;
 use spillway_daemon::gpu::ops::{Fused, GpuMatrix, MatVecShape};
-use spillway_daemon::gpu::{Allocator, Buffer, Device, Instance, Kernels, MemoryUse, Uploader};
+use spillway_daemon::gpu::{
+    Allocator, Buffer, Device, Instance, Kernels, MatMulTile, MemoryUse, Uploader,
+};
 
 /// Bytes of `ty` rows whose scales are small and finite (the values do not matter here).
 fn rows(ty: GgmlType, n_in: usize, n_out: usize) -> Vec<u8> {
@@ -58,6 +61,10 @@ struct Mode {
     add: bool,
     /// The batched products without cooperative matrices.
     nocoop: bool,
+    /// The batched products dequantized to f16 first (`matvec_batch_rows_staged`).
+    staged: bool,
+    /// The cooperative-matrix product's tile (`tile=DEPTH`).
+    tile: Option<MatMulTile>,
 }
 
 fn main() {
@@ -68,6 +75,8 @@ fn main() {
         glu: false,
         add: false,
         nocoop: false,
+        staged: false,
+        tile: None,
     };
     let mut types = vec![
         GgmlType::Q4_0,
@@ -94,6 +103,14 @@ fn main() {
                         })
                     })
                     .collect();
+                false
+            } else if let Some(t) = a.strip_prefix("tile=") {
+                mode.tile = Some(MatMulTile {
+                    depth: t.parse().unwrap(),
+                });
+                false
+            } else if a == "staged" {
+                mode.staged = true;
                 false
             } else if a == "nocoop" {
                 mode.nocoop = true;
@@ -153,6 +170,7 @@ fn measure(
 ) {
     let alloc = Allocator::new(device, None);
     let kernels = Kernels::with_features(device, true, !mode.nocoop);
+    kernels.set_matmul_tile(mode.tile).unwrap();
     // A GLU stack holds the gate and the up matrix.
     let data = rows(ty, n_in, if mode.glu { 2 * n_out } else { n_out });
     let n_rows = data.len() / ty.row_bytes(n_in as u64).unwrap() as usize;
@@ -169,6 +187,8 @@ fn measure(
     let ys: Vec<Buffer> = (0..outputs)
         .map(|_| Buffer::new_in(&alloc, t * n_out as u64 * 4, MemoryUse::DeviceLocal).unwrap())
         .collect();
+    let scratch_bytes = if mode.staged { n_rows * n_in * 2 } else { 4 };
+    let scratch = Buffer::new_in(&alloc, scratch_bytes as u64, MemoryUse::DeviceLocal).unwrap();
     let fused = Fused {
         accumulate: mode.add,
         norm: mode.norm.then_some((&norm_w, 1e-5)),
@@ -180,7 +200,11 @@ fn measure(
             .record_timed(|r| {
                 for (m, y) in mats.iter().zip(ys.iter().cycle()) {
                     if tokens > 1 {
-                        r.matvec_batch(m, &x, y, tokens)?;
+                        if mode.staged {
+                            r.matvec_batch_rows_staged(m, 0, n_out, &x, y, tokens, &scratch)?;
+                        } else {
+                            r.matvec_batch(m, &x, y, tokens)?;
+                        }
                     } else {
                         r.matvec_fused(m, &x, y, fused)?;
                     }
@@ -211,7 +235,11 @@ fn measure(
                 if mode.add { " add" } else { "" }
             ),
             (1, Some(_)) => format!("{}x{}", used.threads, used.rows),
-            _ if kernels.uses_coopmat() => "batch, coopmat".into(),
+            _ if kernels.uses_coopmat() => {
+                let t = kernels.matmul_tile();
+                let how = if mode.staged { "staged f16" } else { "coopmat" };
+                format!("batch, {how}, {} deep", t.depth)
+            }
             _ => "batch".into(),
         };
         let tflops = 2.0 * (n_in * n_out * tokens) as f64 / per / 1e3;

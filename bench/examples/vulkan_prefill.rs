@@ -43,7 +43,11 @@ fn main() {
     println!(
         "{preset} {type_name} on {}: cooperative matrices {}",
         device.info().name,
-        if device.cooperative_matrix() { "yes" } else { "no" }
+        if device.cooperative_matrix() {
+            "yes"
+        } else {
+            "no"
+        }
     );
     let n_vocab = model.config.n_vocab;
     let tokens: Vec<u32> = (0..n_prompt as u64)

@@ -69,11 +69,7 @@ fn check(preset: &str, weights: &str) {
         want.extend(one.eval(t).unwrap());
     }
     let got = batched.eval_prompt(&prompt, true).unwrap();
-    for (i, (g, w)) in got
-        .chunks(n_vocab)
-        .zip(want.chunks(n_vocab))
-        .enumerate()
-    {
+    for (i, (g, w)) in got.chunks(n_vocab).zip(want.chunks(n_vocab)).enumerate() {
         assert_close(g, w, &format!("{preset} {weights} prompt token {i}"));
     }
     assert_eq!(batched.position(), prompt.len());

@@ -51,6 +51,7 @@ fn options(budget: Option<u64>, miss: MoeMiss) -> GpuModelOptions {
         ram_budget: None,
         chain: true,
         replay: true,
+        coopmat: true,
     }
 }
 

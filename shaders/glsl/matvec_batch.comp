@@ -17,16 +17,27 @@
 // multiplies 16×16×16 blocks in the device's matrix units with f32 sums, as llama.cpp's Vulkan
 // backend does: its results differ from the base variant by the rounding of the inputs.
 //
+// With F16_MATRIX (a COOPMAT variant, `Op::Matmul`) the matrix is f16, row-major, two halves a
+// word, as `dequant.comp` writes it for a prompt's chunk: its tiles are loaded eight halves a
+// load instead of decoded, `w_offset` counting halves (a multiple of 8).
+//
 // With the ACCUMULATE specialization constant the products are added to Y (the residual sums).
 
 layout(local_size_x_id = 0) in; // base: 256; COOPMAT: 4 subgroups
 layout(constant_id = 1) const uint ACCUMULATE = 0u;
 
-#define BM 64u
-#define BN 64u
 
+#if defined(F16_MATRIX)
+layout(std430, binding = 0) readonly buffer Weights { uvec4 w8[]; };
+#else
 layout(std430, binding = 0) readonly buffer Weights { uint weights[]; };
+#endif
+#if defined(COOPMAT)
+// Read four inputs a load: n_in and every step's start are multiples of 32.
+layout(std430, binding = 1) readonly buffer X { vec4 x4[]; };
+#else
 layout(std430, binding = 1) readonly buffer X { float x[]; };
+#endif
 layout(std430, binding = 2) buffer Y { float y[]; };
 
 layout(push_constant) uniform Params {
@@ -39,8 +50,10 @@ layout(push_constant) uniform Params {
     uint y_stride; // floats from one token's results to the next
 } p;
 
+#if !defined(F16_MATRIX)
 #include "common.glsl"
 #include "decode.glsl"
+#endif
 
 void put(uint r, uint t, float v) {
     if (r < p.n_rows && t < p.n_tok) {
@@ -51,6 +64,8 @@ void put(uint r, uint t, float v) {
 
 #if !defined(COOPMAT)
 
+#define BM 64u
+#define BN 64u
 #define BK 32u
 // Weights k-major (ws[k * BM + r]), inputs k-major (xs[k * BN + t]).
 shared float ws[BK * BM];
@@ -110,33 +125,66 @@ void main() {
 
 #else // COOPMAT
 
-#define BK 64u
+// Four subgroups in a 2 × 2 grid, each 2 × 2 blocks of 16 × 16 results: a tile of 64 rows by 64
+// tokens. The blocks are four named matrices, not an array: indexed ones cost a third of the
+// speed on the H200 (`bench/RESULTS.md`).
+#define BM_ 64u
+#define BN_ 64u
+// Inputs per step (32, 64 or 128).
+layout(constant_id = 2) const uint BK = 64u;
 // Rows of the shared tiles are padded by 8 halves (16 bytes) against bank conflicts.
-#define BKP 72u
-shared float16_t ws[BM * BKP]; // ws[r * BKP + k]: A, row-major
-shared float16_t xs[BN * BKP]; // xs[t * BKP + k]: B (k × tokens), column-major
-shared float cs[4u * 256u];    // one 16×16 result tile per subgroup, on its way out
+const uint BKP = BK + 8u;
+shared float16_t ws[BM_ * BKP]; // ws[r * BKP + k]: A, row-major
+shared float16_t xs[BN_ * BKP]; // xs[t * BKP + k]: B (k × tokens), column-major
+shared float cs[4u * 256u];     // one 16×16 result block per subgroup, on its way out
 
 #define ACC coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>
+#define MAT_A coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA>
+#define MAT_B coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB>
+
+// Block (i, j) of this subgroup's results (rows rb + 16i, tokens tb + 16j) out to Y.
+void put_block(ACC c, uint sg, uint lane, uint r, uint t) {
+    // Column-major: element (r, t) of the block at t * 16 + r.
+    coopMatStore(c, cs, sg * 256u, 16u, gl_CooperativeMatrixLayoutColumnMajor);
+    subgroupMemoryBarrierShared();
+    subgroupBarrier();
+    for (uint e = lane; e < 256u; e += gl_SubgroupSize) {
+        put(r + e % 16u, t + e / 16u, cs[sg * 256u + e]);
+    }
+    subgroupMemoryBarrierShared();
+    subgroupBarrier();
+}
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
-    const uint sg = gl_SubgroupID;          // 0..3: a 32×32 quarter of the tile
+    const uint sg = gl_SubgroupID; // 0..3: a quarter of the tile
     const uint lane = gl_SubgroupInvocationID;
-    const uint r0 = gl_WorkGroupID.x * BM;
-    const uint t0 = gl_WorkGroupID.y * BN;
+    const uint r0 = gl_WorkGroupID.x * BM_;
+    const uint t0 = gl_WorkGroupID.y * BN_;
     const uint rb = (sg % 2u) * 32u;
     const uint tb = (sg / 2u) * 32u;
+#if !defined(F16_MATRIX)
     const uint row_len = row_bytes(p.n_in);
-    ACC acc[2][2];
-    [[unroll]] for (uint i = 0u; i < 2u; ++i) {
-        [[unroll]] for (uint j = 0u; j < 2u; ++j) {
-            acc[i][j] = ACC(0.0);
-        }
-    }
+#endif
+    ACC c00 = ACC(0.0), c01 = ACC(0.0), c10 = ACC(0.0), c11 = ACC(0.0);
     for (uint k0 = 0u; k0 < p.n_in; k0 += BK) {
+#if defined(F16_MATRIX)
+        // BM rows × BK/8 loads of eight halves, consecutive invocations along a row.
+        for (uint e = tid; e < BM_ * (BK / 8u); e += gl_WorkGroupSize.x) {
+            const uint r = e / (BK / 8u), c = 8u * (e % (BK / 8u));
+            uvec4 w = uvec4(0u);
+            if (r0 + r < p.n_rows && k0 + c < p.n_in) {
+                w = w8[(p.w_offset + (r0 + r) * p.n_in + k0 + c) / 8u];
+            }
+            [[unroll]] for (uint i = 0u; i < 4u; ++i) {
+                const vec2 h = unpackHalf2x16(w[i]);
+                ws[r * BKP + c + 2u * i] = float16_t(h.x);
+                ws[r * BKP + c + 2u * i + 1u] = float16_t(h.y);
+            }
+        }
+#else
         // BM rows × BK/32 units, each decoded by one invocation.
-        for (uint u = tid; u < BM * (BK / 32u); u += gl_WorkGroupSize.x) {
+        for (uint u = tid; u < BM_ * (BK / 32u); u += gl_WorkGroupSize.x) {
             const uint r = u / (BK / 32u), h = u % (BK / 32u);
             float v[32];
             if (r0 + r < p.n_rows && k0 + 32u * h < p.n_in) {
@@ -150,42 +198,37 @@ void main() {
                 ws[r * BKP + 32u * h + i] = float16_t(v[i]);
             }
         }
-        for (uint e = tid; e < BK * BN; e += gl_WorkGroupSize.x) {
-            const uint k = e % BK, t = e / BK;
-            const bool inside = t0 + t < p.n_tok && k0 + k < p.n_in;
-            xs[t * BKP + k] = float16_t(inside ? x[(t0 + t) * p.x_stride + k0 + k] : 0.0);
+#endif
+        // Four inputs a load (n_in and k0 are multiples of 32).
+        for (uint e = tid; e < BK * BN_ / 4u; e += gl_WorkGroupSize.x) {
+            const uint k = 4u * (e % (BK / 4u)), t = e / (BK / 4u);
+            vec4 v = vec4(0.0);
+            if (t0 + t < p.n_tok && k0 + k < p.n_in) {
+                v = x4[((t0 + t) * p.x_stride + k0 + k) / 4u];
+            }
+            [[unroll]] for (uint i = 0u; i < 4u; ++i) {
+                xs[t * BKP + k + i] = float16_t(v[i]);
+            }
         }
         barrier();
         [[unroll]] for (uint kk = 0u; kk < BK; kk += 16u) {
-            coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> a[2];
-            coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> b[2];
-            [[unroll]] for (uint i = 0u; i < 2u; ++i) {
-                coopMatLoad(a[i], ws, (rb + 16u * i) * BKP + kk, BKP,
-                            gl_CooperativeMatrixLayoutRowMajor);
-                coopMatLoad(b[i], xs, (tb + 16u * i) * BKP + kk, BKP,
-                            gl_CooperativeMatrixLayoutColumnMajor);
-            }
-            [[unroll]] for (uint i = 0u; i < 2u; ++i) {
-                [[unroll]] for (uint j = 0u; j < 2u; ++j) {
-                    acc[i][j] = coopMatMulAdd(a[i], b[j], acc[i][j]);
-                }
-            }
+            MAT_A a0, a1;
+            MAT_B b0, b1;
+            coopMatLoad(a0, ws, rb * BKP + kk, BKP, gl_CooperativeMatrixLayoutRowMajor);
+            coopMatLoad(a1, ws, (rb + 16u) * BKP + kk, BKP, gl_CooperativeMatrixLayoutRowMajor);
+            coopMatLoad(b0, xs, tb * BKP + kk, BKP, gl_CooperativeMatrixLayoutColumnMajor);
+            coopMatLoad(b1, xs, (tb + 16u) * BKP + kk, BKP, gl_CooperativeMatrixLayoutColumnMajor);
+            c00 = coopMatMulAdd(a0, b0, c00);
+            c01 = coopMatMulAdd(a0, b1, c01);
+            c10 = coopMatMulAdd(a1, b0, c10);
+            c11 = coopMatMulAdd(a1, b1, c11);
         }
         barrier();
     }
-    [[unroll]] for (uint i = 0u; i < 2u; ++i) {
-        [[unroll]] for (uint j = 0u; j < 2u; ++j) {
-            // Column-major: element (r, t) of the 16×16 tile at t * 16 + r.
-            coopMatStore(acc[i][j], cs, sg * 256u, 16u, gl_CooperativeMatrixLayoutColumnMajor);
-            subgroupMemoryBarrierShared();
-            subgroupBarrier();
-            for (uint e = lane; e < 256u; e += gl_SubgroupSize) {
-                put(r0 + rb + 16u * i + e % 16u, t0 + tb + 16u * j + e / 16u, cs[sg * 256u + e]);
-            }
-            subgroupMemoryBarrierShared();
-            subgroupBarrier();
-        }
-    }
+    put_block(c00, sg, lane, r0 + rb, t0 + tb);
+    put_block(c01, sg, lane, r0 + rb, t0 + tb + 16u);
+    put_block(c10, sg, lane, r0 + rb + 16u, t0 + tb);
+    put_block(c11, sg, lane, r0 + rb + 16u, t0 + tb + 16u);
 }
 
 #endif

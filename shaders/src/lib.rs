@@ -11,8 +11,8 @@ include!(concat!(env!("OUT_DIR"), "/shaders.rs"));
 
 pub use push::{
     AttentionParams, DequantParams, EltwiseParams, GetRowsParams, KvStoreParams, MatVecBatchParams,
-    MatVecIdParams, MatVecParams, MatmulParams, MoeRouteParams, PushConstants, RmsNormParams,
-    RopeParams, ScaleAddParams, ScaleAddRoutedParams,
+    MatVecIdParams, MatVecParams, MoeRouteParams, PushConstants, RmsNormParams, RopeParams,
+    ScaleAddParams, ScaleAddRoutedParams,
 };
 
 /// One compiled variant.

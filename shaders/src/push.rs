@@ -16,15 +16,6 @@ pub struct DequantParams {
     pub dst_offset: u32,
 }
 
-/// `matmul_coopmat.comp`'s `Params`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct MatmulParams {
-    pub m: u32,
-    pub n: u32,
-    pub k: u32,
-}
-
 /// `matvec.comp`'s `Params`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -84,7 +75,8 @@ pub struct ScaleAddRoutedParams {
     pub b_stride: u32,
 }
 
-/// `matvec_batch.comp`'s `Params`.
+/// `matvec_batch.comp`'s `Params` (`Op::MatVecBatch`, and `Op::Matmul`, whose `w_offset`
+/// counts halves).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct MatVecBatchParams {
@@ -213,7 +205,6 @@ push_constants!(DequantParams {
     src_offset,
     dst_offset
 });
-push_constants!(MatmulParams { m, n, k });
 push_constants!(MatVecParams {
     n_in,
     n_rows,

@@ -79,8 +79,8 @@ mod tests {
     use crate::push::PushConstants;
     use crate::{
         AttentionParams, DequantParams, EltwiseParams, GetRowsParams, KvStoreParams,
-        MatVecBatchParams, MatVecIdParams, MatVecParams, MatmulParams, MoeRouteParams, Op,
-        RmsNormParams, RopeParams, ScaleAddParams, ScaleAddRoutedParams, ShaderId, SHADERS,
+        MatVecBatchParams, MatVecIdParams, MatVecParams, MoeRouteParams, Op, RmsNormParams,
+        RopeParams, ScaleAddParams, ScaleAddRoutedParams, ShaderId, SHADERS,
     };
 
     #[test]
@@ -96,8 +96,8 @@ mod tests {
     fn push_constant_structs_match_the_shaders() {
         for s in SHADERS {
             let expected = match s.op {
-                Op::Dequant => DequantParams::layout(),
-                Op::Matmul => MatmulParams::layout(),
+                Op::Dequant | Op::DequantF16 => DequantParams::layout(),
+                Op::Matmul => MatVecBatchParams::layout(),
                 Op::MatVec => MatVecParams::layout(),
                 Op::MatVecId => MatVecIdParams::layout(),
                 Op::MoeRoute => MoeRouteParams::layout(),
@@ -125,6 +125,7 @@ mod tests {
         use crate::{Feature, WeightType};
         for op in [
             Op::Dequant,
+            Op::DequantF16,
             Op::MatVec,
             Op::MatVecId,
             Op::MatVecBatch,

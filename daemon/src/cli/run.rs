@@ -258,6 +258,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 ram_budget: args.ram_budget.map(|b| b.0),
                 chain: true,
                 replay: true,
+                coopmat: true,
             };
             let gpu = load_on_gpu(&device, &model, &options)
                 .with_context(|| format!("loading {} onto {name}", args.model.display()))?;

@@ -41,7 +41,7 @@ pub use device::Device;
 pub use error::{map_vk, GpuError, MemoryKind};
 pub use instance::{DeviceInfo, DeviceKind, Instance};
 pub use pipeline::ComputePipeline;
-pub use record::{Kernels, RecordStats, Recorder};
+pub use record::{Kernels, MatMulTile, RecordStats, Recorder};
 pub use upload::Uploader;
 
 /// Set (to anything but `0`) where a Vulkan device must exist, as in CI: GPU tests then fail

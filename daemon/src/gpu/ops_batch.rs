@@ -2,16 +2,16 @@
 //! (`matvec_batch.comp`), which decodes each weight once per tile of 64 tokens and multiplies in
 //! the device's matrix units where it has cooperative matrices.
 
-use spillway_shaders::{Feature, MatVecBatchParams, Op};
+use spillway_shaders::{DequantParams, Feature, MatVecBatchParams, Op};
 
 use super::buffer::Buffer;
 use super::error::{GpuError, Result};
-use super::ops::GpuMatrix;
-use super::record::{Binding, Recorder};
+use super::ops::{grid, GpuMatrix};
+use super::record::{Binding, MatMulTile, Recorder};
 
-/// Rows and tokens of the tile one workgroup of `matvec_batch.comp` computes.
+/// Rows and tokens of the tile one workgroup of the f32 `matvec_batch.comp` computes.
 const TILE_ROWS: u32 = 64;
-pub const TOKEN_TILE: u32 = 64;
+const TILE_TOKENS: u32 = 64;
 
 impl Recorder<'_> {
     /// `Y[t] = W · X[t]` for `n_tok` tokens; `x` holds them token-major (`n_tok × n_in`), `y`
@@ -37,7 +37,115 @@ impl Recorder<'_> {
         y: &Buffer,
         n_tok: usize,
     ) -> Result<()> {
-        self.batch_product(w, (first, n), x, (y, n), n_tok, false)
+        self.batch_product(w, (first, n), x, (y, n), n_tok, false, None)
+    }
+
+    /// [`Recorder::matvec_batch_rows`] through `scratch` where the device has cooperative
+    /// matrices: the rows are dequantized to f16 into it (as many as it holds at a time), then
+    /// multiplied as an f16 matrix, whose tiles load eight weights a load instead of decoding
+    /// them ([`Recorder::matmul_f16`]). Without cooperative matrices, the direct product.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matvec_batch_rows_staged(
+        &mut self,
+        w: &GpuMatrix,
+        first: usize,
+        n: usize,
+        x: &Buffer,
+        y: &Buffer,
+        n_tok: usize,
+        scratch: &Buffer,
+    ) -> Result<()> {
+        self.batch_product(w, (first, n), x, (y, n), n_tok, false, Some(scratch))
+    }
+
+    /// [`Recorder::matvec_batch_add`] through `scratch`, as
+    /// [`Recorder::matvec_batch_rows_staged`].
+    pub fn matvec_batch_add_staged(
+        &mut self,
+        w: &GpuMatrix,
+        x: &Buffer,
+        y: &Buffer,
+        n_tok: usize,
+        scratch: &Buffer,
+    ) -> Result<()> {
+        self.batch_product(w, (0, w.n_out), x, (y, w.n_out), n_tok, true, Some(scratch))
+    }
+
+    /// Rows `first..first + n` of `w` as f16 into `dst`, row-major from its start, two halves
+    /// a word.
+    pub fn dequant_f16_rows(
+        &mut self,
+        w: &GpuMatrix,
+        first: usize,
+        n: usize,
+        dst: &Buffer,
+    ) -> Result<()> {
+        if dst.size() < (n * w.n_in * 2) as u64 {
+            return Err(GpuError::Unsupported(format!(
+                "{n} rows of {} halves into {} bytes",
+                w.n_in,
+                dst.size()
+            )));
+        }
+        let id = self.variant(Op::DequantF16, Some(w.wtype))?;
+        let units_per_row = (w.n_in / 32) as u32;
+        for chunk in self.row_chunks(w, first, n)? {
+            let push = DequantParams {
+                n_blocks: chunk.rows * units_per_row,
+                src_offset: chunk.w_offset,
+                dst_offset: chunk.y_offset * w.n_in as u32,
+            };
+            let groups = grid((chunk.rows * units_per_row).div_ceil(64));
+            self.dispatch(id, &[chunk.weights, Binding::write(dst)], &push, groups)?;
+        }
+        Ok(())
+    }
+
+    /// `y[t * y_stride + y_offset + r] (+)= a_r · x[t]` for the `n_rows` rows of an f16 matrix
+    /// of `n_in` columns (as [`Recorder::dequant_f16_rows`] writes it), in cooperative matrices.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_f16(
+        &mut self,
+        a: &Buffer,
+        (n_rows, n_in): (usize, usize),
+        x: &Buffer,
+        (y, y_offset, y_stride): (&Buffer, usize, usize),
+        n_tok: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let floats = |b: &Buffer| b.size() / 4;
+        if a.size() < (n_rows * n_in * 2) as u64
+            || floats(x) < (n_tok * n_in) as u64
+            || floats(y) < (n_tok * y_stride) as u64
+            || !n_in.is_multiple_of(32)
+        {
+            return Err(GpuError::Unsupported(format!(
+                "an f16 product of {n_rows} × {n_in} over {n_tok} tokens in buffers of {}, {} \
+                 and {} bytes",
+                a.size(),
+                x.size(),
+                y.size()
+            )));
+        }
+        let id = self.variant(Op::Matmul, None)?;
+        let t = self.matmul_tile();
+        let spec = [4 * self.subgroup_size(), accumulate as u32, t.depth];
+        let push = MatVecBatchParams {
+            n_in: n_in as u32,
+            n_rows: n_rows as u32,
+            w_offset: 0,
+            y_offset: y_offset as u32,
+            n_tok: n_tok as u32,
+            x_stride: n_in as u32,
+            y_stride: y_stride as u32,
+        };
+        let groups = [
+            (n_rows as u32).div_ceil(MatMulTile::ROWS),
+            (n_tok as u32).div_ceil(MatMulTile::TOKENS),
+            1,
+        ];
+        let bindings = [Binding::read(a), Binding::read(x), Binding::write(y)];
+        self.dispatch_spec(id, &spec, &bindings, &push, groups)
     }
 
     /// `Y[t] += W · X[t]` (the residual sums of a prompt's layers).
@@ -48,11 +156,13 @@ impl Recorder<'_> {
         y: &Buffer,
         n_tok: usize,
     ) -> Result<()> {
-        self.batch_product(w, (0, w.n_out), x, (y, w.n_out), n_tok, true)
+        self.batch_product(w, (0, w.n_out), x, (y, w.n_out), n_tok, true, None)
     }
 
     /// Rows `rows.0..rows.0 + rows.1` of `w` times each token of `x` into `y.0`, whose tokens
-    /// are `y.1` floats apart.
+    /// are `y.1` floats apart; through `scratch` in f16 where the device multiplies f16
+    /// matrices ([`Recorder::matvec_batch_rows_staged`]).
+    #[allow(clippy::too_many_arguments)]
     fn batch_product(
         &mut self,
         w: &GpuMatrix,
@@ -61,7 +171,23 @@ impl Recorder<'_> {
         (y, y_stride): (&Buffer, usize),
         n_tok: usize,
         accumulate: bool,
+        scratch: Option<&Buffer>,
     ) -> Result<()> {
+        let row_halves = w.n_in as u64 * 2;
+        if let Some(scratch) = scratch.filter(|s| {
+            self.variant(Op::Matmul, None).is_ok() && s.size().min(self.max_range) >= row_halves
+        }) {
+            let piece = (scratch.size().min(self.max_range) / row_halves) as usize;
+            let mut p0 = first;
+            while p0 < first + n {
+                let pn = piece.min(first + n - p0);
+                self.dequant_f16_rows(w, p0, pn, scratch)?;
+                let out = (y, p0 - first, y_stride);
+                self.matmul_f16(scratch, (pn, w.n_in), x, out, n_tok, accumulate)?;
+                p0 += pn;
+            }
+            return Ok(());
+        }
         let floats = |b: &Buffer| b.size() / 4;
         if floats(x) < (n_tok * w.n_in) as u64 || floats(y) < (n_tok * y_stride) as u64 {
             return Err(GpuError::Unsupported(format!(
@@ -76,10 +202,13 @@ impl Recorder<'_> {
             return Ok(());
         }
         let id = self.variant(Op::MatVecBatch, Some(w.wtype))?;
-        let wg = if id.info().feature == Feature::CoopMat {
-            4 * self.subgroup_size()
+        // Workgroup size, then tile rows and tokens: the f32 kernel's are fixed.
+        let (spec, tile_rows, tile_tokens) = if id.info().feature == Feature::CoopMat {
+            let t = self.matmul_tile();
+            let spec = [4 * self.subgroup_size(), accumulate as u32, t.depth];
+            (spec, MatMulTile::ROWS, MatMulTile::TOKENS)
         } else {
-            256
+            ([256, accumulate as u32, 64], TILE_ROWS, TILE_TOKENS)
         };
         for chunk in chunks {
             let push = MatVecBatchParams {
@@ -92,12 +221,12 @@ impl Recorder<'_> {
                 y_stride: y_stride as u32,
             };
             let groups = [
-                chunk.rows.div_ceil(TILE_ROWS),
-                (n_tok as u32).div_ceil(TOKEN_TILE),
+                chunk.rows.div_ceil(tile_rows),
+                (n_tok as u32).div_ceil(tile_tokens),
                 1,
             ];
             let bindings = [chunk.weights, Binding::read(x), Binding::write(y)];
-            self.dispatch_spec(id, &[wg, accumulate as u32], &bindings, &push, groups)?;
+            self.dispatch_spec(id, &spec, &bindings, &push, groups)?;
         }
         Ok(())
     }

@@ -32,6 +32,35 @@ pub struct Kernels {
     cache: Mutex<HashMap<PipelineKey, Arc<ComputePipeline>>>,
     /// A matrix-vector workgroup shape for every weight type instead of the tuned ones.
     matvec_shape: Mutex<Option<MatVecShape>>,
+    /// The cooperative-matrix product's tile instead of the tuned one.
+    matmul_tile: Mutex<Option<MatMulTile>>,
+}
+
+/// The tile of the cooperative-matrix products (`matvec_batch.comp`): 64 rows × 64 tokens per
+/// workgroup, `depth` inputs taken into shared memory at each step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatMulTile {
+    /// 32, 64 or 128.
+    pub depth: u32,
+}
+
+impl MatMulTile {
+    /// Rows and tokens of a workgroup's tile.
+    pub const ROWS: u32 = 64;
+    pub const TOKENS: u32 = 64;
+
+    /// Measured best on the H200 for prompts of 512 tokens (`bench/RESULTS.md`).
+    pub const TUNED: MatMulTile = MatMulTile { depth: 64 };
+
+    pub fn check(self) -> Result<()> {
+        if ![32, 64, 128].contains(&self.depth) {
+            return Err(GpuError::Unsupported(format!(
+                "a product tile {} inputs deep (32, 64 or 128)",
+                self.depth
+            )));
+        }
+        Ok(())
+    }
 }
 
 impl Kernels {
@@ -55,6 +84,7 @@ impl Kernels {
             coopmat: coopmat && device.cooperative_matrix(),
             cache: Mutex::new(HashMap::new()),
             matvec_shape: Mutex::new(None),
+            matmul_tile: Mutex::new(None),
         })
     }
 
@@ -66,6 +96,21 @@ impl Kernels {
         }
         *self.matvec_shape.lock() = shape;
         Ok(())
+    }
+
+    /// Uses `tile` for the cooperative-matrix products (benchmarks compare tiles), or the tuned
+    /// one again with `None`.
+    pub fn set_matmul_tile(&self, tile: Option<MatMulTile>) -> Result<()> {
+        if let Some(t) = tile {
+            t.check()?;
+        }
+        *self.matmul_tile.lock() = tile;
+        Ok(())
+    }
+
+    /// The cooperative-matrix product's tile.
+    pub fn matmul_tile(&self) -> MatMulTile {
+        self.matmul_tile.lock().unwrap_or(MatMulTile::TUNED)
     }
 
     /// The matrix-vector workgroup shape for `wtype`.
@@ -510,6 +555,10 @@ impl Recorder<'_> {
     /// subgroups).
     pub(crate) fn subgroup_size(&self) -> u32 {
         self.kernels.device().subgroup_size()
+    }
+
+    pub(crate) fn matmul_tile(&self) -> MatMulTile {
+        self.kernels.matmul_tile()
     }
 
     pub fn stats(&self) -> RecordStats {

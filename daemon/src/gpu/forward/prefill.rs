@@ -1,7 +1,9 @@
 //! A prompt on the GPU in chunks of tokens: each chunk is one submission in which every weight
-//! matrix is multiplied with all of the chunk's tokens at once (`matvec_batch.comp`, tiled, in
-//! the device's matrix units where it has cooperative matrices), so a weight is read once per
-//! tile of tokens instead of once per token. Norms, RoPE with the KV-cache append, attention and
+//! matrix is multiplied with all of the chunk's tokens at once (`matvec_batch.comp`, tiled), so
+//! a weight is read once per tile of tokens instead of once per token. Where the device has
+//! cooperative matrices the tiles are multiplied in its matrix units, in f16 with f32 sums.
+//! (Dequantizing each matrix to f16 first, `Recorder::matvec_batch_rows_staged`, was slower on
+//! the H200: `bench/RESULTS.md`.) Norms, RoPE with the KV-cache append, attention and
 //! SwiGLU take the chunk's tokens as one more grid dimension; token `t` of a chunk at position
 //! `pos` attends to positions `0..=pos + t` (causal), the earlier chunks' included.
 //!
