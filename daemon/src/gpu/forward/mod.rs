@@ -230,6 +230,8 @@ pub struct GpuModel {
     last_profile: Option<GpuStepProfile>,
     /// A prompt chunk's activations, made at the first prompt ([`prefill`]).
     batch: Option<prefill::Batch>,
+    /// The device memory for `batch` was refused: prompts go token by token.
+    batch_refused: bool,
 }
 
 fn matrix(
@@ -520,6 +522,7 @@ impl GpuModel {
             replay: None,
             last_profile: None,
             batch: None,
+            batch_refused: false,
         })
     }
 

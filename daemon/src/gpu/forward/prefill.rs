@@ -29,6 +29,11 @@ const LOGITS_CHUNK: usize = 64;
 /// that their runs of positions fit.
 const SCRATCH_BYTES: usize = 64 << 20;
 
+/// Bytes of attention scratch one token takes when its chunk ends at `end` positions.
+fn scratch_per_token(c: &crate::model::Config, end: usize) -> usize {
+    attention_scratch_floats(c.n_head, c.head_dim, end) * 4
+}
+
 /// Activations of a chunk of tokens, token-major; made at the first prompt.
 pub(super) struct Batch {
     x: Buffer,
@@ -70,40 +75,86 @@ impl Batch {
             attn: f32s(n * c.q_width())?,
             gate: f32s(n * n_ff)?,
             up: f32s(n * n_ff)?,
-            scores: Buffer::new_in(al, SCRATCH_BYTES as u64, MemoryUse::DeviceLocal)?,
+            // A whole chunk at the last positions, within SCRATCH_BYTES.
+            scores: Buffer::new_in(
+                al,
+                (scratch_per_token(c, m.capacity) * n).min(SCRATCH_BYTES) as u64,
+                MemoryUse::DeviceLocal,
+            )?,
             step: Buffer::new_in(al, (n as u64 + 1) * 4, MemoryUse::DeviceMapped)?,
             logits: None,
         })
+    }
+
+    /// Makes the host-visible buffer for every token's logits, if not made yet.
+    fn logits_buffer(&mut self, m: &GpuModel) -> Result<()> {
+        if self.logits.is_none() {
+            let bytes = (LOGITS_CHUNK * m.config.n_vocab * 4) as u64;
+            self.logits = Some(Buffer::new_in(&m.allocator, bytes, MemoryUse::Staging)?);
+        }
+        Ok(())
     }
 }
 
 impl GpuModel {
     /// Whether [`GpuModel::eval_prompt`] runs prompts in chunks (dense models, not while
-    /// profiling) rather than token by token.
+    /// profiling, and not after the device memory for a chunk was refused) rather than token by
+    /// token.
     pub fn batches_prompts(&self) -> bool {
-        self.config.moe.is_none() && self.profiler.is_none()
+        self.config.moe.is_none() && self.profiler.is_none() && !self.batch_refused
     }
 
     /// Evaluates `tokens` at the next positions: the last token's logits, or with `all_logits`
     /// every token's, one after another. Dense models take chunks of up to [`PREFILL_CHUNK`]
-    /// tokens per submission; MoE models, and any model while profiling, go token by token.
+    /// tokens per submission; MoE models, and any model while profiling, go token by token. So
+    /// does a model whose chunk's activations the device memory (or the VRAM budget) refused
+    /// once: the model was placed without them, and its prompts still run.
     pub fn eval_prompt(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
-        let n_vocab = self.config.n_vocab;
-        if !self.batches_prompts() || tokens.len() == 1 {
-            let mut out = Vec::with_capacity(if all_logits { tokens.len() } else { 1 } * n_vocab);
-            for (i, &t) in tokens.iter().enumerate() {
-                let logits = self.eval(t)?;
-                if all_logits || i + 1 == tokens.len() {
-                    out.extend_from_slice(&logits);
-                }
-            }
-            return Ok(out);
-        }
         self.check_prompt(tokens)?;
-        if self.batch.is_none() {
-            self.batch = Some(Batch::new(self)?);
+        if self.batches_prompts() && tokens.len() > 1 && self.batch.is_none() {
+            match Batch::new(self) {
+                Ok(b) => self.batch = Some(b),
+                Err(e) if e.is_out_of_memory() => {
+                    tracing::warn!("prompts go token by token: {e}");
+                    self.batch_refused = true;
+                }
+                Err(e) => return Err(e),
+            }
         }
-        let per_token = attention_scratch_floats(self.config.n_head, self.config.head_dim, 1) * 4;
+        if !self.batches_prompts() || self.batch.is_none() || tokens.len() == 1 {
+            return self.eval_each(tokens, all_logits);
+        }
+        self.eval_chunks(tokens, all_logits)
+    }
+
+    /// [`GpuModel::eval_prompt`] token by token.
+    fn eval_each(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
+        let n_vocab = self.config.n_vocab;
+        let mut out = Vec::with_capacity(if all_logits { tokens.len() } else { 1 } * n_vocab);
+        for (i, &t) in tokens.iter().enumerate() {
+            let logits = self.eval(t)?;
+            if all_logits || i + 1 == tokens.len() {
+                out.extend_from_slice(&logits);
+            }
+        }
+        Ok(out)
+    }
+
+    /// [`GpuModel::eval_prompt`] in chunks, the batch made.
+    fn eval_chunks(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
+        if all_logits {
+            let mut b = self.batch.take().expect("made by eval_prompt");
+            let made = b.logits_buffer(self);
+            self.batch = Some(b);
+            if let Err(e) = made {
+                if e.is_out_of_memory() {
+                    // Host-visible memory for every token's logits: these go one by one.
+                    return self.eval_each(tokens, all_logits);
+                }
+                return Err(e);
+            }
+        }
+        let scratch = self.batch.as_ref().expect("made").scores.size() as usize;
         let mut out = Vec::new();
         let mut rest = tokens;
         while !rest.is_empty() {
@@ -113,8 +164,8 @@ impl GpuModel {
                 PREFILL_CHUNK
             };
             // Scratch per token grows with the runs of positions below the chunk's end.
-            let runs = (self.pos + most).min(self.capacity).div_ceil(128);
-            let fits = (SCRATCH_BYTES / (per_token * runs)).max(1);
+            let end = (self.pos + most).min(self.capacity);
+            let fits = (scratch / scratch_per_token(&self.config, end)).max(1);
             let n = rest.len().min(most).min(fits);
             let (chunk, later) = rest.split_at(n);
             let logits = self.eval_chunk(chunk, all_logits)?;
@@ -151,10 +202,6 @@ impl GpuModel {
     fn eval_chunk(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
         let (n, n_vocab) = (tokens.len(), self.config.n_vocab);
         let batch = self.batch.as_mut().expect("made by eval_prompt");
-        if all_logits && batch.logits.is_none() {
-            let bytes = (LOGITS_CHUNK * n_vocab * 4) as u64;
-            batch.logits = Some(Buffer::new_in(&self.allocator, bytes, MemoryUse::Staging)?);
-        }
         let mut words = Vec::with_capacity((n + 1) * 4);
         words.extend_from_slice(&(self.pos as u32).to_le_bytes());
         for t in tokens {
