@@ -201,6 +201,12 @@ impl GpuModel {
     /// One chunk of a prompt in one submission; its last token's logits, or all of them.
     fn eval_chunk(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
         let (n, n_vocab) = (tokens.len(), self.config.n_vocab);
+        // The device-loss injection counts tokens evaluated, a chunk's each.
+        for _ in 0..n {
+            if let Some(point) = crate::gpu::lost::token_loses_device() {
+                self.allocator.device().arm_loss(point);
+            }
+        }
         let batch = self.batch.as_mut().expect("made by eval_prompt");
         let mut words = Vec::with_capacity((n + 1) * 4);
         words.extend_from_slice(&(self.pos as u32).to_le_bytes());
