@@ -40,6 +40,9 @@ pub enum Op {
     MoeRoute,
     /// Softmax of rows in place.
     Softmax,
+    /// `x[ids[i]] += w[i] * y[i]` over rows: one MoE expert's outputs for a prompt chunk's
+    /// tokens, added to theirs.
+    ScatterAdd,
     /// Appends one token's K and V to the f16 caches.
     KvStore,
     /// One token's attention over the f16 KV cache (GQA), a run of positions per workgroup.
@@ -57,7 +60,7 @@ impl Op {
             Op::Dequant | Op::DequantF16 | Op::Add | Op::Swiglu | Op::ScaleAdd => 2,
             Op::Matmul | Op::MatVecBatch | Op::RmsNorm | Op::GetRows => 3,
             Op::MatVec => 4,
-            Op::ScaleAddRouted => 3,
+            Op::ScaleAddRouted | Op::ScatterAdd => 3,
             Op::MatVecId | Op::MoeRoute => 4,
             Op::RopeNorm | Op::RopeNeox => 7,
             Op::KvStore | Op::Attention => 5,
@@ -195,6 +198,7 @@ pub const VARIANTS: &[Variant] = &[
     v("matvec_id_q4_k_subgroup", "matvec.comp", Op::MatVecId, Some(WeightType::Q4K), Feature::Subgroup, &[("WTYPE_Q4_K", "1"), ID, SG]),
     v("matvec_id_q6_k_subgroup", "matvec.comp", Op::MatVecId, Some(WeightType::Q6K), Feature::Subgroup, &[("WTYPE_Q6_K", "1"), ID, SG]),
     v("scale_add_routed", "scale_add.comp", Op::ScaleAddRouted, None, Feature::Base, &[("ROUTED", "1")]),
+    v("scatter_add", "scatter_add.comp", Op::ScatterAdd, None, Feature::Base, &[]),
     v("moe_route", "moe_route.comp", Op::MoeRoute, None, Feature::Base, &[]),
     v("moe_route_subgroup", "moe_route.comp", Op::MoeRoute, None, Feature::Subgroup, &[SG]),
     v("matmul_f16_coopmat", "matvec_batch.comp", Op::Matmul, None, Feature::CoopMat, &[CM, ("F16_MATRIX", "1")]),

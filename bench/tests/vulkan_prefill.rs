@@ -1,8 +1,8 @@
-//! A dense model's prompt on the GPU in chunks (`GpuModel::eval_prompt`) against the same model
+//! A model's prompt on the GPU in chunks (`GpuModel::eval_prompt`) against the same model
 //! token by token (`GpuModel::eval`, itself checked against the CPU engine in
 //! `vulkan_forward.rs`): every token's logits, prompts longer than a chunk, a prompt that starts
 //! after earlier tokens, and the decode steps after a prompt, which read the KV cache the chunks
-//! wrote. On whatever Vulkan device the machine has (lavapipe in CI); without one these tests
+//! wrote; dense and MoE models (experts run over the tokens that chose them). On whatever Vulkan device the machine has (lavapipe in CI); without one these tests
 //! skip, unless `SPILLWAY_REQUIRE_VULKAN` is set, in which case they fail.
 
 use std::sync::Arc;
@@ -54,7 +54,7 @@ fn models(dev: &Arc<Device>, preset: &str, weights: &str) -> (GpuModel, GpuModel
     };
     let one = GpuModel::new(dev, &model, &options).unwrap();
     let batched = GpuModel::new(dev, &model, &options).unwrap();
-    assert!(batched.batches_prompts(), "{preset} is dense");
+    assert!(batched.batches_prompts(), "{preset} batches its prompts");
     (one, batched)
 }
 
@@ -104,6 +104,42 @@ fn chunked_prompt_matches_token_by_token_tiny_llama_q4_k_m() {
 #[test]
 fn chunked_prompt_matches_token_by_token_tiny_qwen3_q8_0() {
     check("tiny-qwen3", "Q8_0");
+}
+
+#[test]
+fn chunked_prompt_matches_token_by_token_tiny_qwen3moe_q8_0() {
+    check("tiny-qwen3moe", "Q8_0");
+}
+
+#[test]
+fn chunked_prompt_matches_token_by_token_tiny_mixtral_q8_0() {
+    check("tiny-mixtral", "Q8_0");
+}
+
+#[test]
+fn a_shared_expert_keeps_prompts_token_by_token() {
+    let Some(dev) = device() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("m.gguf");
+    SynthModel::from_name("tiny-qwen2moe", "Q8_0".parse::<WeightType>().unwrap(), 5)
+        .unwrap()
+        .write(&path, false, |_, _| {})
+        .unwrap();
+    let model = Arc::new(Model::open(&path).unwrap());
+    let options = GpuModelOptions {
+        context: 64,
+        ..GpuModelOptions::default()
+    };
+    let mut gpu = GpuModel::new(&dev, &model, &options).unwrap();
+    assert!(!gpu.batches_prompts());
+    let mut one = GpuModel::new(&dev, &model, &options).unwrap();
+    let prompt = tokens(10, one.config().n_vocab);
+    let got = gpu.eval_prompt(&prompt, false).unwrap();
+    let mut want = Vec::new();
+    for &t in &prompt {
+        want = one.eval(t).unwrap();
+    }
+    assert_eq!(got, want);
 }
 
 #[test]

@@ -269,3 +269,40 @@ fn staged_products_equal_one_token_products() {
         assert_close(&s, &y.read_f32(n_tok * n), &want, &format!("{ty} staged"));
     }
 }
+
+#[test]
+fn scattered_rows_are_added_to_their_tokens_with_their_weights() {
+    let Some(dev) = device() else { return };
+    let s = setup(&dev, GgmlType::Q8_0, 32, 1);
+    let (width, n_tok) = (300, 6);
+    let x0 = inputs(width * n_tok, 1);
+    let rows = inputs(width * 3, 2);
+    // Entries 1..4 of the route: tokens 4, 0, 2 with weights 0.5, -2, 0.25; weights from word 8.
+    let mut words = vec![9u32, 4, 0, 2, 9, 9, 9, 9];
+    words.extend([0.0f32, 0.5, -2.0, 0.25].map(f32::to_bits));
+    words.extend([0u32; 4]);
+    let x = host(&s, &x0);
+    let y = host(&s, &rows);
+    let route = host(
+        &s,
+        &words.iter().map(|w| f32::from_bits(*w)).collect::<Vec<_>>(),
+    );
+    s.kernels
+        .record(|r| r.scatter_add(&x, &y, &route, (1, 3, 8), width as u32))
+        .unwrap();
+    let mut want = x0.clone();
+    for (i, (t, w)) in [(4, 0.5f32), (0, -2.0), (2, 0.25)].into_iter().enumerate() {
+        for k in 0..width {
+            want[t * width + k] += w * rows[i * width + k];
+        }
+    }
+    // A driver may fuse the multiply and the add: equal within a rounding.
+    for (g, w) in x.read_f32(width * n_tok).iter().zip(&want) {
+        assert!((g - w).abs() <= 1e-6 * w.abs().max(1.0), "{g} vs {w}");
+    }
+    // Weights that would overlap the ids are refused.
+    assert!(s
+        .kernels
+        .record(|r| r.scatter_add(&x, &y, &route, (1, 3, 3), width as u32))
+        .is_err());
+}

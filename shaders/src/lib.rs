@@ -12,7 +12,7 @@ include!(concat!(env!("OUT_DIR"), "/shaders.rs"));
 pub use push::{
     AttentionParams, DequantParams, EltwiseParams, GetRowsParams, KvStoreParams, MatVecBatchParams,
     MatVecIdParams, MatVecParams, MoeRouteParams, PushConstants, RmsNormParams, RopeParams,
-    ScaleAddParams, ScaleAddRoutedParams,
+    ScaleAddParams, ScaleAddRoutedParams, ScatterAddParams,
 };
 
 /// One compiled variant.

@@ -93,6 +93,18 @@ pub struct MatVecBatchParams {
     pub y_stride: u32,
 }
 
+/// `scatter_add.comp`'s `Params`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ScatterAddParams {
+    /// Row width.
+    pub n: u32,
+    /// The run's first entry in the route buffer.
+    pub first: u32,
+    /// Word of entry 0's weight in the route buffer.
+    pub weights_at: u32,
+}
+
 /// `get_rows.comp`'s `Params`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -241,6 +253,11 @@ push_constants!(RopeParams {
     capacity
 });
 push_constants!(EltwiseParams { n, b_len });
+push_constants!(ScatterAddParams {
+    n,
+    first,
+    weights_at
+});
 push_constants!(ScaleAddParams { n, scale });
 push_constants!(KvStoreParams {
     kv_width,

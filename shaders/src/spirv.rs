@@ -80,7 +80,7 @@ mod tests {
     use crate::{
         AttentionParams, DequantParams, EltwiseParams, GetRowsParams, KvStoreParams,
         MatVecBatchParams, MatVecIdParams, MatVecParams, MoeRouteParams, Op, RmsNormParams,
-        RopeParams, ScaleAddParams, ScaleAddRoutedParams, ShaderId, SHADERS,
+        RopeParams, ScaleAddParams, ScaleAddRoutedParams, ScatterAddParams, ShaderId, SHADERS,
     };
 
     #[test]
@@ -108,6 +108,7 @@ mod tests {
                 Op::RopeNorm | Op::RopeNeox => RopeParams::layout(),
                 Op::Add | Op::Swiglu | Op::Softmax => EltwiseParams::layout(),
                 Op::ScaleAdd => ScaleAddParams::layout(),
+                Op::ScatterAdd => ScatterAddParams::layout(),
                 Op::KvStore => KvStoreParams::layout(),
                 Op::Attention | Op::AttentionCombine => AttentionParams::layout(),
             };

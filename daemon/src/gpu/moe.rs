@@ -27,7 +27,11 @@
 //! submission. The logits and routing of each layer go to a host-visible log that
 //! [`GpuMoe::logged_routing`] reads once the step is done.
 //!
-//! Partial: one token per step; on the read-back path (some experts not resident) one
+//! A prompt's chunk ([`super::forward`]'s prefill) routes all its tokens on the host from one
+//! read-back per layer and runs each chosen expert once over its tokens
+//! ([`GpuMoe::record_chunk_experts`]).
+//!
+//! Partial: on the read-back path (some experts not resident) one
 //! read-back per MoE layer per token, and the experts of a token run one after another through
 //! per-rank scratch.
 
@@ -389,6 +393,105 @@ impl GpuMoe {
         }
         if let Some(g) = shared_gate {
             rec.scale_add(x, &s.shared_out, g, n_embd as u32)?;
+        }
+        Ok(())
+    }
+}
+
+/// One MoE layer's routing for a prompt's chunk, grouped by expert: for each expert that some
+/// tokens chose, the run of entries (token, weight) that are its, as the route buffer lays them
+/// out (the tokens from word 0, the weights' bits from word [`ChunkRouting::weights_at`]).
+pub(super) struct ChunkRouting {
+    /// The route buffer's words.
+    pub words: Vec<u32>,
+    /// (expert, first entry, entries).
+    pub runs: Vec<(usize, usize, usize)>,
+    /// Each token's routing, in token order.
+    pub tokens: Vec<Vec<RoutedExpert>>,
+}
+
+impl ChunkRouting {
+    /// Routes each token's router logits (`n_expert` a token) with the CPU engine's routing.
+    pub(super) fn new(cfg: &MoeConfig, logits: &[f32]) -> ChunkRouting {
+        let tokens: Vec<Vec<RoutedExpert>> = logits
+            .chunks_exact(cfg.n_expert)
+            .map(|l| route(cfg, l))
+            .collect();
+        let mut by_expert: Vec<Vec<(u32, f32)>> = vec![Vec::new(); cfg.n_expert];
+        for (t, experts) in tokens.iter().enumerate() {
+            for e in experts {
+                by_expert[e.expert].push((t as u32, e.weight));
+            }
+        }
+        let entries = tokens.len() * cfg.n_expert_used;
+        let weights_at = Self::weights_at_for(tokens.len(), cfg.n_expert_used);
+        let mut words = vec![0u32; weights_at + entries];
+        let mut runs = Vec::new();
+        let mut at = 0;
+        for (expert, list) in by_expert.iter().enumerate() {
+            if list.is_empty() {
+                continue;
+            }
+            runs.push((expert, at, list.len()));
+            for &(t, w) in list {
+                words[at] = t;
+                words[weights_at + at] = w.to_bits();
+                at += 1;
+            }
+        }
+        ChunkRouting {
+            words,
+            runs,
+            tokens,
+        }
+    }
+
+    /// Word of entry 0's weight for a chunk of `n` tokens routed to `k` experts each.
+    pub(super) fn weights_at_for(n: usize, k: usize) -> usize {
+        n * k
+    }
+}
+
+impl GpuMoe {
+    /// `n_expert` rows, F32: the router.
+    pub(super) fn router(&self) -> &GpuMatrix {
+        &self.router
+    }
+
+    /// Whether the layer has a shared expert (Qwen2-MoE).
+    pub(super) fn has_shared(&self) -> bool {
+        self.shared.is_some()
+    }
+
+    /// Part 2 of a MoE layer for a prompt's chunk whose routing (`routing`, written to `route`)
+    /// the host decided: for each expert some tokens chose, those tokens' rows of `xn` gathered
+    /// into `xg`, the expert's gate, up, SwiGLU and down over them in `(eg, eu, ed)`, and its
+    /// outputs added to those tokens' rows of `x` with their weights. Every expert must be in
+    /// its own slot (slot e holds expert e).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn record_chunk_experts(
+        &self,
+        rec: &mut Recorder<'_>,
+        routing: &ChunkRouting,
+        route_buf: &Buffer,
+        xn: &GpuMatrix,
+        (xg, eg, eu, ed): (&Buffer, &Buffer, &Buffer, &Buffer),
+        x: &Buffer,
+    ) -> Result<()> {
+        let (ff, n_embd) = (self.n_ff, self.n_embd);
+        let weights_at = routing.words.len() - routing.runs.iter().map(|r| r.2).sum::<usize>();
+        for &(expert, first, count) in &routing.runs {
+            let ids = super::ops::StepWord {
+                buffer: route_buf,
+                index: first as u32,
+            };
+            rec.get_rows_n(xn, ids, count as u32, xg)?;
+            rec.matvec_batch_rows(&self.gate, expert * ff, ff, xg, eg, count)?;
+            rec.matvec_batch_rows(&self.up, expert * ff, ff, xg, eu, count)?;
+            rec.swiglu(eg, eu, (count * ff) as u32)?;
+            rec.matvec_batch_rows(&self.down, expert * n_embd, n_embd, eg, ed, count)?;
+            let run = (first as u32, count as u32, weights_at as u32);
+            rec.scatter_add(x, ed, route_buf, run, n_embd as u32)?;
         }
         Ok(())
     }

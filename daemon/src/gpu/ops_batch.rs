@@ -2,7 +2,7 @@
 //! (`matvec_batch.comp`), which decodes each weight once per tile of 64 tokens and multiplies in
 //! the device's matrix units where it has cooperative matrices.
 
-use spillway_shaders::{DequantParams, Feature, MatVecBatchParams, Op};
+use spillway_shaders::{DequantParams, Feature, MatVecBatchParams, Op, ScatterAddParams, ShaderId};
 
 use super::buffer::Buffer;
 use super::error::{GpuError, Result};
@@ -69,6 +69,46 @@ impl Recorder<'_> {
         scratch: &Buffer,
     ) -> Result<()> {
         self.batch_product(w, (0, w.n_out), x, (y, w.n_out), n_tok, true, Some(scratch))
+    }
+
+    /// `x[ids[first + i]] += w[first + i] * y[i]` for the `count` rows of `n` values of `y`:
+    /// `route` holds the ids (token rows of `x`) from word 0 and the weights' f32 bits from word
+    /// `weights_at`. An id must not repeat within the run.
+    pub fn scatter_add(
+        &mut self,
+        x: &Buffer,
+        y: &Buffer,
+        route: &Buffer,
+        (first, count, weights_at): (u32, u32, u32),
+        n: u32,
+    ) -> Result<()> {
+        let end = u64::from(first) + u64::from(count);
+        if end > u64::from(weights_at)
+            || route.size() < (u64::from(weights_at) + end) * 4
+            || y.size() < u64::from(count) * u64::from(n) * 4
+            || count > 65535
+        {
+            return Err(GpuError::Unsupported(format!(
+                "a scatter of {count} rows of {n} from entry {first} in buffers of {} and {} bytes",
+                y.size(),
+                route.size()
+            )));
+        }
+        if count == 0 {
+            return Ok(());
+        }
+        let push = ScatterAddParams {
+            n,
+            first,
+            weights_at,
+        };
+        let bindings = [Binding::write(x), Binding::read(y), Binding::read(route)];
+        self.dispatch(
+            ShaderId::ScatterAdd,
+            &bindings,
+            &push,
+            [n.div_ceil(256), count, 1],
+        )
     }
 
     /// Rows `first..first + n` of `w` as f16 into `dst`, row-major from its start, two halves

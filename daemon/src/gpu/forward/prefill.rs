@@ -7,16 +7,29 @@
 //! SwiGLU take the chunk's tokens as one more grid dimension; token `t` of a chunk at position
 //! `pos` attends to positions `0..=pos + t` (causal), the earlier chunks' included.
 //!
-//! Partial: dense models only (a MoE model's prompt goes token by token), and attention is the
-//! decode kernel with a workgroup per (head, run of positions, token), not a fused
-//! flash-attention kernel that loads each key once per tile of queries.
+//! A MoE layer ends its chunk's command buffer at its router: the router logits of every token
+//! are read back and routed on the host with the CPU engine's routing ([`ChunkRouting`]), then
+//! the next command buffer runs each chosen expert once over the tokens that chose it (their
+//! rows gathered, the expert's rows of the stacked matrices multiplied as for a dense layer, the
+//! outputs added back to their tokens with their weights, `scatter_add.comp`).
+//!
+//! Partial: MoE models need every routed expert in VRAM and no shared expert (Qwen2-MoE's, or
+//! a model over its VRAM budget, go token by token); a MoE layer is one read-back per chunk and
+//! six dispatches per chosen expert; attention is the decode kernel with a workgroup per (head,
+//! run of positions, token), not a fused flash-attention kernel that loads each key once per
+//! tile of queries.
+
+use spillway_shaders::WeightType;
 
 use super::{GateUp, GpuFfn, GpuModel};
 use crate::gpu::alloc::MemoryUse;
 use crate::gpu::buffer::Buffer;
 use crate::gpu::error::Result;
-use crate::gpu::ops::{attention_scratch_floats, AttentionArgs, Fused, RopeArgs, StepWord};
-use crate::gpu::record::Recorder;
+use crate::gpu::moe::ChunkRouting;
+use crate::gpu::ops::{
+    attention_scratch_floats, AttentionArgs, Fused, GpuMatrix, RopeArgs, StepWord,
+};
+use crate::gpu::record::{RecordStats, Recorder};
 
 /// Most tokens in one chunk (llama.cpp's default micro-batch).
 pub const PREFILL_CHUNK: usize = 512;
@@ -49,6 +62,21 @@ pub(super) struct Batch {
     step: Buffer,
     /// Host-visible: every token's logits, for the chunks that want them all.
     logits: Option<Buffer>,
+    /// Present for MoE models.
+    moe: Option<BatchMoe>,
+}
+
+/// A chunk's MoE scratch: the layer's normalised input as rows to gather from, one expert's
+/// gathered input, gate (then SwiGLU), up and output, the router logits read back, and the
+/// routing the host writes ([`ChunkRouting`]).
+struct BatchMoe {
+    xn: GpuMatrix,
+    xg: Buffer,
+    eg: Buffer,
+    eu: Buffer,
+    ed: Buffer,
+    logits: Buffer,
+    route: Buffer,
 }
 
 impl Batch {
@@ -83,6 +111,36 @@ impl Batch {
             )?,
             step: Buffer::new_in(al, (n as u64 + 1) * 4, MemoryUse::DeviceMapped)?,
             logits: None,
+            moe: match &c.moe {
+                Some(cfg) => {
+                    let k = cfg.n_expert_used;
+                    let weights_at = ChunkRouting::weights_at_for(n, k);
+                    Some(BatchMoe {
+                        xn: GpuMatrix {
+                            buffer: f32s(n * c.n_embd)?,
+                            wtype: WeightType::F32,
+                            n_in: c.n_embd,
+                            n_out: n,
+                            row_bytes: c.n_embd as u64 * 4,
+                        },
+                        xg: f32s(n * c.n_embd)?,
+                        eg: f32s(n * cfg.n_ff_expert)?,
+                        eu: f32s(n * cfg.n_ff_expert)?,
+                        ed: f32s(n * c.n_embd)?,
+                        logits: Buffer::new_in(
+                            al,
+                            (n * cfg.n_expert * 4) as u64,
+                            MemoryUse::Staging,
+                        )?,
+                        route: Buffer::new_in(
+                            al,
+                            ((weights_at + n * k) * 4) as u64,
+                            MemoryUse::DeviceMapped,
+                        )?,
+                    })
+                }
+                None => None,
+            },
         })
     }
 
@@ -101,7 +159,15 @@ impl GpuModel {
     /// profiling, and not after the device memory for a chunk was refused) rather than token by
     /// token.
     pub fn batches_prompts(&self) -> bool {
-        self.config.moe.is_none() && self.profiler.is_none() && !self.batch_refused
+        // MoE layers need every expert in its own VRAM slot and no shared expert.
+        let moe_ok = self.config.moe.is_none()
+            || (!self.placement.is_partial()
+                && !self.chained
+                && self.layers.iter().all(|l| match &l.ffn {
+                    GpuFfn::Moe(m) => !m.has_shared(),
+                    GpuFfn::Dense { .. } => true,
+                }));
+        moe_ok && self.profiler.is_none() && !self.batch_refused
     }
 
     /// Evaluates `tokens` at the next positions: the last token's logits, or with `all_logits`
@@ -198,7 +264,9 @@ impl GpuModel {
         Ok(())
     }
 
-    /// One chunk of a prompt in one submission; its last token's logits, or all of them.
+    /// One chunk of a prompt: one submission, or with MoE layers one per MoE layer plus one
+    /// (each MoE layer's router logits are read back and routed on the host); its last token's
+    /// logits, or all of them.
     fn eval_chunk(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
         let (n, n_vocab) = (tokens.len(), self.config.n_vocab);
         // The device-loss injection counts tokens evaluated, a chunk's each.
@@ -207,94 +275,117 @@ impl GpuModel {
                 self.allocator.device().arm_loss(point);
             }
         }
-        let batch = self.batch.as_mut().expect("made by eval_prompt");
+        let mut batch = self.batch.take().expect("made by eval_prompt");
+        let ran = self.run_chunk(&mut batch, tokens, all_logits);
+        let logits = ran.map(|()| match (&batch.logits, all_logits) {
+            (Some(l), true) => l.read_f32(n * n_vocab),
+            _ => self.act.logits.read_f32(n_vocab),
+        });
+        self.batch = Some(batch);
+        if logits.is_ok() {
+            self.pos += n;
+        }
+        logits
+    }
+
+    fn run_chunk(&mut self, batch: &mut Batch, tokens: &[u32], all_logits: bool) -> Result<()> {
+        let n = tokens.len();
         let mut words = Vec::with_capacity((n + 1) * 4);
         words.extend_from_slice(&(self.pos as u32).to_le_bytes());
         for t in tokens {
             words.extend_from_slice(&t.to_le_bytes());
         }
         batch.step.write(&words);
-        let batch = self.batch.as_ref().expect("made by eval_prompt");
-        let stats = self
-            .kernels
-            .record(|rec| self.record_chunk(rec, batch, n, all_logits))?;
+        let mut stats = RecordStats::default();
+        let mut resume: Option<(usize, ChunkRouting)> = None;
+        loop {
+            let mut paused = None;
+            let from = resume.as_ref().map(|(il, r)| (*il, r));
+            let part = self
+                .kernels
+                .record(|rec| self.record_chunk(rec, batch, (n, all_logits), from, &mut paused))?;
+            stats.dispatches += part.dispatches;
+            stats.barriers += part.barriers;
+            stats.submits += part.submits;
+            let Some(il) = paused else { break };
+            let cfg = self.config.moe.expect("MoE layers have a MoE config");
+            let m = batch.moe.as_mut().expect("MoE scratch");
+            let routing = ChunkRouting::new(&cfg, &m.logits.read_f32(n * cfg.n_expert));
+            let bytes: Vec<u8> = routing.words.iter().flat_map(|w| w.to_le_bytes()).collect();
+            m.route.write(&bytes);
+            if let Some(ex) = self.experts.as_mut() {
+                let slots = ex.slots[il].as_mut().expect("a MoE layer has slots");
+                for experts in &routing.tokens {
+                    slots.place(experts, ex.miss, &mut ex.stats[il]);
+                }
+            }
+            resume = Some((il, routing));
+        }
         self.last_stats = stats;
         self.last_routing = Vec::new();
         self.last_host_time = None;
-        self.pos += n;
-        Ok(match (&batch.logits, all_logits) {
-            (Some(l), true) => l.read_f32(n * n_vocab),
-            _ => self.act.logits.read_f32(n_vocab),
-        })
+        Ok(())
     }
 
+    /// Records a chunk's command buffer: from the embedding, or from MoE layer `resume.0`'s
+    /// experts, to the next MoE layer's router (setting `paused` to its layer) or to the logits.
     fn record_chunk(
         &self,
         rec: &mut Recorder<'_>,
         b: &Batch,
-        n: usize,
-        all_logits: bool,
+        (n, all_logits): (usize, bool),
+        resume: Option<(usize, &ChunkRouting)>,
+        paused: &mut Option<usize>,
     ) -> Result<()> {
         let c = &self.config;
         let (e, eps, nt) = (c.n_embd as u32, c.rms_eps, n as u32);
-        let (qw, kvw) = (c.q_width() as u32, c.kv_width() as u32);
-        let pos = StepWord {
-            buffer: &b.step,
-            index: 0,
+        let start = match resume {
+            None => {
+                let ids = StepWord {
+                    buffer: &b.step,
+                    index: 1,
+                };
+                rec.get_rows_n(&self.token_embd, ids, nt, &b.x)?;
+                0
+            }
+            Some((il, routing)) => {
+                rec.after_earlier_submissions();
+                let GpuFfn::Moe(moe) = &self.layers[il].ffn else {
+                    unreachable!("layer {il} paused at its router")
+                };
+                let m = b.moe.as_ref().expect("MoE scratch");
+                let bufs = (&m.xg, &m.eg, &m.eu, &m.ed);
+                moe.record_chunk_experts(rec, routing, &m.route, &m.xn, bufs, &b.x)?;
+                il + 1
+            }
         };
-        let ids = StepWord {
-            buffer: &b.step,
-            index: 1,
-        };
-        let rope = |n_heads: usize| RopeArgs {
-            layout: c.rope_layout,
-            n_heads: n_heads as u32,
-            head_dim: c.head_dim as u32,
-            n_rot: c.n_rot as u32,
-            eps,
-        };
-        let attn_args = AttentionArgs {
-            n_heads: c.n_head as u32,
-            n_kv_heads: c.n_head_kv as u32,
-            head_dim: c.head_dim as u32,
-            capacity: self.capacity as u32,
-        };
-        let end = (self.pos + n) as u32;
-        rec.get_rows_n(&self.token_embd, ids, nt, &b.x)?;
-        for l in &self.layers {
-            rec.rms_norm(&b.x, &l.attn_norm, &b.xn, e, nt, eps)?;
-            rec.matvec_batch(&l.wq, &b.xn, &b.q, n)?;
-            rec.matvec_batch(&l.wk, &b.xn, &b.k, n)?;
-            rec.matvec_batch(&l.wv, &b.xn, &b.v, n)?;
-            for (x, bias, w) in [(&b.q, &l.bq, qw), (&b.k, &l.bk, kvw), (&b.v, &l.bv, kvw)] {
-                if let Some(bias) = bias {
-                    rec.add_repeated(x, bias, w * nt, w)?;
+        for (il, l) in self.layers.iter().enumerate().skip(start) {
+            self.record_chunk_attention(rec, b, l, n)?;
+            match &l.ffn {
+                GpuFfn::Dense { gate_up, down } => {
+                    rec.rms_norm(&b.x, &l.ffn_norm, &b.xn, e, nt, eps)?;
+                    let n_ff = gate_up.n_ff();
+                    match gate_up {
+                        GateUp::Stacked(m) => {
+                            rec.matvec_batch_rows(m, 0, n_ff, &b.xn, &b.gate, n)?;
+                            rec.matvec_batch_rows(m, n_ff, n_ff, &b.xn, &b.up, n)?;
+                        }
+                        GateUp::Apart { gate, up } => {
+                            rec.matvec_batch(gate, &b.xn, &b.gate, n)?;
+                            rec.matvec_batch(up, &b.xn, &b.up, n)?;
+                        }
+                    }
+                    rec.swiglu(&b.gate, &b.up, (n * n_ff) as u32)?;
+                    rec.matvec_batch_add(down, &b.gate, &b.x, n)?;
+                }
+                GpuFfn::Moe(moe) => {
+                    let m = b.moe.as_ref().expect("MoE scratch");
+                    rec.rms_norm(&b.x, &l.ffn_norm, &m.xn.buffer, e, nt, eps)?;
+                    rec.matvec_batch(moe.router(), &m.xn.buffer, &m.logits, n)?;
+                    *paused = Some(il);
+                    return Ok(());
                 }
             }
-            let (qn, kn) = (l.q_norm.as_ref(), l.k_norm.as_ref());
-            rec.rope_into(&b.q, qn, &self.rope, rope(c.n_head), pos, nt, None)?;
-            let store = Some((&b.v, &l.k_cache, &l.v_cache));
-            rec.rope_into(&b.k, kn, &self.rope, rope(c.n_head_kv), pos, nt, store)?;
-            let caches = (&l.k_cache, &l.v_cache);
-            rec.attention_n(&b.q, caches, &b.scores, &b.attn, attn_args, pos, (nt, end))?;
-            rec.matvec_batch_add(&l.wo, &b.attn, &b.x, n)?;
-            rec.rms_norm(&b.x, &l.ffn_norm, &b.xn, e, nt, eps)?;
-            let GpuFfn::Dense { gate_up, down } = &l.ffn else {
-                unreachable!("prompts are batched for dense models only")
-            };
-            let n_ff = gate_up.n_ff();
-            match gate_up {
-                GateUp::Stacked(m) => {
-                    rec.matvec_batch_rows(m, 0, n_ff, &b.xn, &b.gate, n)?;
-                    rec.matvec_batch_rows(m, n_ff, n_ff, &b.xn, &b.up, n)?;
-                }
-                GateUp::Apart { gate, up } => {
-                    rec.matvec_batch(gate, &b.xn, &b.gate, n)?;
-                    rec.matvec_batch(up, &b.xn, &b.up, n)?;
-                }
-            }
-            rec.swiglu(&b.gate, &b.up, (n * n_ff) as u32)?;
-            rec.matvec_batch_add(down, &b.gate, &b.x, n)?;
         }
         let head = self.output.as_ref().unwrap_or(&self.token_embd);
         match (&b.logits, all_logits) {
@@ -311,5 +402,52 @@ impl GpuModel {
                 rec.matvec_fused(head, &b.x, &self.act.logits, last)
             }
         }
+    }
+
+    /// Attention of layer `l` for the chunk's tokens, its output added to `x`.
+    fn record_chunk_attention(
+        &self,
+        rec: &mut Recorder<'_>,
+        b: &Batch,
+        l: &super::GpuLayer,
+        n: usize,
+    ) -> Result<()> {
+        let c = &self.config;
+        let (e, eps, nt) = (c.n_embd as u32, c.rms_eps, n as u32);
+        let (qw, kvw) = (c.q_width() as u32, c.kv_width() as u32);
+        let pos = StepWord {
+            buffer: &b.step,
+            index: 0,
+        };
+        let rope = |n_heads: usize| RopeArgs {
+            layout: c.rope_layout,
+            n_heads: n_heads as u32,
+            head_dim: c.head_dim as u32,
+            n_rot: c.n_rot as u32,
+            eps,
+        };
+        let attn_args = AttentionArgs {
+            n_heads: c.n_head as u32,
+            n_kv_heads: c.n_head_kv as u32,
+            head_dim: c.head_dim as u32,
+            capacity: self.capacity as u32,
+        };
+        let end = (self.pos + n) as u32;
+        rec.rms_norm(&b.x, &l.attn_norm, &b.xn, e, nt, eps)?;
+        rec.matvec_batch(&l.wq, &b.xn, &b.q, n)?;
+        rec.matvec_batch(&l.wk, &b.xn, &b.k, n)?;
+        rec.matvec_batch(&l.wv, &b.xn, &b.v, n)?;
+        for (x, bias, w) in [(&b.q, &l.bq, qw), (&b.k, &l.bk, kvw), (&b.v, &l.bv, kvw)] {
+            if let Some(bias) = bias {
+                rec.add_repeated(x, bias, w * nt, w)?;
+            }
+        }
+        let (qn, kn) = (l.q_norm.as_ref(), l.k_norm.as_ref());
+        rec.rope_into(&b.q, qn, &self.rope, rope(c.n_head), pos, nt, None)?;
+        let store = Some((&b.v, &l.k_cache, &l.v_cache));
+        rec.rope_into(&b.k, kn, &self.rope, rope(c.n_head_kv), pos, nt, store)?;
+        let caches = (&l.k_cache, &l.v_cache);
+        rec.attention_n(&b.q, caches, &b.scores, &b.attn, attn_args, pos, (nt, end))?;
+        rec.matvec_batch_add(&l.wo, &b.attn, &b.x, n)
     }
 }
