@@ -24,8 +24,9 @@ fn a_refused_chunk_leaves_prompts_token_by_token() {
         .write(&path, false, |_, _| {})
         .unwrap();
     let model = Arc::new(Model::open(&path).unwrap());
-    // A long context makes the chunk's attention scratch a buffer of its own block (over half of
-    // 64 MiB), so the chunk needs a new block whatever the blocks the load left.
+    // A long context and a full chunk of 512 make the chunk's attention scratch a buffer of its
+    // own block (over half of 64 MiB), so the chunk needs a new block whatever the blocks the
+    // load left.
     let options = GpuModelOptions {
         context: 16384,
         ..GpuModelOptions::default()
@@ -34,13 +35,13 @@ fn a_refused_chunk_leaves_prompts_token_by_token() {
     let mut refused = GpuModel::new(&dev, &model, &options).unwrap();
     let held = refused.allocator().budget().held();
     let n_vocab = one.config().n_vocab;
-    let prompt: Vec<u32> = (0..70u32)
+    let prompt: Vec<u32> = (0..600u32)
         .map(|i| (i * 7919 + 3) % n_vocab as u32)
         .collect();
 
     assert!(refused.batches_prompts());
     fail_block_after(1);
-    let got = refused.eval_prompt(&prompt, true).unwrap();
+    let got = refused.eval_prompt(&prompt, false).unwrap();
     fail_block_after(0);
     assert!(!refused.batches_prompts(), "the refusal is remembered");
     assert_eq!(refused.position(), prompt.len());
@@ -52,7 +53,7 @@ fn a_refused_chunk_leaves_prompts_token_by_token() {
 
     let mut want = Vec::new();
     for &t in &prompt {
-        want.extend(one.eval(t).unwrap());
+        want = one.eval(t).unwrap();
     }
     // Token by token both ways: the same kernels on the same inputs.
     assert_eq!(got, want);

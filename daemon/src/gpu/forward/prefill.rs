@@ -47,8 +47,12 @@ fn scratch_per_token(c: &crate::model::Config, end: usize) -> usize {
     attention_scratch_floats(c.n_head, c.head_dim, end) * 4
 }
 
-/// Activations of a chunk of tokens, token-major; made at the first prompt.
+/// Activations of a chunk of tokens, token-major; made at the first prompt, for as many tokens
+/// as it has (rounded up to a multiple of 64, at most [`PREFILL_CHUNK`]), and made again larger
+/// for a longer prompt, so that short prompts do not pin a full chunk's memory.
 pub(super) struct Batch {
+    /// Most tokens a chunk may have.
+    tokens: usize,
     x: Buffer,
     xn: Buffer,
     q: Buffer,
@@ -80,10 +84,10 @@ struct BatchMoe {
 }
 
 impl Batch {
-    fn new(m: &GpuModel) -> Result<Batch> {
+    fn new(m: &GpuModel, tokens: usize) -> Result<Batch> {
         let c = &m.config;
         let al = &m.allocator;
-        let n = PREFILL_CHUNK;
+        let n = tokens;
         let f32s = |floats: usize| Buffer::new_in(al, floats as u64 * 4, MemoryUse::DeviceLocal);
         let n_ff = m
             .layers
@@ -95,6 +99,7 @@ impl Batch {
             .max()
             .unwrap_or(0);
         Ok(Batch {
+            tokens: n,
             x: f32s(n * c.n_embd)?,
             xn: f32s(n * c.n_embd)?,
             q: f32s(n * c.q_width())?,
@@ -177,8 +182,12 @@ impl GpuModel {
     /// once: the model was placed without them, and its prompts still run.
     pub fn eval_prompt(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
         self.check_prompt(tokens)?;
-        if self.batches_prompts() && tokens.len() > 1 && self.batch.is_none() {
-            match Batch::new(self) {
+        let wanted = tokens.len().next_multiple_of(64).min(PREFILL_CHUNK);
+        let small = self.batch.as_ref().is_none_or(|b| b.tokens < wanted);
+        if self.batches_prompts() && tokens.len() > 1 && small {
+            // The smaller one's memory is given back first.
+            self.batch = None;
+            match Batch::new(self, wanted) {
                 Ok(b) => self.batch = Some(b),
                 Err(e) if e.is_out_of_memory() => {
                     tracing::warn!("prompts go token by token: {e}");
@@ -227,7 +236,7 @@ impl GpuModel {
             let most = if all_logits {
                 LOGITS_CHUNK
             } else {
-                PREFILL_CHUNK
+                self.batch.as_ref().expect("made").tokens
             };
             // Scratch per token grows with the runs of positions below the chunk's end.
             let end = (self.pos + most).min(self.capacity);
