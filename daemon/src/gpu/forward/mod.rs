@@ -605,23 +605,8 @@ impl GpuModel {
 
     /// Evaluates `token` at the next position; the logits of the token after it.
     pub fn eval(&mut self, token: u32) -> Result<Vec<f32>> {
-        let c = &self.config;
-        if token as usize >= c.n_vocab {
-            return Err(GpuError::Unsupported(format!(
-                "token {token} is outside the vocabulary of {}",
-                c.n_vocab
-            )));
-        }
-        if self.pos >= self.capacity {
-            return Err(GpuError::Unsupported(format!(
-                "the context of {} positions is full",
-                self.capacity
-            )));
-        }
+        self.check_tokens(&[token])?;
         let device = self.allocator.device();
-        if device.is_lost() {
-            return Err(GpuError::DeviceLost);
-        }
         if let Some(point) = super::lost::token_loses_device() {
             device.arm_loss(point);
         }
@@ -941,19 +926,8 @@ impl GpuModel {
         let pos = self.step_word(1);
         let (qw, kvw) = (c.q_width() as u32, c.kv_width() as u32);
         let eps = c.rms_eps;
-        let rope = |n_heads: usize| RopeArgs {
-            layout: c.rope_layout,
-            n_heads: n_heads as u32,
-            head_dim: c.head_dim as u32,
-            n_rot: c.n_rot as u32,
-            eps,
-        };
-        let attn_args = AttentionArgs {
-            n_heads: c.n_head as u32,
-            n_kv_heads: c.n_head_kv as u32,
-            head_dim: c.head_dim as u32,
-            capacity: self.capacity as u32,
-        };
+        let rope = |n_heads| self.rope_args(n_heads);
+        let attn_args = self.attention_args();
         // The attention norm is done by each of the three products on its own.
         let normed = Fused {
             norm: Some((&l.attn_norm, eps)),
@@ -986,6 +960,51 @@ impl GpuModel {
             pos,
         )?;
         rec.matvec_add(&l.wo, &a.attn, &a.x)
+    }
+
+    /// Checks that `tokens` fit the vocabulary and the context from the current position, and
+    /// that the device is not lost: before anything of them is evaluated.
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        let c = &self.config;
+        if let Some(t) = tokens.iter().find(|&&t| t as usize >= c.n_vocab) {
+            return Err(GpuError::Unsupported(format!(
+                "token {t} is outside the vocabulary of {}",
+                c.n_vocab
+            )));
+        }
+        if self.pos + tokens.len() > self.capacity {
+            return Err(GpuError::Unsupported(format!(
+                "the context of {} positions is full",
+                self.capacity
+            )));
+        }
+        if self.allocator.device().is_lost() {
+            return Err(GpuError::DeviceLost);
+        }
+        Ok(())
+    }
+
+    /// RoPE of `n_heads` heads of this model (QK-norm with its eps).
+    fn rope_args(&self, n_heads: usize) -> RopeArgs {
+        let c = &self.config;
+        RopeArgs {
+            layout: c.rope_layout,
+            n_heads: n_heads as u32,
+            head_dim: c.head_dim as u32,
+            n_rot: c.n_rot as u32,
+            eps: c.rms_eps,
+        }
+    }
+
+    /// This model's attention over its KV cache.
+    fn attention_args(&self) -> AttentionArgs {
+        let c = &self.config;
+        AttentionArgs {
+            n_heads: c.n_head as u32,
+            n_kv_heads: c.n_head_kv as u32,
+            head_dim: c.head_dim as u32,
+            capacity: self.capacity as u32,
+        }
     }
 
     /// Word `index` of the step buffer: 0 the token id, 1 its position.

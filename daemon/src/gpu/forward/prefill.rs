@@ -26,9 +26,7 @@ use crate::gpu::alloc::MemoryUse;
 use crate::gpu::buffer::Buffer;
 use crate::gpu::error::Result;
 use crate::gpu::moe::ChunkRouting;
-use crate::gpu::ops::{
-    attention_scratch_floats, AttentionArgs, Fused, GpuMatrix, RopeArgs, StepWord,
-};
+use crate::gpu::ops::{attention_scratch_floats, Fused, GpuMatrix, StepWord};
 use crate::gpu::record::{RecordStats, Recorder};
 
 /// Most tokens in one chunk (llama.cpp's default micro-batch).
@@ -181,7 +179,7 @@ impl GpuModel {
     /// does a model whose chunk's activations the device memory (or the VRAM budget) refused
     /// once: the model was placed without them, and its prompts still run.
     pub fn eval_prompt(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
-        self.check_prompt(tokens)?;
+        self.check_tokens(tokens)?;
         let wanted = tokens.len().next_multiple_of(64).min(PREFILL_CHUNK);
         let small = self.batch.as_ref().is_none_or(|b| b.tokens < wanted);
         if self.batches_prompts() && tokens.len() > 1 && small {
@@ -250,27 +248,6 @@ impl GpuModel {
             rest = later;
         }
         Ok(out)
-    }
-
-    fn check_prompt(&self, tokens: &[u32]) -> Result<()> {
-        use crate::gpu::error::GpuError;
-        let c = &self.config;
-        if let Some(t) = tokens.iter().find(|&&t| t as usize >= c.n_vocab) {
-            return Err(GpuError::Unsupported(format!(
-                "token {t} is outside the vocabulary of {}",
-                c.n_vocab
-            )));
-        }
-        if self.pos + tokens.len() > self.capacity {
-            return Err(GpuError::Unsupported(format!(
-                "the context of {} positions is full",
-                self.capacity
-            )));
-        }
-        if self.allocator.device().is_lost() {
-            return Err(GpuError::DeviceLost);
-        }
-        Ok(())
     }
 
     /// One chunk of a prompt: one submission, or with MoE layers one per MoE layer plus one
@@ -428,19 +405,8 @@ impl GpuModel {
             buffer: &b.step,
             index: 0,
         };
-        let rope = |n_heads: usize| RopeArgs {
-            layout: c.rope_layout,
-            n_heads: n_heads as u32,
-            head_dim: c.head_dim as u32,
-            n_rot: c.n_rot as u32,
-            eps,
-        };
-        let attn_args = AttentionArgs {
-            n_heads: c.n_head as u32,
-            n_kv_heads: c.n_head_kv as u32,
-            head_dim: c.head_dim as u32,
-            capacity: self.capacity as u32,
-        };
+        let rope = |n_heads| self.rope_args(n_heads);
+        let attn_args = self.attention_args();
         let end = (self.pos + n) as u32;
         rec.rms_norm(&b.x, &l.attn_norm, &b.xn, e, nt, eps)?;
         rec.matvec_batch(&l.wq, &b.xn, &b.q, n)?;
