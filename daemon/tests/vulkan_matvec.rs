@@ -1,13 +1,13 @@
 //! The matrix-vector kernel under every workgroup shape it accepts: widths at block boundaries,
-//! row counts that no shape divides, rows split across bindings, and the expert-indexed form,
-//! against the exact dot of the dequantized rows. Skips without a Vulkan device unless
+//! row counts that no shape divides, rows split across bindings, and the expert-indexed forms
+//! (plain, with RMSNorm and SwiGLU fused, summed over experts), against the exact dot of the dequantized rows. Skips without a Vulkan device unless
 //! `SPILLWAY_REQUIRE_VULKAN` is set.
 
 use std::sync::Arc;
 
 use half::f16;
 use spillway_daemon::gguf::GgmlType;
-use spillway_daemon::gpu::ops::{GpuMatrix, MatVecShape};
+use spillway_daemon::gpu::ops::{GpuMatrix, IdFused, MatVecShape};
 use spillway_daemon::gpu::{Allocator, Buffer, Device, Kernels, MemoryUse, Uploader};
 use spillway_daemon::quant::{dequantize_row, quantize_row};
 
@@ -280,4 +280,141 @@ fn shapes_the_kernel_cannot_run_are_refused() {
     kernels.set_matvec_shape(Some(max)).unwrap();
     let q4_0 = spillway_daemon::gpu::ops::weight_type(GgmlType::Q4_0).unwrap();
     assert_eq!(kernels.matvec_shape(q4_0), max);
+}
+
+/// The exact dot of row `r` of `data` (rows of `n_in` weights of `ty`) with `x`, and the sum of
+/// the absolute products (the scale of its rounding).
+fn dot_row(ty: GgmlType, data: &[u8], n_in: usize, r: usize, x: &[f64]) -> (f64, f64) {
+    let rb = ty.row_bytes(n_in as u64).unwrap() as usize;
+    let mut w = vec![0f32; n_in];
+    dequantize_row(ty, &data[r * rb..(r + 1) * rb], &mut w).unwrap();
+    w.iter().zip(x).fold((0f64, 0f64), |(s, a), (&w, &x)| {
+        let p = f64::from(w) * x;
+        (s + p, a + p.abs())
+    })
+}
+
+#[test]
+fn fused_expert_products_match_the_host_for_every_type_and_shape() {
+    // A MoE layer's two expert dispatches: RMSNorm, gate, up and SwiGLU of the chosen experts
+    // from one gate-then-up stack; then their down products summed with the routing's weights
+    // into a residual. An empty entry (id 0xFFFFFFFF) writes and adds nothing.
+    let Some(dev) = spillway_daemon::gpu::device_or_skip() else {
+        return;
+    };
+    for gpu in Gpu::both(&dev) {
+        for ty in TYPES {
+            let (n_embd, ff, experts, eps) = (256, 256, 4, 1e-5f32);
+            let gate = weight_rows(ty, n_embd, ff * experts, 21);
+            let up = weight_rows(ty, n_embd, ff * experts, 22);
+            let mut stack_bytes = gate.clone();
+            stack_bytes.extend_from_slice(&up);
+            let stack = gpu.matrix(ty, n_embd, 2 * ff * experts, &stack_bytes);
+            // Down: 13 outputs an expert (no shape's rows divide it).
+            let n_out = 13;
+            let down = weight_rows(ty, ff, n_out * experts, 23);
+            let down_m = gpu.matrix(ty, ff, n_out * experts, &down);
+            let x = noise(n_embd, 24);
+            let norm_w: Vec<f32> = noise(n_embd, 25).iter().map(|v| 1.0 + v).collect();
+            let (xb, nb) = (gpu.f32s(&x), gpu.f32s(&norm_w));
+            let chosen = [(3usize, 0.7f32), (usize::MAX, 0.0), (1, 0.3)];
+            let mut route: Vec<f32> = chosen.iter().map(|c| f32::from_bits(c.0 as u32)).collect();
+            route.extend(chosen.iter().map(|c| c.1));
+            let route = gpu.f32s(&route);
+
+            let ms = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / n_embd as f64;
+            let scale = 1.0 / (ms + f64::from(eps)).sqrt();
+            let xn: Vec<f64> = x
+                .iter()
+                .zip(&norm_w)
+                .map(|(&v, &w)| f64::from(v) * f64::from(w) * scale)
+                .collect();
+            for shape in [
+                None,
+                Some((64, 8)),
+                Some((32, 3)),
+                Some((4, 1)),
+                Some((256, 5)),
+            ] {
+                let shape = shape.map(|(threads, rows)| MatVecShape { threads, rows });
+                gpu.kernels.set_matvec_shape(shape).unwrap();
+                let h = gpu.f32s(&vec![f32::NAN; chosen.len() * ff]);
+                let y = gpu.f32s(&vec![1.0; n_out]);
+                gpu.kernels
+                    .record(|r| {
+                        let glu = IdFused {
+                            norm: Some((&nb, eps)),
+                            glu_up_rows: Some(ff * experts),
+                            ..IdFused::default()
+                        };
+                        let n = chosen.len() as u32;
+                        r.matvec_id_fused(
+                            &stack,
+                            ff,
+                            (&route, 0),
+                            n,
+                            (&xb, 0),
+                            (&h, ff as u32),
+                            glu,
+                        )?;
+                        let sum = IdFused {
+                            sum_weights_at: Some(n),
+                            ..IdFused::default()
+                        };
+                        r.matvec_id_fused(
+                            &down_m,
+                            n_out,
+                            (&route, 0),
+                            n,
+                            (&h, ff as u32),
+                            (&y, 0),
+                            sum,
+                        )
+                    })
+                    .unwrap();
+                let hs = h.read_f32(chosen.len() * ff);
+                let what = format!("{ty} {shape:?}");
+                let mut want_y = vec![1f64; n_out];
+                let mut scale_y = vec![0f64; n_out];
+                for (z, &(e, w)) in chosen.iter().enumerate() {
+                    let got = &hs[z * ff..(z + 1) * ff];
+                    if e == usize::MAX {
+                        assert!(
+                            got.iter().all(|v| v.is_nan()),
+                            "{what}: the empty entry wrote"
+                        );
+                        continue;
+                    }
+                    for (r, &v) in got.iter().enumerate() {
+                        let (g, ga) = dot_row(ty, &gate, n_embd, e * ff + r, &xn);
+                        let (u, ua) = dot_row(ty, &up, n_embd, e * ff + r, &xn);
+                        let want = g / (1.0 + (-g).exp()) * u;
+                        // silu' is below 1.1 and |silu(g)| at most |g|: the rounding of g and u
+                        // (a few ulps of their absolute sums) carried through.
+                        let tol = 2e-5 * (ga * u.abs() + g.abs() * ua) + 1e-5;
+                        let v = f64::from(v);
+                        assert!(
+                            (v - want).abs() <= tol,
+                            "{what} expert {e} row {r}: gpu {v} host {want}"
+                        );
+                    }
+                    let hz: Vec<f64> = got.iter().map(|&v| f64::from(v)).collect();
+                    for (r, (wy, sy)) in want_y.iter_mut().zip(&mut scale_y).enumerate() {
+                        let (d, a) = dot_row(ty, &down, ff, e * n_out + r, &hz);
+                        *wy += f64::from(w) * d;
+                        *sy += f64::from(w) * a;
+                    }
+                }
+                let ys = y.read_f32(n_out);
+                for r in 0..n_out {
+                    let v = f64::from(ys[r]);
+                    assert!(
+                        (v - want_y[r]).abs() <= 1e-5 * scale_y[r] + 1e-5,
+                        "{what} sum row {r}: gpu {v} host {}",
+                        want_y[r]
+                    );
+                }
+            }
+        }
+    }
 }

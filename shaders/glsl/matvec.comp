@@ -11,24 +11,30 @@
 // inputs of an item are loaded once and used for all NROWS rows. Workgroups come in a 2-D grid
 // because a vocabulary can exceed the 65535 groups of one dimension.
 //
+// Three specialization constants fuse the ops around a product into it: ACCUMULATE adds the
+// results to `y` (a residual sum); NORM takes RMSNorm(x) times the weights `norm_w` as the input,
+// each workgroup summing the squares of the x it loads anyway and scaling its sums once
+// (W (x * s * w) = s W (x * w)); GLU reads two matrices, gate rows and up rows, and writes
+// silu(gate · x) * (up · x), half of a workgroup's rows being gate rows and half up rows. Without
+// INDEXED the up rows follow the gate rows (a stack of 2 * n_rows rows).
+//
 // With INDEXED (ggml's mul_mat_vec_id): `weights` is a stack of experts of `n_rows` rows each and
 // the expert is read on the device, `ids[rank + z]` for workgroup layer z, so the routing need not
 // come back to the host. Layer z reads x at `z * x_stride` and writes y at `y_offset + z *
 // y_stride`: the k experts of a token are one dispatch. An id of 0xFFFFFFFF is an empty entry:
-// nothing is computed or written for it.
-//
-// Without INDEXED, three specialization constants fuse the ops around a product into it:
-// ACCUMULATE adds the results to `y` (a residual sum); NORM takes RMSNorm(x) times the weights
-// `norm_w` as the input, each workgroup summing the squares of the x it loads anyway and scaling
-// its sums once (W (x * s * w) = s W (x * w)); GLU reads a stack of two matrices, gate rows then
-// up rows, and writes silu(gate · x) * (up · x), half of a workgroup's rows being gate rows and
-// half up rows.
+// nothing is computed or written for it. With GLU an expert's up rows lie `up_offset` bytes after
+// its gate rows (the up stack after the gate stack in one buffer). With ID_SUM there is one layer:
+// each workgroup runs its rows of all `n_ids` experts, taking the (expert, item) pairs in turn so
+// that short rows still give every invocation work, and writes Σ_z w_z (W_z · x_z), w_z being
+// the float at `ids[weights_at + z]` (a MoE layer's down products, summed with the routing's
+// weights, with ACCUMULATE straight into the residual).
 
 layout(local_size_x_id = 0) in;
 layout(constant_id = 1) const uint NROWS = 4u;
 layout(constant_id = 2) const uint ACCUMULATE = 0u;
 layout(constant_id = 3) const uint NORM = 0u;
 layout(constant_id = 4) const uint GLU = 0u;
+layout(constant_id = 5) const uint ID_SUM = 0u;
 // The host keeps WG <= MAX_WG and NROWS <= MAX_ROWS (ops.rs, `MatVecShape`), NROWS even with GLU.
 #define MAX_WG 256u
 #define MAX_ROWS 8u
@@ -39,10 +45,11 @@ layout(std430, binding = 0) readonly buffer Weights { uint weights[]; };
 layout(std430, binding = 0) readonly buffer Weights4 { uvec4 weights4[]; };
 layout(std430, binding = 1) readonly buffer X { vec4 x4[]; };
 layout(std430, binding = 2) buffer Y { float y[]; };
+// With NORM, the RMSNorm weights; otherwise unused (the host binds x in its place).
 #if defined(INDEXED)
 layout(std430, binding = 3) readonly buffer Ids { uint ids[]; };
+layout(std430, binding = 4) readonly buffer NormW { vec4 norm_w4[]; };
 #else
-// With NORM, the RMSNorm weights; otherwise unused (the host binds x in its place).
 layout(std430, binding = 3) readonly buffer NormW { vec4 norm_w4[]; };
 #endif
 
@@ -55,9 +62,11 @@ layout(push_constant) uniform Params {
     uint rank;     // index in `ids` of layer 0's expert
     uint x_stride; // floats from one layer's input to the next (a multiple of 4)
     uint y_stride; // floats from one layer's results to the next
-#else
-    float eps;     // RMSNorm's, with NORM
+    uint up_offset;  // bytes from an expert's gate row to its up row (GLU)
+    uint n_ids;      // experts summed (ID_SUM)
+    uint weights_at; // index in `ids` of expert 0's weight (ID_SUM)
 #endif
+    float eps;     // RMSNorm's, with NORM
 } p;
 
 // Σ x² of the inputs this invocation loaded (NORM).
@@ -66,12 +75,10 @@ float sumsq = 0.0;
 // Four inputs of the product: x, or with NORM x times the norm weights.
 vec4 xin(uint i) {
     vec4 v = x4[i];
-#if !defined(INDEXED)
     if (NORM != 0u) {
         sumsq += dot(v, v);
         v *= norm_w4[i];
     }
-#endif
     return v;
 }
 
@@ -85,13 +92,11 @@ shared float red[(MAX_ROWS + 1u) * MAX_WG];
 
 // Writes result `i` from a row's sum `g`, the up row's `u` (GLU) and Σ x² (NORM).
 void emit(uint i, float g, float u, float ss) {
-#if !defined(INDEXED)
     if (NORM != 0u) {
         const float scale = 1.0 / sqrt(ss / float(p.n_in) + p.eps);
         g *= scale;
         u *= scale;
     }
-#endif
     float v = g;
     if (GLU != 0u) {
         v = (g / (1.0 + exp(-g))) * u;
@@ -110,35 +115,62 @@ void main() {
     }
     const uint nr = min(OUT, p.n_rows - r0);
     const uint rb = row_bytes(p.n_in);
-#if defined(INDEXED)
-    const uint z = gl_WorkGroupID.z;
-    const uint id = ids[p.rank + z];
-    // An entry the host left empty (its expert runs elsewhere): the whole workgroup leaves.
-    if (id == 0xFFFFFFFFu) {
-        return;
-    }
-    const uint w0 = p.w_offset + id * p.n_rows * rb;
-    const uint x0 = z * p.x_stride;
-    const uint y0 = p.y_offset + z * p.y_stride;
-#else
-    const uint w0 = p.w_offset;
-    const uint x0 = 0u;
-    const uint y0 = p.y_offset;
-#endif
+    const uint n_items = p.n_in / ITEM_WEIGHTS;
     // Rows past the last (a partial last workgroup) repeat it, so every row slot runs the same
     // straight-line code; their sums are not written. With GLU, slots OUT.. are the up rows.
     uint row[NROWS];
     float acc[NROWS + 1u];
-    [[unroll]] for (uint j = 0u; j < NROWS; ++j) {
-        const uint up = j >= OUT ? p.n_rows * rb : 0u;
-        row[j] = w0 + up + min(r0 + j % OUT, p.n_rows - 1u) * rb;
-        acc[j] = 0.0;
-    }
-    const uint n_items = p.n_in / ITEM_WEIGHTS;
-    for (uint i = tid; i < n_items; i += WG) {
-        Inputs xi = load_inputs(x0, i);
+#if defined(INDEXED)
+    const uint up_bytes = p.up_offset;
+    uint y0 = p.y_offset;
+    if (ID_SUM != 0u) {
+        // Rows relative to an expert's first; the expert changes along the loop.
         [[unroll]] for (uint j = 0u; j < NROWS; ++j) {
-            acc[j] += dot_item(row[j], i, xi);
+            row[j] = min(r0 + j, p.n_rows - 1u) * rb;
+            acc[j] = 0.0;
+        }
+        const uint expert_bytes = p.n_rows * rb;
+        for (uint t = tid; t < n_items * p.n_ids; t += WG) {
+            const uint z = t / n_items;
+            const uint i = t - z * n_items;
+            const uint id = ids[p.rank + z];
+            if (id == 0xFFFFFFFFu) {
+                continue;
+            }
+            const float wz = uintBitsToFloat(ids[p.weights_at + z]);
+            const uint e0 = p.w_offset + id * expert_bytes;
+            Inputs xi = load_inputs(z * p.x_stride, i);
+            [[unroll]] for (uint j = 0u; j < NROWS; ++j) {
+                acc[j] = fma(wz, dot_item(e0 + row[j], i, xi), acc[j]);
+            }
+        }
+    } else {
+        const uint z = gl_WorkGroupID.z;
+        const uint id = ids[p.rank + z];
+        // An entry the host left empty (its expert runs elsewhere): the whole workgroup leaves.
+        if (id == 0xFFFFFFFFu) {
+            return;
+        }
+        const uint w0 = p.w_offset + id * p.n_rows * rb;
+        const uint x0 = z * p.x_stride;
+        y0 += z * p.y_stride;
+#else
+    const uint up_bytes = p.n_rows * rb;
+    const uint y0 = p.y_offset;
+    {
+        const uint w0 = p.w_offset;
+        const uint x0 = 0u;
+#endif
+        [[unroll]] for (uint j = 0u; j < NROWS; ++j) {
+            const uint up = j >= OUT ? up_bytes : 0u;
+            row[j] = w0 + up + min(r0 + j % OUT, p.n_rows - 1u) * rb;
+            acc[j] = 0.0;
+        }
+        for (uint i = tid; i < n_items; i += WG) {
+            Inputs xi = load_inputs(x0, i);
+            [[unroll]] for (uint j = 0u; j < NROWS; ++j) {
+                acc[j] += dot_item(row[j], i, xi);
+            }
         }
     }
     acc[NROWS] = sumsq;

@@ -33,7 +33,7 @@ pub struct MatVecParams {
 
 /// `matvec.comp`'s `Params` with `INDEXED` (experts chosen on the device).
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct MatVecIdParams {
     pub n_in: u32,
     /// Rows of one expert (and of each result).
@@ -47,6 +47,14 @@ pub struct MatVecIdParams {
     pub x_stride: u32,
     /// Floats from one layer's results to the next.
     pub y_stride: u32,
+    /// Bytes from an expert's gate row to its up row (the `GLU` constant).
+    pub up_offset: u32,
+    /// Experts summed by one workgroup (the `ID_SUM` constant).
+    pub n_ids: u32,
+    /// Index in the ids buffer of expert 0's weight (the `ID_SUM` constant).
+    pub weights_at: u32,
+    /// RMSNorm's eps, with the `NORM` constant.
+    pub eps: f32,
 }
 
 /// `moe_route.comp`'s `Params`.
@@ -279,7 +287,11 @@ push_constants!(MatVecIdParams {
     y_offset,
     rank,
     x_stride,
-    y_stride
+    y_stride,
+    up_offset,
+    n_ids,
+    weights_at,
+    eps
 });
 push_constants!(MoeRouteParams {
     n_expert,

@@ -12,19 +12,22 @@
 //!    the CPU meanwhile ([`super::cpu_experts`]) are added from the host-visible
 //!    [`MoeScratch::cpu_sum`] with [`Recorder::scale_add`].
 //!
-//! A layer's routed experts live in slot stacks: each of gate, up and down is one
-//! [`GpuMatrix`] of `n_slots × n_out` rows, slot `s` being rows `s * n_out..(s + 1) * n_out`,
-//! bound from the offset boundary below its first row (the kernel skips to the row, so slots
-//! need not start on `minStorageBufferOffsetAlignment`). With every expert resident the stacks
+//! A layer's routed experts live in slot stacks: each of gate, up and down is `n_slots × n_out`
+//! rows, slot `s` being rows `s * n_out..(s + 1) * n_out`, bound from the offset boundary below
+//! its first row (the kernel skips to the row, so slots need not start on
+//! `minStorageBufferOffsetAlignment`). Where gate and up have one type and fit one binding
+//! together, the up stack follows the gate stack in one [`GpuMatrix`], so that one dispatch
+//! takes both and their SwiGLU. With every expert resident the stacks
 //! are the file's and slot `e` holds expert `e`; under a VRAM budget there are fewer slots
 //! ([`super::placement`]) and [`GpuMoe::fill_slot`] replaces a slot's expert.
 //!
 //! With every routed expert resident (slots == experts) and each stack within one binding, the
 //! host is not needed: [`GpuMoe::record_routed`] routes on the device
-//! ([`Recorder::moe_route`]), runs the k experts' gate, up and down as one dispatch each, with
-//! the expert read from the routing buffer ([`Recorder::matvec_id`]), and adds them with the
-//! weights read from it too ([`Recorder::scale_add_routed`]), so a whole token is one
-//! submission. The logits and routing of each layer go to a host-visible log that
+//! ([`Recorder::moe_route`]) and runs the k experts with the expert read from the routing
+//! buffer ([`Recorder::matvec_id_fused`]): the layer's RMSNorm, gate, up and SwiGLU of all k as
+//! one dispatch, then their down products summed with the routing's weights into the residual
+//! as another, so a whole token is one submission and a MoE layer four dependent dispatches
+//! (norm and router, routing, gate and up, down). The logits and routing of each layer go to a host-visible log that
 //! [`GpuMoe::logged_routing`] reads once the step is done.
 //!
 //! A prompt's chunk ([`super::forward`]'s prefill) routes all its tokens on the host from one
@@ -41,7 +44,9 @@ use super::alloc::{Allocator, MemoryUse};
 use super::buffer::Buffer;
 use super::error::Result;
 use super::expert_cache::SlotExpert;
-use super::ops::{route_floats, route_log_floats, GpuMatrix, MoeRouteArgs, MOE_ROUTE_MAX_EXPERTS};
+use super::ops::{
+    route_floats, route_log_floats, Fused, GpuMatrix, IdFused, MoeRouteArgs, MOE_ROUTE_MAX_EXPERTS,
+};
 use super::record::Recorder;
 use super::upload::Uploader;
 use crate::engine::routing::{route, shared_expert_gate, RoutedExpert};
@@ -59,9 +64,10 @@ struct SharedExpert {
 pub(super) struct GpuMoe {
     /// `n_expert` rows (F32 in llama.cpp's files).
     router: GpuMatrix,
-    /// Slot stacks: `n_slots` experts' matrices, each stack one matrix.
+    /// Slot stacks: `n_slots` experts' matrices, each stack one matrix; `up` is `None` where
+    /// the up stack follows the gate stack in `gate` (rows `n_slots * n_ff..`).
     gate: GpuMatrix,
-    up: GpuMatrix,
+    up: Option<GpuMatrix>,
     down: GpuMatrix,
     n_slots: usize,
     /// Rows of one expert's gate and up (its hidden width).
@@ -110,7 +116,8 @@ pub(super) struct MoeScratch {
     shared_logit_dev: Buffer,
     route: Buffer,
     log: Buffer,
-    /// The k experts' gate, up and output, one after another, for the dispatches that run all k.
+    /// The k experts' gate (then SwiGLU), up and output, one after another, for the
+    /// dispatches that run all k.
     gate_all: Buffer,
     up_all: Buffer,
     out_all: Buffer,
@@ -139,6 +146,25 @@ fn upload_experts(
     GpuMatrix::upload(alloc, up, r.ty, r.n_in, m.n_out * n, &r.data[..bytes])
 }
 
+/// Experts `0..n` of the gate stack then of the up stack, as one matrix (see the module's
+/// notes), where both have one type and shape and fit one binding together.
+fn upload_gate_up(
+    model: &Model,
+    alloc: &Arc<Allocator>,
+    up: &mut Uploader,
+    (gate, w_up): (&Matrix, &Matrix),
+    n: usize,
+) -> Result<Option<GpuMatrix>> {
+    let (g, u) = (model.stacked(gate), model.stacked(w_up));
+    let (gb, ub) = (g.data.len() / gate.n_mat * n, u.data.len() / w_up.n_mat * n);
+    let fits = (gb + ub) as u64 <= alloc.device().max_storage_buffer_range();
+    if g.ty != u.ty || g.n_in != u.n_in || gate.n_out != w_up.n_out || gb != ub || !fits {
+        return Ok(None);
+    }
+    let parts = [&g.data[..gb], &u.data[..ub]];
+    GpuMatrix::upload_stack(alloc, up, g.ty, g.n_in, &parts).map(Some)
+}
+
 impl GpuMoe {
     /// Uploads one layer's router and shared expert, and `n_slots` slots holding experts
     /// `0..n_slots` (all of them: the file's stacks).
@@ -150,8 +176,14 @@ impl GpuMoe {
         n_slots: usize,
     ) -> Result<GpuMoe> {
         let n_slots = n_slots.clamp(1, moe.gate.n_mat);
-        let mut experts = |w: &Matrix| upload_experts(model, alloc, up, w, n_slots);
-        let (gate, w_up, down) = (experts(&moe.gate)?, experts(&moe.up)?, experts(&moe.down)?);
+        let (gate, w_up) = match upload_gate_up(model, alloc, up, (&moe.gate, &moe.up), n_slots)? {
+            Some(stack) => (stack, None),
+            None => (
+                upload_experts(model, alloc, up, &moe.gate, n_slots)?,
+                Some(upload_experts(model, alloc, up, &moe.up, n_slots)?),
+            ),
+        };
+        let down = upload_experts(model, alloc, up, &moe.down, n_slots)?;
         let mut m = |w: &Matrix| upload_matrix(model, alloc, up, w);
         let shared = match &moe.shared {
             Some(s) => Some(SharedExpert {
@@ -186,16 +218,26 @@ impl GpuMoe {
     ) -> Result<u64> {
         assert!(slot < self.n_slots, "slot {slot} of {}", self.n_slots);
         let mut bytes = 0;
-        for (stack, m) in [
-            (&self.gate, &moe.gate),
-            (&self.up, &moe.up),
-            (&self.down, &moe.down),
+        let (up_stack, up_first) = self.up_rows();
+        let up_slot = up_first / self.n_ff + slot;
+        for (stack, m, at) in [
+            (&self.gate, &moe.gate, slot),
+            (up_stack, &moe.up, up_slot),
+            (&self.down, &moe.down, slot),
         ] {
             let data = model.expert(m, expert).data;
-            up.upload(&stack.buffer, (slot * data.len()) as u64, data)?;
+            up.upload(&stack.buffer, (at * data.len()) as u64, data)?;
             bytes += data.len() as u64;
         }
         Ok(bytes)
+    }
+
+    /// The matrix holding the up stack and the row where it starts there.
+    fn up_rows(&self) -> (&GpuMatrix, usize) {
+        match &self.up {
+            Some(up) => (up, 0),
+            None => (&self.gate, self.n_slots * self.n_ff),
+        }
     }
 
     /// Whether [`GpuMoe::record_routed`] can run this layer: every expert resident, at most
@@ -206,21 +248,26 @@ impl GpuMoe {
             && self.stacks_fit(max_range)
     }
 
-    /// The whole layer with the routing decided on the device (see the module's notes): the
-    /// router, the routing into layer `layer`'s place in the log, the shared expert, and the k
-    /// experts added to `x` in rank order, then the shared expert, as
+    /// The whole layer with the routing decided on the device (see the module's notes), from
+    /// the residual `x` and the layer's FFN norm: the router (the norm in its dispatch), the
+    /// routing into layer `layer`'s place in the log, the shared expert (from the norm written to
+    /// `xn`), and the k experts added to `x` with their weights, then the shared expert, as
     /// [`GpuMoe::record_experts`] adds them.
     pub(super) fn record_routed(
         &self,
         rec: &mut Recorder<'_>,
-        layer: usize,
-        cfg: &MoeConfig,
-        (xn, x): (&Buffer, &Buffer),
+        (layer, cfg): (usize, &MoeConfig),
+        (x, norm, xn): (&Buffer, (&Buffer, f32), &Buffer),
         s: &MoeScratch,
     ) -> Result<()> {
         let k = cfg.n_expert_used;
-        rec.matvec(&self.router, xn, &s.router_dev)?;
+        let normed = Fused {
+            norm: Some(norm),
+            ..Fused::default()
+        };
+        rec.matvec_fused(&self.router, x, &s.router_dev, normed)?;
         if let Some(sh) = &self.shared {
+            rec.rms_norm(x, norm.0, xn, self.n_embd as u32, 1, norm.1)?;
             rec.matvec(&sh.gate_inp, xn, &s.shared_logit_dev)?;
             rec.matvec(&sh.gate, xn, &s.shared_gate)?;
             rec.matvec(&sh.up, xn, &s.shared_up)?;
@@ -235,14 +282,15 @@ impl GpuMoe {
         };
         let shared_logit = self.shared.as_ref().map(|_| &s.shared_logit_dev);
         rec.moe_route(&s.router_dev, shared_logit, &s.route, &s.log, args)?;
-        self.record_indexed(rec, k, (xn, x), &s.route, s)
+        self.record_fused(rec, k, (x, norm), &s.route, s)
     }
 
     /// Whether every slot stack fits one binding of `max_range` bytes, as the expert-indexed
     /// products ([`Recorder::matvec_id`]) need.
     pub(super) fn stacks_fit(&self, max_range: u64) -> bool {
-        [&self.gate, &self.up, &self.down]
+        [Some(&self.gate), self.up.as_ref(), Some(&self.down)]
             .iter()
+            .flatten()
             .all(|m| m.buffer.size() <= max_range)
     }
 
@@ -261,9 +309,52 @@ impl GpuMoe {
         self.record_indexed(rec, k, (xn, x), &s.route_host, s)
     }
 
-    /// The k experts whose slots `route` holds (as [`route_floats`] lays them out), added to
-    /// `x` in order with their weights from `route`, then the shared expert with its gate
-    /// from `route`.
+    /// The k experts whose slots `route` holds (as [`route_floats`] lays them out), from the
+    /// residual `x` RMSNorm'd with `norm` in the dispatch that runs them, their sum with the
+    /// weights from `route` added to `x`, then the shared expert with its gate from `route`.
+    fn record_fused(
+        &self,
+        rec: &mut Recorder<'_>,
+        k: usize,
+        (x, norm): (&Buffer, (&Buffer, f32)),
+        route: &Buffer,
+        s: &MoeScratch,
+    ) -> Result<()> {
+        let (ff, n_embd) = (self.n_ff, self.n_embd);
+        let (k32, ff32) = (k as u32, ff as u32);
+        let ids = (route, 0);
+        let gate_out = (&s.gate_all, ff32);
+        let normed = IdFused {
+            norm: Some(norm),
+            ..IdFused::default()
+        };
+        match &self.up {
+            None => {
+                let glu = IdFused {
+                    glu_up_rows: Some(self.n_slots * ff),
+                    ..normed
+                };
+                rec.matvec_id_fused(&self.gate, ff, ids, k32, (x, 0), gate_out, glu)?;
+            }
+            Some(up) => {
+                rec.matvec_id_fused(&self.gate, ff, ids, k32, (x, 0), gate_out, normed)?;
+                let up_out = (&s.up_all, ff32);
+                rec.matvec_id_fused(up, ff, ids, k32, (x, 0), up_out, normed)?;
+                rec.swiglu(&s.gate_all, &s.up_all, k32 * ff32)?;
+            }
+        }
+        let summed = IdFused {
+            sum_weights_at: Some(k32),
+            ..IdFused::default()
+        };
+        rec.matvec_id_fused(&self.down, n_embd, ids, k32, gate_out, (x, 0), summed)?;
+        self.add_shared(rec, k32, x, route, s)
+    }
+
+    /// The k experts whose slots `route` holds, from `xn`, each expert's products one dispatch
+    /// for all k, added to `x` one after another with their weights from `route`, then the
+    /// shared expert with its gate from `route`: the sums [`GpuMoe::record_experts`] makes, bit
+    /// for bit, which a chained step ([`super::chain`]) must match.
     fn record_indexed(
         &self,
         rec: &mut Recorder<'_>,
@@ -274,27 +365,33 @@ impl GpuMoe {
     ) -> Result<()> {
         let (ff, n_embd) = (self.n_ff, self.n_embd);
         let (k32, ff32, e32) = (k as u32, ff as u32, n_embd as u32);
-        rec.matvec_id(
-            &self.gate,
-            ff,
-            (route, 0),
-            k32,
-            (xn, 0),
-            (&s.gate_all, ff32),
-        )?;
-        rec.matvec_id(&self.up, ff, (route, 0), k32, (xn, 0), (&s.up_all, ff32))?;
+        let ids = (route, 0);
+        let (up, up_first) = self.up_rows();
+        let up_stack = IdFused {
+            first_row: up_first,
+            ..IdFused::default()
+        };
+        rec.matvec_id(&self.gate, ff, ids, k32, (xn, 0), (&s.gate_all, ff32))?;
+        let up_out = (&s.up_all, ff32);
+        rec.matvec_id_fused(up, ff, ids, k32, (xn, 0), up_out, up_stack)?;
         rec.swiglu(&s.gate_all, &s.up_all, k32 * ff32)?;
         let down_in = (&s.gate_all, ff32);
-        rec.matvec_id(
-            &self.down,
-            n_embd,
-            (route, 0),
-            k32,
-            down_in,
-            (&s.out_all, e32),
-        )?;
+        rec.matvec_id(&self.down, n_embd, ids, k32, down_in, (&s.out_all, e32))?;
         rec.scale_add_routed(x, (&s.out_all, e32), (route, k32, k32), e32)?;
+        self.add_shared(rec, k32, x, route, s)
+    }
+
+    /// The shared expert's output (Qwen2-MoE) added to `x` with its gate from `route`.
+    fn add_shared(
+        &self,
+        rec: &mut Recorder<'_>,
+        k32: u32,
+        x: &Buffer,
+        route: &Buffer,
+        s: &MoeScratch,
+    ) -> Result<()> {
         if self.shared.is_some() {
+            let e32 = self.n_embd as u32;
             rec.scale_add_routed(x, (&s.shared_out, 0), (route, 2 * k32, 1), e32)?;
         }
         Ok(())
@@ -376,10 +473,11 @@ impl GpuMoe {
     ) -> Result<()> {
         assert!(experts.len() <= s.out.len(), "more experts than ranks");
         let (ff, n_embd) = (self.n_ff, self.n_embd);
+        let (up, up_first) = self.up_rows();
         for (r, ex) in experts.iter().enumerate() {
             let first = ex.slot * ff;
             rec.matvec_rows(&self.gate, first, ff, xn, &s.gate[r])?;
-            rec.matvec_rows(&self.up, first, ff, xn, &s.up[r])?;
+            rec.matvec_rows(up, up_first + first, ff, xn, &s.up[r])?;
         }
         for r in 0..experts.len() {
             rec.swiglu(&s.gate[r], &s.up[r], ff as u32)?;
@@ -480,6 +578,7 @@ impl GpuMoe {
     ) -> Result<()> {
         let (ff, n_embd) = (self.n_ff, self.n_embd);
         let weights_at = routing.words.len() - routing.runs.iter().map(|r| r.2).sum::<usize>();
+        let (up, up_first) = self.up_rows();
         for &(expert, first, count) in &routing.runs {
             let ids = super::ops::StepWord {
                 buffer: route_buf,
@@ -487,7 +586,7 @@ impl GpuMoe {
             };
             rec.get_rows_n(xn, ids, count as u32, xg)?;
             rec.matvec_batch_rows(&self.gate, expert * ff, ff, xg, eg, count)?;
-            rec.matvec_batch_rows(&self.up, expert * ff, ff, xg, eu, count)?;
+            rec.matvec_batch_rows(up, up_first + expert * ff, ff, xg, eu, count)?;
             rec.swiglu(eg, eu, (count * ff) as u32)?;
             rec.matvec_batch_rows(&self.down, expert * n_embd, n_embd, eg, ed, count)?;
             let run = (first as u32, count as u32, weights_at as u32);

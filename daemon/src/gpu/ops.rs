@@ -154,10 +154,6 @@ impl MatVecShape {
             )))
         }
     }
-
-    fn spec(self) -> [u32; 2] {
-        [self.threads, self.rows]
-    }
 }
 
 /// Byte alignment of every row start [`Recorder::matvec`] passes to `matvec.comp`, where rows
@@ -247,6 +243,22 @@ pub struct Fused<'b> {
     pub x_offset: u64,
 }
 
+/// What an expert-indexed product ([`Recorder::matvec_id_fused`]) does besides `W_e · x`.
+#[derive(Clone, Copy, Default)]
+pub struct IdFused<'b> {
+    /// Take RMSNorm(x) times these weights, with this eps, as the input (one input for every
+    /// expert: `x_stride` 0).
+    pub norm: Option<(&'b Buffer, f32)>,
+    /// Each expert's up rows lie this many rows after its gate rows in the stack (the up stack
+    /// after the gate stack), and the results are `silu(gate · x) * (up · x)`.
+    pub glu_up_rows: Option<usize>,
+    /// Add `Σ_z w_z (W_z · x_z)` to `y`, `w_z` the float at word `sum_weights_at + z` of the
+    /// ids buffer (the routing's weights): a MoE layer's down products into the residual.
+    pub sum_weights_at: Option<u32>,
+    /// Row of `w` where expert 0 starts (the up stack of a gate-then-up matrix read alone).
+    pub first_row: usize,
+}
+
 /// A `u32` the device reads when a dispatch runs, not when it is recorded: word `index` of
 /// `buffer` (a token id, a position), so that one recording serves every step of a sequence
 /// ([`super::replay`]).
@@ -334,14 +346,11 @@ impl Recorder<'_> {
             )));
         }
         let id = self.variant(Op::MatVec, Some(w.wtype))?;
-        let shape = self.matvec_shape(w.wtype);
         // With GLU a workgroup's rows are half gate rows, half up rows.
-        let (rows, per_group) = if fused.glu {
-            let rows = shape.rows.max(2) & !1;
-            (rows, rows / 2)
-        } else {
-            (shape.rows, shape.rows)
-        };
+        let glu_rows = if fused.glu { 2 } else { 1 };
+        let shape = self.matvec_shape(w.wtype);
+        let rows = shape.rows.max(glu_rows) & !(glu_rows - 1);
+        let per_group = rows / glu_rows;
         let spec = [
             shape.threads,
             rows,
@@ -437,49 +446,101 @@ impl Recorder<'_> {
         &mut self,
         w: &GpuMatrix,
         rows: usize,
+        ids: (&Buffer, u32),
+        count: u32,
+        x: (&Buffer, u32),
+        y: (&Buffer, u32),
+    ) -> Result<()> {
+        self.matvec_id_fused(w, rows, ids, count, x, y, IdFused::default())
+    }
+
+    /// [`Recorder::matvec_id`] with the ops `fused` names done in the same dispatch (see
+    /// [`IdFused`]). With `glu_up`, `rows` are gate rows, the results are SwiGLU's, `rows` an
+    /// expert; with `sum_weights_at`, `y` gets one sum of `rows` results (`y_stride` unused).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matvec_id_fused(
+        &mut self,
+        w: &GpuMatrix,
+        rows: usize,
         (ids, rank): (&Buffer, u32),
         count: u32,
         (x, x_stride): (&Buffer, u32),
         (y, y_stride): (&Buffer, u32),
+        fused: IdFused<'_>,
     ) -> Result<()> {
-        if rows == 0 || !w.n_out.is_multiple_of(rows) {
-            return Err(GpuError::Unsupported(format!(
-                "experts of {rows} rows in a stack of {}",
-                w.n_out
-            )));
+        let refuse = |what: String| Err(GpuError::Unsupported(what));
+        let stack_rows = w.n_out.saturating_sub(fused.first_row);
+        if rows == 0 || stack_rows == 0 || !stack_rows.is_multiple_of(rows) {
+            return refuse(format!(
+                "experts of {rows} rows from row {} of a stack of {}",
+                fused.first_row, w.n_out
+            ));
         }
         if !x_stride.is_multiple_of(4) {
-            return Err(GpuError::Unsupported(format!(
+            return refuse(format!(
                 "expert inputs {x_stride} floats apart (a multiple of 4 is read as vectors)"
-            )));
+            ));
         }
         if w.buffer.size() > self.max_range {
-            return Err(GpuError::Unsupported(format!(
+            return refuse(format!(
                 "an expert stack of {} bytes in one binding of at most {}",
                 w.buffer.size(),
                 self.max_range
-            )));
+            ));
+        }
+        if let Some(up) = fused.glu_up_rows {
+            if up == 0 || fused.first_row + up + rows > w.n_out || !up.is_multiple_of(rows) {
+                return refuse(format!(
+                    "up rows {up} rows after the gate rows in a stack of {}",
+                    w.n_out
+                ));
+            }
+        }
+        if fused.sum_weights_at.is_some() && (fused.glu_up_rows.is_some() || fused.norm.is_some()) {
+            return refuse("a sum over experts with SwiGLU or RMSNorm fused".into());
+        }
+        if fused.norm.is_some() && x_stride != 0 {
+            return refuse("RMSNorm of expert inputs that differ".into());
         }
         let id = self.variant(Op::MatVecId, Some(w.wtype))?;
+        let glu_rows = if fused.glu_up_rows.is_some() { 2 } else { 1 };
+        let summed = fused.sum_weights_at.is_some();
+        let shape = self.matvec_shape(w.wtype);
+        let n_rows = shape.rows.max(glu_rows) & !(glu_rows - 1);
+        let spec = [
+            shape.threads,
+            n_rows,
+            u32::from(summed),
+            u32::from(fused.norm.is_some()),
+            u32::from(glu_rows == 2),
+            u32::from(summed),
+        ];
+        let (norm_w, eps) = fused.norm.unwrap_or((x, 0.0));
         let push = MatVecIdParams {
             n_in: w.n_in as u32,
             n_rows: rows as u32,
-            w_offset: 0,
+            w_offset: (fused.first_row as u64 * w.row_bytes) as u32,
             y_offset: 0,
             rank,
             x_stride,
             y_stride,
+            up_offset: fused
+                .glu_up_rows
+                .map_or(0, |up| (up as u64 * w.row_bytes) as u32),
+            n_ids: count,
+            weights_at: fused.sum_weights_at.unwrap_or(0),
+            eps,
         };
         let bindings = [
             Binding::read(&w.buffer),
             Binding::read(x),
             Binding::write(y),
             Binding::read(ids),
+            Binding::read(norm_w),
         ];
-        let shape = self.matvec_shape(w.wtype);
-        let mut groups = grid((rows as u32).div_ceil(shape.rows));
-        groups[2] = count;
-        self.dispatch_spec(id, &shape.spec(), &bindings, &push, groups)
+        let mut groups = grid((rows as u32).div_ceil(n_rows / glu_rows));
+        groups[2] = if summed { 1 } else { count };
+        self.dispatch_spec(id, &spec, &bindings, &push, groups)
     }
 
     /// A MoE layer's routing from its router logits, on the device: as

@@ -776,13 +776,11 @@ impl GpuModel {
             self.mark(rec, profile::attention(il));
             self.record_attention(rec, l)?;
             self.mark(rec, profile::ffn(il));
-            if !matches!(
-                l.ffn,
-                GpuFfn::Dense {
-                    gate_up: GateUp::Stacked(_),
-                    ..
-                }
-            ) {
+            let norm_fused = match &l.ffn {
+                GpuFfn::Dense { gate_up, .. } => matches!(gate_up, GateUp::Stacked(_)),
+                GpuFfn::Moe(_) => self.routes_on_device,
+            };
+            if !norm_fused {
                 rec.rms_norm(&a.x, &l.ffn_norm, &a.xn, e, 1, eps)?;
             }
             match &l.ffn {
@@ -810,7 +808,8 @@ impl GpuModel {
                 }
                 GpuFfn::Moe(moe) if self.routes_on_device => {
                     let cfg = c.moe.as_ref().expect("MoE layers have a MoE config");
-                    moe.record_routed(rec, il, cfg, (&a.xn, &a.x), self.moe_scratch())?;
+                    let io = (&a.x, (&l.ffn_norm, eps), &a.xn);
+                    moe.record_routed(rec, (il, cfg), io, self.moe_scratch())?;
                 }
                 GpuFfn::Moe(moe) => {
                     let s = self.moe_scratch();
