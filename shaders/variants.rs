@@ -45,10 +45,9 @@ pub enum Op {
     ScatterAdd,
     /// Appends one token's K and V to the f16 caches.
     KvStore,
-    /// One token's attention over the f16 KV cache (GQA), a run of positions per workgroup.
+    /// One token's attention over the f16 KV cache (GQA), a run of positions per workgroup,
+    /// the runs joined by the last of each head's.
     Attention,
-    /// Joins the runs of [`Op::Attention`] into each head's output.
-    AttentionCombine,
 }
 
 #[allow(dead_code)] // build.rs does not call it.
@@ -64,8 +63,8 @@ impl Op {
             Op::MoeRoute => 4,
             Op::MatVecId => 5,
             Op::RopeNorm | Op::RopeNeox => 7,
-            Op::KvStore | Op::Attention => 5,
-            Op::AttentionCombine => 3,
+            Op::KvStore => 5,
+            Op::Attention => 7,
         }
     }
 }
@@ -162,7 +161,6 @@ pub const VARIANTS: &[Variant] = &[
     v("softmax", "softmax.comp", Op::Softmax, None, Feature::Base, &[]),
     v("kv_store", "kv_store.comp", Op::KvStore, None, Feature::Base, &[]),
     v("attention", "attention.comp", Op::Attention, None, Feature::Base, &[]),
-    v("attention_combine", "attention_combine.comp", Op::AttentionCombine, None, Feature::Base, &[]),
     v("matvec_f32_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::F32), Feature::Subgroup, &[("WTYPE_F32", "1"), SG]),
     v("matvec_f16_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::F16), Feature::Subgroup, &[("WTYPE_F16", "1"), SG]),
     v("matvec_q8_0_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::Q8_0), Feature::Subgroup, &[("WTYPE_Q8_0", "1"), SG]),

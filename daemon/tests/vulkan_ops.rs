@@ -10,7 +10,8 @@ use spillway_daemon::cpu::{attn, matvec, ThreadPool};
 use spillway_daemon::engine::ops;
 use spillway_daemon::gguf::GgmlType;
 use spillway_daemon::gpu::ops::{
-    attention_scratch_floats, rope_table, AttentionArgs, Fused, GpuMatrix, RopeArgs, StepWord,
+    attention_counters, attention_scratch_floats, rope_table, AttentionArgs, Fused, GpuMatrix,
+    RopeArgs, StepWord,
 };
 use spillway_daemon::gpu::upload::download;
 use spillway_daemon::gpu::{Allocator, Buffer, Device, Kernels, MemoryUse, Uploader};
@@ -665,7 +666,7 @@ fn add_swiglu_scale_add_and_softmax_match_cpu() {
 #[test]
 fn kv_store_and_gqa_attention_match_cpu() {
     let Some(dev) = device() else { return };
-    // One run of positions, and three (the last partial) joined by the second dispatch.
+    // One run of positions, and three (the last partial) joined by the last to finish.
     for (gpu, (ctx, n_kv)) in Gpu::both(&dev)
         .into_iter()
         .flat_map(|g| [(64usize, 50usize), (300, 290)].map(|c| (g.clone(), c)))
@@ -713,6 +714,7 @@ fn kv_store_and_gqa_attention_match_cpu() {
         let q = noise(n_heads * hd, 3);
         let (qb, out) = (gpu.f32s(&q), gpu.zeros(n_heads * hd));
         let scores = gpu.zeros(attention_scratch_floats(n_heads, hd, ctx));
+        let done = attention_counters(&gpu.alloc, n_heads, 1).unwrap();
         let args = AttentionArgs {
             n_heads: n_heads as u32,
             n_kv_heads: n_kv_heads as u32,
@@ -721,9 +723,26 @@ fn kv_store_and_gqa_attention_match_cpu() {
         };
         // The new token's position: positions 0..=pos attend.
         step.write(&(n_kv as u32 - 1).to_le_bytes());
-        gpu.kernels
-            .record(|r| r.attention(&qb, (&k_cache, &v_cache), &scores, &out, args, pos(&step)))
-            .unwrap();
+        let attend = || {
+            gpu.kernels
+                .record(|r| {
+                    r.attention(
+                        &qb,
+                        (&k_cache, &v_cache),
+                        (&scores, &done),
+                        &out,
+                        args,
+                        pos(&step),
+                    )
+                })
+                .unwrap();
+            out.read_f32(n_heads * hd)
+        };
+        let first = attend();
+        // Each dispatch leaves the counters zero, so the next one joins its runs again.
+        let counts = done.read_f32(n_heads);
+        assert!(counts.iter().all(|c| c.to_bits() == 0), "{counts:?}");
+        assert_eq!(attend(), first, "a second attention with the same counters");
 
         // The CPU engine's attention for one token (engine::forward).
         let scale = 1.0 / (hd as f32).sqrt();
@@ -746,12 +765,7 @@ fn kv_store_and_gqa_attention_match_cpu() {
             }
         }
         // Sums in another order, and probabilities kept f32 where the CPU rounds them to f16.
-        assert_close(
-            &out.read_f32(n_heads * hd),
-            &want,
-            1e-3,
-            &format!("attention of {n_kv}"),
-        );
+        assert_close(&first, &want, 1e-3, &format!("attention of {n_kv}"));
     }
 }
 

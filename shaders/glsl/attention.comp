@@ -8,7 +8,11 @@
 // workgroup per query head and run of SPLIT positions (GQA: head h reads KV head h / group). As
 // the CPU engine, Q is rounded to f16 and dotted with the f16 keys and scaled; each workgroup then
 // takes its run's maximum m, its exponentials e_t = exp(s_t - m) (kept in shared memory), their sum
-// l, and o = Σ e_t v_t, and writes (o, m, l) to `part`. `attention_combine.comp` joins the runs.
+// l, and o = Σ e_t v_t, and writes (o, m, l) to `part`. The runs are joined in the same dispatch
+// (flash decoding's second step): each workgroup counts its run done in `done` (one counter per
+// token and head, zero before the dispatch), and the head's last run to finish, seeing every other
+// run's part, writes out = Σ_r exp(m_r - M) o_r / Σ_r exp(m_r - M) l_r, M the largest m_r, and
+// sets the counter back to zero for the next dispatch. No second dispatch waits on the first.
 // Unlike the CPU engine the probabilities stay f32: they are not rounded to f16 before weighing
 // the values. The new token's position is read on the device, from word `step_index` of the step
 // buffer (positions 0..=pos attend, at most `capacity`), so a recorded step can be replayed at
@@ -26,8 +30,11 @@ layout(constant_id = 0) const uint HEAD_DIM = 128u;
 layout(std430, binding = 0) readonly buffer Q { float q[]; };
 layout(std430, binding = 1) readonly buffer KCache { uvec4 k4[]; };
 layout(std430, binding = 2) readonly buffer VCache { uint v_cache[]; };
-layout(std430, binding = 3) writeonly buffer Part { float part[]; };
+// Read back by the head's last run: coherent, so the reads see other workgroups' writes.
+layout(std430, binding = 3) coherent buffer Part { float part[]; };
 layout(std430, binding = 4) readonly buffer Step { uint step[]; };
+layout(std430, binding = 5) writeonly buffer Out { float dst[]; };
+layout(std430, binding = 6) coherent buffer Done { uint done[]; };
 
 layout(push_constant) uniform Params {
     uint head_dim;  // HEAD_DIM
@@ -42,6 +49,7 @@ layout(push_constant) uniform Params {
 
 shared float qh[HEAD_DIM];
 shared float e[SPLIT];
+shared bool last_run;
 
 float round_f16(float v) {
     return unpackHalf2x16(packHalf2x16(vec2(v, 0.0))).x;
@@ -114,5 +122,43 @@ void main() {
     if (tid == 0u) {
         part[base + HEAD_DIM] = m;
         part[base + HEAD_DIM + 1u] = l;
+    }
+
+    // This run's part is written; count it. Every run of the head counts once, so the one that
+    // sees `runs - 1` before it is the last, and every other part is visible to it.
+    memoryBarrierBuffer();
+    barrier();
+    const uint runs = (n_kv + SPLIT - 1u) / SPLIT;
+    const uint head = tok * n_heads + h;
+    if (tid == 0u) {
+        last_run = atomicAdd(done[head], 1u) + 1u == runs;
+        if (last_run) {
+            atomicExchange(done[head], 0u);
+        }
+    }
+    barrier();
+    if (!last_run) {
+        return;
+    }
+    memoryBarrierBuffer();
+    const uint stride = HEAD_DIM + 2u;
+    const uint head_base = head * n_splits * stride;
+    float big = uintBitsToFloat(0xFF800000u);
+    for (uint r = 0u; r < runs; ++r) {
+        big = max(big, part[head_base + r * stride + HEAD_DIM]);
+    }
+    float total = 0.0;
+    for (uint r = 0u; r < runs; ++r) {
+        const uint at = head_base + r * stride + HEAD_DIM;
+        total += exp(part[at] - big) * part[at + 1u];
+    }
+    const float inv = 1.0 / total;
+    for (uint d = tid; d < HEAD_DIM; d += WG) {
+        float acc = 0.0;
+        for (uint r = 0u; r < runs; ++r) {
+            const uint at = head_base + r * stride;
+            acc += exp(part[at + HEAD_DIM] - big) * part[at + d];
+        }
+        dst[head * HEAD_DIM + d] = acc * inv;
     }
 }

@@ -183,7 +183,7 @@ pub struct KvStoreParams {
     pub step_index: u32,
 }
 
-/// `attention.comp`'s and `attention_combine.comp`'s `Params`.
+/// `attention.comp`'s `Params`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct AttentionParams {

@@ -110,7 +110,7 @@ mod tests {
                 Op::ScaleAdd => ScaleAddParams::layout(),
                 Op::ScatterAdd => ScatterAddParams::layout(),
                 Op::KvStore => KvStoreParams::layout(),
-                Op::Attention | Op::AttentionCombine => AttentionParams::layout(),
+                Op::Attention => AttentionParams::layout(),
             };
             assert_eq!(
                 push_constant_layout(&s.words()),

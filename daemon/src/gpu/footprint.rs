@@ -81,6 +81,8 @@ fn activation_bytes(c: &Config, capacity: usize, dense_ff: usize, shared_ff: usi
     let (e, qw, kvw) = (c.n_embd, c.q_width(), c.kv_width());
     let mut n = 2 * f32s(e) + 2 * f32s(qw) + 2 * f32s(kvw) + 2 * f32s(dense_ff);
     n += f32s(attention_scratch_floats(c.n_head, c.head_dim, capacity)) + f32s(c.n_vocab);
+    // The attention's counters, one per head.
+    n += f32s(c.n_head);
     // The step buffer: the token id and its position.
     n += f32s(2);
     if let Some(m) = &c.moe {

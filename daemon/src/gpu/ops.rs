@@ -141,6 +141,35 @@ impl MatVecShape {
         MatVecShape { threads, rows }
     }
 
+    /// Workgroups below which a product takes fewer rows a workgroup (see
+    /// [`MatVecShape::for_results`]).
+    pub const MIN_GROUPS: usize = 512;
+
+    /// As [`MatVecShape::MIN_GROUPS`] for products with RMSNorm fused, whose every workgroup
+    /// also reads the whole input and the norm's weights.
+    pub const MIN_GROUPS_NORMED: usize = 128;
+
+    /// This shape with its rows halved until `results` results, `rows_per_result` rows each
+    /// (2 for SwiGLU), fill `min_groups` workgroups, or a workgroup holds one result. A product
+    /// of few rows (a MoE router of 128, an expert's down products) in 8-row workgroups leaves
+    /// most of the H200's 132 multiprocessors idle. Measured there (`bench/RESULTS.md`,
+    /// 2026-12-03): halving down to 512 workgroups took a Qwen3-30B-A3B-shaped step's expert
+    /// dispatches from 3.3 to 2.2 ms, but Llama-3-8B's K and V products, with RMSNorm fused,
+    /// were slower in 512 workgroups of 2 rows than in 128 of 8: each workgroup rereads the
+    /// input and the norm, hence the lower floor for normed products.
+    pub fn for_results(self, results: usize, rows_per_result: u32, min_groups: usize) -> Self {
+        let mut rows = self.rows.max(rows_per_result);
+        while rows > rows_per_result
+            && results.div_ceil((rows / rows_per_result) as usize) < min_groups
+        {
+            rows /= 2;
+        }
+        MatVecShape {
+            threads: self.threads,
+            rows: rows.max(rows_per_result),
+        }
+    }
+
     /// Refuses shapes the kernel cannot run.
     pub fn check(self) -> Result<()> {
         let ok = self.threads.is_power_of_two()
@@ -226,6 +255,20 @@ pub const ATTENTION_SPLIT: u32 = 128;
 /// output, its maximum and its sum.
 pub fn attention_scratch_floats(n_heads: usize, head_dim: usize, capacity: usize) -> usize {
     n_heads * capacity.div_ceil(ATTENTION_SPLIT as usize) * (head_dim + 2)
+}
+
+/// The counters [`Recorder::attention`] joins its runs with, one per head and token of
+/// `n_tok`, zero as it needs them (each dispatch leaves them zero): host-visible memory, written
+/// here, so that no command has to clear them.
+pub fn attention_counters(
+    allocator: &Arc<Allocator>,
+    n_heads: usize,
+    n_tok: usize,
+) -> Result<Buffer> {
+    let n = (n_heads * n_tok).max(1);
+    let mut b = Buffer::new_in(allocator, n as u64 * 4, MemoryUse::DeviceMapped)?;
+    b.write(&vec![0u8; n * 4]);
+    Ok(b)
 }
 
 /// What a matrix-vector product does besides `W · x`, in its own dispatch (`matvec.comp`).
@@ -348,7 +391,11 @@ impl Recorder<'_> {
         let id = self.variant(Op::MatVec, Some(w.wtype))?;
         // With GLU a workgroup's rows are half gate rows, half up rows.
         let glu_rows = if fused.glu { 2 } else { 1 };
-        let shape = self.matvec_shape(w.wtype);
+        let min_groups = match fused.norm {
+            Some(_) => MatVecShape::MIN_GROUPS_NORMED,
+            None => MatVecShape::MIN_GROUPS,
+        };
+        let shape = self.matvec_shape_for(w.wtype, (n / glu_rows as usize, glu_rows), min_groups);
         let rows = shape.rows.max(glu_rows) & !(glu_rows - 1);
         let per_group = rows / glu_rows;
         let spec = [
@@ -505,7 +552,12 @@ impl Recorder<'_> {
         let id = self.variant(Op::MatVecId, Some(w.wtype))?;
         let glu_rows = if fused.glu_up_rows.is_some() { 2 } else { 1 };
         let summed = fused.sum_weights_at.is_some();
-        let shape = self.matvec_shape(w.wtype);
+        let results = if summed { rows } else { rows * count as usize };
+        let min_groups = match fused.norm {
+            Some(_) => MatVecShape::MIN_GROUPS_NORMED,
+            None => MatVecShape::MIN_GROUPS,
+        };
+        let shape = self.matvec_shape_for(w.wtype, (results, glu_rows), min_groups);
         let n_rows = shape.rows.max(glu_rows) & !(glu_rows - 1);
         let spec = [
             shape.threads,
@@ -874,14 +926,15 @@ impl Recorder<'_> {
     }
 
     /// One token's attention: `out` (heads × head_dim) from `q` over positions `0..=pos` of
-    /// the caches, `pos` read when the dispatch runs. Two dispatches: runs of
-    /// [`ATTENTION_SPLIT`] positions, each workgroup's partial result into `scratch` (at least
-    /// [`attention_scratch_floats`]), then their join.
+    /// the caches, `pos` read when the dispatch runs. One dispatch: runs of [`ATTENTION_SPLIT`]
+    /// positions, each workgroup's partial result into `scratch.0` (at least
+    /// [`attention_scratch_floats`]), joined by the last run of each head to finish, which the
+    /// counters `scratch.1` ([`attention_counters`], zero before and after) tell.
     pub fn attention(
         &mut self,
         q: &Buffer,
         (k_cache, v_cache): (&Buffer, &Buffer),
-        scratch: &Buffer,
+        scratch: (&Buffer, &Buffer),
         out: &Buffer,
         a: AttentionArgs,
         pos: StepWord<'_>,
@@ -891,7 +944,8 @@ impl Recorder<'_> {
 
     /// [`Recorder::attention`] of `tokens.0` tokens, token `t` at the position `pos` holds plus
     /// `t` (causal: it attends to `0..=pos + t`), queries and outputs one token's after
-    /// another's, `scratch` [`attention_scratch_floats`] of `tokens.1` positions per token. No
+    /// another's, `scratch.0` [`attention_scratch_floats`] of `tokens.1` positions per token
+    /// and `scratch.1` counters for `tokens.0` tokens ([`attention_counters`]). No
     /// token's position reaches `tokens.1`: the grid and the scratch cover the runs of positions
     /// below it.
     #[allow(clippy::too_many_arguments)]
@@ -899,7 +953,7 @@ impl Recorder<'_> {
         &mut self,
         q: &Buffer,
         (k_cache, v_cache): (&Buffer, &Buffer),
-        scratch: &Buffer,
+        (scratch, done): (&Buffer, &Buffer),
         out: &Buffer,
         a: AttentionArgs,
         pos: StepWord<'_>,
@@ -928,6 +982,7 @@ impl Recorder<'_> {
             || !a.n_heads.is_multiple_of(a.n_kv_heads)
             || k_cache.size().min(v_cache.size()) < cache_bytes
             || scratch.size() < scratch_floats as u64 * 4
+            || done.size() < u64::from(n_tok * a.n_heads) * 4
         {
             return Err(GpuError::Unsupported(format!("attention shape {a:?}")));
         }
@@ -945,18 +1000,13 @@ impl Recorder<'_> {
             Binding::read(v_cache),
             Binding::write(scratch),
             pos.binding(),
+            Binding::write(out),
+            Binding::write(done),
         ];
         let id = self.variant(Op::Attention, None)?;
         let spec = [a.head_dim];
         let runs = bound.div_ceil(ATTENTION_SPLIT);
-        self.dispatch_spec(id, &spec, &bindings, &push, [a.n_heads, runs, n_tok])?;
-        let bindings = [Binding::read(scratch), Binding::write(out), pos.binding()];
-        self.dispatch(
-            ShaderId::AttentionCombine,
-            &bindings,
-            &push,
-            [a.n_heads, n_tok, 1],
-        )
+        self.dispatch_spec(id, &spec, &bindings, &push, [a.n_heads, runs, n_tok])
     }
 }
 
@@ -980,4 +1030,29 @@ pub fn rope_table(
         }
     }
     table
+}
+
+#[cfg(test)]
+mod tests {
+    use super::MatVecShape;
+
+    #[test]
+    fn few_results_take_fewer_rows_a_workgroup() {
+        let tuned = MatVecShape {
+            threads: 64,
+            rows: 8,
+        };
+        let rows = |results, per, min| tuned.for_results(results, per, min).rows;
+        // A router of 128 rows: one row a workgroup; 4096 rows keep eight.
+        assert_eq!(rows(128, 1, MatVecShape::MIN_GROUPS_NORMED), 1);
+        assert_eq!(rows(4096, 1, MatVecShape::MIN_GROUPS), 8);
+        // 2048 rows: four a workgroup fill 512 workgroups.
+        assert_eq!(rows(2048, 1, MatVecShape::MIN_GROUPS), 4);
+        // 1024 normed rows keep eight (128 workgroups).
+        assert_eq!(rows(1024, 1, MatVecShape::MIN_GROUPS_NORMED), 8);
+        // SwiGLU keeps a gate row and an up row together.
+        assert_eq!(rows(100, 2, MatVecShape::MIN_GROUPS), 2);
+        assert_eq!(rows(8 * 768, 2, MatVecShape::MIN_GROUPS_NORMED), 8);
+        assert_eq!(tuned.for_results(1, 1, 512).threads, 64);
+    }
 }

@@ -120,6 +120,22 @@ impl Kernels {
             .unwrap_or_else(|| MatVecShape::tuned(wtype))
     }
 
+    /// The shape for a product of `wtype` with `results.0` results (all experts' together),
+    /// each taking `results.1` rows of a workgroup (2 with SwiGLU): the tuned shape with fewer
+    /// rows where it would leave fewer than `min_groups` workgroups
+    /// ([`MatVecShape::for_results`]), unless [`Kernels::set_matvec_shape`] set one.
+    pub fn matvec_shape_for(
+        &self,
+        wtype: WeightType,
+        results: (usize, u32),
+        min_groups: usize,
+    ) -> MatVecShape {
+        match *self.matvec_shape.lock() {
+            Some(shape) => shape,
+            None => MatVecShape::tuned(wtype).for_results(results.0, results.1, min_groups),
+        }
+    }
+
     /// Whether the cooperative-matrix variants are in use.
     pub fn uses_coopmat(&self) -> bool {
         self.coopmat
@@ -573,6 +589,16 @@ impl Recorder<'_> {
     /// The matrix-vector workgroup shape for `wtype` (see [`Kernels::matvec_shape`]).
     pub fn matvec_shape(&self, wtype: WeightType) -> MatVecShape {
         self.kernels.matvec_shape(wtype)
+    }
+
+    /// The shape for a product's results (see [`Kernels::matvec_shape_for`]).
+    pub fn matvec_shape_for(
+        &self,
+        wtype: WeightType,
+        results: (usize, u32),
+        min_groups: usize,
+    ) -> MatVecShape {
+        self.kernels.matvec_shape_for(wtype, results, min_groups)
     }
 
     /// Records one dispatch of `shader` with `bindings` at bindings 0..n.

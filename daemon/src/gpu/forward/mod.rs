@@ -47,8 +47,8 @@ use super::expert_cache::{ExpertStats, LayerExpertStats, LayerSlots, SlotExpert}
 use super::footprint::{device_bytes, DeviceBytes};
 use super::moe::{GpuMoe, LayerRouting, MoeScratch};
 use super::ops::{
-    attention_scratch_floats, rope_table, upload_f32, AttentionArgs, Fused, GpuMatrix, RopeArgs,
-    StepWord,
+    attention_counters, attention_scratch_floats, rope_table, upload_f32, AttentionArgs, Fused,
+    GpuMatrix, RopeArgs, StepWord,
 };
 use super::placement::{plan, ExpertLayout, MinimumBudget, MoeMiss, Placement};
 use super::record::{Kernels, RecordStats, Recorder};
@@ -145,6 +145,8 @@ struct Activations {
     gate: Buffer,
     up: Buffer,
     scores: Buffer,
+    /// The attention's counters ([`attention_counters`]).
+    attn_done: Buffer,
     /// Host-visible, written before each step: the token id (word 0) and its position (word 1),
     /// which the kernels read when they run ([`StepWord`]).
     step: Buffer,
@@ -419,6 +421,7 @@ impl GpuModel {
             gate: f32s(dense_ff)?,
             up: f32s(dense_ff)?,
             scores: f32s(attention_scratch_floats(c.n_head, c.head_dim, capacity))?,
+            attn_done: attention_counters(al, c.n_head, 1)?,
             step: Buffer::new_in(al, 8, MemoryUse::DeviceMapped)?,
             logits: Buffer::new_in(al, c.n_vocab as u64 * 4, MemoryUse::Staging)?,
             moe,
@@ -953,7 +956,7 @@ impl GpuModel {
         rec.attention(
             &a.q,
             (&l.k_cache, &l.v_cache),
-            &a.scores,
+            (&a.scores, &a.attn_done),
             &a.attn,
             attn_args,
             pos,

@@ -26,7 +26,7 @@ use crate::gpu::alloc::MemoryUse;
 use crate::gpu::buffer::Buffer;
 use crate::gpu::error::Result;
 use crate::gpu::moe::ChunkRouting;
-use crate::gpu::ops::{attention_scratch_floats, Fused, GpuMatrix, StepWord};
+use crate::gpu::ops::{attention_counters, attention_scratch_floats, Fused, GpuMatrix, StepWord};
 use crate::gpu::record::{RecordStats, Recorder};
 
 /// Most tokens in one chunk (llama.cpp's default micro-batch).
@@ -60,6 +60,8 @@ pub(super) struct Batch {
     gate: Buffer,
     up: Buffer,
     scores: Buffer,
+    /// The attention's counters, a token's after another's.
+    attn_done: Buffer,
     /// Host-visible: the chunk's first position (word 0), then its token ids.
     step: Buffer,
     /// Host-visible: every token's logits, for the chunks that want them all.
@@ -112,6 +114,7 @@ impl Batch {
                 (scratch_per_token(c, m.capacity) * n).min(SCRATCH_BYTES) as u64,
                 MemoryUse::DeviceLocal,
             )?,
+            attn_done: attention_counters(al, c.n_head, n)?,
             step: Buffer::new_in(al, (n as u64 + 1) * 4, MemoryUse::DeviceMapped)?,
             logits: None,
             moe: match &c.moe {
@@ -422,7 +425,8 @@ impl GpuModel {
         let store = Some((&b.v, &l.k_cache, &l.v_cache));
         rec.rope_into(&b.k, kn, &self.rope, rope(c.n_head_kv), pos, nt, store)?;
         let caches = (&l.k_cache, &l.v_cache);
-        rec.attention_n(&b.q, caches, &b.scores, &b.attn, attn_args, pos, (nt, end))?;
+        let scratch = (&b.scores, &b.attn_done);
+        rec.attention_n(&b.q, caches, scratch, &b.attn, attn_args, pos, (nt, end))?;
         rec.matvec_batch_add(&l.wo, &b.attn, &b.x, n)
     }
 }
