@@ -38,6 +38,9 @@ pub enum Op {
     ScaleAddRouted,
     /// A MoE layer's routing from its router logits: top-k expert ids and weights.
     MoeRoute,
+    /// The router's product (F32, RMSNorm of the input fused) and then [`Op::MoeRoute`] by the
+    /// last workgroup, in one dispatch.
+    MoeRouter,
     /// Softmax of rows in place.
     Softmax,
     /// `x[ids[i]] += w[i] * y[i]` over rows: one MoE expert's outputs for a prompt chunk's
@@ -61,6 +64,7 @@ impl Op {
             Op::MatVec => 4,
             Op::ScaleAddRouted | Op::ScatterAdd => 3,
             Op::MoeRoute => 4,
+            Op::MoeRouter => 8,
             Op::MatVecId => 5,
             Op::RopeNorm | Op::RopeNeox => 7,
             Op::KvStore => 5,
@@ -200,6 +204,8 @@ pub const VARIANTS: &[Variant] = &[
     v("scatter_add", "scatter_add.comp", Op::ScatterAdd, None, Feature::Base, &[]),
     v("moe_route", "moe_route.comp", Op::MoeRoute, None, Feature::Base, &[]),
     v("moe_route_subgroup", "moe_route.comp", Op::MoeRoute, None, Feature::Subgroup, &[SG]),
+    v("moe_router", "moe_route.comp", Op::MoeRouter, None, Feature::Base, &[("ROUTER", "1")]),
+    v("moe_router_subgroup", "moe_route.comp", Op::MoeRouter, None, Feature::Subgroup, &[("ROUTER", "1"), SG]),
     v("matmul_f16_coopmat", "matvec_batch.comp", Op::Matmul, None, Feature::CoopMat, &[CM, ("F16_MATRIX", "1")]),
     v("dequant_f16_f32", "dequant.comp", Op::DequantF16, Some(WeightType::F32), Feature::Base, &[("WTYPE_F32", "1"), F16_OUT]),
     v("dequant_f16_f16", "dequant.comp", Op::DequantF16, Some(WeightType::F16), Feature::Base, &[("WTYPE_F16", "1"), F16_OUT]),

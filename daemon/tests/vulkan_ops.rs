@@ -926,6 +926,115 @@ fn moe_route_matches_engine_routing_with_ties() {
 }
 
 #[test]
+fn moe_router_in_one_dispatch_matches_the_product_then_the_routing() {
+    // The router's product (RMSNorm fused) and the routing done by the last workgroup, against
+    // the two dispatches they replace: the same logits within rounding, the same experts and
+    // weights, the same log; the counter left at zero, so a second dispatch routes again.
+    use spillway_daemon::gpu::ops::{
+        route_floats, route_log_floats, zeroed_counters, Fused, MoeRouteArgs,
+    };
+    let Some(dev) = device() else { return };
+    for gpu in Gpu::both(&dev) {
+        for (n_expert, k, n_in, norm_weights) in [(128, 8, 256, true), (8, 2, 64, false)] {
+            let what = format!("{n_expert} experts top {k}, {n_in} wide");
+            let router: Vec<f32> = noise(n_expert * n_in, 71).iter().map(|v| v * 0.5).collect();
+            let bytes: Vec<u8> = router.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let m = gpu.matrix(GgmlType::F32, n_in, n_expert, &bytes);
+            let x = gpu.f32s(&noise(n_in, 72));
+            let norm_w: Vec<f32> = noise(n_in, 73).iter().map(|v| 1.0 + v).collect();
+            let nw = gpu.f32s(&norm_w);
+            let eps = 1e-6;
+            let per = route_log_floats(n_expert, k);
+            let args = MoeRouteArgs {
+                n_expert: n_expert as u32,
+                k: k as u32,
+                norm_weights,
+                log_offset: 0,
+            };
+            let (logits, route, log) = (
+                gpu.zeros(n_expert),
+                gpu.zeros(route_floats(k)),
+                gpu.zeros(per),
+            );
+            gpu.kernels
+                .record(|r| {
+                    let normed = Fused {
+                        norm: Some((&nw, eps)),
+                        ..Fused::default()
+                    };
+                    r.matvec_fused(&m, &x, &logits, normed)?;
+                    r.moe_route(&logits, None, &route, &log, args)
+                })
+                .unwrap();
+            let (want_route, want_log) = (route.read_f32(route_floats(k)), log.read_f32(per));
+            let done = zeroed_counters(&gpu.alloc, 1).unwrap();
+            for run in 0..2 {
+                let (logits, route, log) = (
+                    gpu.zeros(n_expert),
+                    gpu.zeros(route_floats(k)),
+                    gpu.zeros(per),
+                );
+                gpu.kernels
+                    .record(|r| {
+                        r.moe_router(&m, (&x, (&nw, eps)), (&logits, &done), &route, &log, args)
+                    })
+                    .unwrap();
+                let got = route.read_f32(route_floats(k));
+                let what = format!("{what}, run {run}");
+                assert_eq!(
+                    got[..k].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    want_route[..k]
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect::<Vec<_>>(),
+                    "{what}: experts"
+                );
+                for r in 0..k {
+                    let (g, w) = (got[k + r], want_route[k + r]);
+                    assert!(
+                        (g - w).abs() <= 1e-5 * w.abs() + 1e-7,
+                        "{what}: weight {r}: {g} vs {w}"
+                    );
+                }
+                let got_log = log.read_f32(per);
+                for (e, (g, w)) in got_log[..n_expert].iter().zip(&want_log).enumerate() {
+                    assert!(
+                        (g - w).abs() <= 1e-5 * w.abs() + 1e-5,
+                        "{what}: logit {e}: {g} vs {w}"
+                    );
+                }
+                assert_eq!(
+                    &got_log[n_expert..n_expert + 2 * k],
+                    &got[..2 * k],
+                    "{what}: the log holds the routing"
+                );
+                assert_eq!(
+                    done.read_f32(1)[0].to_bits(),
+                    0,
+                    "{what}: the counter is left at zero"
+                );
+            }
+            // Only F32 routers: the kernel reads the rows as floats.
+            let q8 = gpu.matrix(
+                GgmlType::Q8_0,
+                64,
+                8,
+                &weight_rows(GgmlType::Q8_0, 64, 8, 3),
+            );
+            let small = MoeRouteArgs {
+                n_expert: 8,
+                k: 2,
+                ..args
+            };
+            let refused = gpu.kernels.record(|r| {
+                r.moe_router(&q8, (&x, (&nw, eps)), (&logits, &done), &route, &log, small)
+            });
+            assert!(refused.is_err(), "{what}: a Q8_0 router is refused");
+        }
+    }
+}
+
+#[test]
 fn matvec_id_matches_matvec_rows_of_the_same_expert() {
     let Some(dev) = device() else { return };
     for gpu in Gpu::both(&dev) {

@@ -16,14 +16,31 @@
 // (the sigmoid of `shared_logit[0]`, Qwen2-MoE) when `has_shared` is set. `log`, host-visible,
 // receives the logits and the same k ids and k weights at `log_offset`, for the host to read once
 // the step is done.
+//
+// With ROUTER the router's product is in the same dispatch: workgroup r computes logit r, the
+// dot of the F32 router row r with RMSNorm(x) times `norm_w`, writes it to `logits` and counts it
+// done in `done[0]` (zero before the dispatch); the workgroup that counts last, seeing every
+// logit, routes as above and sets the counter back to zero. One dependent dispatch fewer than a
+// product and a routing. No shared expert with it.
 
 #define WG 256u
 layout(local_size_x = 256) in;
 
+#if defined(ROUTER)
+// Written by every workgroup, read by the last: coherent.
+layout(std430, binding = 0) coherent buffer Logits { float logits[]; };
+#else
 layout(std430, binding = 0) readonly buffer Logits { float logits[]; };
+#endif
 layout(std430, binding = 1) readonly buffer SharedLogit { float shared_logit[]; };
 layout(std430, binding = 2) writeonly buffer Route { float route[]; };
 layout(std430, binding = 3) writeonly buffer Log { float log_[]; };
+#if defined(ROUTER)
+layout(std430, binding = 4) readonly buffer Router { vec4 router4[]; };
+layout(std430, binding = 5) readonly buffer X { vec4 x4[]; };
+layout(std430, binding = 6) readonly buffer NormW { vec4 norm_w4[]; };
+layout(std430, binding = 7) coherent buffer Done { uint done[]; };
+#endif
 
 layout(push_constant) uniform Params {
     uint n_expert;
@@ -31,15 +48,52 @@ layout(push_constant) uniform Params {
     uint norm;       // 1: weights divided by their sum (Mixtral, Qwen3-MoE)
     uint has_shared; // 1: write the shared expert's gate at route[2k]
     uint log_offset;
+#if defined(ROUTER)
+    uint n_in;       // the router's width, a multiple of 4
+    float eps;       // RMSNorm's
+#endif
 } p;
 
 #include "reduce.glsl"
 
 shared float vals[WG];
 shared float chosen_w[WG];
+#if defined(ROUTER)
+shared bool last_row;
+#endif
 
 void main() {
     const uint i = gl_LocalInvocationID.x;
+#if defined(ROUTER)
+    {
+        const uint r = gl_WorkGroupID.x;
+        const uint n4 = p.n_in / 4u;
+        float acc = 0.0, ss = 0.0;
+        for (uint c = i; c < n4; c += WG) {
+            const vec4 xv = x4[c];
+            ss += dot(xv, xv);
+            acc += dot(xv * norm_w4[c], router4[r * n4 + c]);
+        }
+        acc = wg_sum(acc);
+        ss = wg_sum(ss);
+        if (i == 0u) {
+            logits[r] = acc * (1.0 / sqrt(ss / float(p.n_in) + p.eps));
+        }
+        memoryBarrierBuffer();
+        barrier();
+        if (i == 0u) {
+            last_row = atomicAdd(done[0], 1u) + 1u == p.n_expert;
+            if (last_row) {
+                atomicExchange(done[0], 0u);
+            }
+        }
+        barrier();
+        if (!last_row) {
+            return;
+        }
+        memoryBarrierBuffer();
+    }
+#endif
     const bool live = i < p.n_expert;
     const float l = live ? logits[i] : uintBitsToFloat(0xFF800000u);
     const float m = wg_max(l);

@@ -11,8 +11,8 @@ include!(concat!(env!("OUT_DIR"), "/shaders.rs"));
 
 pub use push::{
     AttentionParams, DequantParams, EltwiseParams, GetRowsParams, KvStoreParams, MatVecBatchParams,
-    MatVecIdParams, MatVecParams, MoeRouteParams, PushConstants, RmsNormParams, RopeParams,
-    ScaleAddParams, ScaleAddRoutedParams, ScatterAddParams,
+    MatVecIdParams, MatVecParams, MoeRouteParams, MoeRouterParams, PushConstants, RmsNormParams,
+    RopeParams, ScaleAddParams, ScaleAddRoutedParams, ScatterAddParams,
 };
 
 /// One compiled variant.

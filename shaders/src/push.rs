@@ -71,6 +71,22 @@ pub struct MoeRouteParams {
     pub log_offset: u32,
 }
 
+/// `moe_route.comp`'s `Params` with `ROUTER`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct MoeRouterParams {
+    pub n_expert: u32,
+    pub k: u32,
+    pub norm: u32,
+    /// Always 0: no shared expert with the router in the dispatch.
+    pub has_shared: u32,
+    pub log_offset: u32,
+    /// The router's width.
+    pub n_in: u32,
+    /// RMSNorm's eps.
+    pub eps: f32,
+}
+
 /// `scale_add.comp`'s `Params` with `ROUTED`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -291,6 +307,15 @@ push_constants!(MatVecIdParams {
     up_offset,
     n_ids,
     weights_at,
+    eps
+});
+push_constants!(MoeRouterParams {
+    n_expert,
+    k,
+    norm,
+    has_shared,
+    log_offset,
+    n_in,
     eps
 });
 push_constants!(MoeRouteParams {

@@ -79,8 +79,9 @@ mod tests {
     use crate::push::PushConstants;
     use crate::{
         AttentionParams, DequantParams, EltwiseParams, GetRowsParams, KvStoreParams,
-        MatVecBatchParams, MatVecIdParams, MatVecParams, MoeRouteParams, Op, RmsNormParams,
-        RopeParams, ScaleAddParams, ScaleAddRoutedParams, ScatterAddParams, ShaderId, SHADERS,
+        MatVecBatchParams, MatVecIdParams, MatVecParams, MoeRouteParams, MoeRouterParams, Op,
+        RmsNormParams, RopeParams, ScaleAddParams, ScaleAddRoutedParams, ScatterAddParams,
+        ShaderId, SHADERS,
     };
 
     #[test]
@@ -101,6 +102,7 @@ mod tests {
                 Op::MatVec => MatVecParams::layout(),
                 Op::MatVecId => MatVecIdParams::layout(),
                 Op::MoeRoute => MoeRouteParams::layout(),
+                Op::MoeRouter => MoeRouterParams::layout(),
                 Op::ScaleAddRouted => ScaleAddRoutedParams::layout(),
                 Op::MatVecBatch => MatVecBatchParams::layout(),
                 Op::GetRows => GetRowsParams::layout(),

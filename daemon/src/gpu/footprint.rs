@@ -95,6 +95,8 @@ fn activation_bytes(c: &Config, capacity: usize, dense_ff: usize, shared_ff: usi
         // k experts' gate, up and output side by side.
         let k = m.n_expert_used;
         n += f32s(m.n_expert) + f32s(1) + f32s(route_floats(k));
+        // The counter of the router's and routing's dispatch.
+        n += f32s(1);
         n += f32s(c.n_layer * route_log_floats(m.n_expert, k));
         n += 2 * f32s(k * m.n_ff_expert) + f32s(k * e);
     }

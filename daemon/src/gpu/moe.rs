@@ -26,8 +26,9 @@
 //! ([`Recorder::moe_route`]) and runs the k experts with the expert read from the routing
 //! buffer ([`Recorder::matvec_id_fused`]): the layer's RMSNorm, gate, up and SwiGLU of all k as
 //! one dispatch, then their down products summed with the routing's weights into the residual
-//! as another, so a whole token is one submission and a MoE layer four dependent dispatches
-//! (norm and router, routing, gate and up, down). The logits and routing of each layer go to a host-visible log that
+//! as another, so a whole token is one submission. Without a shared expert the router's product
+//! and the routing are one dispatch too ([`Recorder::moe_router`]): a MoE layer is three
+//! dependent dispatches. The logits and routing of each layer go to a host-visible log that
 //! [`GpuMoe::logged_routing`] reads once the step is done.
 //!
 //! A prompt's chunk ([`super::forward`]'s prefill) routes all its tokens on the host from one
@@ -45,12 +46,14 @@ use super::buffer::Buffer;
 use super::error::Result;
 use super::expert_cache::SlotExpert;
 use super::ops::{
-    route_floats, route_log_floats, Fused, GpuMatrix, IdFused, MoeRouteArgs, MOE_ROUTE_MAX_EXPERTS,
+    route_floats, route_log_floats, zeroed_counters, Fused, GpuMatrix, IdFused, MoeRouteArgs,
+    MOE_ROUTE_MAX_EXPERTS,
 };
 use super::record::Recorder;
 use super::upload::Uploader;
 use crate::engine::routing::{route, shared_expert_gate, RoutedExpert};
 use crate::model::{Matrix, Model, MoeConfig, MoeWeights};
+use spillway_shaders::WeightType;
 
 /// Qwen2-MoE's always-on expert and the weight (`[n_embd, 1]`) of its sigmoid gate.
 struct SharedExpert {
@@ -113,6 +116,8 @@ pub(super) struct MoeScratch {
     /// routing ([`route_floats`]), and every layer's logits and routing, host-visible
     /// ([`route_log_floats`] per layer).
     router_dev: Buffer,
+    /// The counter [`Recorder::moe_router`] finds its last workgroup with.
+    router_done: Buffer,
     shared_logit_dev: Buffer,
     route: Buffer,
     log: Buffer,
@@ -261,6 +266,18 @@ impl GpuMoe {
         s: &MoeScratch,
     ) -> Result<()> {
         let k = cfg.n_expert_used;
+        let args = MoeRouteArgs {
+            n_expert: cfg.n_expert as u32,
+            k: k as u32,
+            norm_weights: cfg.norm_weights,
+            log_offset: (layer * route_log_floats(cfg.n_expert, k)) as u32,
+        };
+        if self.shared.is_none() && self.router.wtype == WeightType::F32 {
+            // The router's product and the routing in one dispatch.
+            let scratch = (&s.router_dev, &s.router_done);
+            rec.moe_router(&self.router, (x, norm), scratch, &s.route, &s.log, args)?;
+            return self.record_fused(rec, k, (x, norm), &s.route, s);
+        }
         let normed = Fused {
             norm: Some(norm),
             ..Fused::default()
@@ -274,12 +291,6 @@ impl GpuMoe {
             rec.swiglu(&s.shared_gate, &s.shared_up, sh.gate.n_out as u32)?;
             rec.matvec(&sh.down, &s.shared_gate, &s.shared_out)?;
         }
-        let args = MoeRouteArgs {
-            n_expert: cfg.n_expert as u32,
-            k: k as u32,
-            norm_weights: cfg.norm_weights,
-            log_offset: (layer * route_log_floats(cfg.n_expert, k)) as u32,
-        };
         let shared_logit = self.shared.as_ref().map(|_| &s.shared_logit_dev);
         rec.moe_route(&s.router_dev, shared_logit, &s.route, &s.log, args)?;
         self.record_fused(rec, k, (x, norm), &s.route, s)
@@ -630,6 +641,7 @@ impl MoeScratch {
             shared_up: f32s(shared_ff)?,
             shared_out: f32s(if shared_ff > 0 { n_embd } else { 0 })?,
             router_dev: f32s(cfg.n_expert)?,
+            router_done: zeroed_counters(alloc, 1)?,
             shared_logit_dev: f32s(1)?,
             route: f32s(route_floats(k))?,
             log: Buffer::new_in(

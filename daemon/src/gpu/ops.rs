@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use spillway_shaders::{
     AttentionParams, EltwiseParams, GetRowsParams, KvStoreParams, MatVecIdParams, MatVecParams,
-    MoeRouteParams, Op, RmsNormParams, RopeParams, ScaleAddParams, ScaleAddRoutedParams, ShaderId,
-    WeightType,
+    MoeRouteParams, MoeRouterParams, Op, RmsNormParams, RopeParams, ScaleAddParams,
+    ScaleAddRoutedParams, ShaderId, WeightType,
 };
 
 use super::alloc::{Allocator, MemoryUse};
@@ -258,14 +258,21 @@ pub fn attention_scratch_floats(n_heads: usize, head_dim: usize, capacity: usize
 }
 
 /// The counters [`Recorder::attention`] joins its runs with, one per head and token of
-/// `n_tok`, zero as it needs them (each dispatch leaves them zero): host-visible memory, written
-/// here, so that no command has to clear them.
+/// `n_tok` ([`zeroed_counters`]).
 pub fn attention_counters(
     allocator: &Arc<Allocator>,
     n_heads: usize,
     n_tok: usize,
 ) -> Result<Buffer> {
-    let n = (n_heads * n_tok).max(1);
+    zeroed_counters(allocator, n_heads * n_tok)
+}
+
+/// `n` counters for the kernels whose last workgroup to finish completes their work (the
+/// attention's join, [`Recorder::moe_router`]'s routing), zero as they need them (each
+/// dispatch leaves them zero): host-visible memory, written here, so that no command has to
+/// clear them.
+pub fn zeroed_counters(allocator: &Arc<Allocator>, n: usize) -> Result<Buffer> {
+    let n = n.max(1);
     let mut b = Buffer::new_in(allocator, n as u64 * 4, MemoryUse::DeviceMapped)?;
     b.write(&vec![0u8; n * 4]);
     Ok(b)
@@ -639,6 +646,71 @@ impl Recorder<'_> {
         ];
         let id = self.variant(Op::MoeRoute, None)?;
         self.dispatch(id, &bindings, &push, [1, 1, 1])
+    }
+
+    /// The router's product and the routing in one dispatch: `logits = router · (RMSNorm(x) *
+    /// norm.0)` (`router` F32, a row per expert), then as [`Recorder::moe_route`] without a
+    /// shared expert, done by the workgroup that finishes last, which `done` (one counter,
+    /// [`zeroed_counters`]) tells.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_router(
+        &mut self,
+        router: &GpuMatrix,
+        (x, norm): (&Buffer, (&Buffer, f32)),
+        (logits, done): (&Buffer, &Buffer),
+        route: &Buffer,
+        log: &Buffer,
+        args: MoeRouteArgs,
+    ) -> Result<()> {
+        let (n, k) = (args.n_expert as usize, args.k as usize);
+        let n_in = router.n_in;
+        if router.wtype != WeightType::F32
+            || router.n_out != n
+            || !n_in.is_multiple_of(4)
+            || router.buffer.size() > self.max_range
+            || x.size() < n_in as u64 * 4
+            || norm.0.size() < n_in as u64 * 4
+            || logits.size() < n as u64 * 4
+        {
+            return Err(GpuError::Unsupported(format!(
+                "a router of {} {:?} rows of {n_in} for {n} experts in one dispatch",
+                router.n_out, router.wtype
+            )));
+        }
+        if n > MOE_ROUTE_MAX_EXPERTS || k == 0 || k > n {
+            return Err(GpuError::Unsupported(format!(
+                "routing the top {k} of {n} experts on the device (at most {MOE_ROUTE_MAX_EXPERTS})"
+            )));
+        }
+        let log_end = (args.log_offset as usize + route_log_floats(n, k)) as u64 * 4;
+        if route.size() < route_floats(k) as u64 * 4 || log.size() < log_end {
+            return Err(GpuError::Unsupported(format!(
+                "routing buffers of {} and {} bytes for {k} of {n} experts",
+                route.size(),
+                log.size()
+            )));
+        }
+        let push = MoeRouterParams {
+            n_expert: args.n_expert,
+            k: args.k,
+            norm: u32::from(args.norm_weights),
+            has_shared: 0,
+            log_offset: args.log_offset,
+            n_in: n_in as u32,
+            eps: norm.1,
+        };
+        let bindings = [
+            Binding::write(logits),
+            Binding::read(x), // the shared expert's logit: none, x stands in
+            Binding::write(route),
+            Binding::write(log),
+            Binding::read(&router.buffer),
+            Binding::read(x),
+            Binding::read(norm.0),
+            Binding::write(done),
+        ];
+        let id = self.variant(Op::MoeRouter, None)?;
+        self.dispatch(id, &bindings, &push, [args.n_expert, 1, 1])
     }
 
     /// `a += Σ route[first + r] * b[r * b_stride..][..n]` for `r` in `0..count`, one term after
