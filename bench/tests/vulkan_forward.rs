@@ -220,3 +220,16 @@ fn device_bytes_is_what_the_model_needs_within_the_budget() {
     options.vram_budget = Some(needed + (16 << 20) + (1 << 20));
     GpuModel::new(&dev, &model, &options).unwrap();
 }
+
+// Q4_0 products take the integer-dot-product kernels where the device has them (lavapipe
+// does): the inputs quantized to 8 bits as the CPU engine quantizes them. The MoE model runs
+// its experts' products (indexed, summed) through them too.
+#[test]
+fn gpu_decode_matches_cpu_engine_tiny_llama_q4_0() {
+    compare("tiny-llama", "Q4_0");
+}
+
+#[test]
+fn gpu_decode_matches_cpu_engine_tiny_qwen3moe_q4_0() {
+    compare("tiny-qwen3moe", "Q4_0");
+}

@@ -49,9 +49,7 @@ fn options(budget: Option<u64>, miss: MoeMiss) -> GpuModelOptions {
         threads: 2,
         host_routing: false,
         ram_budget: None,
-        chain: true,
-        replay: true,
-        coopmat: true,
+        ..GpuModelOptions::default()
     }
 }
 

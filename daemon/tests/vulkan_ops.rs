@@ -312,6 +312,76 @@ fn matvec_q4_0_matches_cpu() {
 }
 
 #[test]
+fn matvec_q4_0_with_integer_dots_matches_the_cpu_kernel() {
+    // The integer-dot-product variant quantizes each block of inputs as the CPU engine does
+    // (ggml's Q8_0) and sums the products exactly in integers: it agrees with the CPU kernel to
+    // f32 rounding, where the f32 variant only agrees with it to the quantization of x.
+    let Some(dev) = device() else { return };
+    for sg in [false, true] {
+        let kernels = Kernels::with_int_dot(&dev, (sg, true), true);
+        if !kernels.uses_int_dot() {
+            assert!(
+                std::env::var_os("SPILLWAY_REQUIRE_VULKAN").is_none(),
+                "the Vulkan device has no integer dot products (core in Vulkan 1.3)"
+            );
+            return;
+        }
+        let gpu = Gpu {
+            kernels,
+            ..Gpu::new(&dev)
+        };
+        let ty = GgmlType::Q4_0;
+        let (n_in, n_out) = (1024, 300);
+        let data = weight_rows(ty, n_in, n_out, 31);
+        let x: Vec<f32> = noise(n_in, 32).iter().map(|v| v * 3.0).collect();
+        let m = gpu.matrix(ty, n_in, n_out, &data);
+        let (xb, yb) = (gpu.f32s(&x), gpu.zeros(n_out));
+        gpu.kernels.record(|r| r.matvec(&m, &xb, &yb)).unwrap();
+        let got = yb.read_f32(n_out);
+        let pool = ThreadPool::new(2);
+        let mref = MatRef {
+            ty,
+            n_in,
+            n_out,
+            data: &data,
+        };
+        let mut cpu = vec![0f32; n_out];
+        matvec(&pool, mref, &x, &mut cpu);
+        let exact = exact_dots(ty, &data, n_in, n_out, &x);
+        for (r, ((&g, &c), &(_, abs))) in got.iter().zip(&cpu).zip(&exact).enumerate() {
+            assert!(
+                (f64::from(g) - f64::from(c)).abs() <= 1e-5 * abs + 1e-5,
+                "subgroups {sg} row {r}: gpu {g} cpu {c}"
+            );
+        }
+        // With RMSNorm fused the kernel quantizes x times the norm's weights and scales the sums
+        // after: the same blocks but for the f16 rounding of their scales.
+        let norm_w: Vec<f32> = noise(n_in, 33).iter().map(|v| 1.0 + 0.5 * v).collect();
+        let nb = gpu.f32s(&norm_w);
+        let eps = 1e-5;
+        let mut xn = vec![0f32; n_in];
+        ops::rms_norm(&x, &norm_w, eps, &mut xn);
+        matvec(&pool, mref, &xn, &mut cpu);
+        let normed = Fused {
+            norm: Some((&nb, eps)),
+            ..Fused::default()
+        };
+        gpu.kernels
+            .record(|r| r.matvec_fused(&m, &xb, &yb, normed))
+            .unwrap();
+        let exact = exact_dots(ty, &data, n_in, n_out, &xn);
+        for (r, ((&g, &c), &(_, abs))) in
+            yb.read_f32(n_out).iter().zip(&cpu).zip(&exact).enumerate()
+        {
+            assert!(
+                (f64::from(g) - f64::from(c)).abs() <= 2e-3 * abs + 1e-5,
+                "subgroups {sg} row {r}: fused norm gpu {g} cpu {c}"
+            );
+        }
+    }
+}
+
+#[test]
 fn matvec_q4_k_matches_cpu() {
     check_matvec(GgmlType::Q4K);
 }

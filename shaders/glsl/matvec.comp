@@ -1,5 +1,8 @@
 #version 450
 #extension GL_EXT_control_flow_attributes : require
+#if defined(INT_DOT)
+#extension GL_EXT_integer_dot_product : require
+#endif
 #if defined(USE_SUBGROUP)
 #extension GL_KHR_shader_subgroup_basic : require
 #extension GL_KHR_shader_subgroup_arithmetic : require

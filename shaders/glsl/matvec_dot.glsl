@@ -128,6 +128,57 @@ float dot_item(uint row, uint i, Inputs xi) {
     return half_at(base) * fma(-128.0, xi.sum, s);
 }
 
+#elif defined(WTYPE_Q4_0) && defined(INT_DOT)
+// block_q4_0 times inputs quantized as ggml's block_q8_0, which is what the CPU engine (and ggml's
+// CPU backend) multiplies Q4_0 rows with: d_x = max|x| / 127 rounded to f16, q_j = x_j * 127 /
+// max|x| rounded half away from zero. The block's dot is then d_w d_x Σ (n_j - 8) q_j, the sum
+// exact in integers, four products an instruction. Item: a block; its inputs are quantized once
+// for all rows.
+#define ITEM_WEIGHTS 32u
+uint row_bytes(uint n) { return (n / 32u) * 18u; }
+struct Inputs { int q[8]; float d; int sum; };
+int pack_bytes(ivec4 v) {
+    return (v.x & 0xFF) | ((v.y & 0xFF) << 8) | ((v.z & 0xFF) << 16) | (v.w << 24);
+}
+Inputs load_inputs(uint x0, uint i) {
+    const uint at = (x0 >> 2) + 8u * i;
+    vec4 v[8];
+    float amax = 0.0;
+    [[unroll]] for (uint k = 0u; k < 8u; ++k) {
+        v[k] = xin(at + k);
+        const vec4 a = abs(v[k]);
+        amax = max(amax, max(max(a.x, a.y), max(a.z, a.w)));
+    }
+    const float d = amax / 127.0;
+    const float id = d != 0.0 ? 1.0 / d : 0.0;
+    Inputs xi;
+    xi.d = unpackHalf2x16(packHalf2x16(vec2(d, 0.0))).x;
+    ivec4 s = ivec4(0);
+    [[unroll]] for (uint k = 0u; k < 8u; ++k) {
+        const vec4 p = v[k] * id;
+        const ivec4 q = ivec4(sign(p) * floor(abs(p) + 0.5));
+        s += q;
+        xi.q[k] = pack_bytes(q);
+    }
+    xi.sum = (s.x + s.y) + (s.z + s.w);
+    return xi;
+}
+float dot_item(uint row, uint i, Inputs xi) {
+    const uint base = row + 18u * i;
+    const uvec4 q = words4(base + 2u);
+    const uint m = 0x0F0F0F0Fu;
+    // Bytes 4c..4c+3 hold weights 4c.. (low nibbles) and 16 + 4c.. (high nibbles).
+    int s = dotPacked4x8EXT(int(q.x & m), xi.q[0]);
+    s += dotPacked4x8EXT(int(q.y & m), xi.q[1]);
+    s += dotPacked4x8EXT(int(q.z & m), xi.q[2]);
+    s += dotPacked4x8EXT(int(q.w & m), xi.q[3]);
+    s += dotPacked4x8EXT(int((q.x >> 4) & m), xi.q[4]);
+    s += dotPacked4x8EXT(int((q.y >> 4) & m), xi.q[5]);
+    s += dotPacked4x8EXT(int((q.z >> 4) & m), xi.q[6]);
+    s += dotPacked4x8EXT(int((q.w >> 4) & m), xi.q[7]);
+    return (half_at(base) * xi.d) * float(s - 8 * xi.sum);
+}
+
 #elif defined(WTYPE_Q4_0)
 // block_q4_0: f16 d, 16 bytes of nibbles (low: weights 0..15, high: 16..31). Item: a block.
 #define ITEM_WEIGHTS 32u

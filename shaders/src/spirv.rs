@@ -155,7 +155,8 @@ mod tests {
         use crate::Feature;
         for s in SHADERS {
             let uses = capabilities(&s.words()).contains(&CAPABILITY_GROUP_NON_UNIFORM_ARITHMETIC);
-            assert_eq!(uses, s.feature == Feature::Subgroup, "{}", s.name);
+            let subgroup = matches!(s.feature, Feature::Subgroup | Feature::IntDotSubgroup);
+            assert_eq!(uses, subgroup, "{}", s.name);
         }
     }
 

@@ -256,9 +256,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 threads: args.threads.unwrap_or(0),
                 host_routing: false,
                 ram_budget: args.ram_budget.map(|b| b.0),
-                chain: true,
-                replay: true,
-                coopmat: true,
+                ..GpuModelOptions::default()
             };
             let gpu = load_on_gpu(&device, &model, &options)
                 .with_context(|| format!("loading {} onto {name}", args.model.display()))?;

@@ -22,6 +22,8 @@ pub struct Device {
     pub(super) timeline_semaphores: bool,
     /// Valid bits of the compute queue's timestamps; 0: it has none.
     pub(crate) timestamp_valid_bits: u32,
+    /// `shaderIntegerDotProduct` enabled.
+    int_dot: bool,
     info: DeviceInfo,
     /// Lost (really, or by injection): every later submission fails with `DeviceLost`.
     loss: LossState,
@@ -56,6 +58,19 @@ impl Device {
         // f16 arithmetic and the Vulkan memory model; `detect` checked all four.
         let described = instance.describe(index, physical);
         let coopmat = described.capabilities.cooperative_matrix;
+        // Integer dot products: Vulkan 1.3's feature (the shaders are SPIR-V 1.6, so 1.3 is
+        // needed to run them anyway).
+        // SAFETY: `physical` belongs to `inst`.
+        let api = unsafe { inst.get_physical_device_properties(physical) }.api_version;
+        let int_dot = api >= vk::API_VERSION_1_3 && {
+            let mut supported13 = vk::PhysicalDeviceVulkan13Features::default();
+            let mut features2 = vk::PhysicalDeviceFeatures2::default().push_next(&mut supported13);
+            // SAFETY: as above; the device has 1.3, so its feature struct may be chained.
+            unsafe { inst.get_physical_device_features2(physical, &mut features2) };
+            supported13.shader_integer_dot_product == vk::TRUE
+        };
+        let mut enabled13 =
+            vk::PhysicalDeviceVulkan13Features::default().shader_integer_dot_product(true);
         let mut enabled12 = vk::PhysicalDeviceVulkan12Features::default()
             .timeline_semaphore(timeline_semaphores)
             .shader_float16(coopmat)
@@ -70,6 +85,9 @@ impl Device {
             info = info
                 .enabled_extension_names(&extensions)
                 .push_next(&mut enabled_coop);
+        }
+        if int_dot {
+            info = info.push_next(&mut enabled13);
         }
         // SAFETY: the create info and the arrays it points to live across the call.
         let raw = unsafe { inst.create_device(physical, &info, None) }.map_err(map_vk)?;
@@ -104,6 +122,7 @@ impl Device {
             subgroup_size: subgroup.subgroup_size,
             timeline_semaphores,
             timestamp_valid_bits,
+            int_dot,
             info,
             loss: LossState::default(),
             physical,
@@ -122,6 +141,11 @@ impl Device {
 
     pub fn subgroup_size(&self) -> u32 {
         self.subgroup_size
+    }
+
+    /// Whether integer dot products are enabled (the `IntDot` shader variants).
+    pub fn integer_dot_product(&self) -> bool {
+        self.int_dot
     }
 
     /// Whether cooperative matrices are enabled (the `CoopMat` shader variants).

@@ -28,6 +28,8 @@ pub struct Kernels {
     subgroups: bool,
     /// Use the `CoopMat` variants where the table has them.
     coopmat: bool,
+    /// Use the `IntDot` variants (`IntDotSubgroup` with `subgroups`) where the table has them.
+    int_dot: bool,
     /// Pipelines by variant and specialization constants.
     cache: Mutex<HashMap<PipelineKey, Arc<ComputePipeline>>>,
     /// A matrix-vector workgroup shape for every weight type instead of the tuned ones.
@@ -77,11 +79,23 @@ impl Kernels {
 
     /// With `subgroups` or `coopmat` false, the variants without subgroup arithmetic or without
     /// cooperative matrices, even where the device has them (tests and benchmarks compare them).
+    /// No integer dot products: products are the f32 dots of the weights' values.
     pub fn with_features(device: &Arc<Device>, subgroups: bool, coopmat: bool) -> Arc<Kernels> {
+        Kernels::with_int_dot(device, (subgroups, coopmat), false)
+    }
+
+    /// [`Kernels::with_features`], and with `int_dot` the integer-dot-product variants where the
+    /// device has them (Q4_0 weights times inputs quantized to 8 bits, as the CPU engine does).
+    pub fn with_int_dot(
+        device: &Arc<Device>,
+        (subgroups, coopmat): (bool, bool),
+        int_dot: bool,
+    ) -> Arc<Kernels> {
         Arc::new(Kernels {
             device: device.clone(),
             subgroups: subgroups && device.subgroup_arithmetic(),
             coopmat: coopmat && device.cooperative_matrix(),
+            int_dot: int_dot && device.integer_dot_product(),
             cache: Mutex::new(HashMap::new()),
             matvec_shape: Mutex::new(None),
             matmul_tile: Mutex::new(None),
@@ -146,6 +160,11 @@ impl Kernels {
         self.subgroups
     }
 
+    /// Whether the integer-dot-product variants are in use.
+    pub fn uses_int_dot(&self) -> bool {
+        self.int_dot
+    }
+
     /// The variant of `op` for `wtype` this device runs best.
     pub fn variant(&self, op: Op, wtype: Option<WeightType>) -> Result<ShaderId> {
         if let Some(id) = self
@@ -154,6 +173,15 @@ impl Kernels {
             .flatten()
         {
             return Ok(id);
+        }
+        if self.int_dot {
+            let found = match self.subgroups {
+                true => ShaderId::find(op, wtype, Feature::IntDotSubgroup),
+                false => ShaderId::find(op, wtype, Feature::IntDot),
+            };
+            if let Some(id) = found {
+                return Ok(id);
+            }
         }
         let subgroup = self
             .subgroups

@@ -90,6 +90,9 @@ pub struct GpuModelOptions {
     /// Multiply prompts' chunks in the device's matrix units where it has cooperative matrices;
     /// `false`: the f32 kernel, for comparisons.
     pub coopmat: bool,
+    /// Multiply Q4_0 weights with integer dot products where the device has them, the inputs
+    /// quantized to 8 bits as the CPU engine quantizes them; `false`: f32 dots, for comparisons.
+    pub int_dot: bool,
 }
 
 impl Default for GpuModelOptions {
@@ -106,6 +109,7 @@ impl Default for GpuModelOptions {
             chain: true,
             replay: true,
             coopmat: true,
+            int_dot: true,
         }
     }
 }
@@ -339,7 +343,7 @@ impl GpuModel {
     ) -> Result<GpuModel> {
         let c = model.config.clone();
         let device = allocator.device();
-        let kernels = Kernels::with_features(device, true, options.coopmat);
+        let kernels = Kernels::with_int_dot(device, (true, options.coopmat), options.int_dot);
         let mut up = Uploader::new(allocator, placement.staging_bytes)?;
         let al = allocator;
         let token_embd = matrix(model, al, &mut up, &model.token_embd)?;
