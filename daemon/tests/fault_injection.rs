@@ -155,6 +155,11 @@ async fn memory(client: &mut Client) -> (u64, u64) {
 /// Vulkan memory exactly as at `baseline`; the resident set within 48 MiB of it (the heap's
 /// arenas keep some of what they had for reuse: 5–25 MiB between cycles on lavapipe).
 fn back_to(baseline: &(u64, u64), now: (u64, u64), when: &str) {
+    eprintln!(
+        "resident set {when}: {} MiB, {} MiB after the first unload",
+        now.1 >> 20,
+        baseline.1 >> 20
+    );
     assert_eq!(
         now.0, baseline.0,
         "Vulkan memory {when}: {now:?} against {baseline:?}"

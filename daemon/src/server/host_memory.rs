@@ -86,6 +86,19 @@ pub fn mib(bytes: u64) -> String {
     format!("{:.0} MiB", bytes as f64 / f64::from(1 << 20))
 }
 
+/// Hands what the heap keeps of freed memory back to the system (glibc's `malloc_trim`), once a
+/// model is dropped. Each model's threads allocate from arenas of their own, which otherwise keep
+/// the pages of what the model freed: the resident set would grow with every load and unload
+/// (about 25 MiB a cycle of the embedded model on lavapipe, whose compiled pipelines live in
+/// the heap). A no-op on other C libraries.
+pub fn release_freed() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: `malloc_trim` only walks the allocator's own free lists; any thread may call it.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

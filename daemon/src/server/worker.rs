@@ -211,7 +211,11 @@ impl Worker {
         };
         let thread = std::thread::Builder::new()
             .name(format!("model-{name}"))
-            .spawn(move || ctx.run(rx))?;
+            .spawn(move || {
+                // `run` owns the model and drops it when it returns.
+                ctx.run(rx);
+                super::host_memory::release_freed();
+            })?;
         Ok(Worker {
             jobs: Mutex::new(Some(jobs)),
             thread: Mutex::new(Some(thread)),
