@@ -4,8 +4,10 @@
 //! `cargo run --release -p spillway-bench --example vulkan_decode -- PRESET TYPE TOKENS [DIR]
 //! [host-routing]` e.g. `llama-3.2-1b Q4_K_M 64 /tmp`; `host-routing` routes MoE layers on the
 //! host (a read-back per layer) even with every expert in VRAM, to compare with the device's
-//! routing. Decode is timed three times each way, alternating: steps replayed from one recording
-//! and steps recorded anew (`GpuModelOptions::replay`); the medians are printed.
+//! routing. Decode is timed three times each way, alternating: steps replayed from one recording,
+//! steps recorded anew (`GpuModelOptions::replay`), and steps replayed with f32 dots for every
+//! weight type (`GpuModelOptions::int_dot` off: Q4_0 products without integer dot products);
+//! the medians are printed.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -50,14 +52,24 @@ fn main() {
         },
     )
     .unwrap();
+    let mut float_dots = GpuModel::new(
+        &device,
+        &model,
+        &GpuModelOptions {
+            int_dot: false,
+            ..options.clone()
+        },
+    )
+    .unwrap();
     let budget = gpu.allocator().budget();
     println!(
-        "{preset} {}: uploaded in {:.2} s, {:.0} MiB of device memory held, on {}, MoE routed on the {}",
+        "{preset} {}: uploaded in {:.2} s, {:.0} MiB of device memory held, on {}, MoE routed on the {}, integer dots {}",
         args.get(1).map_or("Q4_K_M", String::as_str),
         t0.elapsed().as_secs_f64(),
         budget.held() as f64 / (1 << 20) as f64,
         device.info().name,
-        if gpu.routes_on_device() { "device" } else { "host" }
+        if gpu.routes_on_device() { "device" } else { "host" },
+        if gpu.uses_int_dot() { "on" } else { "off" }
     );
 
     let mut cpu = Engine::new(
@@ -90,10 +102,11 @@ fn main() {
         }
         n_tokens as f64 / t0.elapsed().as_secs_f64()
     };
-    let (mut replayed, mut anew) = (Vec::new(), Vec::new());
+    let (mut replayed, mut anew, mut floats) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..3 {
         replayed.push(time(&mut gpu));
         anew.push(time(&mut recorded));
+        floats.push(time(&mut float_dots));
     }
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
@@ -101,9 +114,10 @@ fn main() {
     };
     let st = gpu.last_stats();
     println!(
-        "decode: {n_tokens} tokens, median of 3: replayed {:.1} tok/s, recorded each step {:.1} tok/s ({} dispatches, {} barriers, {} submits per token)",
+        "decode: {n_tokens} tokens, median of 3: replayed {:.1} tok/s, recorded each step {:.1} tok/s, replayed with f32 dots {:.1} tok/s ({} dispatches, {} barriers, {} submits per token)",
         median(&mut replayed),
         median(&mut anew),
+        median(&mut floats),
         st.dispatches,
         st.barriers,
         st.submits

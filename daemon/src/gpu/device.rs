@@ -24,6 +24,9 @@ pub struct Device {
     pub(crate) timestamp_valid_bits: u32,
     /// `shaderIntegerDotProduct` enabled.
     int_dot: bool,
+    /// And the device says it runs packed 4 × 8-bit signed dot products in hardware
+    /// (`integerDotProduct4x8BitPackedSignedAccelerated`), not emulated (lavapipe emulates them).
+    int_dot_fast: bool,
     info: DeviceInfo,
     /// Lost (really, or by injection): every later submission fails with `DeviceLost`.
     loss: LossState,
@@ -108,10 +111,17 @@ impl Device {
         // SAFETY: `physical` belongs to `inst`.
         let memory = unsafe { inst.get_physical_device_memory_properties(physical) };
         let mut subgroup = vk::PhysicalDeviceSubgroupProperties::default();
+        let mut props13 = vk::PhysicalDeviceVulkan13Properties::default();
         let mut props2 = vk::PhysicalDeviceProperties2::default().push_next(&mut subgroup);
-        // SAFETY: as above; the chained struct outlives the call.
+        if api >= vk::API_VERSION_1_3 {
+            props2 = props2.push_next(&mut props13);
+        }
+        // SAFETY: as above; the chained structs outlive the call, and Vulkan 1.3's is chained
+        // only where the device has 1.3.
         unsafe { inst.get_physical_device_properties2(physical, &mut props2) };
         let limits = props2.properties.limits;
+        let int_dot_fast =
+            int_dot && props13.integer_dot_product4x8_bit_packed_signed_accelerated == vk::TRUE;
         let info = described;
         Ok(Arc::new(Device {
             raw,
@@ -123,6 +133,7 @@ impl Device {
             timeline_semaphores,
             timestamp_valid_bits,
             int_dot,
+            int_dot_fast,
             info,
             loss: LossState::default(),
             physical,
@@ -146,6 +157,12 @@ impl Device {
     /// Whether integer dot products are enabled (the `IntDot` shader variants).
     pub fn integer_dot_product(&self) -> bool {
         self.int_dot
+    }
+
+    /// Whether the device runs packed 8-bit dot products in hardware: where it emulates them,
+    /// the `IntDot` variants are slower than the f32 ones.
+    pub fn integer_dot_product_accelerated(&self) -> bool {
+        self.int_dot_fast
     }
 
     /// Whether cooperative matrices are enabled (the `CoopMat` shader variants).

@@ -91,7 +91,10 @@ pub struct GpuModelOptions {
     /// `false`: the f32 kernel, for comparisons.
     pub coopmat: bool,
     /// Multiply Q4_0 weights with integer dot products where the device has them, the inputs
-    /// quantized to 8 bits as the CPU engine quantizes them; `false`: f32 dots, for comparisons.
+    /// quantized to 8 bits as the CPU engine quantizes them, so that the logits follow the CPU
+    /// engine's (and llama.cpp's) more closely; `false`: f32 dots, for comparisons. Where the
+    /// device emulates them ([`Device::integer_dot_product_accelerated`]: lavapipe) they are
+    /// slower than f32 dots, and still used.
     pub int_dot: bool,
 }
 
@@ -583,6 +586,12 @@ impl GpuModel {
     /// its log after the step, without another submission.
     pub fn last_routing(&self) -> &[LayerRouting] {
         &self.last_routing
+    }
+
+    /// Whether Q4_0 products take the integer-dot-product kernels ([`GpuModelOptions::int_dot`]
+    /// and the device has them).
+    pub fn uses_int_dot(&self) -> bool {
+        self.kernels.uses_int_dot()
     }
 
     /// Whether MoE layers are routed on the device, so that a step is one submission: every
