@@ -69,7 +69,11 @@ fn main() {
         budget.held() as f64 / (1 << 20) as f64,
         device.info().name,
         if gpu.routes_on_device() { "device" } else { "host" },
-        if gpu.uses_int_dot() { "on" } else { "off" }
+        match (gpu.uses_int_dot(), device.integer_dot_product_accelerated()) {
+            (false, _) => "off",
+            (true, true) => "on (in hardware)",
+            (true, false) => "on (emulated)",
+        }
     );
 
     let mut cpu = Engine::new(
