@@ -95,7 +95,8 @@ pub enum Feature {
     /// `VK_KHR_cooperative_matrix` with 16×16×16 f16 → f32 at subgroup scope, and shader f16.
     CoopMat,
     /// Dot products of packed 8-bit integers (`shaderIntegerDotProduct`, core in Vulkan 1.3):
-    /// 4-bit weights times inputs quantized to 8 bits, as ggml's CPU backend multiplies them.
+    /// Q4_0 and Q8_0 weights times inputs quantized to 8 bits, as ggml's CPU backend multiplies
+    /// them.
     IntDot,
     /// [`Feature::IntDot`] with the reductions of [`Feature::Subgroup`].
     IntDotSubgroup,
@@ -138,7 +139,7 @@ const CM: (&str, &str) = ("COOPMAT", "1");
 /// The define that makes `dequant.comp` write f16.
 const F16_OUT: (&str, &str) = ("F16_OUT", "1");
 
-/// The define that makes `matvec.comp` multiply Q4_0 weights with integer dot products.
+/// The define that makes `matvec.comp` multiply Q4_0 and Q8_0 weights with integer dot products.
 const INT_DOT: (&str, &str) = ("INT_DOT", "1");
 
 /// The define that makes `matvec.comp` read its expert from the device's routing.
@@ -200,6 +201,10 @@ pub const VARIANTS: &[Variant] = &[
     v("matvec_q4_0_intdot_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::Q4_0), Feature::IntDotSubgroup, &[("WTYPE_Q4_0", "1"), INT_DOT, SG]),
     v("matvec_id_q4_0_intdot", "matvec.comp", Op::MatVecId, Some(WeightType::Q4_0), Feature::IntDot, &[("WTYPE_Q4_0", "1"), ID, INT_DOT]),
     v("matvec_id_q4_0_intdot_subgroup", "matvec.comp", Op::MatVecId, Some(WeightType::Q4_0), Feature::IntDotSubgroup, &[("WTYPE_Q4_0", "1"), ID, INT_DOT, SG]),
+    v("matvec_q8_0_intdot", "matvec.comp", Op::MatVec, Some(WeightType::Q8_0), Feature::IntDot, &[("WTYPE_Q8_0", "1"), INT_DOT]),
+    v("matvec_q8_0_intdot_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::Q8_0), Feature::IntDotSubgroup, &[("WTYPE_Q8_0", "1"), INT_DOT, SG]),
+    v("matvec_id_q8_0_intdot", "matvec.comp", Op::MatVecId, Some(WeightType::Q8_0), Feature::IntDot, &[("WTYPE_Q8_0", "1"), ID, INT_DOT]),
+    v("matvec_id_q8_0_intdot_subgroup", "matvec.comp", Op::MatVecId, Some(WeightType::Q8_0), Feature::IntDotSubgroup, &[("WTYPE_Q8_0", "1"), ID, INT_DOT, SG]),
     v("matvec_id_f32", "matvec.comp", Op::MatVecId, Some(WeightType::F32), Feature::Base, &[("WTYPE_F32", "1"), ID]),
     v("matvec_id_f16", "matvec.comp", Op::MatVecId, Some(WeightType::F16), Feature::Base, &[("WTYPE_F16", "1"), ID]),
     v("matvec_id_q8_0", "matvec.comp", Op::MatVecId, Some(WeightType::Q8_0), Feature::Base, &[("WTYPE_Q8_0", "1"), ID]),

@@ -6,7 +6,7 @@
 //! host (a read-back per layer) even with every expert in VRAM, to compare with the device's
 //! routing. Decode is timed three times each way, alternating: steps replayed from one recording,
 //! steps recorded anew (`GpuModelOptions::replay`), and steps replayed with f32 dots for every
-//! weight type (`GpuModelOptions::int_dot` off: Q4_0 products without integer dot products);
+//! weight type (`GpuModelOptions::int_dot` off: Q4_0 and Q8_0 products without integer dot products);
 //! the medians are printed.
 
 use std::sync::Arc;

@@ -221,7 +221,7 @@ fn device_bytes_is_what_the_model_needs_within_the_budget() {
     GpuModel::new(&dev, &model, &options).unwrap();
 }
 
-// Q4_0 products take the integer-dot-product kernels where the device has them (lavapipe
+// Q4_0 (and Q8_0) products take the integer-dot-product kernels where the device has them (lavapipe
 // does, emulated): the inputs quantized to 8 bits as the CPU engine quantizes them. The MoE
 // model runs its experts' products (indexed, summed) through them too. (With f32 dots the
 // tiny llama's top two logits, a few hundredths apart, swap on 2 of these 10 tokens against

@@ -313,8 +313,17 @@ fn matvec_q4_0_matches_cpu() {
 
 #[test]
 fn matvec_q4_0_with_integer_dots_matches_the_cpu_kernel() {
-    // The integer-dot-product variant quantizes each block of inputs as the CPU engine does
-    // (ggml's Q8_0) and sums the products exactly in integers: it agrees with the CPU kernel to
+    check_int_dot(GgmlType::Q4_0);
+}
+
+#[test]
+fn matvec_q8_0_with_integer_dots_matches_the_cpu_kernel() {
+    check_int_dot(GgmlType::Q8_0);
+}
+
+fn check_int_dot(ty: GgmlType) {
+    // The integer-dot-product variants quantize each block of inputs as the CPU engine does
+    // (ggml's Q8_0) and sum the products exactly in integers: they agree with the CPU kernel to
     // f32 rounding, where the f32 variant only agrees with it to the quantization of x.
     let Some(dev) = device() else { return };
     for sg in [false, true] {
@@ -330,7 +339,6 @@ fn matvec_q4_0_with_integer_dots_matches_the_cpu_kernel() {
             kernels,
             ..Gpu::new(&dev)
         };
-        let ty = GgmlType::Q4_0;
         let (n_in, n_out) = (1024, 300);
         let data = weight_rows(ty, n_in, n_out, 31);
         let x: Vec<f32> = noise(n_in, 32).iter().map(|v| v * 3.0).collect();
@@ -351,7 +359,7 @@ fn matvec_q4_0_with_integer_dots_matches_the_cpu_kernel() {
         for (r, ((&g, &c), &(_, abs))) in got.iter().zip(&cpu).zip(&exact).enumerate() {
             assert!(
                 (f64::from(g) - f64::from(c)).abs() <= 1e-5 * abs + 1e-5,
-                "subgroups {sg} row {r}: gpu {g} cpu {c}"
+                "{ty} subgroups {sg} row {r}: gpu {g} cpu {c}"
             );
         }
         // With RMSNorm fused the kernel quantizes x times the norm's weights and scales the sums
@@ -375,7 +383,7 @@ fn matvec_q4_0_with_integer_dots_matches_the_cpu_kernel() {
         {
             assert!(
                 (f64::from(g) - f64::from(c)).abs() <= 2e-3 * abs + 1e-5,
-                "subgroups {sg} row {r}: fused norm gpu {g} cpu {c}"
+                "{ty} subgroups {sg} row {r}: fused norm gpu {g} cpu {c}"
             );
         }
     }

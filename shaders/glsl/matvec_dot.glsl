@@ -73,6 +73,42 @@ float vsum(vec4 v) {
     return (v.x + v.y) + (v.z + v.w);
 }
 
+#if defined(INT_DOT)
+// Integer dot products (Q4_0 and Q8_0 rows): an item is a block of 32 weights, and its inputs are
+// quantized as ggml's block_q8_0, which is what the CPU engine (and ggml's CPU backend) multiplies
+// these rows with: d_x = max|x| / 127 rounded to f16, q_j = x_j * 127 / max|x| rounded half away
+// from zero, four to a word; once per item for all rows. A block's dot is then d_w d_x times an
+// integer sum, exact, four products an instruction.
+#define ITEM_WEIGHTS 32u
+struct Inputs { int q[8]; float d; int sum; };
+int pack_bytes(ivec4 v) {
+    return (v.x & 0xFF) | ((v.y & 0xFF) << 8) | ((v.z & 0xFF) << 16) | (v.w << 24);
+}
+Inputs load_inputs(uint x0, uint i) {
+    const uint at = (x0 >> 2) + 8u * i;
+    vec4 v[8];
+    float amax = 0.0;
+    [[unroll]] for (uint k = 0u; k < 8u; ++k) {
+        v[k] = xin(at + k);
+        const vec4 a = abs(v[k]);
+        amax = max(amax, max(max(a.x, a.y), max(a.z, a.w)));
+    }
+    const float d = amax / 127.0;
+    const float id = d != 0.0 ? 1.0 / d : 0.0;
+    Inputs xi;
+    xi.d = unpackHalf2x16(packHalf2x16(vec2(d, 0.0))).x;
+    ivec4 s = ivec4(0);
+    [[unroll]] for (uint k = 0u; k < 8u; ++k) {
+        const vec4 p = v[k] * id;
+        const ivec4 q = ivec4(sign(p) * floor(abs(p) + 0.5));
+        s += q;
+        xi.q[k] = pack_bytes(q);
+    }
+    xi.sum = (s.x + s.y) + (s.z + s.w);
+    return xi;
+}
+#endif
+
 #if defined(WTYPE_F32)
 // MoE routers stay F32 (llama.cpp never quantizes them). Item: 4 weights, one 16-byte load.
 #define ITEM_WEIGHTS 4u
@@ -83,6 +119,43 @@ Inputs load_inputs(uint x0, uint i) {
 }
 float dot_item(uint row, uint i, Inputs xi) {
     return dot(uintBitsToFloat(weights4[(row >> 4) + i]), xi.x);
+}
+
+#elif defined(WTYPE_Q4_0) && defined(INT_DOT)
+// block_q4_0 times the quantized inputs: d_w d_x Σ (n_j - 8) q_j.
+uint row_bytes(uint n) { return (n / 32u) * 18u; }
+float dot_item(uint row, uint i, Inputs xi) {
+    const uint base = row + 18u * i;
+    const uvec4 q = words4(base + 2u);
+    const uint m = 0x0F0F0F0Fu;
+    // Bytes 4c..4c+3 hold weights 4c.. (low nibbles) and 16 + 4c.. (high nibbles).
+    int s = dotPacked4x8EXT(int(q.x & m), xi.q[0]);
+    s += dotPacked4x8EXT(int(q.y & m), xi.q[1]);
+    s += dotPacked4x8EXT(int(q.z & m), xi.q[2]);
+    s += dotPacked4x8EXT(int(q.w & m), xi.q[3]);
+    s += dotPacked4x8EXT(int((q.x >> 4) & m), xi.q[4]);
+    s += dotPacked4x8EXT(int((q.y >> 4) & m), xi.q[5]);
+    s += dotPacked4x8EXT(int((q.z >> 4) & m), xi.q[6]);
+    s += dotPacked4x8EXT(int((q.w >> 4) & m), xi.q[7]);
+    return (half_at(base) * xi.d) * float(s - 8 * xi.sum);
+}
+
+#elif defined(WTYPE_Q8_0) && defined(INT_DOT)
+// block_q8_0 (f16 d, 32 signed bytes) times the quantized inputs: d_w d_x Σ w_j q_j.
+uint row_bytes(uint n) { return (n / 32u) * 34u; }
+float dot_item(uint row, uint i, Inputs xi) {
+    const uint base = row + 34u * i;
+    const uvec4 a = words4(base + 2u);
+    const uvec4 b = words4(base + 18u);
+    int s = dotPacked4x8EXT(int(a.x), xi.q[0]);
+    s += dotPacked4x8EXT(int(a.y), xi.q[1]);
+    s += dotPacked4x8EXT(int(a.z), xi.q[2]);
+    s += dotPacked4x8EXT(int(a.w), xi.q[3]);
+    s += dotPacked4x8EXT(int(b.x), xi.q[4]);
+    s += dotPacked4x8EXT(int(b.y), xi.q[5]);
+    s += dotPacked4x8EXT(int(b.z), xi.q[6]);
+    s += dotPacked4x8EXT(int(b.w), xi.q[7]);
+    return (half_at(base) * xi.d) * float(s);
 }
 
 #elif defined(WTYPE_F16)
@@ -126,57 +199,6 @@ float dot_item(uint row, uint i, Inputs xi) {
     s += dot_u8(u.z, xi.x[2]);
     s += dot_u8(u.w, xi.x[3]);
     return half_at(base) * fma(-128.0, xi.sum, s);
-}
-
-#elif defined(WTYPE_Q4_0) && defined(INT_DOT)
-// block_q4_0 times inputs quantized as ggml's block_q8_0, which is what the CPU engine (and ggml's
-// CPU backend) multiplies Q4_0 rows with: d_x = max|x| / 127 rounded to f16, q_j = x_j * 127 /
-// max|x| rounded half away from zero. The block's dot is then d_w d_x Σ (n_j - 8) q_j, the sum
-// exact in integers, four products an instruction. Item: a block; its inputs are quantized once
-// for all rows.
-#define ITEM_WEIGHTS 32u
-uint row_bytes(uint n) { return (n / 32u) * 18u; }
-struct Inputs { int q[8]; float d; int sum; };
-int pack_bytes(ivec4 v) {
-    return (v.x & 0xFF) | ((v.y & 0xFF) << 8) | ((v.z & 0xFF) << 16) | (v.w << 24);
-}
-Inputs load_inputs(uint x0, uint i) {
-    const uint at = (x0 >> 2) + 8u * i;
-    vec4 v[8];
-    float amax = 0.0;
-    [[unroll]] for (uint k = 0u; k < 8u; ++k) {
-        v[k] = xin(at + k);
-        const vec4 a = abs(v[k]);
-        amax = max(amax, max(max(a.x, a.y), max(a.z, a.w)));
-    }
-    const float d = amax / 127.0;
-    const float id = d != 0.0 ? 1.0 / d : 0.0;
-    Inputs xi;
-    xi.d = unpackHalf2x16(packHalf2x16(vec2(d, 0.0))).x;
-    ivec4 s = ivec4(0);
-    [[unroll]] for (uint k = 0u; k < 8u; ++k) {
-        const vec4 p = v[k] * id;
-        const ivec4 q = ivec4(sign(p) * floor(abs(p) + 0.5));
-        s += q;
-        xi.q[k] = pack_bytes(q);
-    }
-    xi.sum = (s.x + s.y) + (s.z + s.w);
-    return xi;
-}
-float dot_item(uint row, uint i, Inputs xi) {
-    const uint base = row + 18u * i;
-    const uvec4 q = words4(base + 2u);
-    const uint m = 0x0F0F0F0Fu;
-    // Bytes 4c..4c+3 hold weights 4c.. (low nibbles) and 16 + 4c.. (high nibbles).
-    int s = dotPacked4x8EXT(int(q.x & m), xi.q[0]);
-    s += dotPacked4x8EXT(int(q.y & m), xi.q[1]);
-    s += dotPacked4x8EXT(int(q.z & m), xi.q[2]);
-    s += dotPacked4x8EXT(int(q.w & m), xi.q[3]);
-    s += dotPacked4x8EXT(int((q.x >> 4) & m), xi.q[4]);
-    s += dotPacked4x8EXT(int((q.y >> 4) & m), xi.q[5]);
-    s += dotPacked4x8EXT(int((q.z >> 4) & m), xi.q[6]);
-    s += dotPacked4x8EXT(int((q.w >> 4) & m), xi.q[7]);
-    return (half_at(base) * xi.d) * float(s - 8 * xi.sum);
 }
 
 #elif defined(WTYPE_Q4_0)

@@ -85,7 +85,7 @@ impl Kernels {
     }
 
     /// [`Kernels::with_features`], and with `int_dot` the integer-dot-product variants where the
-    /// device has them (Q4_0 weights times inputs quantized to 8 bits, as the CPU engine does).
+    /// device has them (Q4_0 and Q8_0 weights times inputs quantized to 8 bits, as the CPU engine does).
     pub fn with_int_dot(
         device: &Arc<Device>,
         (subgroups, coopmat): (bool, bool),

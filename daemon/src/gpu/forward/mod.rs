@@ -90,7 +90,7 @@ pub struct GpuModelOptions {
     /// Multiply prompts' chunks in the device's matrix units where it has cooperative matrices;
     /// `false`: the f32 kernel, for comparisons.
     pub coopmat: bool,
-    /// Multiply Q4_0 weights with integer dot products where the device has them, the inputs
+    /// Multiply Q4_0 and Q8_0 weights with integer dot products where the device has them, the inputs
     /// quantized to 8 bits as the CPU engine quantizes them, so that the logits follow the CPU
     /// engine's (and llama.cpp's) more closely; `false`: f32 dots, for comparisons. Where the
     /// device emulates them ([`Device::integer_dot_product_accelerated`]: lavapipe) they are
@@ -588,7 +588,7 @@ impl GpuModel {
         &self.last_routing
     }
 
-    /// Whether Q4_0 products take the integer-dot-product kernels ([`GpuModelOptions::int_dot`]
+    /// Whether Q4_0 and Q8_0 products take the integer-dot-product kernels ([`GpuModelOptions::int_dot`]
     /// and the device has them).
     pub fn uses_int_dot(&self) -> bool {
         self.kernels.uses_int_dot()
