@@ -28,7 +28,8 @@ impl GpuBench {
     pub fn on(device: Arc<Device>) -> GpuBench {
         GpuBench {
             allocator: Allocator::new(&device, None),
-            kernels: Kernels::new(&device),
+            // The kernels a model runs: integer dot products where the device has them.
+            kernels: Kernels::with_int_dot(&device, (device.subgroup_arithmetic(), true), true),
             device,
         }
     }

@@ -40,7 +40,10 @@ pub enum DeviceKind {
 }
 
 impl Instance {
-    /// Loads `libvulkan.so.1` at run time and creates a Vulkan 1.2 instance.
+    /// Loads `libvulkan.so.1` at run time and creates an instance for Vulkan up to 1.3: the
+    /// kernels are SPIR-V 1.6 and the integer dot products a 1.3 feature, which a device may
+    /// only be asked for when the instance names 1.3 (devices of 1.2 still enumerate; a 1.1+
+    /// loader accepts a higher version than it knows).
     pub fn new() -> Result<Arc<Instance>> {
         // SAFETY: loading the system Vulkan loader runs its initialisers; this is the documented
         // way to use a loader that may be absent.
@@ -48,7 +51,7 @@ impl Instance {
             unsafe { ash::Entry::load() }.map_err(|e| GpuError::LoaderMissing(e.to_string()))?;
         let app = vk::ApplicationInfo::default()
             .application_name(c"spillway")
-            .api_version(vk::API_VERSION_1_2);
+            .api_version(vk::API_VERSION_1_3);
         let info = vk::InstanceCreateInfo::default().application_info(&app);
         // SAFETY: `info` and what it points to live across the call.
         let raw = unsafe { entry.create_instance(&info, None) }.map_err(map_vk)?;
