@@ -398,11 +398,8 @@ impl Recorder<'_> {
         let id = self.variant(Op::MatVec, Some(w.wtype))?;
         // With GLU a workgroup's rows are half gate rows, half up rows.
         let glu_rows = if fused.glu { 2 } else { 1 };
-        let min_groups = match fused.norm {
-            Some(_) => MatVecShape::MIN_GROUPS_NORMED,
-            None => MatVecShape::MIN_GROUPS,
-        };
-        let shape = self.matvec_shape_for(w.wtype, (n / glu_rows as usize, glu_rows), min_groups);
+        let results = (n / glu_rows as usize, glu_rows);
+        let shape = self.matvec_shape_for(w.wtype, results, fused.norm.is_some());
         let rows = shape.rows.max(glu_rows) & !(glu_rows - 1);
         let per_group = rows / glu_rows;
         let spec = [
@@ -560,11 +557,7 @@ impl Recorder<'_> {
         let glu_rows = if fused.glu_up_rows.is_some() { 2 } else { 1 };
         let summed = fused.sum_weights_at.is_some();
         let results = if summed { rows } else { rows * count as usize };
-        let min_groups = match fused.norm {
-            Some(_) => MatVecShape::MIN_GROUPS_NORMED,
-            None => MatVecShape::MIN_GROUPS,
-        };
-        let shape = self.matvec_shape_for(w.wtype, (results, glu_rows), min_groups);
+        let shape = self.matvec_shape_for(w.wtype, (results, glu_rows), fused.norm.is_some());
         let n_rows = shape.rows.max(glu_rows) & !(glu_rows - 1);
         let spec = [
             shape.threads,
@@ -616,20 +609,7 @@ impl Recorder<'_> {
         log: &Buffer,
         args: MoeRouteArgs,
     ) -> Result<()> {
-        let (n, k) = (args.n_expert as usize, args.k as usize);
-        if n > MOE_ROUTE_MAX_EXPERTS || k == 0 || k > n {
-            return Err(GpuError::Unsupported(format!(
-                "routing the top {k} of {n} experts on the device (at most {MOE_ROUTE_MAX_EXPERTS})"
-            )));
-        }
-        let log_end = (args.log_offset as usize + route_log_floats(n, k)) as u64 * 4;
-        if route.size() < route_floats(k) as u64 * 4 || log.size() < log_end {
-            return Err(GpuError::Unsupported(format!(
-                "routing buffers of {} and {} bytes for {k} of {n} experts",
-                route.size(),
-                log.size()
-            )));
-        }
+        check_routing(route, log, args)?;
         let push = MoeRouteParams {
             n_expert: args.n_expert,
             k: args.k,
@@ -662,7 +642,7 @@ impl Recorder<'_> {
         log: &Buffer,
         args: MoeRouteArgs,
     ) -> Result<()> {
-        let (n, k) = (args.n_expert as usize, args.k as usize);
+        let n = args.n_expert as usize;
         let n_in = router.n_in;
         if router.wtype != WeightType::F32
             || router.n_out != n
@@ -677,19 +657,7 @@ impl Recorder<'_> {
                 router.n_out, router.wtype
             )));
         }
-        if n > MOE_ROUTE_MAX_EXPERTS || k == 0 || k > n {
-            return Err(GpuError::Unsupported(format!(
-                "routing the top {k} of {n} experts on the device (at most {MOE_ROUTE_MAX_EXPERTS})"
-            )));
-        }
-        let log_end = (args.log_offset as usize + route_log_floats(n, k)) as u64 * 4;
-        if route.size() < route_floats(k) as u64 * 4 || log.size() < log_end {
-            return Err(GpuError::Unsupported(format!(
-                "routing buffers of {} and {} bytes for {k} of {n} experts",
-                route.size(),
-                log.size()
-            )));
-        }
+        check_routing(route, log, args)?;
         let push = MoeRouterParams {
             n_expert: args.n_expert,
             k: args.k,
@@ -1080,6 +1048,27 @@ impl Recorder<'_> {
         let runs = bound.div_ceil(ATTENTION_SPLIT);
         self.dispatch_spec(id, &spec, &bindings, &push, [a.n_heads, runs, n_tok])
     }
+}
+
+/// Refuses a routing the kernel cannot make ([`Recorder::moe_route`], [`Recorder::moe_router`]):
+/// more experts than [`MOE_ROUTE_MAX_EXPERTS`], k outside `1..=n_expert`, or `route` and `log`
+/// too small for it.
+fn check_routing(route: &Buffer, log: &Buffer, args: MoeRouteArgs) -> Result<()> {
+    let (n, k) = (args.n_expert as usize, args.k as usize);
+    if n > MOE_ROUTE_MAX_EXPERTS || k == 0 || k > n {
+        return Err(GpuError::Unsupported(format!(
+            "routing the top {k} of {n} experts on the device (at most {MOE_ROUTE_MAX_EXPERTS})"
+        )));
+    }
+    let log_end = (args.log_offset as usize + route_log_floats(n, k)) as u64 * 4;
+    if route.size() < route_floats(k) as u64 * 4 || log.size() < log_end {
+        return Err(GpuError::Unsupported(format!(
+            "routing buffers of {} and {} bytes for {k} of {n} experts",
+            route.size(),
+            log.size()
+        )));
+    }
+    Ok(())
 }
 
 /// RoPE angles of positions `0..positions` as the CPU computes them (`engine::ops::rope_cache`),

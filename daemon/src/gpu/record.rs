@@ -135,15 +135,20 @@ impl Kernels {
     }
 
     /// The shape for a product of `wtype` with `results.0` results (all experts' together),
-    /// each taking `results.1` rows of a workgroup (2 with SwiGLU): the tuned shape with fewer
-    /// rows where it would leave fewer than `min_groups` workgroups
-    /// ([`MatVecShape::for_results`]), unless [`Kernels::set_matvec_shape`] set one.
+    /// each taking `results.1` rows of a workgroup (2 with SwiGLU), `normed` when RMSNorm is
+    /// fused into it: the tuned shape with fewer rows where it would leave fewer than
+    /// [`MatVecShape::MIN_GROUPS`] workgroups ([`MatVecShape::MIN_GROUPS_NORMED`] when normed;
+    /// [`MatVecShape::for_results`]), unless [`Kernels::set_matvec_shape`] set one.
     pub fn matvec_shape_for(
         &self,
         wtype: WeightType,
         results: (usize, u32),
-        min_groups: usize,
+        normed: bool,
     ) -> MatVecShape {
+        let min_groups = match normed {
+            true => MatVecShape::MIN_GROUPS_NORMED,
+            false => MatVecShape::MIN_GROUPS,
+        };
         match *self.matvec_shape.lock() {
             Some(shape) => shape,
             None => MatVecShape::tuned(wtype).for_results(results.0, results.1, min_groups),
@@ -624,9 +629,9 @@ impl Recorder<'_> {
         &self,
         wtype: WeightType,
         results: (usize, u32),
-        min_groups: usize,
+        normed: bool,
     ) -> MatVecShape {
-        self.kernels.matvec_shape_for(wtype, results, min_groups)
+        self.kernels.matvec_shape_for(wtype, results, normed)
     }
 
     /// Records one dispatch of `shader` with `bindings` at bindings 0..n.
