@@ -99,14 +99,9 @@ impl Gpu {
 
 /// Asserts `got` is the f32 rounding of the exact dots of the dequantized rows with `x`.
 fn assert_exact(ty: GgmlType, data: &[u8], n_in: usize, x: &[f32], got: &[f32], what: &str) {
-    let rb = data.len() / got.len();
-    let mut w = vec![0f32; n_in];
+    let x: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
     for (r, &g) in got.iter().enumerate() {
-        dequantize_row(ty, &data[r * rb..(r + 1) * rb], &mut w).unwrap();
-        let (e, abs) = w.iter().zip(x).fold((0f64, 0f64), |(s, a), (&w, &x)| {
-            let p = f64::from(w) * f64::from(x);
-            (s + p, a + p.abs())
-        });
+        let (e, abs) = dot_row(ty, data, n_in, r, &x);
         assert!(
             (f64::from(g) - e).abs() <= 1e-5 * abs + 1e-6,
             "{ty} {what} row {r}: gpu {g} exact {e}"

@@ -164,6 +164,20 @@ fn exact_dots(ty: GgmlType, data: &[u8], n_in: usize, n_out: usize, x: &[f32]) -
         .collect()
 }
 
+/// The CPU engine's product of the rows `data` with `x` (its kernel quantizes `x` first for the
+/// quantized types, as ggml does).
+fn cpu_matvec(ty: GgmlType, data: &[u8], (n_in, n_out): (usize, usize), x: &[f32]) -> Vec<f32> {
+    let mref = MatRef {
+        ty,
+        n_in,
+        n_out,
+        data,
+    };
+    let mut y = vec![0f32; n_out];
+    matvec(&ThreadPool::new(2), mref, x, &mut y);
+    y
+}
+
 fn check_matvec(ty: GgmlType) {
     let Some(dev) = device() else { return };
     for gpu in Gpu::both(&dev) {
@@ -186,15 +200,7 @@ fn check_matvec(ty: GgmlType) {
         check_fused(&gpu, ty, (&data, n_in, n_out), &x);
 
         let exact = exact_dots(ty, &data, n_in, n_out, &x);
-        let pool = ThreadPool::new(2);
-        let mref = MatRef {
-            ty,
-            n_in,
-            n_out,
-            data: &data,
-        };
-        let mut cpu = vec![0f32; n_out];
-        matvec(&pool, mref, &x, &mut cpu);
+        let cpu = cpu_matvec(ty, &data, (n_in, n_out), &x);
         for (r, ((&g, &c), &(e, abs))) in got.iter().zip(&cpu).zip(&exact).enumerate() {
             // Against the exact dot of the same weights: f32 rounding only.
             assert!(
@@ -346,15 +352,7 @@ fn check_int_dot(ty: GgmlType) {
         let (xb, yb) = (gpu.f32s(&x), gpu.zeros(n_out));
         gpu.kernels.record(|r| r.matvec(&m, &xb, &yb)).unwrap();
         let got = yb.read_f32(n_out);
-        let pool = ThreadPool::new(2);
-        let mref = MatRef {
-            ty,
-            n_in,
-            n_out,
-            data: &data,
-        };
-        let mut cpu = vec![0f32; n_out];
-        matvec(&pool, mref, &x, &mut cpu);
+        let cpu = cpu_matvec(ty, &data, (n_in, n_out), &x);
         let exact = exact_dots(ty, &data, n_in, n_out, &x);
         for (r, ((&g, &c), &(_, abs))) in got.iter().zip(&cpu).zip(&exact).enumerate() {
             assert!(
@@ -369,7 +367,7 @@ fn check_int_dot(ty: GgmlType) {
         let eps = 1e-5;
         let mut xn = vec![0f32; n_in];
         ops::rms_norm(&x, &norm_w, eps, &mut xn);
-        matvec(&pool, mref, &xn, &mut cpu);
+        let cpu = cpu_matvec(ty, &data, (n_in, n_out), &xn);
         let normed = Fused {
             norm: Some((&nb, eps)),
             ..Fused::default()
