@@ -16,9 +16,10 @@
 //! takes in a chain of dependent ones. `fused=norm` takes an RMSNorm of the input in the product,
 //! `fused=glu` reads a SwiGLU stack of 2 × N_OUT rows (gate and up) and writes N_OUT results,
 //! `fused=add` adds into the output (`gpu::ops::Fused`). `types=Q4_0,Q8_0` limits the weight
-//! types.
+//! types. `intdot` runs Q4_0 and Q8_0 products in integer dot products where the device has them
+//! (inputs quantized to 8 bits in the kernel, as decode does by default).
 //!
-//! `cargo run --release -p spillway-bench --example vulkan_matvec [-- [tokens=T] [wg=64x4,...] [serial] [fused=norm|glu|add] [types=...] N_IN N_OUT ...]`
+//! `cargo run --release -p spillway-bench --example vulkan_matvec [-- [tokens=T] [wg=64x4,...] [serial] [intdot] [fused=norm|glu|add] [types=...] N_IN N_OUT ...]`
 
 use std::sync::Arc;
 
@@ -27,6 +28,7 @@ use spillway_daemon::gpu::ops::{Fused, GpuMatrix, MatVecShape};
 use spillway_daemon::gpu::{
     Allocator, Buffer, Device, Instance, Kernels, MatMulTile, MemoryUse, Uploader,
 };
+use spillway_shaders::Op;
 
 /// Bytes of `ty` rows whose scales are small and finite (the values do not matter here).
 fn rows(ty: GgmlType, n_in: usize, n_out: usize) -> Vec<u8> {
@@ -65,6 +67,8 @@ struct Mode {
     staged: bool,
     /// The cooperative-matrix product's tile (`tile=DEPTH`).
     tile: Option<MatMulTile>,
+    /// Q4_0 and Q8_0 products in integer dot products (`intdot`).
+    int_dot: bool,
 }
 
 fn main() {
@@ -77,6 +81,7 @@ fn main() {
         nocoop: false,
         staged: false,
         tile: None,
+        int_dot: false,
     };
     let mut types = vec![
         GgmlType::Q4_0,
@@ -111,6 +116,9 @@ fn main() {
                 false
             } else if a == "staged" {
                 mode.staged = true;
+                false
+            } else if a == "intdot" {
+                mode.int_dot = true;
                 false
             } else if a == "nocoop" {
                 mode.nocoop = true;
@@ -169,7 +177,7 @@ fn measure(
     shapes: &[Option<MatVecShape>],
 ) {
     let alloc = Allocator::new(device, None);
-    let kernels = Kernels::with_features(device, true, !mode.nocoop);
+    let kernels = Kernels::with_int_dot(device, (true, !mode.nocoop), mode.int_dot);
     kernels.set_matmul_tile(mode.tile).unwrap();
     // A GLU stack holds the gate and the up matrix.
     let data = rows(ty, n_in, if mode.glu { 2 * n_out } else { n_out });
@@ -223,7 +231,15 @@ fn measure(
         let per = best as f64 / copies as f64;
         let gbs = data.len() as f64 / per;
         let wtype = spillway_daemon::gpu::ops::weight_type(ty).unwrap();
-        let used = kernels.matvec_shape(wtype);
+        let used = match shape {
+            Some(shape) => shape,
+            None => kernels.matvec_shape_for(
+                (Op::MatVec, wtype),
+                (n_out, if mode.glu { 2 } else { 1 }),
+                mode.norm,
+                n_in,
+            ),
+        };
         let label = match (tokens, shape) {
             (1, None) => format!(
                 "{}x{} (tuned){}{}{}{}",

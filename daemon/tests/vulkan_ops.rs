@@ -345,7 +345,17 @@ fn check_int_dot(ty: GgmlType) {
             kernels,
             ..Gpu::new(&dev)
         };
-        let (n_in, n_out) = (1024, 300);
+        // The kernels take an invocation a block of 32 inputs (`MatVecShape::int_dot`): 32
+        // invocations for 1024 inputs, 256 for 5120 (160 blocks: some invocations have none).
+        for n_in in [1024, 5120] {
+            check_int_dot_width(&gpu, ty, sg, n_in);
+        }
+    }
+}
+
+fn check_int_dot_width(gpu: &Gpu, ty: GgmlType, sg: bool, n_in: usize) {
+    {
+        let n_out = 300;
         let data = weight_rows(ty, n_in, n_out, 31);
         let x: Vec<f32> = noise(n_in, 32).iter().map(|v| v * 3.0).collect();
         let m = gpu.matrix(ty, n_in, n_out, &data);
@@ -357,7 +367,7 @@ fn check_int_dot(ty: GgmlType) {
         for (r, ((&g, &c), &(_, abs))) in got.iter().zip(&cpu).zip(&exact).enumerate() {
             assert!(
                 (f64::from(g) - f64::from(c)).abs() <= 1e-5 * abs + 1e-5,
-                "{ty} subgroups {sg} row {r}: gpu {g} cpu {c}"
+                "{ty} subgroups {sg} width {n_in} row {r}: gpu {g} cpu {c}"
             );
         }
         // With RMSNorm fused the kernel quantizes x times the norm's weights and scales the sums
@@ -381,7 +391,7 @@ fn check_int_dot(ty: GgmlType) {
         {
             assert!(
                 (f64::from(g) - f64::from(c)).abs() <= 2e-3 * abs + 1e-5,
-                "{ty} subgroups {sg} row {r}: fused norm gpu {g} cpu {c}"
+                "{ty} subgroups {sg} width {n_in} row {r}: fused norm gpu {g} cpu {c}"
             );
         }
     }

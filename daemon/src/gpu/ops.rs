@@ -141,6 +141,25 @@ impl MatVecShape {
         MatVecShape { threads, rows }
     }
 
+    /// The shape of the integer-dot-product kernels for rows of `blocks` blocks of 32 weights
+    /// (times the experts summed, for a sum over experts): eight rows and an invocation per block
+    /// up to 256 (at least 32). Each invocation quantizes its blocks of inputs before it can
+    /// multiply, a chain of dependent steps that the f32 kernel does not have; with the f32
+    /// kernel's 64 invocations a 14336-wide row takes seven of those chains one after the other,
+    /// and in a decode step, where each product waits for the one before, that latency shows.
+    /// Measured on the H200 in such a chain (`vulkan_matvec serial intdot wg=...`,
+    /// `bench/RESULTS.md`, 2026-12-03): 14336 × 4096 Q4_0 31.8 µs at 64 × 8, 20.7 µs at 256 × 8;
+    /// 4096 × 4096 12.6 µs at 64 × 8, 10.2 µs at 128 × 8.
+    pub fn int_dot(blocks: usize) -> MatVecShape {
+        let threads = blocks
+            .next_power_of_two()
+            .clamp(32, Self::MAX_THREADS as usize);
+        MatVecShape {
+            threads: threads as u32,
+            rows: Self::MAX_ROWS,
+        }
+    }
+
     /// Workgroups below which a product takes fewer rows a workgroup (see
     /// [`MatVecShape::for_results`]).
     pub const MIN_GROUPS: usize = 512;
@@ -399,7 +418,8 @@ impl Recorder<'_> {
         // With GLU a workgroup's rows are half gate rows, half up rows.
         let glu_rows = if fused.glu { 2 } else { 1 };
         let results = (n / glu_rows as usize, glu_rows);
-        let shape = self.matvec_shape_for(w.wtype, results, fused.norm.is_some());
+        let shape =
+            self.matvec_shape_for((Op::MatVec, w.wtype), results, fused.norm.is_some(), w.n_in);
         let rows = shape.rows.max(glu_rows) & !(glu_rows - 1);
         let per_group = rows / glu_rows;
         let spec = [
@@ -557,7 +577,14 @@ impl Recorder<'_> {
         let glu_rows = if fused.glu_up_rows.is_some() { 2 } else { 1 };
         let summed = fused.sum_weights_at.is_some();
         let results = if summed { rows } else { rows * count as usize };
-        let shape = self.matvec_shape_for(w.wtype, (results, glu_rows), fused.norm.is_some());
+        // A sum over experts walks the blocks of all of them.
+        let walked = w.n_in * if summed { count as usize } else { 1 };
+        let shape = self.matvec_shape_for(
+            (Op::MatVecId, w.wtype),
+            (results, glu_rows),
+            fused.norm.is_some(),
+            walked,
+        );
         let n_rows = shape.rows.max(glu_rows) & !(glu_rows - 1);
         let spec = [
             shape.threads,
@@ -1115,5 +1142,17 @@ mod tests {
         assert_eq!(rows(100, 2, MatVecShape::MIN_GROUPS), 2);
         assert_eq!(rows(8 * 768, 2, MatVecShape::MIN_GROUPS_NORMED), 8);
         assert_eq!(tuned.for_results(1, 1, 512).threads, 64);
+    }
+
+    #[test]
+    fn integer_dot_shapes_take_an_invocation_a_block() {
+        let threads = |blocks| MatVecShape::int_dot(blocks).threads;
+        assert_eq!(threads(4096 / 32), 128);
+        assert_eq!(threads(14336 / 32), 256);
+        assert_eq!(threads(2048 / 32), 64);
+        assert_eq!(threads(1), 32);
+        for blocks in [1, 24, 64, 100, 448, 100_000] {
+            MatVecShape::int_dot(blocks).check().unwrap();
+        }
     }
 }

@@ -134,25 +134,38 @@ impl Kernels {
             .unwrap_or_else(|| MatVecShape::tuned(wtype))
     }
 
-    /// The shape for a product of `wtype` with `results.0` results (all experts' together),
+    /// The shape for a product `op` of `wtype` with `results.0` results (all experts' together),
     /// each taking `results.1` rows of a workgroup (2 with SwiGLU), `normed` when RMSNorm is
-    /// fused into it: the tuned shape with fewer rows where it would leave fewer than
-    /// [`MatVecShape::MIN_GROUPS`] workgroups ([`MatVecShape::MIN_GROUPS_NORMED`] when normed;
-    /// [`MatVecShape::for_results`]), unless [`Kernels::set_matvec_shape`] set one.
+    /// fused into it, its rows `n_in` weights long (times the experts summed, for a sum over
+    /// experts): the tuned shape ([`MatVecShape::int_dot`] for the integer-dot-product kernels)
+    /// with fewer rows where it would leave fewer than [`MatVecShape::MIN_GROUPS`] workgroups
+    /// ([`MatVecShape::MIN_GROUPS_NORMED`] when normed; [`MatVecShape::for_results`]), unless
+    /// [`Kernels::set_matvec_shape`] set one.
     pub fn matvec_shape_for(
         &self,
-        wtype: WeightType,
+        (op, wtype): (Op, WeightType),
         results: (usize, u32),
         normed: bool,
+        n_in: usize,
     ) -> MatVecShape {
         let min_groups = match normed {
             true => MatVecShape::MIN_GROUPS_NORMED,
             false => MatVecShape::MIN_GROUPS,
         };
-        match *self.matvec_shape.lock() {
-            Some(shape) => shape,
-            None => MatVecShape::tuned(wtype).for_results(results.0, results.1, min_groups),
+        if let Some(shape) = *self.matvec_shape.lock() {
+            return shape;
         }
+        let tuned = match self.runs_int_dot(op, wtype) {
+            true => MatVecShape::int_dot(n_in.div_ceil(32)),
+            false => MatVecShape::tuned(wtype),
+        };
+        tuned.for_results(results.0, results.1, min_groups)
+    }
+
+    /// Whether `op` on `wtype` rows runs an integer-dot-product variant.
+    fn runs_int_dot(&self, op: Op, wtype: WeightType) -> bool {
+        self.variant(op, Some(wtype))
+            .is_ok_and(|id| matches!(id.info().feature, Feature::IntDot | Feature::IntDotSubgroup))
     }
 
     /// Whether the cooperative-matrix variants are in use.
@@ -627,11 +640,12 @@ impl Recorder<'_> {
     /// The shape for a product's results (see [`Kernels::matvec_shape_for`]).
     pub fn matvec_shape_for(
         &self,
-        wtype: WeightType,
+        op: (Op, WeightType),
         results: (usize, u32),
         normed: bool,
+        n_in: usize,
     ) -> MatVecShape {
-        self.kernels.matvec_shape_for(wtype, results, normed)
+        self.kernels.matvec_shape_for(op, results, normed, n_in)
     }
 
     /// Records one dispatch of `shader` with `bindings` at bindings 0..n.
