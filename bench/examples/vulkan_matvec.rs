@@ -6,7 +6,7 @@
 //! counts the weights once per product, and the last column gives TFLOPS (2 · n_in · n_out · T
 //! per product). It uses cooperative matrices where the device has them; `nocoop` measures the
 //! f32 kernel instead, `staged` dequantizes each matrix to f16 first and multiplies that
-//! (`Recorder::matvec_batch_rows_staged`, the dequantization included in the time), and `tile=DEPTH` the inputs per step of its tile (32, 64 or 128).
+//! (`Recorder::matvec_batch_rows_staged`, the dequantization included in the time), and `tile=DEPTH[xROWS]` the inputs per step of its tile (32, 64 or 128) and its rows (64 or 128).
 //!
 //! With `wg=THREADSxROWS,...`, each one-token product is measured with each of these workgroup
 //! shapes of `matvec.comp` in turn (the matrices uploaded once), instead of the tuned shape.
@@ -110,8 +110,10 @@ fn main() {
                     .collect();
                 false
             } else if let Some(t) = a.strip_prefix("tile=") {
+                let (depth, rows) = t.split_once('x').unwrap_or((t, "64"));
                 mode.tile = Some(MatMulTile {
-                    depth: t.parse().unwrap(),
+                    depth: depth.parse().unwrap(),
+                    rows: rows.parse().unwrap(),
                 });
                 false
             } else if a == "staged" {
@@ -254,7 +256,7 @@ fn measure(
             _ if kernels.uses_coopmat() => {
                 let t = kernels.matmul_tile();
                 let how = if mode.staged { "staged f16" } else { "coopmat" };
-                format!("batch, {how}, {} deep", t.depth)
+                format!("batch, {how}, {} rows, {} deep", t.rows, t.depth)
             }
             _ => "batch".into(),
         };

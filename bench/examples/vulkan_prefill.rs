@@ -35,8 +35,11 @@ fn main() {
         ..GpuModelOptions::default()
     };
     let mut coop = GpuModel::new(&device, &model, &options).unwrap();
+    // The f32 kernels throughout, token by token too: decode's products in integer dot
+    // products would quantize the inputs that the prompt's products take as floats.
     let f32_options = GpuModelOptions {
         coopmat: false,
+        int_dot: false,
         ..options.clone()
     };
     let mut plain = GpuModel::new(&device, &model, &f32_options).unwrap();

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use spillway_daemon::calibrate::random_matrix;
 use spillway_daemon::gguf::GgmlType;
 use spillway_daemon::gpu::ops::GpuMatrix;
-use spillway_daemon::gpu::{Allocator, Buffer, Device, Kernels, MemoryUse, Uploader};
+use spillway_daemon::gpu::{Allocator, Buffer, Device, Kernels, MatMulTile, MemoryUse, Uploader};
 
 fn device() -> Option<Arc<Device>> {
     spillway_daemon::gpu::device_or_skip()
@@ -93,6 +93,48 @@ fn check(ty: GgmlType) {
             &want,
             &format!("{ty} × {n_tok} tokens"),
         );
+    }
+}
+
+#[test]
+fn every_tile_of_the_cooperative_matrix_product_gives_the_same_products() {
+    // Rows and tokens past the last whole tile, depths that do and do not divide the row, each
+    // tile the device's shared memory holds. Where the device has no cooperative matrices the
+    // tile is not used and this checks the f32 kernel.
+    let Some(dev) = device() else { return };
+    for ty in [GgmlType::Q4_0, GgmlType::Q4K] {
+        let (n_in, n_out, n_tok) = (768, 200, 70);
+        let s = setup(&dev, ty, n_in, n_out);
+        let xs = inputs(n_tok * n_in, 5);
+        let want = one_by_one(&s, &xs, n_tok);
+        let x = host(&s, &xs);
+        for rows in [64, 128] {
+            for depth in [32, 64, 128] {
+                let tile = MatMulTile { depth, rows };
+                if tile.check_on(&dev).is_err() {
+                    // Over the device's shared memory: refused, never run.
+                    assert!(s.kernels.set_matmul_tile(Some(tile)).is_err(), "{tile:?}");
+                    continue;
+                }
+                s.kernels.set_matmul_tile(Some(tile)).unwrap();
+                let y = host(&s, &vec![f32::NAN; n_tok * n_out]);
+                s.kernels
+                    .record(|r| r.matvec_batch(&s.w, &x, &y, n_tok))
+                    .unwrap();
+                let got = y.read_f32(n_tok * n_out);
+                assert_close(&s, &got, &want, &format!("{ty} {tile:?}"));
+            }
+        }
+        if s.kernels.uses_coopmat() {
+            MatMulTile::TUNED.check_on(&dev).unwrap();
+        }
+        for bad in [(64, 32), (48, 64), (64, 256)] {
+            let tile = MatMulTile {
+                depth: bad.0,
+                rows: bad.1,
+            };
+            assert!(s.kernels.set_matmul_tile(Some(tile)).is_err(), "{tile:?}");
+        }
     }
 }
 

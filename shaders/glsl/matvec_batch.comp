@@ -23,7 +23,7 @@
 //
 // With the ACCUMULATE specialization constant the products are added to Y (the residual sums).
 
-layout(local_size_x_id = 0) in; // base: 256; COOPMAT: 4 subgroups
+layout(local_size_x_id = 0) in; // base: 256; COOPMAT: 2 · ROW_GROUPS subgroups
 layout(constant_id = 1) const uint ACCUMULATE = 0u;
 
 
@@ -125,18 +125,23 @@ void main() {
 
 #else // COOPMAT
 
-// Four subgroups in a 2 × 2 grid, each 2 × 2 blocks of 16 × 16 results: a tile of 64 rows by 64
-// tokens. The blocks are four named matrices, not an array: indexed ones cost a third of the
-// speed on the H200 (`bench/RESULTS.md`).
-#define BM_ 64u
-#define BN_ 64u
+// Subgroups in a ROW_GROUPS × 2 grid, each 2 × 2 blocks of 16 × 16 results: a tile of 32 ·
+// ROW_GROUPS rows by 64 tokens. The blocks are four named matrices, not an array: indexed ones
+// cost a third of the speed on the H200 (`bench/RESULTS.md`). The shared tiles are single
+// buffers, filled and read between two barriers a step: double buffers (the next step's tiles
+// filled while the matrix units work on this one's, one barrier a step) measured slower on the
+// H200, 69 → 51 TFLOPS for Q4_0 4096 × 4096 (`bench/RESULTS.md`, 2026-12-04).
 // Inputs per step (32, 64 or 128).
 layout(constant_id = 2) const uint BK = 64u;
+// Subgroup rows of the tile (2 or 4).
+layout(constant_id = 3) const uint ROW_GROUPS = 2u;
+const uint BM_ = 32u * ROW_GROUPS;
+#define BN_ 64u
 // Rows of the shared tiles are padded by 8 halves (16 bytes) against bank conflicts.
 const uint BKP = BK + 8u;
 shared float16_t ws[BM_ * BKP]; // ws[r * BKP + k]: A, row-major
 shared float16_t xs[BN_ * BKP]; // xs[t * BKP + k]: B (k × tokens), column-major
-shared float cs[4u * 256u];     // one 16×16 result block per subgroup, on its way out
+shared float cs[2u * ROW_GROUPS * 256u]; // one 16×16 result block per subgroup, on its way out
 
 #define ACC coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>
 #define MAT_A coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA>
@@ -157,12 +162,12 @@ void put_block(ACC c, uint sg, uint lane, uint r, uint t) {
 
 void main() {
     const uint tid = gl_LocalInvocationID.x;
-    const uint sg = gl_SubgroupID; // 0..3: a quarter of the tile
+    const uint sg = gl_SubgroupID; // its 32 × 32 results of the tile
     const uint lane = gl_SubgroupInvocationID;
     const uint r0 = gl_WorkGroupID.x * BM_;
     const uint t0 = gl_WorkGroupID.y * BN_;
-    const uint rb = (sg % 2u) * 32u;
-    const uint tb = (sg / 2u) * 32u;
+    const uint rb = (sg % ROW_GROUPS) * 32u;
+    const uint tb = (sg / ROW_GROUPS) * 32u;
 #if !defined(F16_MATRIX)
     const uint row_len = row_bytes(p.n_in);
 #endif

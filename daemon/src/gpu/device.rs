@@ -145,6 +145,11 @@ impl Device {
         &self.info
     }
 
+    /// Shared memory a compute workgroup may declare, in bytes.
+    pub fn max_shared_memory(&self) -> u32 {
+        self.limits.max_compute_shared_memory_size
+    }
+
     /// Largest range one storage-buffer binding may cover (128 MiB on lavapipe).
     pub fn max_storage_buffer_range(&self) -> u64 {
         self.limits.max_storage_buffer_range.into()

@@ -169,7 +169,12 @@ impl Recorder<'_> {
         }
         let id = self.variant(Op::Matmul, None)?;
         let t = self.matmul_tile();
-        let spec = [4 * self.subgroup_size(), accumulate as u32, t.depth];
+        let spec = [
+            t.subgroups() * self.subgroup_size(),
+            accumulate as u32,
+            t.depth,
+            t.rows / 32,
+        ];
         let push = MatVecBatchParams {
             n_in: n_in as u32,
             n_rows: n_rows as u32,
@@ -180,7 +185,7 @@ impl Recorder<'_> {
             y_stride: y_stride as u32,
         };
         let groups = [
-            (n_rows as u32).div_ceil(MatMulTile::ROWS),
+            (n_rows as u32).div_ceil(t.rows),
             (n_tok as u32).div_ceil(MatMulTile::TOKENS),
             1,
         ];
@@ -245,10 +250,15 @@ impl Recorder<'_> {
         // Workgroup size, then tile rows and tokens: the f32 kernel's are fixed.
         let (spec, tile_rows, tile_tokens) = if id.info().feature == Feature::CoopMat {
             let t = self.matmul_tile();
-            let spec = [4 * self.subgroup_size(), accumulate as u32, t.depth];
-            (spec, MatMulTile::ROWS, MatMulTile::TOKENS)
+            let spec = [
+                t.subgroups() * self.subgroup_size(),
+                accumulate as u32,
+                t.depth,
+                t.rows / 32,
+            ];
+            (spec, t.rows, MatMulTile::TOKENS)
         } else {
-            ([256, accumulate as u32, 64], TILE_ROWS, TILE_TOKENS)
+            ([256, accumulate as u32, 64, 2], TILE_ROWS, TILE_TOKENS)
         };
         for chunk in chunks {
             let push = MatVecBatchParams {

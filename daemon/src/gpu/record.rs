@@ -38,27 +38,60 @@ pub struct Kernels {
     matmul_tile: Mutex<Option<MatMulTile>>,
 }
 
-/// The tile of the cooperative-matrix products (`matvec_batch.comp`): 64 rows × 64 tokens per
-/// workgroup, `depth` inputs taken into shared memory at each step.
+/// The tile of the cooperative-matrix products (`matvec_batch.comp`): `rows` rows × 64 tokens
+/// per workgroup (a subgroup per 32 × 32 results), `depth` inputs taken into shared memory at
+/// each step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MatMulTile {
     /// 32, 64 or 128.
     pub depth: u32,
+    /// 64 or 128.
+    pub rows: u32,
 }
 
 impl MatMulTile {
-    /// Rows and tokens of a workgroup's tile.
-    pub const ROWS: u32 = 64;
+    /// Tokens of a workgroup's tile.
     pub const TOKENS: u32 = 64;
 
     /// Measured best on the H200 for prompts of 512 tokens (`bench/RESULTS.md`).
-    pub const TUNED: MatMulTile = MatMulTile { depth: 64 };
+    pub const TUNED: MatMulTile = MatMulTile {
+        depth: 64,
+        rows: 64,
+    };
+
+    /// Subgroups of a workgroup.
+    pub fn subgroups(self) -> u32 {
+        (self.rows / 32) * (Self::TOKENS / 32)
+    }
+
+    /// Shared memory of `matvec_batch.comp` with this tile: f16 weights and inputs (rows padded
+    /// by 8 halves) and a 16 × 16 block of f32 results per subgroup.
+    pub fn shared_bytes(self) -> u32 {
+        let padded = self.depth + 8;
+        (self.rows + Self::TOKENS) * padded * 2 + self.subgroups() * 256 * 4
+    }
+
+    /// Refuses tiles the kernel cannot run on `device`, over its shared memory.
+    pub fn check_on(self, device: &Device) -> Result<()> {
+        self.check()?;
+        let shared_memory = device.max_shared_memory();
+        if self.shared_bytes() > shared_memory {
+            return Err(GpuError::Unsupported(format!(
+                "a product tile of {} rows, {} inputs deep: {} bytes of shared memory, the \
+                 device has {shared_memory}",
+                self.rows,
+                self.depth,
+                self.shared_bytes()
+            )));
+        }
+        Ok(())
+    }
 
     pub fn check(self) -> Result<()> {
-        if ![32, 64, 128].contains(&self.depth) {
+        if ![32, 64, 128].contains(&self.depth) || ![64, 128].contains(&self.rows) {
             return Err(GpuError::Unsupported(format!(
-                "a product tile {} inputs deep (32, 64 or 128)",
-                self.depth
+                "a product tile of {} rows, {} inputs deep (64 or 128 rows; 32, 64 or 128 deep)",
+                self.rows, self.depth
             )));
         }
         Ok(())
@@ -116,7 +149,7 @@ impl Kernels {
     /// one again with `None`.
     pub fn set_matmul_tile(&self, tile: Option<MatMulTile>) -> Result<()> {
         if let Some(t) = tile {
-            t.check()?;
+            t.check_on(&self.device)?;
         }
         *self.matmul_tile.lock() = tile;
         Ok(())
@@ -124,7 +157,16 @@ impl Kernels {
 
     /// The cooperative-matrix product's tile.
     pub fn matmul_tile(&self) -> MatMulTile {
-        self.matmul_tile.lock().unwrap_or(MatMulTile::TUNED)
+        self.matmul_tile.lock().unwrap_or_else(|| {
+            // A device with less shared memory than the tuned tile needs takes a shallower one.
+            match MatMulTile::TUNED.check_on(&self.device) {
+                Ok(()) => MatMulTile::TUNED,
+                Err(_) => MatMulTile {
+                    depth: 32,
+                    ..MatMulTile::TUNED
+                },
+            }
+        })
     }
 
     /// The matrix-vector workgroup shape for `wtype`.
