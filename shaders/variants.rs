@@ -51,6 +51,11 @@ pub enum Op {
     /// One token's attention over the f16 KV cache (GQA), a run of positions per workgroup,
     /// the runs joined by the last of each head's.
     Attention,
+    /// [`Op::Attention`] of one token whose Q, K and V are not yet roped: QK-norm, RoPE (pairs
+    /// adjacent) and the KV-cache append in the same dispatch.
+    AttentionRopeNorm,
+    /// [`Op::AttentionRopeNorm`] with RoPE over halves (the Qwen family).
+    AttentionRopeNeox,
 }
 
 #[allow(dead_code)] // build.rs does not call it.
@@ -69,6 +74,7 @@ impl Op {
             Op::RopeNorm | Op::RopeNeox => 7,
             Op::KvStore => 5,
             Op::Attention => 7,
+            Op::AttentionRopeNorm | Op::AttentionRopeNeox => 12,
         }
     }
 }
@@ -174,6 +180,8 @@ pub const VARIANTS: &[Variant] = &[
     v("softmax", "softmax.comp", Op::Softmax, None, Feature::Base, &[]),
     v("kv_store", "kv_store.comp", Op::KvStore, None, Feature::Base, &[]),
     v("attention", "attention.comp", Op::Attention, None, Feature::Base, &[]),
+    v("attention_rope_norm", "attention.comp", Op::AttentionRopeNorm, None, Feature::Base, &[("ROPE_IN", "1")]),
+    v("attention_rope_neox", "attention.comp", Op::AttentionRopeNeox, None, Feature::Base, &[("ROPE_IN", "1"), ("ROPE_NEOX", "1")]),
     v("matvec_f32_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::F32), Feature::Subgroup, &[("WTYPE_F32", "1"), SG]),
     v("matvec_f16_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::F16), Feature::Subgroup, &[("WTYPE_F16", "1"), SG]),
     v("matvec_q8_0_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::Q8_0), Feature::Subgroup, &[("WTYPE_Q8_0", "1"), SG]),
@@ -185,6 +193,8 @@ pub const VARIANTS: &[Variant] = &[
     v("rope_neox_subgroup", "rope.comp", Op::RopeNeox, None, Feature::Subgroup, &[("ROPE_NEOX", "1"), SG]),
     v("softmax_subgroup", "softmax.comp", Op::Softmax, None, Feature::Subgroup, &[SG]),
     v("attention_subgroup", "attention.comp", Op::Attention, None, Feature::Subgroup, &[SG]),
+    v("attention_rope_norm_subgroup", "attention.comp", Op::AttentionRopeNorm, None, Feature::Subgroup, &[("ROPE_IN", "1"), SG]),
+    v("attention_rope_neox_subgroup", "attention.comp", Op::AttentionRopeNeox, None, Feature::Subgroup, &[("ROPE_IN", "1"), ("ROPE_NEOX", "1"), SG]),
     v("matvec_batch_f32", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::F32), Feature::Base, &[("WTYPE_F32", "1")]),
     v("matvec_batch_f16", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::F16), Feature::Base, &[("WTYPE_F16", "1")]),
     v("matvec_batch_q8_0", "matvec_batch.comp", Op::MatVecBatch, Some(WeightType::Q8_0), Feature::Base, &[("WTYPE_Q8_0", "1")]),

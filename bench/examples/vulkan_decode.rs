@@ -6,8 +6,9 @@
 //! host (a read-back per layer) even with every expert in VRAM, to compare with the device's
 //! routing. Decode is timed three times each way, alternating: steps replayed from one recording,
 //! steps recorded anew (`GpuModelOptions::replay`), and steps replayed with f32 dots for every
-//! weight type (`GpuModelOptions::int_dot` off: Q4_0 and Q8_0 products without integer dot products);
-//! the medians are printed.
+//! weight type (`GpuModelOptions::int_dot` off: Q4_0 and Q8_0 products without integer dot products),
+//! and steps replayed with RoPE in a dispatch before the attention's
+//! (`GpuModelOptions::rope_in_attention` off); the medians are printed.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -61,6 +62,15 @@ fn main() {
         },
     )
     .unwrap();
+    let mut rope_apart = GpuModel::new(
+        &device,
+        &model,
+        &GpuModelOptions {
+            rope_in_attention: false,
+            ..options.clone()
+        },
+    )
+    .unwrap();
     let budget = gpu.allocator().budget();
     println!(
         "{preset} {}: uploaded in {:.2} s, {:.0} MiB of device memory held, on {}, MoE routed on the {}, integer dots {}",
@@ -106,11 +116,13 @@ fn main() {
         }
         n_tokens as f64 / t0.elapsed().as_secs_f64()
     };
-    let (mut replayed, mut anew, mut floats) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut replayed, mut anew, mut floats, mut apart) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..3 {
         replayed.push(time(&mut gpu));
         anew.push(time(&mut recorded));
         floats.push(time(&mut float_dots));
+        apart.push(time(&mut rope_apart));
     }
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
@@ -118,10 +130,11 @@ fn main() {
     };
     let st = gpu.last_stats();
     println!(
-        "decode: {n_tokens} tokens, median of 3: replayed {:.1} tok/s, recorded each step {:.1} tok/s, replayed with f32 dots {:.1} tok/s ({} dispatches, {} barriers, {} submits per token)",
+        "decode: {n_tokens} tokens, median of 3: replayed {:.1} tok/s, recorded each step {:.1} tok/s, replayed with f32 dots {:.1} tok/s, replayed with RoPE in its own dispatch {:.1} tok/s ({} dispatches, {} barriers, {} submits per token)",
         median(&mut replayed),
         median(&mut anew),
         median(&mut floats),
+        median(&mut apart),
         st.dispatches,
         st.barriers,
         st.submits

@@ -28,13 +28,28 @@ layout(local_size_x = 128) in;
 layout(constant_id = 0) const uint HEAD_DIM = 128u;
 
 layout(std430, binding = 0) readonly buffer Q { float q[]; };
+#if defined(ROPE_IN)
+// The new token's K and V are written here (by one workgroup per KV head): not read-only.
+layout(std430, binding = 1) buffer KCache { uvec4 k4[]; };
+layout(std430, binding = 1) buffer KCacheWords { uint k_words[]; };
+layout(std430, binding = 2) buffer VCache { uint v_cache[]; };
+#else
 layout(std430, binding = 1) readonly buffer KCache { uvec4 k4[]; };
 layout(std430, binding = 2) readonly buffer VCache { uint v_cache[]; };
+#endif
 // Read back by the head's last run: coherent, so the reads see other workgroups' writes.
 layout(std430, binding = 3) coherent buffer Part { float part[]; };
 layout(std430, binding = 4) readonly buffer Step { uint step[]; };
 layout(std430, binding = 5) writeonly buffer Out { float dst[]; };
 layout(std430, binding = 6) coherent buffer Done { uint done[]; };
+
+#if defined(ROPE_IN)
+layout(std430, binding = 7) readonly buffer KNew { float k_new[]; };
+layout(std430, binding = 8) readonly buffer VNew { float v_new[]; };
+layout(std430, binding = 9) readonly buffer QNorm { float q_norm[]; };
+layout(std430, binding = 10) readonly buffer KNorm { float k_norm[]; };
+layout(std430, binding = 11) readonly buffer Table { float table[]; };
+#endif
 
 layout(push_constant) uniform Params {
     uint head_dim;  // HEAD_DIM
@@ -43,6 +58,12 @@ layout(push_constant) uniform Params {
     uint capacity;  // positions the caches hold
     float scale;
     uint step_index;
+#if defined(ROPE_IN)
+    uint n_rot;     // rotated dimensions of a head
+    uint n_pos;     // positions in the angle table
+    float eps;      // the QK-norm's
+    uint qk_norm;   // 1: RMSNorm each head with q_norm / k_norm first
+#endif
 } p;
 
 #include "reduce.glsl"
@@ -54,6 +75,58 @@ shared bool last_run;
 float round_f16(float v) {
     return unpackHalf2x16(packHalf2x16(vec2(v, 0.0))).x;
 }
+
+#if defined(ROPE_IN)
+// With ROPE_IN (one token: decode) the kernel takes Q, K and V as the products wrote them and
+// does what `rope.comp` does before it: the QK-norm of each head, RoPE at the position (pairs
+// adjacent, or halves with ROPE_NEOX), and the KV-cache append. Every workgroup ropes its query
+// head; the workgroups of the run that holds the new position also rope their KV head's new key,
+// and take the new key and value from registers rather than from the cache, which the first
+// query head of each KV head writes in the same dispatch (no workgroup reads that row). One
+// dependent dispatch fewer a layer than RoPE, then attention.
+shared float kh[HEAD_DIM];
+
+// `h` (HEAD_DIM floats at `base` of q or of k_new) QK-normed with `w` and roped at `pos`, into
+// `dst`, each value rounded to f16 as the cache and the query are. Uniform control flow.
+#define ROPE_HEAD(SRC, NORM_W, DST)                                                             \
+    {                                                                                           \
+        float ss = 0.0;                                                                         \
+        for (uint d = tid; d < HEAD_DIM; d += WG) {                                             \
+            const float v = SRC[base + d];                                                      \
+            DST[d] = v;                                                                         \
+            ss += v * v;                                                                        \
+        }                                                                                       \
+        if (p.qk_norm != 0u) {                                                                  \
+            const float scale = 1.0 / sqrt(wg_sum(ss) / float(HEAD_DIM) + p.eps);               \
+            for (uint d = tid; d < HEAD_DIM; d += WG) {                                         \
+                DST[d] = (DST[d] * scale) * NORM_W[d];                                          \
+            }                                                                                   \
+        }                                                                                       \
+        barrier();                                                                              \
+        const uint half_rot = p.n_rot / 2u;                                                     \
+        const uint at = min(pos, p.n_pos - 1u);                                                 \
+        for (uint i = tid; i < half_rot; i += WG) {                                             \
+            const uint a = ROPE_A(i), b = ROPE_B(i);                                            \
+            const float c = table[(at * half_rot + i) * 2u];                                    \
+            const float sn = table[(at * half_rot + i) * 2u + 1u];                              \
+            const float x0 = DST[a], x1 = DST[b];                                               \
+            DST[a] = x0 * c - x1 * sn;                                                          \
+            DST[b] = x0 * sn + x1 * c;                                                          \
+        }                                                                                       \
+        barrier();                                                                              \
+        for (uint d = tid; d < HEAD_DIM; d += WG) {                                             \
+            DST[d] = round_f16(DST[d]);                                                         \
+        }                                                                                       \
+        barrier();                                                                              \
+    }
+#if defined(ROPE_NEOX)
+#define ROPE_A(i) (i)
+#define ROPE_B(i) ((i) + half_rot)
+#else
+#define ROPE_A(i) (2u * (i))
+#define ROPE_B(i) (2u * (i) + 1u)
+#endif
+#endif
 
 void main() {
     const uint h = gl_WorkGroupID.x;
@@ -69,13 +142,47 @@ void main() {
     const uint count = min(SPLIT, n_kv - t0);
     const uint tid = gl_LocalInvocationID.x;
     const uint kv_off = (h / p.group) * HEAD_DIM; // in halves, within a cache row
+#if defined(ROPE_IN)
+    const uint pos = step[p.step_index];
+    // This run holds the new position (the last of the positions that attend): its key and
+    // value come from k_new and v_new, and the cache row is written, not read.
+    const bool fresh = pos < p.capacity && t0 + count == pos + 1u;
+    {
+        const uint base = h * HEAD_DIM;
+        ROPE_HEAD(q, q_norm, qh)
+    }
+    if (fresh) {
+        const uint base = kv_off;
+        ROPE_HEAD(k_new, k_norm, kh)
+        if (h % p.group == 0u) {
+            const uint row = (pos * p.kv_width + kv_off) / 2u;
+            for (uint w = tid; w < HEAD_DIM / 2u; w += WG) {
+                k_words[row + w] = packHalf2x16(vec2(kh[2u * w], kh[2u * w + 1u]));
+                v_cache[row + w] = packHalf2x16(vec2(v_new[kv_off + 2u * w], v_new[kv_off + 2u * w + 1u]));
+            }
+        }
+    }
+    // Positions read from the cache.
+    const uint cached = fresh ? count - 1u : count;
+#else
     for (uint d = tid; d < HEAD_DIM; d += WG) {
         qh[d] = round_f16(q[(tok * n_heads + h) * HEAD_DIM + d]);
     }
     barrier();
+    const uint cached = count;
+#endif
 
     float s = uintBitsToFloat(0xFF800000u); // -inf
-    if (tid < count) {
+#if defined(ROPE_IN)
+    if (tid == cached && fresh) {
+        float acc = 0.0;
+        for (uint d = 0u; d < HEAD_DIM; d += 2u) {
+            acc += qh[d] * kh[d] + qh[d + 1u] * kh[d + 1u];
+        }
+        s = acc * p.scale;
+    }
+#endif
+    if (tid < cached) {
         // Eight halves a load: kv_width and the offset are multiples of 8 halves.
         const uint row = ((t0 + tid) * p.kv_width + kv_off) / 8u;
         uvec4 kw[HEAD_DIM / 8u];
@@ -103,7 +210,7 @@ void main() {
         // Four positions a round, their loads issued together.
         float acc = 0.0;
         uint j = 0u;
-        for (; j + 4u <= count; j += 4u) {
+        for (; j + 4u <= cached; j += 4u) {
             float v[4];
             [[unroll]] for (uint u = 0u; u < 4u; ++u) {
                 const uint w = v_cache[((t0 + j + u) * p.kv_width + at) / 2u];
@@ -113,10 +220,15 @@ void main() {
                 acc += e[j + u] * v[u];
             }
         }
-        for (; j < count; ++j) {
+        for (; j < cached; ++j) {
             const uint w = v_cache[((t0 + j) * p.kv_width + at) / 2u];
             acc += e[j] * unpackHalf2x16(w)[at & 1u];
         }
+#if defined(ROPE_IN)
+        if (fresh) {
+            acc += e[cached] * round_f16(v_new[kv_off + d]);
+        }
+#endif
         part[base + d] = acc;
     }
     if (tid == 0u) {

@@ -10,9 +10,10 @@ include!("../variants.rs");
 include!(concat!(env!("OUT_DIR"), "/shaders.rs"));
 
 pub use push::{
-    AttentionParams, DequantParams, EltwiseParams, GetRowsParams, KvStoreParams, MatVecBatchParams,
-    MatVecIdParams, MatVecParams, MoeRouteParams, MoeRouterParams, PushConstants, RmsNormParams,
-    RopeParams, ScaleAddParams, ScaleAddRoutedParams, ScatterAddParams,
+    AttentionParams, AttentionRopeParams, DequantParams, EltwiseParams, GetRowsParams,
+    KvStoreParams, MatVecBatchParams, MatVecIdParams, MatVecParams, MoeRouteParams,
+    MoeRouterParams, PushConstants, RmsNormParams, RopeParams, ScaleAddParams,
+    ScaleAddRoutedParams, ScatterAddParams,
 };
 
 /// One compiled variant.

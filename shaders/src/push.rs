@@ -214,6 +214,26 @@ pub struct AttentionParams {
     pub step_index: u32,
 }
 
+/// `attention.comp`'s `Params` with `ROPE_IN`: the fields of [`AttentionParams`], then
+/// RoPE's and the QK-norm's.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct AttentionRopeParams {
+    pub head_dim: u32,
+    pub kv_width: u32,
+    pub group: u32,
+    pub capacity: u32,
+    pub scale: f32,
+    pub step_index: u32,
+    /// Rotated dimensions of a head.
+    pub n_rot: u32,
+    /// Positions the angle table holds.
+    pub n_pos: u32,
+    pub eps: f32,
+    /// 1: RMSNorm each head first (QK-norm).
+    pub qk_norm: u32,
+}
+
 /// A push-constant struct: its bytes and its fields' (offset, size) in declaration order.
 pub trait PushConstants: Copy {
     fn layout() -> Vec<(u32, u32)>;
@@ -295,6 +315,18 @@ push_constants!(AttentionParams {
     capacity,
     scale,
     step_index
+});
+push_constants!(AttentionRopeParams {
+    head_dim,
+    kv_width,
+    group,
+    capacity,
+    scale,
+    step_index,
+    n_rot,
+    n_pos,
+    eps,
+    qk_norm
 });
 push_constants!(MatVecIdParams {
     n_in,

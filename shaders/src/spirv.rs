@@ -78,10 +78,10 @@ mod tests {
     use super::*;
     use crate::push::PushConstants;
     use crate::{
-        AttentionParams, DequantParams, EltwiseParams, GetRowsParams, KvStoreParams,
-        MatVecBatchParams, MatVecIdParams, MatVecParams, MoeRouteParams, MoeRouterParams, Op,
-        RmsNormParams, RopeParams, ScaleAddParams, ScaleAddRoutedParams, ScatterAddParams,
-        ShaderId, SHADERS,
+        AttentionParams, AttentionRopeParams, DequantParams, EltwiseParams, GetRowsParams,
+        KvStoreParams, MatVecBatchParams, MatVecIdParams, MatVecParams, MoeRouteParams,
+        MoeRouterParams, Op, RmsNormParams, RopeParams, ScaleAddParams, ScaleAddRoutedParams,
+        ScatterAddParams, ShaderId, SHADERS,
     };
 
     #[test]
@@ -113,6 +113,7 @@ mod tests {
                 Op::ScatterAdd => ScatterAddParams::layout(),
                 Op::KvStore => KvStoreParams::layout(),
                 Op::Attention => AttentionParams::layout(),
+                Op::AttentionRopeNorm | Op::AttentionRopeNeox => AttentionRopeParams::layout(),
             };
             assert_eq!(
                 push_constant_layout(&s.words()),

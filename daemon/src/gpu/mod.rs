@@ -28,6 +28,7 @@ mod instance;
 pub mod lost;
 pub mod moe;
 pub mod ops;
+pub mod ops_attention;
 pub mod ops_batch;
 mod pipeline;
 pub mod placement;

@@ -338,7 +338,7 @@ pub struct StepWord<'b> {
 }
 
 impl<'b> StepWord<'b> {
-    fn binding(self) -> Binding<'b> {
+    pub(crate) fn binding(self) -> Binding<'b> {
         Binding::read(self.buffer)
     }
 }
@@ -1026,41 +1026,15 @@ impl Recorder<'_> {
         pos: StepWord<'_>,
         (n_tok, positions): (u32, u32),
     ) -> Result<()> {
-        let cache_bytes = u64::from(a.capacity) * u64::from(a.n_kv_heads * a.head_dim) * 2;
-        // The runs of positions below `positions` are laid out in the scratch, not the capacity's.
-        let bound = positions.min(a.capacity).max(1);
-        let scratch_floats = n_tok as usize
-            * attention_scratch_floats(a.n_heads as usize, a.head_dim as usize, bound as usize);
-        let io_bytes = u64::from(n_tok) * u64::from(a.n_heads * a.head_dim) * 4;
-        let n_splits = a.capacity.div_ceil(ATTENTION_SPLIT);
-        if q.size() < io_bytes || out.size() < io_bytes || n_tok > 65535 {
-            return Err(GpuError::Unsupported(format!(
-                "attention of {n_tok} tokens of {a:?} in {} and {} bytes",
-                q.size(),
-                out.size()
-            )));
-        }
-        if a.head_dim > 512
-            || a.head_dim == 0
-            || !a.head_dim.is_multiple_of(8)
-            || a.n_kv_heads == 0
-            || a.capacity == 0
-            || n_splits > 65535
-            || !a.n_heads.is_multiple_of(a.n_kv_heads)
-            || k_cache.size().min(v_cache.size()) < cache_bytes
-            || scratch.size() < scratch_floats as u64 * 4
-            || done.size() < u64::from(n_tok * a.n_heads) * 4
-        {
-            return Err(GpuError::Unsupported(format!("attention shape {a:?}")));
-        }
-        let push = AttentionParams {
-            head_dim: a.head_dim,
-            kv_width: a.n_kv_heads * a.head_dim,
-            group: a.n_heads / a.n_kv_heads,
-            capacity: bound,
-            scale: 1.0 / (a.head_dim as f32).sqrt(),
-            step_index: pos.index,
-        };
+        let push = attention_params(
+            q,
+            (k_cache, v_cache),
+            (scratch, done),
+            out,
+            a,
+            pos,
+            (n_tok, positions),
+        )?;
         let bindings = [
             Binding::read(q),
             Binding::read(k_cache),
@@ -1072,9 +1046,59 @@ impl Recorder<'_> {
         ];
         let id = self.variant(Op::Attention, None)?;
         let spec = [a.head_dim];
-        let runs = bound.div_ceil(ATTENTION_SPLIT);
+        let runs = push.capacity.div_ceil(ATTENTION_SPLIT);
         self.dispatch_spec(id, &spec, &bindings, &push, [a.n_heads, runs, n_tok])
     }
+}
+
+/// The checks of [`Recorder::attention_n`] and its push constants (`capacity` the bound of the
+/// positions that attend).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_params(
+    q: &Buffer,
+    (k_cache, v_cache): (&Buffer, &Buffer),
+    (scratch, done): (&Buffer, &Buffer),
+    out: &Buffer,
+    a: AttentionArgs,
+    pos: StepWord<'_>,
+    (n_tok, positions): (u32, u32),
+) -> Result<AttentionParams> {
+    let cache_bytes = u64::from(a.capacity) * u64::from(a.n_kv_heads * a.head_dim) * 2;
+    // The runs of positions below `positions` are laid out in the scratch, not the capacity's.
+    let bound = positions.min(a.capacity).max(1);
+    let scratch_floats = n_tok as usize
+        * attention_scratch_floats(a.n_heads as usize, a.head_dim as usize, bound as usize);
+    let io_bytes = u64::from(n_tok) * u64::from(a.n_heads * a.head_dim) * 4;
+    let n_splits = a.capacity.div_ceil(ATTENTION_SPLIT);
+    if q.size() < io_bytes || out.size() < io_bytes || n_tok > 65535 {
+        return Err(GpuError::Unsupported(format!(
+            "attention of {n_tok} tokens of {a:?} in {} and {} bytes",
+            q.size(),
+            out.size()
+        )));
+    }
+    if a.head_dim > 512
+        || a.head_dim == 0
+        || !a.head_dim.is_multiple_of(8)
+        || a.n_kv_heads == 0
+        || a.capacity == 0
+        || n_splits > 65535
+        || !a.n_heads.is_multiple_of(a.n_kv_heads)
+        || k_cache.size().min(v_cache.size()) < cache_bytes
+        || scratch.size() < scratch_floats as u64 * 4
+        || done.size() < u64::from(n_tok * a.n_heads) * 4
+    {
+        return Err(GpuError::Unsupported(format!("attention shape {a:?}")));
+    }
+    let push = AttentionParams {
+        head_dim: a.head_dim,
+        kv_width: a.n_kv_heads * a.head_dim,
+        group: a.n_heads / a.n_kv_heads,
+        capacity: bound,
+        scale: 1.0 / (a.head_dim as f32).sqrt(),
+        step_index: pos.index,
+    };
+    Ok(push)
 }
 
 /// Refuses a routing the kernel cannot make ([`Recorder::moe_route`], [`Recorder::moe_router`]):

@@ -50,6 +50,7 @@ use super::ops::{
     attention_counters, attention_scratch_floats, rope_table, upload_f32, AttentionArgs, Fused,
     GpuMatrix, RopeArgs, StepWord,
 };
+use super::ops_attention::Unroped;
 use super::placement::{plan, ExpertLayout, MinimumBudget, MoeMiss, Placement};
 use super::record::{Kernels, RecordStats, Recorder};
 use super::replay::Replay;
@@ -96,6 +97,10 @@ pub struct GpuModelOptions {
     /// device emulates them ([`Device::integer_dot_product_accelerated`]: lavapipe) they are
     /// slower than f32 dots, and still used.
     pub int_dot: bool,
+    /// Do a decode step's QK-norm, RoPE and KV-cache append in the attention's dispatch
+    /// ([`Recorder::attention_rope`]): one dependent dispatch fewer a layer; `false`: a RoPE
+    /// dispatch, then attention, for comparisons.
+    pub rope_in_attention: bool,
 }
 
 impl Default for GpuModelOptions {
@@ -113,6 +118,7 @@ impl Default for GpuModelOptions {
             replay: true,
             coopmat: true,
             int_dot: true,
+            rope_in_attention: true,
         }
     }
 }
@@ -241,6 +247,8 @@ pub struct GpuModel {
     batch: Option<prefill::Batch>,
     /// The device memory for `batch` was refused: prompts go token by token.
     batch_refused: bool,
+    /// See [`GpuModelOptions::rope_in_attention`].
+    rope_in_attention: bool,
 }
 
 fn matrix(
@@ -533,6 +541,7 @@ impl GpuModel {
             last_profile: None,
             batch: None,
             batch_refused: false,
+            rope_in_attention: options.rope_in_attention,
         })
     }
 
@@ -955,6 +964,24 @@ impl GpuModel {
             if let Some(b) = b {
                 rec.add(x, b, n)?;
             }
+        }
+        if self.rope_in_attention {
+            let new = Unroped {
+                q: &a.q,
+                k: &a.k,
+                v: &a.v,
+                qk_norm: l.q_norm.as_ref().zip(l.k_norm.as_ref()),
+            };
+            rec.attention_rope(
+                new,
+                (&self.rope, rope(c.n_head)),
+                (&l.k_cache, &l.v_cache),
+                (&a.scores, &a.attn_done),
+                &a.attn,
+                attn_args,
+                pos,
+            )?;
+            return rec.matvec_add(&l.wo, &a.attn, &a.x);
         }
         rec.rope(&a.q, l.q_norm.as_ref(), &self.rope, rope(c.n_head), pos)?;
         // K's RoPE goes straight into the cache, with V beside it.

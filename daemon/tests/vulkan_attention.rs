@@ -1,0 +1,222 @@
+//! Decode attention with its RoPE in the same dispatch (`Recorder::attention_rope`) against RoPE,
+//! the KV-cache append and attention as three ops (`Recorder::rope`, `rope_store`, `attention`;
+//! those are checked against the CPU in `vulkan_ops.rs`): both RoPE layouts, with and without a
+//! QK-norm, GQA, the new position inside a run, first in a run, and past the cache. On whatever
+//! Vulkan device the machine has (lavapipe in CI); without one these tests skip, unless
+//! `SPILLWAY_REQUIRE_VULKAN` is set.
+
+use std::sync::Arc;
+
+use spillway_daemon::gpu::ops::{
+    attention_counters, attention_scratch_floats, rope_table, AttentionArgs, RopeArgs, StepWord,
+};
+use spillway_daemon::gpu::ops_attention::Unroped;
+use spillway_daemon::gpu::{Allocator, Buffer, Kernels, MemoryUse};
+use spillway_daemon::model::RopeLayout;
+
+/// Deterministic values in [-1, 1) from a xorshift generator.
+fn noise(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+fn host(alloc: &Arc<Allocator>, values: &[f32]) -> Buffer {
+    let mut b = Buffer::new_in(alloc, values.len() as u64 * 4, MemoryUse::Staging).unwrap();
+    b.write_f32(values);
+    b
+}
+
+/// The cache's halves, two a float's bits.
+fn halves(b: &Buffer, n: usize) -> Vec<u16> {
+    b.read_f32(n / 2)
+        .iter()
+        .flat_map(|v| {
+            let w = v.to_bits();
+            [w as u16, (w >> 16) as u16]
+        })
+        .collect()
+}
+
+struct Case {
+    layout: RopeLayout,
+    qk_norm: bool,
+    capacity: usize,
+    /// The new token's position.
+    pos: usize,
+}
+
+fn check(kernels: &Arc<Kernels>, alloc: &Arc<Allocator>, c: &Case) {
+    let (n_heads, n_kv_heads, hd, n_rot) = (8usize, 2usize, 64usize, 48usize);
+    let kvw = n_kv_heads * hd;
+    let what = format!(
+        "{:?}, QK-norm {}, position {} of {}, subgroups {}",
+        c.layout,
+        c.qk_norm,
+        c.pos,
+        c.capacity,
+        kernels.uses_subgroups()
+    );
+    // Two identical caches holding earlier positions (random halves of small floats).
+    let earlier: Vec<f32> = noise(c.capacity * kvw, 1)
+        .chunks_exact(2)
+        .map(|p| {
+            let h = |v: f32| half::f16::from_f32(v).to_bits() as u32;
+            f32::from_bits(h(p[0]) | (h(p[1]) << 16))
+        })
+        .collect();
+    let caches = || (host(alloc, &earlier), host(alloc, &earlier));
+    let ((k3, v3), (k1, v1)) = (caches(), caches());
+    let table = host(
+        alloc,
+        &rope_table(c.capacity + 4, n_rot, 10_000.0, 1.0, None),
+    );
+    let norms = (
+        host(
+            alloc,
+            &noise(hd, 7).iter().map(|v| 1.0 + v).collect::<Vec<_>>(),
+        ),
+        host(
+            alloc,
+            &noise(hd, 8).iter().map(|v| 1.0 + v).collect::<Vec<_>>(),
+        ),
+    );
+    let (q, k, v) = (noise(n_heads * hd, 3), noise(kvw, 4), noise(kvw, 5));
+    let step = host(alloc, &[f32::from_bits(c.pos as u32)]);
+    let pos = || StepWord {
+        buffer: &step,
+        index: 0,
+    };
+    let rope = |n: usize| RopeArgs {
+        layout: c.layout,
+        n_heads: n as u32,
+        head_dim: hd as u32,
+        n_rot: n_rot as u32,
+        eps: 1e-6,
+    };
+    let args = AttentionArgs {
+        n_heads: n_heads as u32,
+        n_kv_heads: n_kv_heads as u32,
+        head_dim: hd as u32,
+        capacity: c.capacity as u32,
+    };
+    let scratch = || {
+        let s = host(
+            alloc,
+            &vec![0.0; attention_scratch_floats(n_heads, hd, c.capacity)],
+        );
+        (s, attention_counters(alloc, n_heads, 1).unwrap())
+    };
+    let norm = c.qk_norm.then_some(&norms);
+
+    // Three ops: RoPE of Q in place, RoPE of K into the cache with V, attention.
+    let (qb, kb, vb) = (host(alloc, &q), host(alloc, &k), host(alloc, &v));
+    let (s3, d3) = scratch();
+    let out3 = host(alloc, &vec![0.0; n_heads * hd]);
+    kernels
+        .record(|r| {
+            r.rope(&qb, norm.map(|n| &n.0), &table, rope(n_heads), pos())?;
+            r.rope_store(
+                (&kb, &vb),
+                norm.map(|n| &n.1),
+                &table,
+                rope(n_kv_heads),
+                pos(),
+                (&k3, &v3),
+            )?;
+            r.attention(&qb, (&k3, &v3), (&s3, &d3), &out3, args, pos())
+        })
+        .unwrap();
+
+    // One dispatch, from the unroped values.
+    let (qb, kb, vb) = (host(alloc, &q), host(alloc, &k), host(alloc, &v));
+    let (s1, d1) = scratch();
+    let out1 = host(alloc, &vec![0.0; n_heads * hd]);
+    let new = Unroped {
+        q: &qb,
+        k: &kb,
+        v: &vb,
+        qk_norm: norm.map(|n| (&n.0, &n.1)),
+    };
+    kernels
+        .record(|r| {
+            r.attention_rope(
+                new,
+                (&table, rope(n_heads)),
+                (&k1, &v1),
+                (&s1, &d1),
+                &out1,
+                args,
+                pos(),
+            )
+        })
+        .unwrap();
+    assert_eq!(qb.read_f32(q.len()), q, "{what}: Q is left as it was");
+
+    let (got, want) = (out1.read_f32(n_heads * hd), out3.read_f32(n_heads * hd));
+    let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        // The QK-norm's sum in another order can move a value by one f16 step.
+        assert!((g - w).abs() <= 2e-3 * scale, "{what}: out[{i}] {g} vs {w}");
+    }
+    for (name, one, three) in [("K", &k1, &k3), ("V", &v1, &v3)] {
+        let (a, b) = (
+            halves(one, c.capacity * kvw),
+            halves(three, c.capacity * kvw),
+        );
+        for (i, (&x, &y)) in a.iter().zip(&b).enumerate() {
+            let row = i / kvw;
+            if row == c.pos {
+                // The same value but for the QK-norm's rounding: at most one f16 step apart.
+                assert!(
+                    x.abs_diff(y) <= 1,
+                    "{what}: {name} cache [{i}] {x:#x} vs {y:#x}"
+                );
+            } else {
+                assert_eq!(x, y, "{what}: {name} cache row {row} changed");
+            }
+        }
+    }
+    for d in [&d1, &d3] {
+        let counts = d.read_f32(n_heads);
+        assert!(
+            counts.iter().all(|c| c.to_bits() == 0),
+            "{what}: {counts:?}"
+        );
+    }
+}
+
+#[test]
+fn attention_with_rope_in_its_dispatch_equals_rope_then_attention() {
+    let Some(dev) = spillway_daemon::gpu::device_or_skip() else {
+        return;
+    };
+    let alloc = Allocator::new(&dev, None);
+    let mut variants = vec![Kernels::with_subgroups(&dev, false)];
+    if dev.subgroup_arithmetic() {
+        variants.push(Kernels::with_subgroups(&dev, true));
+    }
+    for kernels in &variants {
+        for layout in [RopeLayout::Normal, RopeLayout::Neox] {
+            for qk_norm in [false, true] {
+                // Inside the first run; first of the third run; last of a partial run; and past
+                // the cache, where nothing is stored and every cached position attends.
+                for (capacity, pos) in [(64, 50), (300, 256), (300, 290), (64, 64)] {
+                    let case = Case {
+                        layout,
+                        qk_norm,
+                        capacity,
+                        pos,
+                    };
+                    check(kernels, &alloc, &case);
+                }
+            }
+        }
+    }
+}
