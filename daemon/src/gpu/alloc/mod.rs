@@ -78,6 +78,10 @@ pub fn choose_memory_type(
 /// Block size for new blocks; bigger requests get a block of their own size.
 pub const DEFAULT_BLOCK_BYTES: u64 = 64 << 20;
 
+/// Blocks of device-local memory that the host maps ([`MemoryUse::DeviceMapped`]) where that
+/// is a memory type of its own: its buffers are step words and counters.
+pub const MAPPED_BLOCK_BYTES: u64 = 1 << 20;
+
 struct Block {
     memory: vk::DeviceMemory,
     /// Start of the mapping when the memory type is host-visible.
@@ -164,6 +168,17 @@ impl Allocator {
         choose_memory_type(types, u32::MAX, usage).is_none_or(|t| self.counts_against_budget(t))
     }
 
+    /// The memory type of [`MemoryUse::DeviceMapped`] buffers where it is not that of
+    /// [`MemoryUse::DeviceLocal`] ones and counts against the budget (a discrete GPU's
+    /// resizable BAR; lavapipe has one type for everything).
+    fn mapped_apart(&self) -> Option<u32> {
+        let types =
+            &self.device.memory.memory_types[..self.device.memory.memory_type_count as usize];
+        let mapped = choose_memory_type(types, u32::MAX, MemoryUse::DeviceMapped)?;
+        let local = choose_memory_type(types, u32::MAX, MemoryUse::DeviceLocal);
+        (local != Some(mapped) && self.counts_against_budget(mapped)).then_some(mapped)
+    }
+
     fn counts_against_budget(&self, type_index: u32) -> bool {
         let ty = self.device.memory.memory_types[type_index as usize];
         let heap = self.device.memory.memory_heaps[ty.heap_index as usize];
@@ -224,20 +239,36 @@ impl Allocator {
         // A request over half a block gets a block of its own size: in a block of the usual
         // size, the rest would be too small for another like it and lost to the budget (48
         // layers of 50 MB expert stacks left 14 MB each in 64 MiB blocks, two of their 8 GiB).
-        let preferred = if request > self.block_bytes / 2 {
+        // Device-local memory the host maps (a discrete GPU's resizable BAR) is another memory
+        // type, so its buffers (step words, counters: a few bytes) take blocks of their own:
+        // small ones, and the device-local blocks leave room in the budget for one. Without
+        // that, a budget's last device-local block took all the budget left and a model whose
+        // every buffer fitted failed on its first mapped one (on the H200; lavapipe has one
+        // memory type for everything).
+        let apart = self.mapped_apart();
+        let mapped_type = apart == Some(type_index);
+        let preferred = if mapped_type {
+            MAPPED_BLOCK_BYTES.max(request)
+        } else if request > self.block_bytes / 2 {
             request
         } else {
             self.block_bytes
         };
+        let reserve = if counted && apart.is_some_and(|t| t != type_index) {
+            MAPPED_BLOCK_BYTES
+        } else {
+            0
+        };
         let size = if counted {
-            state
-                .budget
-                .block_size(request, preferred)
-                .ok_or_else(|| GpuError::OverBudget {
+            let size = state.budget.block_size(request, preferred).ok_or_else(|| {
+                GpuError::OverBudget {
                     requested: request,
                     held: state.budget.held(),
                     budget: state.budget.limit().unwrap_or(u64::MAX),
-                })?
+                }
+            })?;
+            let left = state.budget.remaining();
+            size.min(left.saturating_sub(reserve)).max(request)
         } else {
             request.max(preferred)
         };
