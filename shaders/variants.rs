@@ -56,6 +56,9 @@ pub enum Op {
     AttentionRopeNorm,
     /// [`Op::AttentionRopeNorm`] with RoPE over halves (the Qwen family).
     AttentionRopeNeox,
+    /// A prompt chunk's attention over the f16 KV cache, causal, a tile of tokens per
+    /// workgroup (flash attention).
+    AttentionPrefill,
 }
 
 #[allow(dead_code)] // build.rs does not call it.
@@ -75,6 +78,7 @@ impl Op {
             Op::KvStore => 5,
             Op::Attention => 7,
             Op::AttentionRopeNorm | Op::AttentionRopeNeox => 12,
+            Op::AttentionPrefill => 5,
         }
     }
 }
@@ -182,6 +186,7 @@ pub const VARIANTS: &[Variant] = &[
     v("attention", "attention.comp", Op::Attention, None, Feature::Base, &[]),
     v("attention_rope_norm", "attention.comp", Op::AttentionRopeNorm, None, Feature::Base, &[("ROPE_IN", "1")]),
     v("attention_rope_neox", "attention.comp", Op::AttentionRopeNeox, None, Feature::Base, &[("ROPE_IN", "1"), ("ROPE_NEOX", "1")]),
+    v("attention_prefill", "attention_prefill.comp", Op::AttentionPrefill, None, Feature::Base, &[]),
     v("matvec_f32_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::F32), Feature::Subgroup, &[("WTYPE_F32", "1"), SG]),
     v("matvec_f16_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::F16), Feature::Subgroup, &[("WTYPE_F16", "1"), SG]),
     v("matvec_q8_0_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::Q8_0), Feature::Subgroup, &[("WTYPE_Q8_0", "1"), SG]),

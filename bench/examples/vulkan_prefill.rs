@@ -1,7 +1,9 @@
 //! GPU prompt processing (`GpuModel::eval_prompt`) on a synthetic model of real size: writes the
 //! model, checks a short prompt's last logits against the same model token by token, then times
 //! a prompt of PROMPT tokens from position 0, three times each with cooperative matrices (where
-//! the device has them) and with the f32 kernel, alternating; the medians are printed.
+//! the device has them), with the f32 kernel, and with cooperative matrices but the chunk's
+//! attention in the decode kernel (`GpuModelOptions::flash_attention` off), alternating; the
+//! medians are printed.
 //!
 //! `cargo run --release -p spillway-bench --example vulkan_prefill -- PRESET TYPE PROMPT [DIR]`
 //! e.g. `llama-3-8b Q4_0 512 /tmp`.
@@ -43,6 +45,16 @@ fn main() {
         ..options.clone()
     };
     let mut plain = GpuModel::new(&device, &model, &f32_options).unwrap();
+    // Cooperative matrices, with the chunk's attention in the decode kernel over its tokens.
+    let mut unflashed = GpuModel::new(
+        &device,
+        &model,
+        &GpuModelOptions {
+            flash_attention: false,
+            ..options.clone()
+        },
+    )
+    .unwrap();
     println!(
         "{preset} {type_name} on {}: cooperative matrices {}",
         device.info().name,
@@ -85,10 +97,12 @@ fn main() {
     };
     time(&mut coop); // pipelines, buffers: not timed
     time(&mut plain);
-    let (mut c, mut p) = (Vec::new(), Vec::new());
+    time(&mut unflashed);
+    let (mut c, mut p, mut u) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..3 {
         c.push(time(&mut coop));
         p.push(time(&mut plain));
+        u.push(time(&mut unflashed));
     }
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
@@ -96,9 +110,10 @@ fn main() {
     };
     let st = coop.last_stats();
     println!(
-        "prompt of {n_prompt} tokens, median of 3: coopmat {:.0} tok/s, f32 {:.0} tok/s ({} dispatches, {} barriers in the last chunk)",
+        "prompt of {n_prompt} tokens, median of 3: coopmat {:.0} tok/s, f32 {:.0} tok/s, coopmat with the decode attention kernel {:.0} tok/s ({} dispatches, {} barriers in the last chunk)",
         median(&mut c),
         median(&mut p),
+        median(&mut u),
         st.dispatches,
         st.barriers
     );

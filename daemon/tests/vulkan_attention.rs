@@ -1,7 +1,10 @@
 //! Decode attention with its RoPE in the same dispatch (`Recorder::attention_rope`) against RoPE,
 //! the KV-cache append and attention as three ops (`Recorder::rope`, `rope_store`, `attention`;
 //! those are checked against the CPU in `vulkan_ops.rs`): both RoPE layouts, with and without a
-//! QK-norm, GQA, the new position inside a run, first in a run, and past the cache. On whatever
+//! QK-norm, GQA, the new position inside a run, first in a run, and past the cache. And a prompt
+//! chunk's flash attention (`Recorder::attention_prefill`) against the decode kernel over the
+//! chunk's tokens (`attention_n`, checked against token-by-token decode in `vulkan_prefill.rs`):
+//! head sizes, chunks from position 0 and later, tiles cut short, positions past the cache. On whatever
 //! Vulkan device the machine has (lavapipe in CI); without one these tests skip, unless
 //! `SPILLWAY_REQUIRE_VULKAN` is set.
 
@@ -10,7 +13,7 @@ use std::sync::Arc;
 use spillway_daemon::gpu::ops::{
     attention_counters, attention_scratch_floats, rope_table, AttentionArgs, RopeArgs, StepWord,
 };
-use spillway_daemon::gpu::ops_attention::Unroped;
+use spillway_daemon::gpu::ops_attention::{flash_attention_fits, Unroped};
 use spillway_daemon::gpu::{Allocator, Buffer, Kernels, MemoryUse};
 use spillway_daemon::model::RopeLayout;
 
@@ -217,6 +220,89 @@ fn attention_with_rope_in_its_dispatch_equals_rope_then_attention() {
                     check(kernels, &alloc, &case);
                 }
             }
+        }
+    }
+}
+
+#[test]
+fn flash_attention_of_a_chunk_equals_the_decode_kernel_over_its_tokens() {
+    let Some(dev) = spillway_daemon::gpu::device_or_skip() else {
+        return;
+    };
+    let alloc = Allocator::new(&dev, None);
+    let kernels = Kernels::new(&dev);
+    // (head size, query heads, KV heads, capacity, first position, tokens)
+    for (hd, n_heads, n_kv_heads, capacity, pos0, n_tok) in [
+        (64, 8, 2, 300, 0, 70),
+        (128, 4, 1, 300, 100, 33),
+        (32, 4, 4, 96, 5, 16),
+        (64, 8, 2, 300, 250, 64), // the last 14 tokens are past the cache
+    ] {
+        let what = format!("head {hd}, {n_heads}/{n_kv_heads} heads, {n_tok} tokens from {pos0}");
+        let args = AttentionArgs {
+            n_heads,
+            n_kv_heads,
+            head_dim: hd,
+            capacity,
+        };
+        assert!(flash_attention_fits(args), "{what}");
+        let kvw = (n_kv_heads * hd) as usize;
+        let cache = |seed| {
+            let words: Vec<f32> = noise(capacity as usize * kvw, seed)
+                .chunks_exact(2)
+                .map(|p| {
+                    let h = |v: f32| half::f16::from_f32(v * 2.0).to_bits() as u32;
+                    f32::from_bits(h(p[0]) | (h(p[1]) << 16))
+                })
+                .collect();
+            host(&alloc, &words)
+        };
+        let (kc, vc) = (cache(11), cache(12));
+        let width = (n_heads * hd) as usize * n_tok as usize;
+        let q = host(&alloc, &noise(width, 13));
+        let step = host(&alloc, &[f32::from_bits(pos0)]);
+        let pos = || StepWord {
+            buffer: &step,
+            index: 0,
+        };
+        let end = pos0 + n_tok;
+        let scratch = host(
+            &alloc,
+            &vec![
+                0.0;
+                n_tok as usize
+                    * attention_scratch_floats(
+                        n_heads as usize,
+                        hd as usize,
+                        end.min(capacity) as usize
+                    )
+            ],
+        );
+        let done = attention_counters(&alloc, n_heads as usize, n_tok as usize).unwrap();
+        let (want, got) = (
+            host(&alloc, &vec![0.0; width]),
+            host(&alloc, &vec![f32::NAN; width]),
+        );
+        kernels
+            .record(|r| {
+                r.attention_n(
+                    &q,
+                    (&kc, &vc),
+                    (&scratch, &done),
+                    &want,
+                    args,
+                    pos(),
+                    (n_tok, end),
+                )
+            })
+            .unwrap();
+        kernels
+            .record(|r| r.attention_prefill(&q, (&kc, &vc), &got, args, pos(), n_tok))
+            .unwrap();
+        let (want, got) = (want.read_f32(width), got.read_f32(width));
+        let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!((g - w).abs() <= 1e-4 * scale, "{what}: out[{i}] {g} vs {w}");
         }
     }
 }

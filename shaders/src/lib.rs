@@ -10,8 +10,8 @@ include!("../variants.rs");
 include!(concat!(env!("OUT_DIR"), "/shaders.rs"));
 
 pub use push::{
-    AttentionParams, AttentionRopeParams, DequantParams, EltwiseParams, GetRowsParams,
-    KvStoreParams, MatVecBatchParams, MatVecIdParams, MatVecParams, MoeRouteParams,
+    AttentionParams, AttentionPrefillParams, AttentionRopeParams, DequantParams, EltwiseParams,
+    GetRowsParams, KvStoreParams, MatVecBatchParams, MatVecIdParams, MatVecParams, MoeRouteParams,
     MoeRouterParams, PushConstants, RmsNormParams, RopeParams, ScaleAddParams,
     ScaleAddRoutedParams, ScatterAddParams,
 };

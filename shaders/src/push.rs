@@ -234,6 +234,20 @@ pub struct AttentionRopeParams {
     pub qk_norm: u32,
 }
 
+/// `attention_prefill.comp`'s `Params`: those of [`AttentionParams`] and the chunk's tokens.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct AttentionPrefillParams {
+    pub head_dim: u32,
+    pub kv_width: u32,
+    pub group: u32,
+    pub capacity: u32,
+    pub scale: f32,
+    /// Word of the step buffer that holds the first token's position.
+    pub step_index: u32,
+    pub n_tok: u32,
+}
+
 /// A push-constant struct: its bytes and its fields' (offset, size) in declaration order.
 pub trait PushConstants: Copy {
     fn layout() -> Vec<(u32, u32)>;
@@ -327,6 +341,15 @@ push_constants!(AttentionRopeParams {
     n_pos,
     eps,
     qk_norm
+});
+push_constants!(AttentionPrefillParams {
+    head_dim,
+    kv_width,
+    group,
+    capacity,
+    scale,
+    step_index,
+    n_tok
 });
 push_constants!(MatVecIdParams {
     n_in,

@@ -78,10 +78,10 @@ mod tests {
     use super::*;
     use crate::push::PushConstants;
     use crate::{
-        AttentionParams, AttentionRopeParams, DequantParams, EltwiseParams, GetRowsParams,
-        KvStoreParams, MatVecBatchParams, MatVecIdParams, MatVecParams, MoeRouteParams,
-        MoeRouterParams, Op, RmsNormParams, RopeParams, ScaleAddParams, ScaleAddRoutedParams,
-        ScatterAddParams, ShaderId, SHADERS,
+        AttentionParams, AttentionPrefillParams, AttentionRopeParams, DequantParams, EltwiseParams,
+        GetRowsParams, KvStoreParams, MatVecBatchParams, MatVecIdParams, MatVecParams,
+        MoeRouteParams, MoeRouterParams, Op, RmsNormParams, RopeParams, ScaleAddParams,
+        ScaleAddRoutedParams, ScatterAddParams, ShaderId, SHADERS,
     };
 
     #[test]
@@ -114,6 +114,7 @@ mod tests {
                 Op::KvStore => KvStoreParams::layout(),
                 Op::Attention => AttentionParams::layout(),
                 Op::AttentionRopeNorm | Op::AttentionRopeNeox => AttentionRopeParams::layout(),
+                Op::AttentionPrefill => AttentionPrefillParams::layout(),
             };
             assert_eq!(
                 push_constant_layout(&s.words()),

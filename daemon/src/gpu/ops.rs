@@ -1016,7 +1016,7 @@ impl Recorder<'_> {
     /// token's position reaches `tokens.1`: the grid and the scratch cover the runs of positions
     /// below it.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn attention_n(
+    pub fn attention_n(
         &mut self,
         q: &Buffer,
         (k_cache, v_cache): (&Buffer, &Buffer),

@@ -1,8 +1,9 @@
 //! One token's attention with its RoPE in the same dispatch (`attention.comp` with `ROPE_IN`):
 //! decode's Q, K and V go from the products straight to attention, the QK-norm, RoPE and the
-//! KV-cache append done by the attention's workgroups.
+//! KV-cache append done by the attention's workgroups. And a prompt chunk's attention, flash
+//! attention style (`attention_prefill.comp`).
 
-use spillway_shaders::{AttentionRopeParams, Op};
+use spillway_shaders::{AttentionPrefillParams, AttentionRopeParams, Op};
 
 use super::buffer::Buffer;
 use super::error::{GpuError, Result};
@@ -95,4 +96,63 @@ impl Recorder<'_> {
         let runs = base.capacity.div_ceil(ATTENTION_SPLIT);
         self.dispatch_spec(id, &[a.head_dim], &bindings, &push, [a.n_heads, runs, 1])
     }
+
+    /// [`Recorder::attention_n`] of a prompt chunk's `n_tok` tokens (causal: token `t`, at the
+    /// position `pos` holds plus `t`, attends to `0..=pos + t`), a workgroup per query head and
+    /// tile of 16 tokens reading each key and value once for the tile: no scratch, no counters.
+    /// Heads of 8 to 128 dimensions, a power of two ([`flash_attention_fits`]).
+    pub fn attention_prefill(
+        &mut self,
+        q: &Buffer,
+        (k_cache, v_cache): (&Buffer, &Buffer),
+        out: &Buffer,
+        a: AttentionArgs,
+        pos: StepWord<'_>,
+        n_tok: u32,
+    ) -> Result<()> {
+        let cache_bytes = u64::from(a.capacity) * u64::from(a.n_kv_heads * a.head_dim) * 2;
+        let io_bytes = u64::from(n_tok) * u64::from(a.n_heads * a.head_dim) * 4;
+        if !flash_attention_fits(a)
+            || n_tok == 0
+            || n_tok.div_ceil(PREFILL_TILE) > 65535
+            || q.size().min(out.size()) < io_bytes
+            || k_cache.size().min(v_cache.size()) < cache_bytes
+        {
+            return Err(GpuError::Unsupported(format!(
+                "prompt attention of {n_tok} tokens of {a:?}"
+            )));
+        }
+        let push = AttentionPrefillParams {
+            head_dim: a.head_dim,
+            kv_width: a.n_kv_heads * a.head_dim,
+            group: a.n_heads / a.n_kv_heads,
+            capacity: a.capacity,
+            scale: 1.0 / (a.head_dim as f32).sqrt(),
+            step_index: pos.index,
+            n_tok,
+        };
+        let bindings = [
+            Binding::read(q),
+            Binding::read(k_cache),
+            Binding::read(v_cache),
+            pos.binding(),
+            Binding::write(out),
+        ];
+        let id = self.variant(Op::AttentionPrefill, None)?;
+        let groups = [a.n_heads, n_tok.div_ceil(PREFILL_TILE), 1];
+        self.dispatch_spec(id, &[a.head_dim], &bindings, &push, groups)
+    }
+}
+
+/// Tokens per workgroup of [`Recorder::attention_prefill`] (`attention_prefill.comp`'s `BQ`).
+pub const PREFILL_TILE: u32 = 16;
+
+/// Whether [`Recorder::attention_prefill`] takes heads of this shape: a power of two from 8 to
+/// 128 dimensions (its tiles of keys and values fill shared memory at 128), GQA groups whole.
+pub fn flash_attention_fits(a: AttentionArgs) -> bool {
+    a.head_dim.is_power_of_two()
+        && (8..=128).contains(&a.head_dim)
+        && a.n_kv_heads > 0
+        && a.n_heads.is_multiple_of(a.n_kv_heads)
+        && a.capacity > 0
 }

@@ -101,6 +101,10 @@ pub struct GpuModelOptions {
     /// ([`Recorder::attention_rope`]): one dependent dispatch fewer a layer; `false`: a RoPE
     /// dispatch, then attention, for comparisons.
     pub rope_in_attention: bool,
+    /// Take a prompt chunk's attention in the flash-attention kernel
+    /// ([`Recorder::attention_prefill`]) where its heads fit it; `false`: the decode kernel over
+    /// the chunk's tokens, for comparisons.
+    pub flash_attention: bool,
 }
 
 impl Default for GpuModelOptions {
@@ -119,6 +123,7 @@ impl Default for GpuModelOptions {
             coopmat: true,
             int_dot: true,
             rope_in_attention: true,
+            flash_attention: true,
         }
     }
 }
@@ -249,6 +254,8 @@ pub struct GpuModel {
     batch_refused: bool,
     /// See [`GpuModelOptions::rope_in_attention`].
     rope_in_attention: bool,
+    /// See [`GpuModelOptions::flash_attention`].
+    flash_attention: bool,
 }
 
 fn matrix(
@@ -542,6 +549,7 @@ impl GpuModel {
             batch: None,
             batch_refused: false,
             rope_in_attention: options.rope_in_attention,
+            flash_attention: options.flash_attention,
         })
     }
 

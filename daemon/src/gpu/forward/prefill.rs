@@ -27,6 +27,7 @@ use crate::gpu::buffer::Buffer;
 use crate::gpu::error::Result;
 use crate::gpu::moe::ChunkRouting;
 use crate::gpu::ops::{attention_counters, attention_scratch_floats, Fused, GpuMatrix, StepWord};
+use crate::gpu::ops_attention::flash_attention_fits;
 use crate::gpu::record::{RecordStats, Recorder};
 
 /// Most tokens in one chunk (llama.cpp's default micro-batch).
@@ -176,6 +177,11 @@ impl GpuModel {
         moe_ok && self.profiler.is_none() && !self.batch_refused
     }
 
+    /// Whether prompt chunks take their attention in the flash-attention kernel.
+    fn flash_prompts(&self) -> bool {
+        self.flash_attention && flash_attention_fits(self.attention_args())
+    }
+
     /// Evaluates `tokens` at the next positions: the last token's logits, or with `all_logits`
     /// every token's, one after another. Dense models take chunks of up to [`PREFILL_CHUNK`]
     /// tokens per submission; MoE models, and any model while profiling, go token by token. So
@@ -239,9 +245,13 @@ impl GpuModel {
             } else {
                 self.batch.as_ref().expect("made").tokens
             };
-            // Scratch per token grows with the runs of positions below the chunk's end.
+            // Scratch per token grows with the runs of positions below the chunk's end; the
+            // flash-attention kernel takes none.
             let end = (self.pos + most).min(self.capacity);
-            let fits = (scratch / scratch_per_token(&self.config, end)).max(1);
+            let fits = match self.flash_prompts() {
+                true => most,
+                false => (scratch / scratch_per_token(&self.config, end)).max(1),
+            };
             let n = rest.len().min(most).min(fits);
             let (chunk, later) = rest.split_at(n);
             let logits = self.eval_chunk(chunk, all_logits)?;
@@ -425,8 +435,12 @@ impl GpuModel {
         let store = Some((&b.v, &l.k_cache, &l.v_cache));
         rec.rope_into(&b.k, kn, &self.rope, rope(c.n_head_kv), pos, nt, store)?;
         let caches = (&l.k_cache, &l.v_cache);
-        let scratch = (&b.scores, &b.attn_done);
-        rec.attention_n(&b.q, caches, scratch, &b.attn, attn_args, pos, (nt, end))?;
+        if self.flash_prompts() {
+            rec.attention_prefill(&b.q, caches, &b.attn, attn_args, pos, nt)?;
+        } else {
+            let scratch = (&b.scores, &b.attn_done);
+            rec.attention_n(&b.q, caches, scratch, &b.attn, attn_args, pos, (nt, end))?;
+        }
         rec.matvec_batch_add(&l.wo, &b.attn, &b.x, n)
     }
 }

@@ -1,0 +1,149 @@
+#version 450
+#extension GL_EXT_control_flow_attributes : require
+// Attention of a prompt chunk's tokens, flash-attention style: a workgroup per query head and
+// tile of BQ consecutive tokens walks the keys of positions 0..=the tile's last in tiles of BKV,
+// each tile of f16 keys and values read into shared memory once for all BQ queries (the decode
+// kernel, attention.comp, reads them once per token). The softmax is online: per query a running
+// maximum m and sum l, the output rescaled by exp(m_old - m_new) when the maximum grows. Causal:
+// token t, at the step word's position plus t, attends to positions 0..=its own (all the cache
+// holds when that is past it). Rounding as attention.comp: queries to f16, f32 scores and
+// probabilities, f16 keys and values; the sums run in another order.
+
+#define WG 128u
+#define BQ 16u
+#define BKV 32u
+layout(local_size_x = 128) in;
+// A power of two from 8 to 128 (the host checks), so that it divides WG.
+layout(constant_id = 0) const uint HEAD_DIM = 128u;
+
+layout(std430, binding = 0) readonly buffer Q { float q[]; };
+layout(std430, binding = 1) readonly buffer KCache { uint k_cache[]; };
+layout(std430, binding = 2) readonly buffer VCache { uint v_cache[]; };
+layout(std430, binding = 3) readonly buffer Step { uint step[]; };
+layout(std430, binding = 4) writeonly buffer Out { float dst[]; };
+
+layout(push_constant) uniform Params {
+    uint head_dim;  // HEAD_DIM
+    uint kv_width;  // halves per cache row
+    uint group;     // query heads per KV head
+    uint capacity;  // positions the caches hold
+    float scale;
+    uint step_index;
+    uint n_tok;     // tokens of the chunk
+} p;
+
+const uint KP = HEAD_DIM + 1u; // key rows padded against bank conflicts
+shared float qs[BQ * HEAD_DIM];
+shared float ks[BKV * KP];
+shared float vs[BKV * HEAD_DIM];
+shared float ps[BQ * BKV];
+shared float m_s[BQ];
+shared float l_s[BQ];
+shared float alpha_s[BQ];
+
+float round_f16(float v) {
+    return unpackHalf2x16(packHalf2x16(vec2(v, 0.0))).x;
+}
+
+void main() {
+    const uint h = gl_WorkGroupID.x;
+    const uint tq0 = gl_WorkGroupID.y * BQ;
+    const uint n_heads = gl_NumWorkGroups.x;
+    const uint tid = gl_LocalInvocationID.x;
+    const uint pos0 = step[p.step_index];
+    const uint kv_off = (h / p.group) * HEAD_DIM; // in halves, within a cache row
+    const uint rows = min(BQ, p.n_tok - tq0);
+    // The last position any query of the tile attends to.
+    const uint last = min(pos0 + tq0 + rows - 1u, p.capacity - 1u);
+
+    for (uint e = tid; e < BQ * HEAD_DIM; e += WG) {
+        const uint r = e / HEAD_DIM, d = e % HEAD_DIM;
+        qs[e] = r < rows ? round_f16(q[((tq0 + r) * n_heads + h) * HEAD_DIM + d]) : 0.0;
+    }
+    if (tid < BQ) {
+        m_s[tid] = uintBitsToFloat(0xFF800000u); // -inf
+        l_s[tid] = 0.0;
+    }
+    // Scores: invocation tid has query row tid / 8 and key columns tid % 8 + 8j.
+    const uint sr = tid / 8u;
+    // Outputs: invocation tid has dimension tid % HEAD_DIM of RPT query rows.
+    const uint RPT = BQ * HEAD_DIM / WG;
+    const uint od = tid % HEAD_DIM;
+    const uint or0 = tid / HEAD_DIM;
+    const uint ROW_STEP = WG / HEAD_DIM;
+    float o[BQ];
+    [[unroll]] for (uint i = 0u; i < BQ; ++i) {
+        o[i] = 0.0;
+    }
+    // Query row r attends to positions 0..=limit(r).
+    const uint limit = min(pos0 + tq0 + sr, p.capacity - 1u);
+
+    for (uint k0 = 0u; k0 <= last; k0 += BKV) {
+        barrier(); // the previous tile's keys, values and probabilities are used
+        for (uint w = tid; w < BKV * HEAD_DIM / 2u; w += WG) {
+            const uint c = w / (HEAD_DIM / 2u), d = 2u * (w % (HEAD_DIM / 2u));
+            vec2 kk = vec2(0.0), vv = vec2(0.0);
+            if (k0 + c <= last) {
+                const uint at = ((k0 + c) * p.kv_width + kv_off + d) / 2u;
+                kk = unpackHalf2x16(k_cache[at]);
+                vv = unpackHalf2x16(v_cache[at]);
+            }
+            ks[c * KP + d] = kk.x;
+            ks[c * KP + d + 1u] = kk.y;
+            vs[c * HEAD_DIM + d] = vv.x;
+            vs[c * HEAD_DIM + d + 1u] = vv.y;
+        }
+        barrier();
+        [[unroll]] for (uint j = 0u; j < BKV / 8u; ++j) {
+            const uint c = tid % 8u + 8u * j;
+            float s = uintBitsToFloat(0xFF800000u);
+            if (k0 + c <= limit && sr < rows) {
+                float acc = 0.0;
+                for (uint d = 0u; d < HEAD_DIM; d += 2u) {
+                    acc += qs[sr * HEAD_DIM + d] * ks[c * KP + d]
+                        + qs[sr * HEAD_DIM + d + 1u] * ks[c * KP + d + 1u];
+                }
+                s = acc * p.scale;
+            }
+            ps[sr * BKV + c] = s;
+        }
+        barrier();
+        if (tid < BQ) {
+            float mx = m_s[tid];
+            for (uint c = 0u; c < BKV; ++c) {
+                mx = max(mx, ps[tid * BKV + c]);
+            }
+            // A row with nothing to attend to yet (-inf everywhere) keeps its zeros.
+            const float a = mx == m_s[tid] ? 1.0 : exp(m_s[tid] - mx);
+            float sum = 0.0;
+            for (uint c = 0u; c < BKV; ++c) {
+                const float s = ps[tid * BKV + c];
+                const float e = s == uintBitsToFloat(0xFF800000u) ? 0.0 : exp(s - mx);
+                ps[tid * BKV + c] = e;
+                sum += e;
+            }
+            alpha_s[tid] = a;
+            m_s[tid] = mx;
+            l_s[tid] = l_s[tid] * a + sum;
+        }
+        barrier();
+        // Unrolled to BQ with RPT a constant once specialized: `o` stays in registers.
+        [[unroll]] for (uint i = 0u; i < BQ; ++i) {
+            if (i < RPT) {
+                const uint r = or0 + i * ROW_STEP;
+                float acc = o[i] * alpha_s[r];
+                for (uint c = 0u; c < BKV; ++c) {
+                    acc += ps[r * BKV + c] * vs[c * HEAD_DIM + od];
+                }
+                o[i] = acc;
+            }
+        }
+    }
+    barrier();
+    [[unroll]] for (uint i = 0u; i < BQ; ++i) {
+        const uint r = or0 + i * ROW_STEP;
+        if (i < RPT && r < rows) {
+            dst[((tq0 + r) * n_heads + h) * HEAD_DIM + od] = o[i] / l_s[r];
+        }
+    }
+}
