@@ -481,6 +481,54 @@ fn rejects_tensor_offset_whose_end_overflows() {
     ));
 }
 
+// llama.cpp's CVE-2025-53630: tensors each within u64 whose sizes sum past it (2^63 bytes each,
+// the second at offset 2^63). ggml summed the padded sizes into the data blob's size, which
+// wrapped to 0, and then read and wrote every tensor out of bounds. Each tensor's end is checked
+// against the file here, never a sum.
+#[test]
+fn rejects_tensors_whose_sizes_sum_past_u64() {
+    let bytes = tensors(
+        &[("a", &[1 << 61], F32, 0), ("b", &[1 << 61], F32, 1 << 63)],
+        32,
+    );
+    let err = open(&bytes).unwrap_err();
+    assert!(
+        matches!(&err, GgufError::TensorPastEnd { tensor, .. } if tensor == "a"),
+        "{err:?}"
+    );
+}
+
+// llama.cpp's CVE-2026-27940: one tensor whose byte size is just under 2^64 (2^64 - 4, and
+// 2^64 - 32), so that padding it or adding the context's overhead wrapped and the allocation
+// came out small. Here its end offset overflows and says so.
+#[test]
+fn rejects_tensor_sizes_just_below_u64_max() {
+    for elements in [(1u64 << 62) - 1, (1 << 62) - 8] {
+        let bytes = tensors(&[("w", &[elements], F32, 0)], 32);
+        let err = open(&bytes).unwrap_err();
+        assert!(
+            matches!(&err, GgufError::SizeOverflow { tensor, what: "end offset" } if tensor == "w"),
+            "{elements} elements: {err:?}"
+        );
+    }
+}
+
+// llama.cpp's CVE-2024-23496 (`gguf_fread_str`, a length of 2^64 - 1 that wrapped `calloc(n +
+// 1)`) on the path of a tensor's name; `rejects_key_length_past_end_of_file` covers keys.
+#[test]
+fn rejects_tensor_name_length_of_u64_max() {
+    let bytes = Bytes::new()
+        .header(3, 1, 0)
+        .u64(u64::MAX)
+        .raw(b"w")
+        .to_vec();
+    let err = open(&bytes).unwrap_err();
+    assert!(
+        matches!(&err, GgufError::StringPastEnd { what, len: u64::MAX, .. } if what == "name of tensor 0"),
+        "{err:?}"
+    );
+}
+
 #[test]
 fn rejects_truncated_file_at_several_points() {
     let full = model(&llama_spec()).to_bytes();

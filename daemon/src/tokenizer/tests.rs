@@ -252,6 +252,23 @@ fn detokenizer_holds_back_split_characters() {
     assert_eq!(d.finish(), "\u{FFFD}");
 }
 
+// llama.cpp's CVE-2025-49847: a vocabulary piece longer than its `token_to_piece` buffer (a
+// length past i32 cast to a negative one) was copied whole over it. Pieces here are copied into
+// growing buffers: a piece of 100 KiB, alone and between others, comes out whole, through both
+// the one-call and the streaming detokenizer.
+#[test]
+fn a_very_long_piece_comes_out_whole() {
+    let long: String = "ab€".repeat(100 * 1024 / 5);
+    let t = Tokenizer::from_metadata(&spm_metadata(&["▁", "a", &long])).unwrap();
+    let id = t.token_id(&long).unwrap();
+    let a = t.token_id("a").unwrap();
+    assert_eq!(t.decode(&[id]), long);
+    assert_eq!(t.decode(&[a, id, a]), format!("a{long}a"));
+    let mut d = Detokenizer::new(&t, false);
+    let streamed: String = [a, id, a].iter().map(|&i| d.push(i)).collect();
+    assert_eq!(streamed + &d.finish(), format!("a{long}a"));
+}
+
 #[test]
 fn clean_spaces_as_llama_cpp() {
     let merges: [&str; 0] = [];
