@@ -30,6 +30,7 @@ pub mod moe;
 pub mod ops;
 pub mod ops_attention;
 pub mod ops_batch;
+pub mod ops_moe;
 mod pipeline;
 pub mod placement;
 pub mod record;

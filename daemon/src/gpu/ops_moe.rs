@@ -1,0 +1,302 @@
+//! The operations of a MoE layer on the device: the expert-indexed products (the k experts of
+//! a token in one dispatch, their ids read on the device), the routing (softmax and top-k, with
+//! the router's product before it in the same dispatch), and the routed weighted sum.
+
+use spillway_shaders::{
+    MatVecIdParams, MoeRouteParams, MoeRouterParams, Op, ScaleAddRoutedParams, ShaderId, WeightType,
+};
+
+use super::buffer::Buffer;
+use super::error::{GpuError, Result};
+use super::ops::{grid, GpuMatrix};
+use super::record::{Binding, Recorder};
+
+/// Most experts [`Recorder::moe_route`] routes among (its workgroup size).
+pub const MOE_ROUTE_MAX_EXPERTS: usize = 256;
+
+/// Floats of one routing in [`Recorder::moe_route`]'s buffer: `k` expert ids (uint bits), `k`
+/// weights, the shared expert's gate.
+pub fn route_floats(k: usize) -> usize {
+    2 * k + 1
+}
+
+/// Floats of one routing in [`Recorder::moe_route`]'s log: the router logits, then the
+/// routing.
+pub fn route_log_floats(n_expert: usize, k: usize) -> usize {
+    n_expert + route_floats(k)
+}
+
+/// One MoE layer's routing on the device.
+#[derive(Debug, Clone, Copy)]
+pub struct MoeRouteArgs {
+    pub n_expert: u32,
+    /// Experts chosen per token.
+    pub k: u32,
+    /// Divide the k weights by their sum (Mixtral, Qwen3-MoE).
+    pub norm_weights: bool,
+    /// Float offset of this routing in the log.
+    pub log_offset: u32,
+}
+
+/// What an expert-indexed product ([`Recorder::matvec_id_fused`]) does besides `W_e · x`.
+#[derive(Clone, Copy, Default)]
+pub struct IdFused<'b> {
+    /// Take RMSNorm(x) times these weights, with this eps, as the input (one input for every
+    /// expert: `x_stride` 0).
+    pub norm: Option<(&'b Buffer, f32)>,
+    /// Each expert's up rows lie this many rows after its gate rows in the stack (the up stack
+    /// after the gate stack), and the results are `silu(gate · x) * (up · x)`.
+    pub glu_up_rows: Option<usize>,
+    /// Add `Σ_z w_z (W_z · x_z)` to `y`, `w_z` the float at word `sum_weights_at + z` of the
+    /// ids buffer (the routing's weights): a MoE layer's down products into the residual.
+    pub sum_weights_at: Option<u32>,
+    /// Row of `w` where expert 0 starts (the up stack of a gate-then-up matrix read alone).
+    pub first_row: usize,
+}
+
+impl Recorder<'_> {
+    /// `count` experts' products in one dispatch: expert `ids[rank + z]` of the stack `w`
+    /// (experts of `rows` rows, one after another) times `x[z * x_stride..]` into
+    /// `y[z * y_stride..]`, for `z` in `0..count`. The expert ids are read on the device (see
+    /// [`Recorder::moe_route`]); the whole stack is bound, so it must fit one binding.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matvec_id(
+        &mut self,
+        w: &GpuMatrix,
+        rows: usize,
+        ids: (&Buffer, u32),
+        count: u32,
+        x: (&Buffer, u32),
+        y: (&Buffer, u32),
+    ) -> Result<()> {
+        self.matvec_id_fused(w, rows, ids, count, x, y, IdFused::default())
+    }
+
+    /// [`Recorder::matvec_id`] with the ops `fused` names done in the same dispatch (see
+    /// [`IdFused`]). With `glu_up`, `rows` are gate rows, the results are SwiGLU's, `rows` an
+    /// expert; with `sum_weights_at`, `y` gets one sum of `rows` results (`y_stride` unused).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matvec_id_fused(
+        &mut self,
+        w: &GpuMatrix,
+        rows: usize,
+        (ids, rank): (&Buffer, u32),
+        count: u32,
+        (x, x_stride): (&Buffer, u32),
+        (y, y_stride): (&Buffer, u32),
+        fused: IdFused<'_>,
+    ) -> Result<()> {
+        let refuse = |what: String| Err(GpuError::Unsupported(what));
+        let stack_rows = w.n_out.saturating_sub(fused.first_row);
+        if rows == 0 || stack_rows == 0 || !stack_rows.is_multiple_of(rows) {
+            return refuse(format!(
+                "experts of {rows} rows from row {} of a stack of {}",
+                fused.first_row, w.n_out
+            ));
+        }
+        if !x_stride.is_multiple_of(4) {
+            return refuse(format!(
+                "expert inputs {x_stride} floats apart (a multiple of 4 is read as vectors)"
+            ));
+        }
+        if w.buffer.size() > self.max_range {
+            return refuse(format!(
+                "an expert stack of {} bytes in one binding of at most {}",
+                w.buffer.size(),
+                self.max_range
+            ));
+        }
+        if let Some(up) = fused.glu_up_rows {
+            if up == 0 || fused.first_row + up + rows > w.n_out || !up.is_multiple_of(rows) {
+                return refuse(format!(
+                    "up rows {up} rows after the gate rows in a stack of {}",
+                    w.n_out
+                ));
+            }
+        }
+        if fused.sum_weights_at.is_some() && (fused.glu_up_rows.is_some() || fused.norm.is_some()) {
+            return refuse("a sum over experts with SwiGLU or RMSNorm fused".into());
+        }
+        if fused.norm.is_some() && x_stride != 0 {
+            return refuse("RMSNorm of expert inputs that differ".into());
+        }
+        let id = self.variant(Op::MatVecId, Some(w.wtype))?;
+        let glu_rows = if fused.glu_up_rows.is_some() { 2 } else { 1 };
+        let summed = fused.sum_weights_at.is_some();
+        let results = if summed { rows } else { rows * count as usize };
+        // A sum over experts walks the blocks of all of them.
+        let walked = w.n_in * if summed { count as usize } else { 1 };
+        let shape = self.matvec_shape_for(
+            (Op::MatVecId, w.wtype),
+            (results, glu_rows),
+            fused.norm.is_some(),
+            walked,
+        );
+        let n_rows = shape.rows.max(glu_rows) & !(glu_rows - 1);
+        let spec = [
+            shape.threads,
+            n_rows,
+            u32::from(summed),
+            u32::from(fused.norm.is_some()),
+            u32::from(glu_rows == 2),
+            u32::from(summed),
+        ];
+        let (norm_w, eps) = fused.norm.unwrap_or((x, 0.0));
+        let push = MatVecIdParams {
+            n_in: w.n_in as u32,
+            n_rows: rows as u32,
+            w_offset: (fused.first_row as u64 * w.row_bytes) as u32,
+            y_offset: 0,
+            rank,
+            x_stride,
+            y_stride,
+            up_offset: fused
+                .glu_up_rows
+                .map_or(0, |up| (up as u64 * w.row_bytes) as u32),
+            n_ids: count,
+            weights_at: fused.sum_weights_at.unwrap_or(0),
+            eps,
+        };
+        let bindings = [
+            Binding::read(&w.buffer),
+            Binding::read(x),
+            Binding::write(y),
+            Binding::read(ids),
+            Binding::read(norm_w),
+        ];
+        let mut groups = grid((rows as u32).div_ceil(n_rows / glu_rows));
+        groups[2] = if summed { 1 } else { count };
+        self.dispatch_spec(id, &spec, &bindings, &push, groups)
+    }
+
+    /// A MoE layer's routing from its router logits, on the device: as
+    /// [`route`](crate::engine::routing::route) (softmax, the top k, ties to the lower expert,
+    /// the weights renormalised when `args.norm_weights`) into `route` (see [`route_floats`]),
+    /// with the sigmoid of `shared_logit[0]` after the weights when given (Qwen2-MoE's shared
+    /// expert). The logits and the routing also go to `log` at `args.log_offset` (see
+    /// [`route_log_floats`]), host-visible, for reading once the recording has completed.
+    pub fn moe_route(
+        &mut self,
+        logits: &Buffer,
+        shared_logit: Option<&Buffer>,
+        route: &Buffer,
+        log: &Buffer,
+        args: MoeRouteArgs,
+    ) -> Result<()> {
+        check_routing(route, log, args)?;
+        let push = MoeRouteParams {
+            n_expert: args.n_expert,
+            k: args.k,
+            norm: u32::from(args.norm_weights),
+            has_shared: u32::from(shared_logit.is_some()),
+            log_offset: args.log_offset,
+        };
+        // Without a shared expert the binding is unused; the logits stand in for it.
+        let bindings = [
+            Binding::read(logits),
+            Binding::read(shared_logit.unwrap_or(logits)),
+            Binding::write(route),
+            Binding::write(log),
+        ];
+        let id = self.variant(Op::MoeRoute, None)?;
+        self.dispatch(id, &bindings, &push, [1, 1, 1])
+    }
+
+    /// The router's product and the routing in one dispatch: `logits = router · (RMSNorm(x) *
+    /// norm.0)` (`router` F32, a row per expert), then as [`Recorder::moe_route`] without a
+    /// shared expert, done by the workgroup that finishes last, which `done` (one counter,
+    /// [`zeroed_counters`]) tells.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_router(
+        &mut self,
+        router: &GpuMatrix,
+        (x, norm): (&Buffer, (&Buffer, f32)),
+        (logits, done): (&Buffer, &Buffer),
+        route: &Buffer,
+        log: &Buffer,
+        args: MoeRouteArgs,
+    ) -> Result<()> {
+        let n = args.n_expert as usize;
+        let n_in = router.n_in;
+        if router.wtype != WeightType::F32
+            || router.n_out != n
+            || !n_in.is_multiple_of(4)
+            || router.buffer.size() > self.max_range
+            || x.size() < n_in as u64 * 4
+            || norm.0.size() < n_in as u64 * 4
+            || logits.size() < n as u64 * 4
+        {
+            return Err(GpuError::Unsupported(format!(
+                "a router of {} {:?} rows of {n_in} for {n} experts in one dispatch",
+                router.n_out, router.wtype
+            )));
+        }
+        check_routing(route, log, args)?;
+        let push = MoeRouterParams {
+            n_expert: args.n_expert,
+            k: args.k,
+            norm: u32::from(args.norm_weights),
+            has_shared: 0,
+            log_offset: args.log_offset,
+            n_in: n_in as u32,
+            eps: norm.1,
+        };
+        let bindings = [
+            Binding::write(logits),
+            Binding::read(x), // the shared expert's logit: none, x stands in
+            Binding::write(route),
+            Binding::write(log),
+            Binding::read(&router.buffer),
+            Binding::read(x),
+            Binding::read(norm.0),
+            Binding::write(done),
+        ];
+        let id = self.variant(Op::MoeRouter, None)?;
+        self.dispatch(id, &bindings, &push, [args.n_expert, 1, 1])
+    }
+
+    /// `a += Σ route[first + r] * b[r * b_stride..][..n]` for `r` in `0..count`, one term after
+    /// another: experts' outputs added with the weights [`Recorder::moe_route`] chose.
+    pub fn scale_add_routed(
+        &mut self,
+        a: &Buffer,
+        (b, b_stride): (&Buffer, u32),
+        (route, first, count): (&Buffer, u32, u32),
+        n: u32,
+    ) -> Result<()> {
+        let push = ScaleAddRoutedParams {
+            n,
+            first,
+            count,
+            b_stride,
+        };
+        let bindings = [Binding::write(a), Binding::read(b), Binding::read(route)];
+        self.dispatch(
+            ShaderId::ScaleAddRouted,
+            &bindings,
+            &push,
+            [n.div_ceil(256), 1, 1],
+        )
+    }
+}
+
+/// Refuses a routing the kernel cannot make ([`Recorder::moe_route`], [`Recorder::moe_router`]):
+/// more experts than [`MOE_ROUTE_MAX_EXPERTS`], k outside `1..=n_expert`, or `route` and `log`
+/// too small for it.
+fn check_routing(route: &Buffer, log: &Buffer, args: MoeRouteArgs) -> Result<()> {
+    let (n, k) = (args.n_expert as usize, args.k as usize);
+    if n > MOE_ROUTE_MAX_EXPERTS || k == 0 || k > n {
+        return Err(GpuError::Unsupported(format!(
+            "routing the top {k} of {n} experts on the device (at most {MOE_ROUTE_MAX_EXPERTS})"
+        )));
+    }
+    let log_end = (args.log_offset as usize + route_log_floats(n, k)) as u64 * 4;
+    if route.size() < route_floats(k) as u64 * 4 || log.size() < log_end {
+        return Err(GpuError::Unsupported(format!(
+            "routing buffers of {} and {} bytes for {k} of {n} experts",
+            route.size(),
+            log.size()
+        )));
+    }
+    Ok(())
+}
