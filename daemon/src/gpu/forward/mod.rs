@@ -973,7 +973,9 @@ impl GpuModel {
                 rec.add(x, b, n)?;
             }
         }
-        if self.rope_in_attention {
+        // The fused kernel takes a QK-norm of both Q and K or of neither (as every supported
+        // architecture has it); anything else takes the separate RoPE dispatch.
+        if self.rope_in_attention && l.q_norm.is_some() == l.k_norm.is_some() {
             let new = Unroped {
                 q: &a.q,
                 k: &a.k,
