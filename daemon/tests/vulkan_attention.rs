@@ -10,25 +10,16 @@
 
 use std::sync::Arc;
 
+#[path = "common/noise.rs"]
+mod noise;
+use noise::noise;
+
 use spillway_daemon::gpu::ops::{
     attention_counters, attention_scratch_floats, rope_table, AttentionArgs, RopeArgs, StepWord,
 };
 use spillway_daemon::gpu::ops_attention::{flash_attention_fits, Unroped};
 use spillway_daemon::gpu::{Allocator, Buffer, Kernels, MemoryUse};
 use spillway_daemon::model::RopeLayout;
-
-/// Deterministic values in [-1, 1) from a xorshift generator.
-fn noise(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
-}
 
 fn host(alloc: &Arc<Allocator>, values: &[f32]) -> Buffer {
     let mut b = Buffer::new_in(alloc, values.len() as u64 * 4, MemoryUse::Staging).unwrap();

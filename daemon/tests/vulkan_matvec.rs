@@ -5,6 +5,10 @@
 
 use std::sync::Arc;
 
+#[path = "common/noise.rs"]
+mod noise;
+use noise::noise;
+
 use half::f16;
 use spillway_daemon::gguf::GgmlType;
 use spillway_daemon::gpu::ops::{GpuMatrix, IdFused, MatVecShape};
@@ -22,18 +26,6 @@ const TYPES: [GgmlType; 6] = [
 
 /// Shapes with one to eight rows and one invocation to many subgroups.
 const SHAPES: [(u32, u32); 5] = [(4, 1), (32, 3), (64, 8), (128, 2), (256, 5)];
-
-fn noise(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
-}
 
 /// Rows of `ty` quantized from noise; the K-quants (no quantizer here) are noise bytes with
 /// small finite scales.

@@ -5,6 +5,10 @@
 
 use std::sync::Arc;
 
+#[path = "common/noise.rs"]
+mod noise;
+use noise::noise;
+
 use half::f16;
 use spillway_daemon::cpu::{attn, matvec, ThreadPool};
 use spillway_daemon::engine::ops;
@@ -20,19 +24,6 @@ use spillway_daemon::quant::{dequantize_row, quantize_row};
 
 fn device() -> Option<Arc<Device>> {
     spillway_daemon::gpu::device_or_skip()
-}
-
-/// Deterministic values in [-1, 1) from a xorshift generator.
-fn noise(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
 }
 
 fn noise_bytes(n: usize, seed: u64) -> Vec<u8> {
