@@ -973,6 +973,8 @@ impl GpuModel {
                 rec.add(x, b, n)?;
             }
         }
+        let caches = (&l.k_cache, &l.v_cache);
+        let scratch = (&a.scores, &a.attn_done);
         // The fused kernel takes a QK-norm of both Q and K or of neither (as every supported
         // architecture has it); anything else takes the separate RoPE dispatch.
         if self.rope_in_attention && l.q_norm.is_some() == l.k_norm.is_some() {
@@ -982,35 +984,15 @@ impl GpuModel {
                 v: &a.v,
                 qk_norm: l.q_norm.as_ref().zip(l.k_norm.as_ref()),
             };
-            rec.attention_rope(
-                new,
-                (&self.rope, rope(c.n_head)),
-                (&l.k_cache, &l.v_cache),
-                (&a.scores, &a.attn_done),
-                &a.attn,
-                attn_args,
-                pos,
-            )?;
-            return rec.matvec_add(&l.wo, &a.attn, &a.x);
+            let rope_q = (&self.rope, rope(c.n_head));
+            rec.attention_rope(new, rope_q, caches, scratch, &a.attn, attn_args, pos)?;
+        } else {
+            rec.rope(&a.q, l.q_norm.as_ref(), &self.rope, rope(c.n_head), pos)?;
+            // K's RoPE goes straight into the cache, with V beside it.
+            let (k_norm, k_rope) = (l.k_norm.as_ref(), rope(c.n_head_kv));
+            rec.rope_store((&a.k, &a.v), k_norm, &self.rope, k_rope, pos, caches)?;
+            rec.attention(&a.q, caches, scratch, &a.attn, attn_args, pos)?;
         }
-        rec.rope(&a.q, l.q_norm.as_ref(), &self.rope, rope(c.n_head), pos)?;
-        // K's RoPE goes straight into the cache, with V beside it.
-        rec.rope_store(
-            (&a.k, &a.v),
-            l.k_norm.as_ref(),
-            &self.rope,
-            rope(c.n_head_kv),
-            pos,
-            (&l.k_cache, &l.v_cache),
-        )?;
-        rec.attention(
-            &a.q,
-            (&l.k_cache, &l.v_cache),
-            (&a.scores, &a.attn_done),
-            &a.attn,
-            attn_args,
-            pos,
-        )?;
         rec.matvec_add(&l.wo, &a.attn, &a.x)
     }
 
