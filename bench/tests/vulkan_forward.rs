@@ -8,7 +8,7 @@ use spillway_bench::synth::{SynthModel, WeightType};
 use spillway_daemon::engine::{Engine, EngineOptions};
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
 use spillway_daemon::gpu::moe::LayerRouting;
-use spillway_daemon::gpu::{Device, GpuError};
+use spillway_daemon::gpu::{footprint, Device};
 use spillway_daemon::model::Model;
 
 fn device() -> Option<Arc<Device>> {
@@ -190,8 +190,9 @@ fn gpu_model_respects_the_vram_budget() {
     assert!(err.is_out_of_memory(), "{err}");
 }
 
-/// A dense model: a MoE model under its whole size keeps fewer experts in VRAM instead
-/// (`daemon/tests/vulkan_offload.rs`).
+/// A dense model loads whole where its bytes, the upload staging and the alignment margin fit
+/// the budget; under that its first layer runs on the CPU (`daemon/tests/vulkan_dense_split.rs`;
+/// a MoE model keeps fewer experts in VRAM instead, `daemon/tests/vulkan_offload.rs`).
 #[test]
 fn device_bytes_is_what_the_model_needs_within_the_budget() {
     let Some(dev) = device() else { return };
@@ -207,18 +208,23 @@ fn device_bytes_is_what_the_model_needs_within_the_budget() {
         ..GpuModelOptions::default()
     };
     let needed = GpuModel::device_bytes(&model, &options).total();
-    options.vram_budget = Some(needed - 1);
-    match GpuModel::new(&dev, &model, &options) {
-        Err(GpuError::ModelOverBudget { needed: n, budget }) => {
-            assert_eq!((n, budget), (needed, needed - 1));
-        }
-        Err(e) => panic!("refused for another reason: {e}"),
-        Ok(_) => panic!("loaded under a budget below what it needs"),
-    }
     // What it needs, plus the upload staging (16 MiB, on the budget where the device's memory
     // is all one heap, as lavapipe's) and the driver's alignment of each buffer.
-    options.vram_budget = Some(needed + (16 << 20) + (1 << 20));
-    GpuModel::new(&dev, &model, &options).unwrap();
+    let staging = 16 << 20;
+    options.vram_budget = Some(needed + staging + (1 << 20));
+    let whole = GpuModel::new(&dev, &model, &options).unwrap();
+    assert_eq!(whole.cpu_layers(), 0);
+    assert!(whole.allocator().budget().held() >= needed);
+    drop(whole);
+    // The smallest budget: the second layer, the output, the staging and the margin.
+    let minimum = GpuModel::minimum_budget(&dev, &model, &options)
+        .expect("two layers")
+        .total();
+    assert!(footprint::split_bytes(&model, 64, 1).total() < needed);
+    options.vram_budget = Some(minimum);
+    let split = GpuModel::new(&dev, &model, &options).unwrap();
+    assert_eq!(split.cpu_layers(), 1, "one layer on the CPU");
+    assert!(split.allocator().budget().held() <= minimum);
 }
 
 // Q4_0 (and Q8_0) products take the integer-dot-product kernels where the device has them (lavapipe

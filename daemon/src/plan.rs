@@ -191,15 +191,19 @@ pub fn expert_slots(
 }
 
 /// Bytes of VRAM a GPU model of `model` under `vram_budget` has for routed experts: the
-/// budget less what it keeps besides them; every expert's bytes when it has no budget.
+/// budget less what it keeps besides them; every expert's bytes when it has no budget; `None`
+/// for a dense model.
 pub fn expert_room(
     device: &std::sync::Arc<crate::gpu::Device>,
     model: &crate::model::Model,
     options: &crate::gpu::forward::GpuModelOptions,
 ) -> Option<u64> {
     use crate::gpu::forward::GpuModel;
-    let minimum = GpuModel::minimum_budget(device, model, options)?;
     let all = GpuModel::device_bytes(model, options).experts;
+    if all == 0 {
+        return None;
+    }
+    let minimum = GpuModel::minimum_budget(device, model, options)?;
     Some(match options.vram_budget {
         Some(b) => b
             .saturating_sub(minimum.total() - minimum.one_slot_per_layer)

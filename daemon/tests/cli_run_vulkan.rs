@@ -1,6 +1,7 @@
 //! `spillwayd run --device vulkan`: the same greedy tokens and prompt log-probabilities as
 //! `--device cpu` on a tiny synthetic MoE model, also with only some experts in VRAM
-//! (`--vram-budget`, `--moe-miss`), and clear errors for a device that does not exist, a budget
+//! (`--vram-budget`, `--moe-miss`), the same greedy tokens from a dense model with only its last
+//! layer in VRAM, and clear errors for a device that does not exist, a budget
 //! below what the model needs and a machine without a Vulkan driver. The GPU tests run
 //! on whatever Vulkan device the machine has (lavapipe in CI) and skip without one, unless
 //! `SPILLWAY_REQUIRE_VULKAN` is set.
@@ -162,6 +163,61 @@ fn experts_beyond_the_vram_budget_give_the_same_greedy_tokens() {
         let path_taken = if miss == "cpu" { "cpu" } else { "fetched" };
         assert!(e[path_taken].as_u64().unwrap() > 0, "{e}");
     }
+}
+
+/// A dense model under its whole size runs its first layers on the CPU, says so, and gives
+/// the unconstrained run's greedy tokens.
+#[test]
+fn a_dense_model_beyond_the_vram_budget_gives_the_same_greedy_tokens() {
+    let Some(device) = spillway_daemon::gpu::device_or_skip() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny-llama-f16.gguf");
+    SynthModel::from_name("tiny-llama", "F16".parse().unwrap(), 3)
+        .unwrap()
+        .write(&path, false, |_, _| {})
+        .unwrap();
+    let model = Model::open(&path).unwrap();
+    let options = GpuModelOptions {
+        context: 64,
+        ..GpuModelOptions::default()
+    };
+    let minimum = GpuModel::minimum_budget(&device, &model, &options)
+        .expect("a dense model of four layers has a minimum")
+        .total()
+        .to_string();
+    fn args(budget: Option<&str>) -> Vec<&str> {
+        let mut a = vec!["--device", "vulkan", "--ctx", "64"];
+        a.extend(budget.map(|b| ["--vram-budget", b]).into_iter().flatten());
+        a.extend([
+            "--prompt-tokens",
+            "1,17,300,5,1000",
+            "--max-tokens",
+            "8",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--json",
+            "--threads",
+            "2",
+        ]);
+        a
+    }
+    let tokens = |out: &Output| {
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{stderr}");
+        let json: Value = serde_json::from_slice(&out.stdout).unwrap();
+        (json["tokens"].clone(), stderr)
+    };
+    let (want, stderr) = tokens(&spillwayd(&path, &args(None)));
+    assert!(!stderr.contains("run on the CPU"), "{stderr}");
+    let (got, stderr) = tokens(&spillwayd(&path, &args(Some(&minimum))));
+    assert_eq!(got, want, "--vram-budget {minimum}");
+    assert!(
+        stderr.contains("the VRAM budget holds layers 3..4 of 4: layers 0..3 run on the CPU"),
+        "{stderr}"
+    );
 }
 
 #[test]

@@ -53,8 +53,17 @@ fn expected_ops(model: &Model) -> Vec<(Option<usize>, &'static str)> {
 /// add up to the step within 10% (exactly, as the step is split at group boundaries), and the
 /// step took no longer than `wall`, the host's call that waited for it.
 fn check_step(what: &str, model: &Model, p: &GpuStepProfile, wall: Duration) {
+    check_rows(what, expected_ops(model), p, wall);
+}
+
+fn check_rows(
+    what: &str,
+    expected: Vec<(Option<usize>, &'static str)>,
+    p: &GpuStepProfile,
+    wall: Duration,
+) {
     let ops: Vec<_> = p.rows.iter().map(|r| (r.layer, r.op)).collect();
-    assert_eq!(ops, expected_ops(model), "{what}: rows");
+    assert_eq!(ops, expected, "{what}: rows");
     let step = p.step_gpu_ns.expect("the device has timestamps");
     assert!(step > 0, "{what}: step time");
     assert!(
@@ -130,6 +139,55 @@ fn a_dense_step_times_every_layer_and_adds_up() {
 /// A MoE model with every expert in VRAM (routed on the device) and at the minimum budget
 /// (experts on the CPU, as a chained step and as separate submissions): every MoE layer's row
 /// counts the step's routed experts, and a step with CPU experts reports the host's time.
+/// A dense model over its budget: the GPU's rows are its layers (numbered as the model's) after
+/// the hidden state from the CPU, and the host's time has the CPU's layers.
+#[test]
+fn a_split_step_times_the_gpu_layers_and_the_cpu_layers() {
+    let Some(dev) = spillway_daemon::gpu::device_or_skip() else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model(tmp.path(), "tiny-llama");
+    let minimum = GpuModel::minimum_budget(&dev, &model, &options(None))
+        .unwrap()
+        .total();
+    let mut on = GpuModel::new(&dev, &model, &options(Some(minimum))).unwrap();
+    let mut off = GpuModel::new(&dev, &model, &options(Some(minimum))).unwrap();
+    let last = model.config.n_layer - 1;
+    assert_eq!(on.cpu_layers(), last);
+    on.set_profiling(true).unwrap();
+    for (i, &t) in TOKENS.iter().enumerate() {
+        let (a, wall) = timed(|| on.eval(t).unwrap());
+        assert_eq!(
+            a,
+            off.eval(t).unwrap(),
+            "step {i}: profiling changed the logits"
+        );
+        let p = on.last_profile().unwrap();
+        let expected = vec![
+            (None, "hidden_state_in"),
+            (Some(last), "attention"),
+            (Some(last), "ffn"),
+            (None, "output_head"),
+        ];
+        check_rows(&format!("step {i}"), expected, p, wall);
+        let cpu = p.host.expect("the CPU's layers' time").cpu_layers_ns;
+        assert!(
+            cpu > 0 && cpu < wall.as_nanos() as u64,
+            "step {i}: {cpu} ns"
+        );
+    }
+    // While profiling a prompt goes token by token on the GPU, its CPU layers over the whole
+    // prompt at once: the same arithmetic per token as one at a time.
+    on.reset();
+    off.reset();
+    let n_vocab = model.config.n_vocab;
+    let got = on.eval_prompt(&TOKENS, true).unwrap();
+    let want: Vec<f32> = TOKENS.iter().flat_map(|&t| off.eval(t).unwrap()).collect();
+    assert_eq!(got.len(), TOKENS.len() * n_vocab);
+    assert_eq!(got, want, "a prompt's CPU layers at once");
+}
+
 #[test]
 fn moe_steps_count_their_experts_per_layer() {
     let Some(dev) = spillway_daemon::gpu::device_or_skip() else {

@@ -260,6 +260,15 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             };
             let gpu = load_on_gpu(&device, &model, &options)
                 .with_context(|| format!("loading {} onto {name}", args.model.display()))?;
+            if gpu.cpu_layers() > 0 {
+                eprintln!(
+                    "the VRAM budget holds layers {}..{} of {}: layers 0..{} run on the CPU",
+                    gpu.cpu_layers(),
+                    model.config.n_layer,
+                    model.config.n_layer,
+                    gpu.cpu_layers()
+                );
+            }
             Loaded::Gpu {
                 model: Box::new(gpu),
                 name,

@@ -129,32 +129,13 @@ pub(super) fn forward_slots(
     }
     let positions: Vec<usize> = slots.iter().map(|s| s.pos).collect();
     let rope = Rope::new(model, &positions);
-    let mut xn = vec![0.0f32; n * e];
     laps.lap(None, OpGroup::Embedding, || {
         n as u64 * model.token_embd.row_bytes()
     });
-    for (il, layer) in model.layers.iter().enumerate() {
-        let a = &layer.attn;
-        norm_rows(&x, &a.norm, c.rms_eps, &mut xn);
-        let proj = attention(model, pool, caches, a, il, slots, &xn, &rope, &mut laps);
-        add_inplace(&mut x, &proj);
-        laps.lap(Some(il), OpGroup::AttnOutput, || a.wo.bytes());
-
-        norm_rows(&x, &layer.ffn_norm, c.rms_eps, &mut xn);
-        match &layer.ffn {
-            Ffn::Dense { gate, up, down } => {
-                let out = swiglu_ffn(model, pool, (gate, up, down), &xn);
-                add_inplace(&mut x, &out);
-                laps.lap(Some(il), OpGroup::Ffn, || {
-                    gate.bytes() + up.bytes() + down.bytes()
-                });
-            }
-            Ffn::Moe(moe) => {
-                let out = moe_ffn(model, pool, moe, &xn, il, &mut laps);
-                add_inplace(&mut x, &out);
-            }
-        }
-    }
+    let n_layers = model.layers.len();
+    run_layers(
+        model, pool, caches, &mut x, slots, &rope, n_layers, &mut laps,
+    );
     let mut out_rows = Vec::with_capacity(rows.len() * e);
     for &b in rows {
         let mut row = x[b * e..(b + 1) * e].to_vec();
@@ -166,6 +147,84 @@ pub(super) fn forward_slots(
     matmul(pool, model.mat(&model.output), &out_rows, logits);
     laps.lap(None, OpGroup::OutputHead, || model.output.bytes());
     Ok(())
+}
+
+/// The hidden states of `tokens` (one sequence, at positions `start..`) after the first
+/// `n_layers` layers, `n_embd` floats per token, their keys and values stored in `kv`: the
+/// CPU's share of a dense model whose later layers run on the GPU. The caller has checked the
+/// positions against the cache and the token ids.
+pub fn hidden_after(
+    model: &Model,
+    pool: &ThreadPool,
+    kv: &mut KvCache,
+    tokens: &[u32],
+    start: usize,
+    n_layers: usize,
+) -> Result<Vec<f32>, ModelError> {
+    let e = model.config.n_embd;
+    let mut x = vec![0.0f32; tokens.len() * e];
+    for (row, &t) in x.chunks_exact_mut(e).zip(tokens) {
+        model.embed(t, row)?;
+    }
+    let slots: Vec<Slot> = (0..tokens.len())
+        .map(|b| Slot {
+            seq: 0,
+            pos: start + b,
+        })
+        .collect();
+    let positions: Vec<usize> = slots.iter().map(|s| s.pos).collect();
+    let rope = Rope::new(model, &positions);
+    let caches = &mut [kv];
+    run_layers(
+        model,
+        pool,
+        caches,
+        &mut x,
+        &slots,
+        &rope,
+        n_layers,
+        &mut Laps(None),
+    );
+    Ok(x)
+}
+
+/// The first `n_layers` layers over the hidden states `x` (a row per token of `slots`, whose
+/// RoPE angles `rope` holds).
+#[allow(clippy::too_many_arguments)]
+fn run_layers(
+    model: &Model,
+    pool: &ThreadPool,
+    caches: &mut [&mut KvCache],
+    x: &mut [f32],
+    slots: &[Slot],
+    rope: &Rope,
+    n_layers: usize,
+    laps: &mut Laps<'_>,
+) {
+    let c = &model.config;
+    let mut xn = vec![0.0f32; x.len()];
+    for (il, layer) in model.layers.iter().enumerate().take(n_layers) {
+        let a = &layer.attn;
+        norm_rows(x, &a.norm, c.rms_eps, &mut xn);
+        let proj = attention(model, pool, caches, a, il, slots, &xn, rope, laps);
+        add_inplace(x, &proj);
+        laps.lap(Some(il), OpGroup::AttnOutput, || a.wo.bytes());
+
+        norm_rows(x, &layer.ffn_norm, c.rms_eps, &mut xn);
+        match &layer.ffn {
+            Ffn::Dense { gate, up, down } => {
+                let out = swiglu_ffn(model, pool, (gate, up, down), &xn);
+                add_inplace(x, &out);
+                laps.lap(Some(il), OpGroup::Ffn, || {
+                    gate.bytes() + up.bytes() + down.bytes()
+                });
+            }
+            Ffn::Moe(moe) => {
+                let out = moe_ffn(model, pool, moe, &xn, il, laps);
+                add_inplace(x, &out);
+            }
+        }
+    }
 }
 
 /// RMSNorm of every row of `x` (rows as wide as `w`) into `out`.

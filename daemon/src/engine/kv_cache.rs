@@ -48,6 +48,18 @@ impl KvCache {
         }
     }
 
+    /// Stores `keys.len() / kv_width` positions of `layer` from `pos` on, keys and values
+    /// already f16 (computed elsewhere, as a GPU's prompt chunk computes them).
+    ///
+    /// # Panics
+    /// If the positions pass the capacity or the lengths differ.
+    pub fn store_f16(&mut self, layer: usize, pos: usize, keys: &[f16], values: &[f16]) {
+        assert_eq!(keys.len(), values.len(), "keys and values");
+        let range = pos * self.kv_width..pos * self.kv_width + keys.len();
+        self.keys[layer][range.clone()].copy_from_slice(keys);
+        self.values[layer][range].copy_from_slice(values);
+    }
+
     /// The keys of `layer` for positions `0..n`, position-major.
     pub fn keys(&self, layer: usize, n: usize) -> &[f16] {
         &self.keys[layer][..n * self.kv_width]

@@ -21,21 +21,15 @@ pub enum GpuError {
         held: u64,
         budget: u64,
     },
-    /// A model larger than the budget, found before loading it.
-    #[error(
-        "the model needs {needed} bytes ({}) of device memory, more than the VRAM budget of \
-         {budget} bytes ({})",
-        mib(*needed),
-        mib(*budget)
-    )]
-    ModelOverBudget { needed: u64, budget: u64 },
-    /// A MoE model whose non-expert weights, KV cache, scratch and one expert slot per layer do
-    /// not fit the budget, found before loading it.
+    /// A model whose smallest footprint does not fit the budget, found before loading it: for a
+    /// MoE model its non-expert weights, KV cache, scratch and one expert slot per layer; for a
+    /// dense one its last layer, output and scratch (the other layers on the CPU).
     #[error(
         "the model needs at least {} bytes ({}) of device memory, more than the VRAM budget of \
-         {budget} bytes ({}): {} of weights other than routed experts, {} of KV cache, {} of \
+         {budget} bytes ({}): {} of weights other than routed experts (for a dense model: its last \
+         layer's and the output's, the earlier layers on the CPU), {} of KV cache, {} of \
          activations and scratch, {} for one expert slot per MoE layer, {} of upload staging and \
-         {} of alignment margin (a shorter context needs less KV cache); with every expert in \
+         {} of alignment margin (a shorter context needs less KV cache); with every weight in \
          VRAM it needs {needed} bytes ({})",
         minimum.total(),
         mib(minimum.total()),
@@ -59,6 +53,9 @@ pub enum GpuError {
     Unsupported(String),
     #[error("Vulkan call failed: {0}")]
     Other(vk::Result),
+    /// The layers a dense model runs on the CPU failed (an embedding it cannot read).
+    #[error("the model's layers on the CPU: {0}")]
+    CpuLayers(Box<crate::model::ModelError>),
     /// Reading routed experts from the model file into the RAM tier failed.
     #[error("reading experts from the model file: {0}")]
     Storage(#[from] crate::stream::StreamError),
@@ -71,10 +68,15 @@ impl GpuError {
             self,
             GpuError::OutOfMemory(_)
                 | GpuError::OverBudget { .. }
-                | GpuError::ModelOverBudget { .. }
                 | GpuError::BelowMinimumBudget { .. }
                 | GpuError::Storage(crate::stream::StreamError::RamBelowMinimum { .. })
         )
+    }
+}
+
+impl From<crate::model::ModelError> for GpuError {
+    fn from(e: crate::model::ModelError) -> GpuError {
+        GpuError::CpuLayers(Box::new(e))
     }
 }
 

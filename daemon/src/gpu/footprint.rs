@@ -4,7 +4,7 @@
 //! of its routed experts in VRAM is in [`super::placement`].
 
 use super::ops::{attention_scratch_floats, route_floats, route_log_floats};
-use crate::model::{Config, Ffn, Matrix, Model};
+use crate::model::{Config, Ffn, Layer, Matrix, Model};
 
 /// Bytes of device memory, by what they hold. Buffers are counted as allocated (whole words);
 /// the driver's alignment of each buffer and the upload staging (freed once loaded) come on top.
@@ -36,21 +36,25 @@ fn f32s(n: usize) -> u64 {
 
 /// Device memory of `model` with a KV cache of `capacity` positions.
 pub fn device_bytes(model: &Model, capacity: usize) -> DeviceBytes {
+    split_bytes(model, capacity, 0)
+}
+
+/// Device memory of `model` with its first `cpu_layers` layers on the CPU: the GPU holds the
+/// later layers and their KV cache, the output norm and head, and takes each token's hidden
+/// state from a host-visible buffer instead of embedding it (no embedding table unless the
+/// output is tied to it).
+pub fn split_bytes(model: &Model, capacity: usize, cpu_layers: usize) -> DeviceBytes {
     let c = &model.config;
     let mat = |m: &Matrix| buffer(model.stacked(m).data.len() as u64);
-    let opt = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| f32s(v.len()));
-    let mut weights = mat(&model.token_embd) + f32s(model.output_norm.len());
-    if model.output != model.token_embd {
-        weights += mat(&model.output);
+    let mut weights = f32s(model.output_norm.len()) + mat(&model.output);
+    if cpu_layers == 0 && model.output != model.token_embd {
+        weights += mat(&model.token_embd);
     }
     // The RoPE table: a cosine and a sine per rotated pair and position.
     weights += f32s(capacity * c.n_rot);
     let (mut dense_ff, mut shared_ff, mut experts) = (0, 0, 0);
-    for l in &model.layers {
-        let a = &l.attn;
-        weights += f32s(a.norm.len()) + f32s(l.ffn_norm.len());
-        weights += mat(&a.wq) + mat(&a.wk) + mat(&a.wv) + mat(&a.wo);
-        weights += opt(&a.bq) + opt(&a.bk) + opt(&a.bv) + opt(&a.q_norm) + opt(&a.k_norm);
+    for l in &model.layers[cpu_layers..] {
+        weights += attention_weights(model, l);
         weights += match &l.ffn {
             Ffn::Dense { gate, up, down } => {
                 dense_ff = dense_ff.max(gate.n_out);
@@ -67,13 +71,57 @@ pub fn device_bytes(model: &Model, capacity: usize) -> DeviceBytes {
             }
         };
     }
-    let kv_cache = c.n_layer as u64 * 2 * buffer((capacity * c.kv_width() * 2) as u64);
+    let gpu_layers = (c.n_layer - cpu_layers) as u64;
+    let kv_cache = gpu_layers * 2 * buffer((capacity * c.kv_width() * 2) as u64);
+    let mut activations = activation_bytes(c, capacity, dense_ff, shared_ff);
+    if cpu_layers > 0 {
+        // The hidden state the CPU's layers hand over.
+        activations += f32s(c.n_embd);
+    }
     DeviceBytes {
         weights,
         experts,
         kv_cache,
-        activations: activation_bytes(c, capacity, dense_ff, shared_ff),
+        activations,
     }
+}
+
+/// Bytes of layer `l`'s attention matrices, norms and biases.
+fn attention_weights(model: &Model, l: &Layer) -> u64 {
+    let mat = |m: &Matrix| buffer(model.stacked(m).data.len() as u64);
+    let opt = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| f32s(v.len()));
+    let a = &l.attn;
+    f32s(a.norm.len())
+        + f32s(l.ffn_norm.len())
+        + mat(&a.wq)
+        + mat(&a.wk)
+        + mat(&a.wv)
+        + mat(&a.wo)
+        + opt(&a.bq)
+        + opt(&a.bk)
+        + opt(&a.bv)
+        + opt(&a.q_norm)
+        + opt(&a.k_norm)
+}
+
+/// Device memory of a VRAM slot that a dense model's first layers take in turn for a prompt
+/// chunk (`gpu::forward::stream`): one layer's weights and KV cache of `capacity` positions,
+/// the host-visible buffer a chunk's keys and values come back through, and a full prompt
+/// chunk's activations, without which the slot would go unused (host-visible memory is
+/// counted whether or not it is on the budget on the device).
+pub fn stream_slot_bytes(model: &Model, capacity: usize) -> u64 {
+    let c = &model.config;
+    let l = &model.layers[0];
+    let mat = |m: &Matrix| buffer(model.stacked(m).data.len() as u64);
+    let mut weights = attention_weights(model, l);
+    if let Ffn::Dense { gate, up, down } = &l.ffn {
+        weights += mat(gate) + mat(up) + mat(down);
+    }
+    let kv = 2 * buffer((capacity * c.kv_width() * 2) as u64);
+    // A chunk is as long as the prompt, in steps of 64 tokens.
+    let tokens = crate::gpu::forward::PREFILL_CHUNK.min(capacity.next_multiple_of(64));
+    let chunk = crate::gpu::forward::batch_bytes(c, tokens, capacity);
+    weights + kv + buffer(crate::gpu::forward::readback_bytes(c.kv_width())) + chunk
 }
 
 /// The buffers `GpuModel::new` makes for one token's activations (and MoE scratch).

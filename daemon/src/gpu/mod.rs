@@ -9,8 +9,9 @@
 //! ops of a decode step ([`ops`]); a model's whole decode step on the GPU ([`forward`]), with
 //! MoE layers routed on the host between command buffers ([`moe`]); under a VRAM budget, a MoE
 //! model's routed experts partly in VRAM slots ([`placement`], [`expert_cache`]) and the rest
-//! computed on the CPU at the same time ([`cpu_experts`]) or fetched into slots. Not yet: the
-//! transfer queue, batched prompts, streaming from the SSD.
+//! computed on the CPU at the same time ([`cpu_experts`]) or fetched into slots; a dense model's
+//! first layers on the CPU when the budget holds only the rest ([`cpu_layers`]). Not yet: the
+//! transfer queue, weights streamed through VRAM.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
@@ -19,6 +20,7 @@ mod buffer;
 pub mod capabilities;
 pub mod chain;
 pub mod cpu_experts;
+pub mod cpu_layers;
 mod device;
 mod error;
 pub mod expert_cache;

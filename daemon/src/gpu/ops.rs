@@ -84,18 +84,7 @@ impl GpuMatrix {
             "matrix bytes"
         );
         let buffer = Buffer::new_in(allocator, len as u64, MemoryUse::DeviceLocal)?;
-        // Uploads are whole words; the buffer is rounded up to them.
-        if parts.iter().all(|p| p.len().is_multiple_of(4)) {
-            let mut at = 0u64;
-            for p in parts {
-                uploader.upload(&buffer, at, p)?;
-                at += p.len() as u64;
-            }
-        } else {
-            let mut padded = parts.concat();
-            padded.resize(len.next_multiple_of(4), 0);
-            uploader.upload(&buffer, 0, &padded)?;
-        }
+        fill_parts(uploader, &buffer, parts)?;
         Ok(GpuMatrix {
             buffer,
             wtype,
@@ -106,6 +95,29 @@ impl GpuMatrix {
     }
 }
 
+/// Copies `parts` one after another into `buffer` from its start (a matrix's bytes, or a GLU
+/// stack's). Uploads are whole words: a length that is not is padded with zeros, which the
+/// buffer (rounded up to words) has room for.
+pub(crate) fn fill_parts(uploader: &mut Uploader, buffer: &Buffer, parts: &[&[u8]]) -> Result<()> {
+    if parts.iter().all(|p| p.len().is_multiple_of(4)) {
+        let mut at = 0u64;
+        for p in parts {
+            uploader.upload(buffer, at, p)?;
+            at += p.len() as u64;
+        }
+    } else {
+        let mut padded = parts.concat();
+        padded.resize(padded.len().next_multiple_of(4), 0);
+        uploader.upload(buffer, 0, &padded)?;
+    }
+    Ok(())
+}
+
+/// The little-endian bytes of `values`, as an f32 buffer holds them.
+pub(crate) fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
 /// A device-local f32 vector filled from the host.
 pub fn upload_f32(
     allocator: &Arc<Allocator>,
@@ -113,8 +125,7 @@ pub fn upload_f32(
     values: &[f32],
 ) -> Result<Buffer> {
     let buffer = Buffer::new_in(allocator, values.len() as u64 * 4, MemoryUse::DeviceLocal)?;
-    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-    uploader.upload(&buffer, 0, &bytes)?;
+    uploader.upload(&buffer, 0, &f32_bytes(values))?;
     Ok(buffer)
 }
 

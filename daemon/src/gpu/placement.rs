@@ -1,4 +1,12 @@
-//! Where a MoE model's routed experts live when the whole model does not fit the VRAM budget.
+//! Where a model's weights live when the whole model does not fit the VRAM budget.
+//!
+//! A dense model runs its first layers on the CPU and the rest on the GPU: as many of the last
+//! layers as the budget holds go to VRAM with the output head (read every token, and the
+//! largest matrix of small models), and the CPU's layers hand each token's hidden state over
+//! once ([`Placement::cpu_layers`]). Where the budget also holds a slot of one layer and a
+//! prompt chunk's activations ([`Placement::stream_slot`]), the CPU's layers take long prompt
+//! chunks on the GPU through it (`gpu::forward::stream`), for one or more resident layers
+//! fewer. The smallest budget is one layer on the GPU.
 //!
 //! Everything but the routed experts goes to VRAM first: attention, norms, routers, embeddings
 //! and output, Qwen2-MoE's shared experts, the KV cache and the scratch. What the budget leaves
@@ -18,14 +26,16 @@
 //!
 //! Partial: the CPU-or-fetch choice is the `--moe-miss` switch, not the plan's; the initial
 //! residents of a layer with `s` slots are experts `0..s`, not the most used (the planner has
-//! no routing statistics to choose by); dense models still refuse a budget they do not fit
-//! (no streamed tensors).
+//! no routing statistics to choose by); a dense model's CPU layers go through VRAM (the stream
+//! slot) for prompt chunks only, never for decode steps, and the split is the budget's, not
+//! the scheduler's predictors'.
 
 use std::fmt;
 use std::str::FromStr;
 
 use super::error::{GpuError, Result};
-use super::footprint::DeviceBytes;
+use super::footprint::{split_bytes, stream_slot_bytes, DeviceBytes};
+use super::forward::streamable;
 use crate::model::{Ffn, Model, MoeWeights};
 
 /// What happens to a routed expert that is not in a VRAM slot.
@@ -153,11 +163,13 @@ impl ExpertShape {
     }
 }
 
-/// The smallest VRAM budget that runs a MoE model, by what it holds.
+/// The smallest VRAM budget that runs a model, by what it holds: for a MoE model one expert
+/// slot per layer, for a dense one its last layer (the others on the CPU).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MinimumBudget {
     /// Weights other than routed experts: attention, norms, routers, embeddings and output,
-    /// shared experts, the RoPE table.
+    /// shared experts, the RoPE table (for a dense model: its last layer's, the output's and
+    /// the RoPE table).
     pub non_expert: u64,
     pub kv_cache: u64,
     pub activations: u64,
@@ -193,8 +205,13 @@ pub struct Placement {
     pub moe_layers: Vec<usize>,
     /// Staging for uploads, kept after loading when experts are fetched.
     pub staging_bytes: u64,
-    /// Set when not every expert is resident.
+    /// Set when not every expert (or layer) is resident.
     pub minimum: Option<MinimumBudget>,
+    /// A dense model's first layers that run on the CPU (0: every layer on the GPU).
+    pub cpu_layers: usize,
+    /// Those layers take a prompt chunk on the GPU, in turn through a slot of one layer's
+    /// VRAM (`gpu::forward::stream`).
+    pub stream_slot: bool,
 }
 
 impl Placement {
@@ -253,31 +270,61 @@ fn margin(n_layer: usize) -> u64 {
 
 /// The placement of `model`, needing `needed` with every expert resident, under `budget`;
 /// `staging_counts` says whether upload staging counts against it on this device.
+/// `capacity`: the KV cache's positions; `reserve`: budget the allocator keeps for
+/// host-visible device memory ([`super::Allocator::mapped_reserve`]), part of the margin;
+/// `stream`: a dense model's layers on the CPU take prompt chunks through a VRAM slot where
+/// the budget holds one.
 pub(super) fn plan(
     model: &Model,
-    needed: &DeviceBytes,
+    (needed, capacity, stream): (&DeviceBytes, usize, bool),
     budget: Option<u64>,
-    staging_counts: bool,
+    (staging_counts, reserve): (bool, u64),
     miss: MoeMiss,
     layout: &ExpertLayout,
 ) -> Result<Placement> {
     let counted = |b: u64| if staging_counts { b } else { 0 };
-    let margin = margin(model.config.n_layer);
+    let margin = margin(model.config.n_layer) + reserve;
     let Some(shape) = ExpertShape::of(model) else {
-        if let Some(budget) = budget.filter(|&b| needed.total() > b) {
-            return Err(GpuError::ModelOverBudget {
-                needed: needed.total(),
-                budget,
-            });
-        }
-        return Ok(Placement {
+        let dense = |(cpu_layers, stream_slot), minimum| Placement {
             slots: 0,
             n_expert: 0,
             layout: layout.clone(),
             moe_layers: Vec::new(),
             staging_bytes: FULL_STAGING_BYTES,
-            minimum: None,
-        });
+            minimum,
+            cpu_layers,
+            stream_slot,
+        };
+        let extra = counted(FULL_STAGING_BYTES) + margin;
+        let Some(budget) = budget.filter(|&b| needed.total() + extra > b) else {
+            return Ok(dense((0, false), None));
+        };
+        // The fewest layers on the CPU that leave the rest within the budget, with a slot for
+        // their prompt chunks where one fits (and prompts want it), else without.
+        let n = model.layers.len();
+        let slot = stream_slot_bytes(model, capacity);
+        let fits =
+            |cpu: usize, slot| split_bytes(model, capacity, cpu).total() + extra + slot <= budget;
+        let with_slot = (1..n).find(|&cpu| stream && streamable(model, cpu) && fits(cpu, slot));
+        let without = (1..n).find(|&cpu| fits(cpu, 0));
+        let last = split_bytes(model, capacity, n.saturating_sub(1));
+        let minimum = MinimumBudget {
+            non_expert: last.weights,
+            kv_cache: last.kv_cache,
+            activations: last.activations,
+            one_slot_per_layer: 0,
+            staging: counted(FULL_STAGING_BYTES),
+            margin,
+        };
+        return match (with_slot, without) {
+            (Some(cpu), _) => Ok(dense((cpu, true), Some(minimum))),
+            (None, Some(cpu)) => Ok(dense((cpu, false), Some(minimum))),
+            (None, None) => Err(GpuError::BelowMinimumBudget {
+                budget,
+                needed: needed.total(),
+                minimum: Box::new(minimum),
+            }),
+        };
     };
     let moe_layers: Vec<usize> = model
         .layers
@@ -293,6 +340,8 @@ pub(super) fn plan(
         moe_layers: moe_layers.clone(),
         staging_bytes: FULL_STAGING_BYTES,
         minimum: None,
+        cpu_layers: 0,
+        stream_slot: false,
     };
     let Some(budget) = budget else {
         return Ok(whole);
@@ -336,6 +385,8 @@ pub(super) fn plan(
         moe_layers,
         staging_bytes: staging,
         minimum: Some(minimum),
+        cpu_layers: 0,
+        stream_slot: false,
     })
 }
 
@@ -360,6 +411,8 @@ mod tests {
             moe_layers: vec![1, 2, 3, 4],
             staging_bytes: 0,
             minimum: None,
+            cpu_layers: 0,
+            stream_slot: false,
         }
     }
 

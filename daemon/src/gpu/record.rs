@@ -836,6 +836,66 @@ impl Recorder<'_> {
         self.barrier_after(vk::PipelineStageFlags::HOST, vk::AccessFlags::HOST_WRITE);
     }
 
+    /// Copies `size` bytes of `src` from `src_offset` into `dst` at `dst_offset` once every
+    /// dispatch recorded before it is done; later dispatches, and the host once the recording
+    /// has completed, see what it wrote.
+    pub fn copy(
+        &mut self,
+        (src, src_offset): (&Buffer, u64),
+        (dst, dst_offset): (&Buffer, u64),
+        size: u64,
+    ) -> Result<()> {
+        if src_offset + size > src.size() || dst_offset + size > dst.size() {
+            return Err(GpuError::Unsupported(format!(
+                "a copy of {size} bytes from {src_offset} of {} into {dst_offset} of {}",
+                src.size(),
+                dst.size()
+            )));
+        }
+        let dev = &self.kernels.device.raw;
+        let before = vk::MemoryBarrier::default()
+            .src_access_mask(vk::AccessFlags::SHADER_WRITE)
+            .dst_access_mask(vk::AccessFlags::TRANSFER_READ | vk::AccessFlags::TRANSFER_WRITE);
+        let after = vk::MemoryBarrier::default()
+            .src_access_mask(vk::AccessFlags::TRANSFER_WRITE)
+            .dst_access_mask(
+                vk::AccessFlags::SHADER_READ
+                    | vk::AccessFlags::SHADER_WRITE
+                    | vk::AccessFlags::HOST_READ,
+            );
+        let region = [vk::BufferCopy {
+            src_offset,
+            dst_offset,
+            size,
+        }];
+        // SAFETY: `cmd` is recording; both buffers outlive the recording's submission (the
+        // caller's borrows) and the region lies inside them, as checked above.
+        unsafe {
+            dev.cmd_pipeline_barrier(
+                self.cmd,
+                vk::PipelineStageFlags::COMPUTE_SHADER,
+                vk::PipelineStageFlags::TRANSFER,
+                vk::DependencyFlags::empty(),
+                &[before],
+                &[],
+                &[],
+            );
+            dev.cmd_copy_buffer(self.cmd, src.raw, dst.raw, &region);
+            dev.cmd_pipeline_barrier(
+                self.cmd,
+                vk::PipelineStageFlags::TRANSFER,
+                vk::PipelineStageFlags::COMPUTE_SHADER | vk::PipelineStageFlags::HOST,
+                vk::DependencyFlags::empty(),
+                &[after],
+                &[],
+                &[],
+            );
+        }
+        self.hazards = Hazards::default();
+        self.stats.barriers += 2;
+        Ok(())
+    }
+
     /// Compute writes before it are visible to compute reads and writes after it.
     fn barrier(&mut self) {
         self.barrier_after(vk::PipelineStageFlags::empty(), vk::AccessFlags::empty());

@@ -3,6 +3,7 @@
 //! expanded to `f32` at load.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use crate::gguf::{GgmlType, GgufFile, TensorInfo};
 use crate::quant::dequantize_row;
@@ -118,7 +119,8 @@ pub struct Layer {
 /// A loaded model: the mapped file, its configuration and views of every weight.
 #[derive(Debug)]
 pub struct Model {
-    file: GgufFile,
+    /// Shared with the models [`Model::layers_from`] makes.
+    file: Arc<GgufFile>,
     pub config: Config,
     pub token_embd: Matrix,
     pub layers: Vec<Layer>,
@@ -156,7 +158,7 @@ impl Model {
             .map(|i| l.layer(i))
             .collect::<Result<_, _>>()?;
         Ok(Model {
-            file,
+            file: Arc::new(file),
             config,
             token_embd,
             layers,
@@ -168,6 +170,31 @@ impl Model {
 
     pub fn file(&self) -> &GgufFile {
         &self.file
+    }
+
+    /// The model from layer `first` on: its layers `first..`, the same embedding, output and
+    /// file (mapped once). Runs the rest of a forward pass whose first layers ran elsewhere
+    /// (the GPU's share of a dense model split between the CPU and the GPU).
+    ///
+    /// # Panics
+    /// If `first` is past the last layer.
+    pub fn layers_from(&self, first: usize) -> Model {
+        assert!(
+            first < self.layers.len(),
+            "layer {first} of {}",
+            self.layers.len()
+        );
+        let mut config = self.config.clone();
+        config.n_layer -= first;
+        Model {
+            file: self.file.clone(),
+            config,
+            token_embd: self.token_embd,
+            layers: self.layers[first..].to_vec(),
+            output_norm: self.output_norm.clone(),
+            output: self.output,
+            rope_freqs: self.rope_freqs.clone(),
+        }
     }
 
     /// Matrix `m` (expert 0 of a stack) as rows of bytes.

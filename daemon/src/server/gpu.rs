@@ -14,7 +14,7 @@ use super::worker::Sequences;
 use crate::engine::generate::{GenerateError, SequenceModel};
 use crate::gpu::alloc::Allocator;
 use crate::gpu::expert_cache::ExpertStats;
-use crate::gpu::footprint::DeviceBytes;
+use crate::gpu::footprint::{split_bytes, DeviceBytes};
 use crate::gpu::forward::{GpuModel, GpuModelOptions, PREFILL_CHUNK};
 use crate::gpu::GpuError;
 use crate::model::Model;
@@ -23,8 +23,8 @@ use crate::model::Model;
 pub struct GpuStatus {
     /// `vulkan:N (NAME)`.
     pub device: String,
-    /// Weight bytes in VRAM, and routed experts' bytes left in RAM (computed on the CPU or
-    /// fetched when routed).
+    /// Weight bytes in VRAM, and those left in RAM: routed experts (computed on the CPU or
+    /// fetched when routed), or a dense model's first layers (run on the CPU).
     pub vram_weights: u64,
     pub ram_weights: u64,
     /// Device memory the model holds (its allocator's blocks); replaced when the model is
@@ -70,6 +70,11 @@ impl GpuSequence {
     ) -> (GpuSequence, Arc<GpuStatus>) {
         let placement = gpu.placement();
         let ram_weights = match placement.n_expert {
+            // A dense model's first layers on the CPU (and the embedding they read).
+            0 if gpu.cpu_layers() > 0 => {
+                let gpu_part = split_bytes(&model, gpu.capacity(), gpu.cpu_layers());
+                footprint.weights.saturating_sub(gpu_part.weights)
+            }
             0 => 0,
             n => {
                 let layers = placement.moe_layers.len().max(1) as u64;

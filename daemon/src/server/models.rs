@@ -348,6 +348,7 @@ pub fn load(
                 },
             )?;
             let context = gpu.capacity();
+            let cpu_layers = gpu.cpu_layers();
             let footprint = GpuModel::device_bytes(&model, &gpu_options);
             let (sequence, status) = GpuSequence::new(
                 model.clone(),
@@ -361,6 +362,7 @@ pub fn load(
                 model = %options.name,
                 device = %name,
                 vram_bytes = status.vram_bytes(),
+                cpu_layers,
                 "on the GPU, one request at a time"
             );
             let worker = Worker::spawn(

@@ -171,6 +171,17 @@ impl Allocator {
     /// The memory type of [`MemoryUse::DeviceMapped`] buffers where it is not that of
     /// [`MemoryUse::DeviceLocal`] ones and counts against the budget (a discrete GPU's
     /// resizable BAR; lavapipe has one type for everything).
+    /// Budget that device-local blocks leave for [`MemoryUse::DeviceMapped`] buffers where
+    /// those have a memory type of their own that counts against it (resizable BAR): one
+    /// block of [`MAPPED_BLOCK_BYTES`]; 0 elsewhere.
+    pub fn mapped_reserve(&self) -> u64 {
+        if self.mapped_apart().is_some() {
+            MAPPED_BLOCK_BYTES
+        } else {
+            0
+        }
+    }
+
     fn mapped_apart(&self) -> Option<u32> {
         let types =
             &self.device.memory.memory_types[..self.device.memory.memory_type_count as usize];

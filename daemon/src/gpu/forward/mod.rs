@@ -23,24 +23,33 @@
 //! A dense model's prompt runs in chunks of tokens ([`prefill`]); a MoE model's goes token by
 //! token.
 //!
-//! Partial: a dense model must fit the VRAM budget whole (no streamed tensors).
+//! A dense model larger than the VRAM budget runs its first layers on the CPU
+//! ([`super::cpu_layers`]) and the rest here: the step then starts from the hidden state the
+//! CPU wrote to a host-visible buffer instead of the embedding, and is otherwise the same
+//! recording, replayed. Partial: no weights are streamed through VRAM.
 
 mod chained;
 mod gate_up;
 mod prefill;
 mod profile;
+mod stream;
 
+pub(crate) use prefill::batch_bytes;
 pub use prefill::PREFILL_CHUNK;
 pub use profile::{GpuProfileRow, GpuStepProfile};
+pub use stream::STREAM_MIN_TOKENS;
+pub(crate) use stream::{readback_bytes, streamable};
 
 use gate_up::GateUp;
 
+use spillway_shaders::WeightType;
 use std::sync::Arc;
 use std::time::Instant;
 
 use super::alloc::{Allocator, MemoryUse};
 use super::buffer::Buffer;
 use super::cpu_experts::CpuExperts;
+use super::cpu_layers::CpuLayers;
 use super::device::Device;
 use super::error::{GpuError, Result};
 use super::expert_cache::{ExpertStats, LayerExpertStats, LayerSlots, SlotExpert};
@@ -101,6 +110,11 @@ pub struct GpuModelOptions {
     /// ([`Recorder::attention_rope`]): one dependent dispatch fewer a layer; `false`: a RoPE
     /// dispatch, then attention, for comparisons.
     pub rope_in_attention: bool,
+    /// A dense model's layers on the CPU (over the VRAM budget) take prompt chunks of at least
+    /// [`STREAM_MIN_TOKENS`] tokens on the GPU, in turn through a slot of one layer's VRAM
+    /// ([`stream`]): the budget then holds one resident layer fewer. `false`: prompts run
+    /// those layers on the CPU.
+    pub stream_prompts: bool,
     /// Take a prompt chunk's attention in the flash-attention kernel
     /// ([`Recorder::attention_prefill`]) where its heads fit it; `false`: the decode kernel over
     /// the chunk's tokens, for comparisons.
@@ -124,6 +138,7 @@ impl Default for GpuModelOptions {
             int_dot: true,
             rope_in_attention: true,
             flash_attention: true,
+            stream_prompts: true,
         }
     }
 }
@@ -143,6 +158,37 @@ struct GpuLayer {
     ffn: GpuFfn,
     k_cache: Buffer,
     v_cache: Buffer,
+}
+
+impl GpuLayer {
+    /// Uploads `layer`'s attention and norms, with `ffn` (uploaded by the caller) and a KV cache
+    /// of `kv_bytes` for keys and for values.
+    fn upload(
+        model: &Model,
+        al: &Arc<Allocator>,
+        up: &mut Uploader,
+        layer: &crate::model::Layer,
+        ffn: GpuFfn,
+        kv_bytes: u64,
+    ) -> Result<GpuLayer> {
+        let a = &layer.attn;
+        Ok(GpuLayer {
+            attn_norm: upload_f32(al, up, &a.norm)?,
+            wq: matrix(model, al, up, &a.wq)?,
+            wk: matrix(model, al, up, &a.wk)?,
+            wv: matrix(model, al, up, &a.wv)?,
+            wo: matrix(model, al, up, &a.wo)?,
+            bq: opt_vec(al, up, &a.bq)?,
+            bk: opt_vec(al, up, &a.bk)?,
+            bv: opt_vec(al, up, &a.bv)?,
+            q_norm: opt_vec(al, up, &a.q_norm)?,
+            k_norm: opt_vec(al, up, &a.k_norm)?,
+            ffn_norm: upload_f32(al, up, &layer.ffn_norm)?,
+            ffn,
+            k_cache: Buffer::new_in(al, kv_bytes, MemoryUse::DeviceLocal)?,
+            v_cache: Buffer::new_in(al, kv_bytes, MemoryUse::DeviceLocal)?,
+        })
+    }
 }
 
 // One per layer, built once: the size difference between the variants costs nothing.
@@ -204,7 +250,8 @@ enum Resume {
 }
 
 /// Where the host's time went in a step with experts on the CPU: a chained step ([`chained`])
-/// from its submission on, or a step of separate submissions.
+/// from its submission on, or a step of separate submissions; or in a step of a dense model
+/// with its first layers on the CPU, those layers' time.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct HostTime {
     /// The whole step (a chain's after its submission).
@@ -214,6 +261,8 @@ pub struct HostTime {
     pub wait_ns: u64,
     /// Computing experts on the CPU (the device runs the resident ones meanwhile).
     pub cpu_experts_ns: u64,
+    /// Running a dense model's first layers on the CPU (before the device's part).
+    pub cpu_layers_ns: u64,
 }
 
 /// A model on one GPU, with one sequence's KV cache.
@@ -222,9 +271,20 @@ pub struct GpuModel {
     kernels: Arc<Kernels>,
     allocator: Arc<Allocator>,
     config: Config,
-    token_embd: GpuMatrix,
-    /// `None` when the output is tied to the embedding.
+    /// The rows a step's first dispatch gathers into `x`: the embedding table, or, when the
+    /// first layers run on the CPU ([`GpuModel::cpu_layers`]), a host-visible matrix of one
+    /// row into which the host writes the token's hidden state (step word 0 is then 0).
+    input_rows: GpuMatrix,
+    /// `None` when the output is tied to the embedding and the embedding is `input_rows`.
     output: Option<GpuMatrix>,
+    /// A dense model's first layers, when they run on the CPU; the layers here are the rest.
+    front: Option<CpuLayers>,
+    /// How long `front` took in the last step or prompt chunk.
+    front_time: std::time::Duration,
+    /// The VRAM slot that `front`'s layers take in turn for a long prompt chunk.
+    stream: Option<stream::StreamSlot>,
+    /// Prompt chunks that took `front`'s layers through `stream`.
+    streamed_chunks: u64,
     output_norm: Buffer,
     layers: Vec<GpuLayer>,
     rope: Buffer,
@@ -290,20 +350,22 @@ impl GpuModel {
     }
 
     /// The smallest VRAM budget that runs `model` with `options` on `device` (`None` for a
-    /// dense model: it needs [`GpuModel::device_bytes`] whole).
+    /// dense model of one layer: it needs [`GpuModel::device_bytes`] whole).
     pub fn minimum_budget(
         device: &Arc<Device>,
         model: &Model,
         options: &GpuModelOptions,
     ) -> Option<MinimumBudget> {
         let needed = Self::device_bytes(model, options);
-        let counts = Allocator::new(device, None).budget_counts(MemoryUse::Staging);
+        let allocator = Allocator::new(device, None);
+        let counts = allocator.budget_counts(MemoryUse::Staging);
         // A budget of 0 is under any model: the plan says what it would have needed.
+        let capacity = Self::capacity_for(&model.config, options);
         match plan(
             model,
-            &needed,
+            (&needed, capacity, options.stream_prompts),
             Some(0),
-            counts,
+            (counts, allocator.mapped_reserve()),
             MoeMiss::Cpu,
             &options.expert_layout,
         ) {
@@ -315,9 +377,10 @@ impl GpuModel {
     /// Uploads `model`'s weights to `device` and makes room for `options.context` positions.
     /// A MoE model larger than `options.vram_budget` (without one: than the device memory the
     /// driver reports free, where it reports it) keeps what is not a routed expert in VRAM and as
-    /// many experts per layer as the rest of the budget holds ([`super::placement`]).
+    /// many experts per layer as the rest of the budget holds; a dense one keeps as many of its
+    /// last layers as the budget holds and runs the others on the CPU ([`super::placement`]).
     /// A model that cannot run within the budget is refused before anything is uploaded
-    /// ([`GpuError::ModelOverBudget`], [`GpuError::BelowMinimumBudget`]).
+    /// ([`GpuError::BelowMinimumBudget`]).
     pub fn new(
         device: &Arc<Device>,
         model: &Arc<Model>,
@@ -333,23 +396,59 @@ impl GpuModel {
         let plan_budget = options.vram_budget.or_else(|| device.memory_budget());
         let mut placement = plan(
             model,
-            &needed,
+            (&needed, capacity, options.stream_prompts),
             plan_budget,
-            counts,
+            (counts, allocator.mapped_reserve()),
             options.moe_miss,
             &options.expert_layout,
         )?;
+        let dense = model.config.moe.is_none();
         loop {
-            match Self::load(&allocator, model, options, &placement, capacity) {
+            match Self::load_split(&allocator, model, options, &placement, capacity) {
                 // The alignment margin was short (fragmented blocks): fewer slots.
                 Err(GpuError::OverBudget { .. })
                     if placement.is_partial() && placement.slots > 1 =>
                 {
                     placement.slots -= (placement.slots / 8).max(1);
                 }
+                // ... or one layer more on the CPU.
+                Err(GpuError::OverBudget { .. })
+                    if dense && placement.cpu_layers + 1 < model.layers.len() =>
+                {
+                    placement.cpu_layers += 1;
+                }
                 r => return r,
             }
         }
+    }
+
+    /// [`GpuModel::load`] of the layers `placement` puts on the GPU, with the others on the CPU.
+    fn load_split(
+        allocator: &Arc<Allocator>,
+        model: &Arc<Model>,
+        options: &GpuModelOptions,
+        placement: &Placement,
+        capacity: usize,
+    ) -> Result<GpuModel> {
+        let n_cpu = placement.cpu_layers;
+        if n_cpu == 0 {
+            return Self::load(allocator, model, options, placement, capacity);
+        }
+        let tail = Arc::new(model.layers_from(n_cpu));
+        let mut gpu = Self::load(allocator, &tail, options, placement, capacity)?;
+        if placement.stream_slot {
+            let staging = placement.staging_bytes;
+            gpu.stream = Some(stream::StreamSlot::new(
+                model, allocator, staging, capacity,
+            )?);
+        }
+        gpu.front = Some(CpuLayers::new(
+            model.clone(),
+            n_cpu,
+            options.threads,
+            capacity,
+        ));
+        Ok(gpu)
     }
 
     fn load(
@@ -364,8 +463,20 @@ impl GpuModel {
         let kernels = Kernels::with_int_dot(device, (true, options.coopmat), options.int_dot);
         let mut up = Uploader::new(allocator, placement.staging_bytes)?;
         let al = allocator;
-        let token_embd = matrix(model, al, &mut up, &model.token_embd)?;
-        let output = if model.output == model.token_embd {
+        // With the first layers on the CPU the step starts from their hidden state.
+        let hidden_in = placement.cpu_layers > 0;
+        let input_rows = if hidden_in {
+            GpuMatrix {
+                buffer: Buffer::new_in(al, c.n_embd as u64 * 4, MemoryUse::DeviceMapped)?,
+                wtype: WeightType::F32,
+                n_in: c.n_embd,
+                n_out: 1,
+                row_bytes: c.n_embd as u64 * 4,
+            }
+        } else {
+            matrix(model, al, &mut up, &model.token_embd)?
+        };
+        let output = if model.output == model.token_embd && !hidden_in {
             None
         } else {
             Some(matrix(model, al, &mut up, &model.output)?)
@@ -391,23 +502,7 @@ impl GpuModel {
                     placement.slots_of(il),
                 )?),
             };
-            let a = &layer.attn;
-            layers.push(GpuLayer {
-                attn_norm: upload_f32(al, &mut up, &a.norm)?,
-                wq: matrix(model, al, &mut up, &a.wq)?,
-                wk: matrix(model, al, &mut up, &a.wk)?,
-                wv: matrix(model, al, &mut up, &a.wv)?,
-                wo: matrix(model, al, &mut up, &a.wo)?,
-                bq: opt_vec(al, &mut up, &a.bq)?,
-                bk: opt_vec(al, &mut up, &a.bk)?,
-                bv: opt_vec(al, &mut up, &a.bv)?,
-                q_norm: opt_vec(al, &mut up, &a.q_norm)?,
-                k_norm: opt_vec(al, &mut up, &a.k_norm)?,
-                ffn_norm: upload_f32(al, &mut up, &layer.ffn_norm)?,
-                ffn,
-                k_cache: Buffer::new_in(al, kv_bytes, MemoryUse::DeviceLocal)?,
-                v_cache: Buffer::new_in(al, kv_bytes, MemoryUse::DeviceLocal)?,
-            });
+            layers.push(GpuLayer::upload(model, al, &mut up, layer, ffn, kv_bytes)?);
             // Bounds the staging memory the pending copies pin to one layer's worth.
             up.flush()?;
         }
@@ -527,8 +622,12 @@ impl GpuModel {
             kernels,
             allocator: allocator.clone(),
             config: c,
-            token_embd,
+            input_rows,
             output,
+            front: None,
+            front_time: std::time::Duration::ZERO,
+            stream: None,
+            streamed_chunks: 0,
             output_norm,
             layers,
             rope,
@@ -568,6 +667,34 @@ impl GpuModel {
     /// Forgets the sequence (the cache is overwritten from position 0).
     pub fn reset(&mut self) {
         self.pos = 0;
+    }
+
+    /// How many of the model's first layers run on the CPU (a dense model over the VRAM
+    /// budget); 0 when every layer is on the GPU. [`GpuModel::config`] then describes the rest.
+    pub fn cpu_layers(&self) -> usize {
+        self.front.as_ref().map_or(0, CpuLayers::n_layers)
+    }
+
+    /// The KV cache of the layers on the CPU ([`GpuModel::cpu_layers`]); `None` without them.
+    pub fn cpu_kv_cache(&self) -> Option<&crate::engine::KvCache> {
+        self.front.as_ref().map(CpuLayers::kv)
+    }
+
+    /// Whether the layers on the CPU take long prompt chunks on the GPU, through a slot of one
+    /// layer's VRAM ([`GpuModelOptions::stream_prompts`]).
+    pub fn streams_prompts(&self) -> bool {
+        self.stream.is_some()
+    }
+
+    /// Prompt chunks whose layers on the CPU ran on the GPU through the slot, since loading.
+    pub fn streamed_chunks(&self) -> u64 {
+        self.streamed_chunks
+    }
+
+    /// How long the layers on the CPU ([`GpuModel::cpu_layers`]) took in the last step or
+    /// prompt chunk, their hidden states' copy to the device included; `None` without them.
+    pub fn last_cpu_layers_time(&self) -> Option<std::time::Duration> {
+        self.front.as_ref().map(|_| self.front_time)
     }
 
     /// Device memory held, budget included.
@@ -638,12 +765,32 @@ impl GpuModel {
 
     /// Evaluates `token` at the next position; the logits of the token after it.
     pub fn eval(&mut self, token: u32) -> Result<Vec<f32>> {
+        self.eval_from(token, None)
+    }
+
+    /// [`GpuModel::eval`]; with the first layers on the CPU, `hidden` is their output for
+    /// `token` when the caller ran them already (a prompt's tokens at once), else they run now.
+    fn eval_from(&mut self, token: u32, hidden: Option<&[f32]>) -> Result<Vec<f32>> {
         self.check_tokens(&[token])?;
         let device = self.allocator.device();
         if let Some(point) = super::lost::token_loses_device() {
             device.arm_loss(point);
         }
-        let mut step = token.to_le_bytes().to_vec();
+        let row = match (self.front.as_mut(), hidden) {
+            (Some(_), Some(x)) => {
+                self.input_rows.buffer.write_f32(x);
+                0
+            }
+            (Some(front), None) => {
+                let t = Instant::now();
+                let x = front.run(&[token], self.pos)?;
+                self.input_rows.buffer.write_f32(&x);
+                self.front_time = t.elapsed();
+                0
+            }
+            (None, _) => token,
+        };
+        let mut step = row.to_le_bytes().to_vec();
         step.extend_from_slice(&(self.pos as u32).to_le_bytes());
         self.act.step.write(&step);
         let profiling = self.profiler.is_some();
@@ -658,6 +805,13 @@ impl GpuModel {
         } else {
             let logits = self.eval_parts()?;
             (logits, self.last_host_time)
+        };
+        let host = match self.front {
+            Some(_) => Some(HostTime {
+                cpu_layers_ns: self.front_time.as_nanos() as u64,
+                ..host.unwrap_or_default()
+            }),
+            None => host,
         };
         if profiling {
             self.profile_after(host)?;
@@ -858,7 +1012,7 @@ impl GpuModel {
         }
         let group = profile::head(self.layers.len());
         self.mark(rec, group);
-        let head = self.output.as_ref().unwrap_or(&self.token_embd);
+        let head = self.output.as_ref().unwrap_or(&self.input_rows);
         let normed = Fused {
             norm: Some((&self.output_norm, eps)),
             ..Fused::default()
@@ -877,7 +1031,7 @@ impl GpuModel {
             p.start(rec);
         }
         self.mark(rec, profile::EMBEDDING);
-        rec.get_rows(&self.token_embd, self.step_word(0), &self.act.x)?;
+        rec.get_rows(&self.input_rows, self.step_word(0), &self.act.x)?;
         Ok(())
     }
 

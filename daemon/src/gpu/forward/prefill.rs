@@ -46,6 +46,18 @@ fn scratch_per_token(c: &crate::model::Config, end: usize) -> usize {
     attention_scratch_floats(c.n_head, c.head_dim, end) * 4
 }
 
+/// Device memory of a dense model's [`Batch`] for `tokens` tokens with a KV cache of
+/// `capacity` positions, the host-visible rows of hidden states and every token's logits
+/// included (the most it takes; the driver's alignment comes on top).
+pub(crate) fn batch_bytes(c: &crate::model::Config, tokens: usize, capacity: usize) -> u64 {
+    let n = tokens;
+    let floats = n * (3 * c.n_embd + 2 * c.q_width() + 2 * c.kv_width() + 2 * c.n_ff);
+    let scratch = (scratch_per_token(c, capacity) * n).min(SCRATCH_BYTES);
+    let counters = c.n_head * n * 4;
+    let logits = LOGITS_CHUNK * c.n_vocab * 4;
+    (floats * 4 + scratch + counters + (n + 1) * 4 + logits) as u64
+}
+
 /// Activations of a chunk of tokens, token-major; made at the first prompt, for as many tokens
 /// as it has (rounded up to a multiple of 64, at most [`PREFILL_CHUNK`]), and made again larger
 /// for a longer prompt, so that short prompts do not pin a full chunk's memory.
@@ -63,8 +75,14 @@ pub(super) struct Batch {
     scores: Buffer,
     /// The attention's counters, a token's after another's.
     attn_done: Buffer,
-    /// Host-visible: the chunk's first position (word 0), then its token ids.
+    /// Host-visible: the chunk's first position (word 0), then its token ids (or, with the
+    /// first layers on the CPU, the rows of `input`: 0, 1, ...).
     step: Buffer,
+    /// Host-visible, with the first layers on the CPU: the chunk's hidden states from them (or
+    /// its embeddings, when those layers run here too: [`super::stream`]).
+    input: Option<GpuMatrix>,
+    /// `x` already holds the hidden states the chunk's first layer on the GPU takes.
+    x_ready: bool,
     /// Host-visible: every token's logits, for the chunks that want them all.
     logits: Option<Buffer>,
     /// Present for MoE models.
@@ -117,7 +135,18 @@ impl Batch {
             )?,
             attn_done: attention_counters(al, c.n_head, n)?,
             step: Buffer::new_in(al, (n as u64 + 1) * 4, MemoryUse::DeviceMapped)?,
+            input: match m.front {
+                Some(_) => Some(GpuMatrix {
+                    buffer: Buffer::new_in(al, (n * c.n_embd) as u64 * 4, MemoryUse::DeviceMapped)?,
+                    wtype: WeightType::F32,
+                    n_in: c.n_embd,
+                    n_out: n,
+                    row_bytes: c.n_embd as u64 * 4,
+                }),
+                None => None,
+            },
             logits: None,
+            x_ready: false,
             moe: match &c.moe {
                 Some(cfg) => {
                     let k = cfg.n_expert_used;
@@ -149,6 +178,27 @@ impl Batch {
                 None => None,
             },
         })
+    }
+
+    pub(super) fn step(&self) -> &Buffer {
+        &self.step
+    }
+
+    pub(super) fn x(&self) -> &Buffer {
+        &self.x
+    }
+
+    /// The host-visible rows of hidden states (a model with layers on the CPU).
+    pub(super) fn input(&self) -> &GpuMatrix {
+        self.input.as_ref().expect("a model with layers on the CPU")
+    }
+
+    pub(super) fn input_mut(&mut self) -> &mut GpuMatrix {
+        self.input.as_mut().expect("a model with layers on the CPU")
+    }
+
+    pub(super) fn set_x_ready(&mut self) {
+        self.x_ready = true;
     }
 
     /// Makes the host-visible buffer for every token's logits, if not made yet.
@@ -209,12 +259,26 @@ impl GpuModel {
         self.eval_chunks(tokens, all_logits)
     }
 
-    /// [`GpuModel::eval_prompt`] token by token.
+    /// [`GpuModel::eval_prompt`] token by token; with the first layers on the CPU those take
+    /// the prompt at once (the CPU engine's matrix-matrix products, each token's arithmetic as
+    /// alone), the GPU's layers a token at a time. `eval_prompt` checked the tokens.
     fn eval_each(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
         let n_vocab = self.config.n_vocab;
         let mut out = Vec::with_capacity(if all_logits { tokens.len() } else { 1 } * n_vocab);
+        let (mut hidden, mut share) = (None, std::time::Duration::ZERO);
+        if let Some(front) = self.front.as_mut().filter(|_| tokens.len() > 1) {
+            let t = std::time::Instant::now();
+            hidden = Some(front.run(tokens, self.pos)?);
+            share = t.elapsed() / tokens.len() as u32;
+        }
+        let e = self.config.n_embd;
         for (i, &t) in tokens.iter().enumerate() {
-            let logits = self.eval(t)?;
+            let row = hidden.as_ref().map(|x| &x[i * e..(i + 1) * e]);
+            if row.is_some() {
+                // Each token's profile shows its share of the CPU layers' time.
+                self.front_time = share;
+            }
+            let logits = self.eval_from(t, row)?;
             if all_logits || i + 1 == tokens.len() {
                 out.extend_from_slice(&logits);
             }
@@ -291,10 +355,29 @@ impl GpuModel {
         let n = tokens.len();
         let mut words = Vec::with_capacity((n + 1) * 4);
         words.extend_from_slice(&(self.pos as u32).to_le_bytes());
-        for t in tokens {
-            words.extend_from_slice(&t.to_le_bytes());
+        let streams = self.streams_chunk(n);
+        match (self.front.as_mut(), batch.input.as_mut()) {
+            (Some(front), Some(input)) => {
+                for row in 0..n as u32 {
+                    words.extend_from_slice(&row.to_le_bytes());
+                }
+                let t = std::time::Instant::now();
+                if !streams {
+                    input.buffer.write_f32(&front.run(tokens, self.pos)?);
+                }
+                self.front_time = t.elapsed();
+            }
+            _ => {
+                for t in tokens {
+                    words.extend_from_slice(&t.to_le_bytes());
+                }
+            }
         }
         batch.step.write(&words);
+        batch.x_ready = false;
+        if streams {
+            self.stream_front(batch, tokens)?;
+        }
         let mut stats = RecordStats::default();
         let mut resume: Option<(usize, ChunkRouting)> = None;
         loop {
@@ -320,6 +403,7 @@ impl GpuModel {
             }
             resume = Some((il, routing));
         }
+        batch.x_ready = false;
         self.last_stats = stats;
         self.last_routing = Vec::new();
         self.last_host_time = None;
@@ -339,12 +423,18 @@ impl GpuModel {
         let c = &self.config;
         let (e, eps, nt) = (c.n_embd as u32, c.rms_eps, n as u32);
         let start = match resume {
+            // The chunk's first layers ran through the stream slot ([`super::stream`]).
+            None if b.x_ready => {
+                rec.after_earlier_submissions();
+                0
+            }
             None => {
                 let ids = StepWord {
                     buffer: &b.step,
                     index: 1,
                 };
-                rec.get_rows_n(&self.token_embd, ids, nt, &b.x)?;
+                let rows = b.input.as_ref().unwrap_or(&self.input_rows);
+                rec.get_rows_n(rows, ids, nt, &b.x)?;
                 0
             }
             Some((il, routing)) => {
@@ -362,20 +452,7 @@ impl GpuModel {
             self.record_chunk_attention(rec, b, l, n)?;
             match &l.ffn {
                 GpuFfn::Dense { gate_up, down } => {
-                    rec.rms_norm(&b.x, &l.ffn_norm, &b.xn, e, nt, eps)?;
-                    let n_ff = gate_up.n_ff();
-                    match gate_up {
-                        GateUp::Stacked(m) => {
-                            rec.matvec_batch_rows(m, 0, n_ff, &b.xn, &b.gate, n)?;
-                            rec.matvec_batch_rows(m, n_ff, n_ff, &b.xn, &b.up, n)?;
-                        }
-                        GateUp::Apart { gate, up } => {
-                            rec.matvec_batch(gate, &b.xn, &b.gate, n)?;
-                            rec.matvec_batch(up, &b.xn, &b.up, n)?;
-                        }
-                    }
-                    rec.swiglu(&b.gate, &b.up, (n * n_ff) as u32)?;
-                    rec.matvec_batch_add(down, &b.gate, &b.x, n)?;
+                    self.record_chunk_ffn(rec, b, l, (gate_up, down), n)?;
                 }
                 GpuFfn::Moe(moe) => {
                     let m = b.moe.as_ref().expect("MoE scratch");
@@ -386,7 +463,7 @@ impl GpuModel {
                 }
             }
         }
-        let head = self.output.as_ref().unwrap_or(&self.token_embd);
+        let head = self.output.as_ref().unwrap_or(&self.input_rows);
         match (&b.logits, all_logits) {
             (Some(logits), true) => {
                 rec.rms_norm(&b.x, &self.output_norm, &b.xn, e, nt, eps)?;
@@ -403,8 +480,35 @@ impl GpuModel {
         }
     }
 
+    /// A dense layer's FFN for the chunk's tokens, its output added to `x`.
+    pub(super) fn record_chunk_ffn(
+        &self,
+        rec: &mut Recorder<'_>,
+        b: &Batch,
+        l: &super::GpuLayer,
+        (gate_up, down): (&GateUp, &GpuMatrix),
+        n: usize,
+    ) -> Result<()> {
+        let c = &self.config;
+        let (e, eps, nt) = (c.n_embd as u32, c.rms_eps, n as u32);
+        rec.rms_norm(&b.x, &l.ffn_norm, &b.xn, e, nt, eps)?;
+        let n_ff = gate_up.n_ff();
+        match gate_up {
+            GateUp::Stacked(m) => {
+                rec.matvec_batch_rows(m, 0, n_ff, &b.xn, &b.gate, n)?;
+                rec.matvec_batch_rows(m, n_ff, n_ff, &b.xn, &b.up, n)?;
+            }
+            GateUp::Apart { gate, up } => {
+                rec.matvec_batch(gate, &b.xn, &b.gate, n)?;
+                rec.matvec_batch(up, &b.xn, &b.up, n)?;
+            }
+        }
+        rec.swiglu(&b.gate, &b.up, (n * n_ff) as u32)?;
+        rec.matvec_batch_add(down, &b.gate, &b.x, n)
+    }
+
     /// Attention of layer `l` for the chunk's tokens, its output added to `x`.
-    fn record_chunk_attention(
+    pub(super) fn record_chunk_attention(
         &self,
         rec: &mut Recorder<'_>,
         b: &Batch,

@@ -261,11 +261,17 @@ impl GpuModel {
                 ssd_bytes: None,
             }
         };
-        let mut rows = vec![row(None, "embedding", EMBEDDING, None)];
+        // With the first layers on the CPU the step starts from their hidden state, and its
+        // layers are the model's from there (the CPU's are not in this profile).
+        let (first, input) = match self.cpu_layers() {
+            0 => (0, "embedding"),
+            n => (n, "hidden_state_in"),
+        };
+        let mut rows = vec![row(None, input, EMBEDDING, None)];
         for (il, l) in self.layers.iter().enumerate() {
-            rows.push(row(Some(il), "attention", attention(il), None));
+            rows.push(row(Some(first + il), "attention", attention(il), None));
             rows.push(match &l.ffn {
-                GpuFfn::Dense { .. } => row(Some(il), "ffn", ffn(il), None),
+                GpuFfn::Dense { .. } => row(Some(first + il), "ffn", ffn(il), None),
                 GpuFfn::Moe(_) => {
                     let now = self.experts.as_ref().map(|e| e.stats[il]);
                     let delta = now.map(|n| delta(&n, p.before.get(il)));

@@ -70,6 +70,7 @@ impl GpuStep {
                 a.step_ns += b.step_ns;
                 a.wait_ns += b.wait_ns;
                 a.cpu_experts_ns += b.cpu_experts_ns;
+                a.cpu_layers_ns += b.cpu_layers_ns;
             }
             (None, b) => p.host = b,
             (Some(_), None) => {}
@@ -114,7 +115,9 @@ pub fn gpu_step_message(
         })
         .collect();
     if let Some(h) = s.profile.host {
-        for (op, t) in [("cpu_experts", h.cpu_experts_ns), ("host_wait", h.wait_ns)] {
+        let cpu_layers = (h.cpu_layers_ns > 0).then_some(("cpu_layers", h.cpu_layers_ns));
+        let host_rows = [("cpu_experts", h.cpu_experts_ns), ("host_wait", h.wait_ns)];
+        for (op, t) in host_rows.into_iter().chain(cpu_layers) {
             rows.push(pb::ProfileRow {
                 op: op.into(),
                 device: "cpu".into(),
@@ -202,7 +205,11 @@ pub fn gpu_totals_message(
     if !host.is_empty() {
         device_times.push(pb::DeviceTime {
             device: "cpu".into(),
-            ns: host.iter().map(|h| h.cpu_experts_ns).sum::<u64>() / n,
+            ns: host
+                .iter()
+                .map(|h| h.cpu_experts_ns + h.cpu_layers_ns)
+                .sum::<u64>()
+                / n,
         });
     }
     let decode_time: Duration = decode.iter().map(|s| s.duration).sum();
@@ -229,6 +236,18 @@ fn bottleneck(decode: &[GpuStep], total: u64) -> String {
         .filter_map(|s| s.profile.host)
         .map(|h| h.cpu_experts_ns)
         .sum();
+    let layers: u64 = decode
+        .iter()
+        .filter_map(|s| s.profile.host)
+        .map(|h| h.cpu_layers_ns)
+        .sum();
+    if wall > 0 && 2 * layers > wall {
+        return format!(
+            "cpu layers: {:.0}% of a decode step on the host (the model's first layers, over the \
+             VRAM budget)",
+            100.0 * layers as f64 / wall as f64
+        );
+    }
     if wall > 0 && 2 * cpu > wall {
         return format!(
             "cpu experts: {:.0}% of a decode step on the host (the GPU's experts rows wait for them)",
@@ -386,6 +405,7 @@ mod tests {
                     step_ns: 9,
                     wait_ns: 5,
                     cpu_experts_ns: 4,
+                    cpu_layers_ns: 0,
                 }),
                 workers: Vec::new(),
                 reads: Vec::new(),
@@ -408,6 +428,7 @@ mod tests {
             step_ns: 2 * h.step_ns,
             wait_ns: 2 * h.wait_ns,
             cpu_experts_ns: 2 * h.cpu_experts_ns,
+            cpu_layers_ns: 0,
         });
         let (_dir, model) = super::super::costs::tests::tiny_moe();
         let m = gpu_step_message(0, &p, origin, &Costs::new(&model, None), false);
