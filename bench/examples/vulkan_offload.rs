@@ -11,8 +11,11 @@
 //! `cpu` with a step as separate submissions instead of one chain (`GpuModelOptions::chain`);
 //! `cpu-record` is `cpu` with a step that is one submission recorded anew for every token
 //! instead of replayed (`GpuModelOptions::replay`).
+//! `cpu-noslot` is `cpu` without VRAM slots for a prompt's missing experts
+//! (`GpuModelOptions::stream_prompts`: its prompts go token by token).
 //! `threads=N` sets the CPU experts' threads (default: every core); `ram=MiB` gives the CPU's
-//! experts a RAM budget (a cache read from the file) in place of the memory map.
+//! experts a RAM budget (a cache read from the file) in place of the memory map; `pp=N` times
+//! a prompt of N tokens first (after a 64-token warm-up prompt), in the `pp tok/s` column.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -32,8 +35,12 @@ fn mib(b: u64) -> f64 {
 
 fn main() {
     let mut given_budgets: Option<Vec<u64>> = None;
-    let mut modes = vec![(MoeMiss::Cpu, true, true), (MoeMiss::Fetch, true, true)];
+    let mut modes = vec![
+        (MoeMiss::Cpu, true, true, true),
+        (MoeMiss::Fetch, true, true, true),
+    ];
     let mut threads = 0;
+    let mut pp = 0;
     let mut ram_budget = None;
     let args: Vec<String> = std::env::args()
         .skip(1)
@@ -51,15 +58,21 @@ fn main() {
             } else if let Some(n) = a.strip_prefix("threads=") {
                 threads = n.parse().unwrap();
                 false
+            } else if let Some(n) = a.strip_prefix("pp=") {
+                pp = n.parse().unwrap();
+                false
             } else if let Some(m) = a.strip_prefix("modes=") {
                 modes = m
                     .split(',')
                     .map(|m| match m {
-                        "cpu" => (MoeMiss::Cpu, true, true),
-                        "cpu-separate" => (MoeMiss::Cpu, false, true),
-                        "cpu-record" => (MoeMiss::Cpu, true, false),
-                        "fetch" => (MoeMiss::Fetch, true, true),
-                        other => panic!("modes={other}: cpu, cpu-separate, cpu-record or fetch"),
+                        "cpu" => (MoeMiss::Cpu, true, true, true),
+                        "cpu-separate" => (MoeMiss::Cpu, false, true, true),
+                        "cpu-record" => (MoeMiss::Cpu, true, false, true),
+                        "cpu-noslot" => (MoeMiss::Cpu, true, true, false),
+                        "fetch" => (MoeMiss::Fetch, true, true, true),
+                        other => panic!(
+                            "modes={other}: cpu, cpu-separate, cpu-record, cpu-noslot or fetch"
+                        ),
                     })
                     .collect();
                 false
@@ -90,7 +103,7 @@ fn main() {
     assert!(model.config.moe.is_some(), "{preset} is not a MoE model");
     let device = Device::open(Instance::new().unwrap(), None).unwrap();
     let base = GpuModelOptions {
-        context: n_tokens + WARMUP + 1,
+        context: n_tokens + WARMUP + 1 + if pp > 0 { 64 + pp } else { 0 },
         threads,
         ram_budget,
         ..GpuModelOptions::default()
@@ -115,10 +128,11 @@ fn main() {
     budgets.push(None);
 
     println!(
-        "{:>10} {:>7} {:>7} {:>8} {:>7} {:>9} {:>9} {:>11} {:>11} {:>10}",
+        "{:>10} {:>7} {:>7} {:>9} {:>8} {:>7} {:>9} {:>9} {:>11} {:>11} {:>10}",
         "budget",
         "slots",
         "miss",
+        "pp tok/s",
         "tok/s",
         "hits",
         "cpu/tok",
@@ -131,17 +145,19 @@ fn main() {
         .map(|i| (i * 7919 + 13) % 1000)
         .collect();
     for budget in budgets {
-        for &(miss, chain, replay) in &modes {
+        for &(miss, chain, replay, stream_prompts) in &modes {
             let options = GpuModelOptions {
                 vram_budget: budget,
                 moe_miss: miss,
                 chain,
                 replay,
+                stream_prompts,
                 ..base.clone()
             };
-            let mode = match (miss, chain, replay) {
-                (MoeMiss::Cpu, false, _) => "cpu-sep".to_string(),
-                (MoeMiss::Cpu, true, false) => "cpu-rec".to_string(),
+            let mode = match (miss, chain, replay, stream_prompts) {
+                (MoeMiss::Cpu, false, _, _) => "cpu-sep".to_string(),
+                (MoeMiss::Cpu, true, false, _) => "cpu-rec".to_string(),
+                (MoeMiss::Cpu, true, true, false) => "cpu-nos".to_string(),
                 _ => miss.to_string(),
             };
             let mut gpu = match GpuModel::new(&device, &model, &options) {
@@ -151,6 +167,16 @@ fn main() {
                     continue;
                 }
             };
+            let mut pp_rate = f64::NAN;
+            if pp > 0 {
+                let prompt = |n: usize, k: u32| -> Vec<u32> {
+                    (0..n as u32).map(|i| (i * 31 + k) % 1000).collect()
+                };
+                gpu.eval_prompt(&prompt(64, 5), false).unwrap();
+                let t0 = Instant::now();
+                gpu.eval_prompt(&prompt(pp, 11), false).unwrap();
+                pp_rate = pp as f64 / t0.elapsed().as_secs_f64();
+            }
             for &t in &tokens[..WARMUP] {
                 gpu.eval(t).unwrap();
             }
@@ -180,10 +206,11 @@ fn main() {
             let per_tok = |a: u64, b: u64| (a - b) as f64 / n_tokens as f64;
             let lookups = (after.hits + after.misses) - (before.hits + before.misses);
             println!(
-                "{:>10} {:>7} {:>7} {:>8.2} {:>6.1}% {:>9.2} {:>9.2} {:>11.2} {:>11.2} {:>10.2}",
+                "{:>10} {:>7} {:>7} {:>9.1} {:>8.2} {:>6.1}% {:>9.2} {:>9.2} {:>11.2} {:>11.2} {:>10.2}",
                 budget.map_or("none".into(), |b| format!("{:.1}M", mib(b))),
                 format!("{}/{}", stats.slots, stats.n_expert),
                 mode,
+                pp_rate,
                 n_tokens as f64 / s,
                 100.0 * (after.hits - before.hits) as f64 / lookups.max(1) as f64,
                 per_tok(after.cpu, before.cpu),

@@ -507,6 +507,10 @@ impl GpuMoe {
     }
 }
 
+/// An expert's run in a prompt chunk's routing: the expert (or the slot holding it), its
+/// first entry and its number of entries.
+pub(super) type ExpertRun = (usize, usize, usize);
+
 /// One MoE layer's routing for a prompt's chunk, grouped by expert: for each expert that some
 /// tokens chose, the run of entries (token, weight) that are its, as the route buffer lays them
 /// out (the tokens from word 0, the weights' bits from word [`ChunkRouting::weights_at`]).
@@ -514,9 +518,7 @@ pub(super) struct ChunkRouting {
     /// The route buffer's words.
     pub words: Vec<u32>,
     /// (expert, first entry, entries).
-    pub runs: Vec<(usize, usize, usize)>,
-    /// Each token's routing, in token order.
-    pub tokens: Vec<Vec<RoutedExpert>>,
+    pub runs: Vec<ExpertRun>,
 }
 
 impl ChunkRouting {
@@ -548,16 +550,17 @@ impl ChunkRouting {
                 at += 1;
             }
         }
-        ChunkRouting {
-            words,
-            runs,
-            tokens,
-        }
+        ChunkRouting { words, runs }
     }
 
     /// Word of entry 0's weight for a chunk of `n` tokens routed to `k` experts each.
     pub(super) fn weights_at_for(n: usize, k: usize) -> usize {
         n * k
+    }
+
+    /// Word of entry 0's weight in [`ChunkRouting::words`].
+    pub(super) fn weights_at(&self) -> usize {
+        self.words.len() / 2
     }
 }
 
@@ -572,38 +575,43 @@ impl GpuMoe {
         self.shared.is_some()
     }
 
-    /// Part 2 of a MoE layer for a prompt's chunk whose routing (`routing`, written to `route`)
-    /// the host decided: for each expert some tokens chose, those tokens' rows of `xn` gathered
-    /// into `xg`, the expert's gate, up, SwiGLU and down over them in `(eg, eu, ed)`, and its
-    /// outputs added to those tokens' rows of `x` with their weights. Every expert must be in
-    /// its own slot (slot e holds expert e).
+    /// Part 2 of a MoE layer for a prompt's chunk whose routing the host decided and wrote to
+    /// `route` ([`ChunkRouting::words`], the entries' weights from word `weights_at`): for each
+    /// `(slot, first entry, entries)` of `runs`, those entries' tokens' rows of `xn` gathered
+    /// into `xg`, slot `slot`'s gate, up, SwiGLU and down over them in `(eg, eu, ed)`, and its
+    /// outputs added to those tokens' rows of `x` with their weights.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn record_chunk_experts(
         &self,
         rec: &mut Recorder<'_>,
-        routing: &ChunkRouting,
-        route_buf: &Buffer,
+        runs: &[ExpertRun],
+        (route, weights_at): (&Buffer, usize),
         xn: &GpuMatrix,
         (xg, eg, eu, ed): (&Buffer, &Buffer, &Buffer, &Buffer),
         x: &Buffer,
     ) -> Result<()> {
         let (ff, n_embd) = (self.n_ff, self.n_embd);
-        let weights_at = routing.words.len() - routing.runs.iter().map(|r| r.2).sum::<usize>();
         let (up, up_first) = self.up_rows();
-        for &(expert, first, count) in &routing.runs {
+        for &(slot, first, count) in runs {
+            assert!(slot < self.n_slots, "slot {slot} of {}", self.n_slots);
             let ids = super::ops::StepWord {
-                buffer: route_buf,
+                buffer: route,
                 index: first as u32,
             };
             rec.get_rows_n(xn, ids, count as u32, xg)?;
-            rec.matvec_batch_rows(&self.gate, expert * ff, ff, xg, eg, count)?;
-            rec.matvec_batch_rows(up, up_first + expert * ff, ff, xg, eu, count)?;
+            rec.matvec_batch_rows(&self.gate, slot * ff, ff, xg, eg, count)?;
+            rec.matvec_batch_rows(up, up_first + slot * ff, ff, xg, eu, count)?;
             rec.swiglu(eg, eu, (count * ff) as u32)?;
-            rec.matvec_batch_rows(&self.down, expert * n_embd, n_embd, eg, ed, count)?;
+            rec.matvec_batch_rows(&self.down, slot * n_embd, n_embd, eg, ed, count)?;
             let run = (first as u32, count as u32, weights_at as u32);
-            rec.scatter_add(x, ed, route_buf, run, n_embd as u32)?;
+            rec.scatter_add(x, ed, route, run, n_embd as u32)?;
         }
         Ok(())
+    }
+
+    /// Slots of each of gate, up and down.
+    pub(super) fn n_slots(&self) -> usize {
+        self.n_slots
     }
 }
 

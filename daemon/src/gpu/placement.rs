@@ -20,6 +20,11 @@
 //! cache and scratch, one expert slot per MoE layer, the upload staging where it counts against
 //! the budget, and a margin for the driver's alignment of each buffer.
 //!
+//! Where the budget also holds a few slots for the experts not resident and a prompt chunk's
+//! activations ([`Placement::stream_slot`] with [`Placement::prompt_expert_slots`]), a prompt
+//! chunk runs its missing experts on the GPU through them (`gpu::forward::stream_experts`),
+//! each once per chunk, for fewer resident experts.
+//!
 //! The budget's slots are spread over the MoE layers by an [`ExpertLayout`]: evenly (the
 //! default), by whole layers as llama.cpp's `--n-cpu-moe` does, one per layer, or as the
 //! scheduler's plan gives them (`--expert-layout planned`).
@@ -34,8 +39,10 @@ use std::fmt;
 use std::str::FromStr;
 
 use super::error::{GpuError, Result};
-use super::footprint::{split_bytes, stream_slot_bytes, DeviceBytes};
-use super::forward::streamable;
+use super::footprint::{
+    expert_stream_bytes, expert_stream_staging, split_bytes, stream_slot_bytes, DeviceBytes,
+};
+use super::forward::{experts_streamable, prompt_expert_slots, streamable};
 use crate::model::{Ffn, Model, MoeWeights};
 
 /// What happens to a routed expert that is not in a VRAM slot.
@@ -209,9 +216,13 @@ pub struct Placement {
     pub minimum: Option<MinimumBudget>,
     /// A dense model's first layers that run on the CPU (0: every layer on the GPU).
     pub cpu_layers: usize,
-    /// Those layers take a prompt chunk on the GPU, in turn through a slot of one layer's
-    /// VRAM (`gpu::forward::stream`).
+    /// Prompt chunks take what is not in VRAM through slots of it: a dense model's CPU
+    /// layers, in turn through a slot of one layer (`gpu::forward::stream`); a MoE model's
+    /// missing experts, a group at a time through [`Placement::prompt_expert_slots`] slots
+    /// (`gpu::forward::stream_experts`).
     pub stream_slot: bool,
+    /// With `stream_slot`, the slots for a MoE model's missing experts (0 otherwise).
+    pub prompt_expert_slots: usize,
 }
 
 impl Placement {
@@ -272,11 +283,12 @@ fn margin(n_layer: usize) -> u64 {
 /// `staging_counts` says whether upload staging counts against it on this device.
 /// `capacity`: the KV cache's positions; `reserve`: budget the allocator keeps for
 /// host-visible device memory ([`super::Allocator::mapped_reserve`]), part of the margin;
-/// `stream`: a dense model's layers on the CPU take prompt chunks through a VRAM slot where
-/// the budget holds one.
+/// `stream`: what is not in VRAM takes prompt chunks through VRAM slots where the budget holds
+/// them (`Some`; for a MoE model, the number of slots for missing experts asked, 0 to let the
+/// plan choose).
 pub(super) fn plan(
     model: &Model,
-    (needed, capacity, stream): (&DeviceBytes, usize, bool),
+    (needed, capacity, stream): (&DeviceBytes, usize, Option<usize>),
     budget: Option<u64>,
     (staging_counts, reserve): (bool, u64),
     miss: MoeMiss,
@@ -294,6 +306,7 @@ pub(super) fn plan(
             minimum,
             cpu_layers,
             stream_slot,
+            prompt_expert_slots: 0,
         };
         let extra = counted(FULL_STAGING_BYTES) + margin;
         let Some(budget) = budget.filter(|&b| needed.total() + extra > b) else {
@@ -305,7 +318,8 @@ pub(super) fn plan(
         let slot = stream_slot_bytes(model, capacity);
         let fits =
             |cpu: usize, slot| split_bytes(model, capacity, cpu).total() + extra + slot <= budget;
-        let with_slot = (1..n).find(|&cpu| stream && streamable(model, cpu) && fits(cpu, slot));
+        let with_slot =
+            (1..n).find(|&cpu| stream.is_some() && streamable(model, cpu) && fits(cpu, slot));
         let without = (1..n).find(|&cpu| fits(cpu, 0));
         let last = split_bytes(model, capacity, n.saturating_sub(1));
         let minimum = MinimumBudget {
@@ -342,6 +356,7 @@ pub(super) fn plan(
         minimum: None,
         cpu_layers: 0,
         stream_slot: false,
+        prompt_expert_slots: 0,
     };
     let Some(budget) = budget else {
         return Ok(whole);
@@ -365,7 +380,18 @@ pub(super) fn plan(
             minimum: Box::new(minimum),
         });
     }
-    let fixed = minimum.total() - minimum.one_slot_per_layer;
+    // Slots for the missing experts of a prompt chunk, where the budget holds them and one
+    // resident slot per layer.
+    let stream_bytes = |k| {
+        let staging = expert_stream_staging(model, k, FULL_STAGING_BYTES);
+        expert_stream_bytes(model, capacity, k) + counted(staging)
+    };
+    let prompt_slots = stream
+        .filter(|_| experts_streamable(model))
+        .map(|asked| prompt_expert_slots(&shape, asked))
+        .filter(|&k| minimum.total() + stream_bytes(k) <= budget);
+    let prompt = prompt_slots.map_or(0, stream_bytes);
+    let fixed = minimum.total() - minimum.one_slot_per_layer + prompt;
     let per_slot = shape.slot_bytes(1);
     let slots = (((budget - fixed) / per_slot) as usize).clamp(1, shape.n_expert);
     let misaligned = [shape.gate, shape.up, shape.down]
@@ -386,7 +412,8 @@ pub(super) fn plan(
         staging_bytes: staging,
         minimum: Some(minimum),
         cpu_layers: 0,
-        stream_slot: false,
+        stream_slot: prompt_slots.is_some(),
+        prompt_expert_slots: prompt_slots.unwrap_or(0),
     })
 }
 
@@ -413,6 +440,7 @@ mod tests {
             minimum: None,
             cpu_layers: 0,
             stream_slot: false,
+            prompt_expert_slots: 0,
         }
     }
 

@@ -33,12 +33,15 @@ mod gate_up;
 mod prefill;
 mod profile;
 mod stream;
+mod stream_experts;
 
-pub(crate) use prefill::batch_bytes;
 pub use prefill::PREFILL_CHUNK;
+pub(crate) use prefill::{batch_bytes, logits_bytes};
 pub use profile::{GpuProfileRow, GpuStepProfile};
 pub use stream::STREAM_MIN_TOKENS;
 pub(crate) use stream::{readback_bytes, streamable};
+pub(crate) use stream_experts::experts_streamable;
+pub(in crate::gpu) use stream_experts::prompt_expert_slots;
 
 use gate_up::GateUp;
 
@@ -53,7 +56,7 @@ use super::cpu_layers::CpuLayers;
 use super::device::Device;
 use super::error::{GpuError, Result};
 use super::expert_cache::{ExpertStats, LayerExpertStats, LayerSlots, SlotExpert};
-use super::footprint::{device_bytes, DeviceBytes};
+use super::footprint::{device_bytes, expert_stream_staging, DeviceBytes};
 use super::moe::{GpuMoe, LayerRouting, MoeScratch};
 use super::ops::{
     attention_counters, attention_scratch_floats, rope_table, upload_f32, AttentionArgs, Fused,
@@ -112,9 +115,14 @@ pub struct GpuModelOptions {
     pub rope_in_attention: bool,
     /// A dense model's layers on the CPU (over the VRAM budget) take prompt chunks of at least
     /// [`STREAM_MIN_TOKENS`] tokens on the GPU, in turn through a slot of one layer's VRAM
-    /// ([`stream`]): the budget then holds one resident layer fewer. `false`: prompts run
-    /// those layers on the CPU.
+    /// ([`stream`]): the budget then holds one resident layer fewer. A MoE model over its
+    /// budget runs a prompt chunk's missing experts on the GPU through a few slots they take in
+    /// turn ([`stream_experts`]), for fewer resident experts. `false`: prompts run those layers
+    /// on the CPU, and a MoE model's prompts go token by token.
     pub stream_prompts: bool,
+    /// With `stream_prompts`, how many experts a MoE model's prompt takes through VRAM at a
+    /// time; 0: as many as 64 MiB holds.
+    pub prompt_expert_slots: usize,
     /// Take a prompt chunk's attention in the flash-attention kernel
     /// ([`Recorder::attention_prefill`]) where its heads fit it; `false`: the decode kernel over
     /// the chunk's tokens, for comparisons.
@@ -139,6 +147,7 @@ impl Default for GpuModelOptions {
             rope_in_attention: true,
             flash_attention: true,
             stream_prompts: true,
+            prompt_expert_slots: 0,
         }
     }
 }
@@ -285,6 +294,8 @@ pub struct GpuModel {
     stream: Option<stream::StreamSlot>,
     /// Prompt chunks that took `front`'s layers through `stream`.
     streamed_chunks: u64,
+    /// The VRAM slots a MoE model's missing experts take in turn for a prompt chunk.
+    expert_stream: Option<stream_experts::ExpertStream>,
     output_norm: Buffer,
     layers: Vec<GpuLayer>,
     rope: Buffer,
@@ -342,6 +353,12 @@ impl GpuModel {
         device_bytes(model, Self::capacity_for(&model.config, options))
     }
 
+    fn stream_for(options: &GpuModelOptions) -> Option<usize> {
+        options
+            .stream_prompts
+            .then_some(options.prompt_expert_slots)
+    }
+
     fn capacity_for(c: &Config, options: &GpuModelOptions) -> usize {
         match options.context {
             0 => c.context_length.min(4096),
@@ -363,7 +380,7 @@ impl GpuModel {
         let capacity = Self::capacity_for(&model.config, options);
         match plan(
             model,
-            (&needed, capacity, options.stream_prompts),
+            (&needed, capacity, Self::stream_for(options)),
             Some(0),
             (counts, allocator.mapped_reserve()),
             MoeMiss::Cpu,
@@ -396,7 +413,7 @@ impl GpuModel {
         let plan_budget = options.vram_budget.or_else(|| device.memory_budget());
         let mut placement = plan(
             model,
-            (&needed, capacity, options.stream_prompts),
+            (&needed, capacity, Self::stream_for(options)),
             plan_budget,
             (counts, allocator.mapped_reserve()),
             options.moe_miss,
@@ -617,6 +634,19 @@ impl GpuModel {
             _ => drop(up),
         }
         let replays = options.replay && !chained && (routes_on_device || c.moe.is_none());
+        let expert_stream = match (&c.moe, placement.stream_slot) {
+            (Some(_), true) => Some(stream_experts::ExpertStream::new(
+                model,
+                al,
+                placement.prompt_expert_slots,
+                expert_stream_staging(
+                    model,
+                    placement.prompt_expert_slots,
+                    super::placement::FULL_STAGING_BYTES,
+                ),
+            )?),
+            _ => None,
+        };
         Ok(GpuModel {
             model: model.clone(),
             kernels,
@@ -628,6 +658,7 @@ impl GpuModel {
             front_time: std::time::Duration::ZERO,
             stream: None,
             streamed_chunks: 0,
+            expert_stream,
             output_norm,
             layers,
             rope,

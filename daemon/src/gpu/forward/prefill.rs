@@ -13,11 +13,12 @@
 //! rows gathered, the expert's rows of the stacked matrices multiplied as for a dense layer, the
 //! outputs added back to their tokens with their weights, `scatter_add.comp`).
 //!
-//! Partial: MoE models need every routed expert in VRAM and no shared expert (Qwen2-MoE's, or
-//! a model over its VRAM budget, go token by token); a MoE layer is one read-back per chunk and
-//! six dispatches per chosen expert; attention is the decode kernel with a workgroup per (head,
-//! run of positions, token), not a fused flash-attention kernel that loads each key once per
-//! tile of queries.
+//! Under a VRAM budget the experts not resident run over their tokens through slots they take
+//! in turn ([`super::stream_experts`]).
+//!
+//! Partial: MoE models need no shared expert (Qwen2-MoE's go token by token), and a model over
+//! its VRAM budget the expert slots of [`super::stream_experts`]; a MoE layer is one read-back
+//! per chunk and six dispatches per chosen expert.
 
 use spillway_shaders::WeightType;
 
@@ -25,7 +26,7 @@ use super::{GateUp, GpuFfn, GpuModel};
 use crate::gpu::alloc::MemoryUse;
 use crate::gpu::buffer::Buffer;
 use crate::gpu::error::Result;
-use crate::gpu::moe::ChunkRouting;
+use crate::gpu::moe::{ChunkRouting, ExpertRun};
 use crate::gpu::ops::{attention_counters, attention_scratch_floats, Fused, GpuMatrix, StepWord};
 use crate::gpu::ops_attention::flash_attention_fits;
 use crate::gpu::record::{RecordStats, Recorder};
@@ -47,15 +48,20 @@ fn scratch_per_token(c: &crate::model::Config, end: usize) -> usize {
 }
 
 /// Device memory of a dense model's [`Batch`] for `tokens` tokens with a KV cache of
-/// `capacity` positions, the host-visible rows of hidden states and every token's logits
-/// included (the most it takes; the driver's alignment comes on top).
+/// `capacity` positions, the host-visible rows of hidden states included (the most it takes;
+/// the driver's alignment comes on top), but not every token's logits ([`logits_bytes`]).
 pub(crate) fn batch_bytes(c: &crate::model::Config, tokens: usize, capacity: usize) -> u64 {
     let n = tokens;
     let floats = n * (3 * c.n_embd + 2 * c.q_width() + 2 * c.kv_width() + 2 * c.n_ff);
     let scratch = (scratch_per_token(c, capacity) * n).min(SCRATCH_BYTES);
     let counters = c.n_head * n * 4;
-    let logits = LOGITS_CHUNK * c.n_vocab * 4;
-    (floats * 4 + scratch + counters + (n + 1) * 4 + logits) as u64
+    (floats * 4 + scratch + counters + (n + 1) * 4) as u64
+}
+
+/// Host-visible memory a [`Batch`] takes for chunks that want every token's logits, made at
+/// the first such prompt (which goes token by token if it is refused).
+pub(crate) fn logits_bytes(c: &crate::model::Config) -> u64 {
+    (LOGITS_CHUNK * c.n_vocab * 4) as u64
 }
 
 /// Activations of a chunk of tokens, token-major; made at the first prompt, for as many tokens
@@ -86,20 +92,20 @@ pub(super) struct Batch {
     /// Host-visible: every token's logits, for the chunks that want them all.
     logits: Option<Buffer>,
     /// Present for MoE models.
-    moe: Option<BatchMoe>,
+    pub(super) moe: Option<BatchMoe>,
 }
 
 /// A chunk's MoE scratch: the layer's normalised input as rows to gather from, one expert's
 /// gathered input, gate (then SwiGLU), up and output, the router logits read back, and the
 /// routing the host writes ([`ChunkRouting`]).
-struct BatchMoe {
-    xn: GpuMatrix,
-    xg: Buffer,
-    eg: Buffer,
-    eu: Buffer,
-    ed: Buffer,
+pub(super) struct BatchMoe {
+    pub(super) xn: GpuMatrix,
+    pub(super) xg: Buffer,
+    pub(super) eg: Buffer,
+    pub(super) eu: Buffer,
+    pub(super) ed: Buffer,
     logits: Buffer,
-    route: Buffer,
+    pub(super) route: Buffer,
 }
 
 impl Batch {
@@ -212,14 +218,15 @@ impl Batch {
 }
 
 impl GpuModel {
-    /// Whether [`GpuModel::eval_prompt`] runs prompts in chunks (dense models, not while
-    /// profiling, and not after the device memory for a chunk was refused) rather than token by
-    /// token.
+    /// Whether [`GpuModel::eval_prompt`] runs prompts in chunks (not MoE models with a shared
+    /// expert, nor those over their VRAM budget without slots for their missing experts; not
+    /// while profiling, and not after the device memory for a chunk was refused) rather than
+    /// token by token.
     pub fn batches_prompts(&self) -> bool {
-        // MoE layers need every expert in its own VRAM slot and no shared expert.
+        // MoE layers need no shared expert, and every expert in VRAM or slots that the
+        // missing ones take in turn ([`super::stream_experts`]).
         let moe_ok = self.config.moe.is_none()
-            || (!self.placement.is_partial()
-                && !self.chained
+            || ((!self.placement.is_partial() || self.expert_stream.is_some())
                 && self.layers.iter().all(|l| match &l.ffn {
                     GpuFfn::Moe(m) => !m.has_shared(),
                     GpuFfn::Dense { .. } => true,
@@ -233,9 +240,9 @@ impl GpuModel {
     }
 
     /// Evaluates `tokens` at the next positions: the last token's logits, or with `all_logits`
-    /// every token's, one after another. Dense models take chunks of up to [`PREFILL_CHUNK`]
-    /// tokens per submission; MoE models, and any model while profiling, go token by token. So
-    /// does a model whose chunk's activations the device memory (or the VRAM budget) refused
+    /// every token's, one after another. Prompts take chunks of up to [`PREFILL_CHUNK`]
+    /// tokens per submission (a MoE model's, one per MoE layer) where
+    /// [`GpuModel::batches_prompts`] says so, else go token by token. So does a model whose chunk's activations the device memory (or the VRAM budget) refused
     /// once: the model was placed without them, and its prompts still run.
     pub fn eval_prompt(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
         self.check_tokens(tokens)?;
@@ -379,10 +386,12 @@ impl GpuModel {
             self.stream_front(batch, tokens)?;
         }
         let mut stats = RecordStats::default();
-        let mut resume: Option<(usize, ChunkRouting)> = None;
+        let mut resume: Option<(usize, ChunkRouting, Vec<ExpertRun>)> = None;
         loop {
             let mut paused = None;
-            let from = resume.as_ref().map(|(il, r)| (*il, r));
+            let from = resume
+                .as_ref()
+                .map(|(il, r, runs)| (*il, r.weights_at(), runs.as_slice()));
             let part = self
                 .kernels
                 .record(|rec| self.record_chunk(rec, batch, (n, all_logits), from, &mut paused))?;
@@ -395,13 +404,9 @@ impl GpuModel {
             let routing = ChunkRouting::new(&cfg, &m.logits.read_f32(n * cfg.n_expert));
             let bytes: Vec<u8> = routing.words.iter().flat_map(|w| w.to_le_bytes()).collect();
             m.route.write(&bytes);
-            if let Some(ex) = self.experts.as_mut() {
-                let slots = ex.slots[il].as_mut().expect("a MoE layer has slots");
-                for experts in &routing.tokens {
-                    slots.place(experts, ex.miss, &mut ex.stats[il]);
-                }
-            }
-            resume = Some((il, routing));
+            // The experts not in VRAM run here; the resident ones in the next part.
+            let resident = self.chunk_experts(batch, il, &routing)?;
+            resume = Some((il, routing, resident));
         }
         batch.x_ready = false;
         self.last_stats = stats;
@@ -411,13 +416,14 @@ impl GpuModel {
     }
 
     /// Records a chunk's command buffer: from the embedding, or from MoE layer `resume.0`'s
-    /// experts, to the next MoE layer's router (setting `paused` to its layer) or to the logits.
+    /// resident experts (runs of `(slot, first entry, entries)`, the entries' weights from
+    /// word `resume.1` of the route buffer), to the next MoE layer's router (setting `paused` to its layer) or to the logits.
     fn record_chunk(
         &self,
         rec: &mut Recorder<'_>,
         b: &Batch,
         (n, all_logits): (usize, bool),
-        resume: Option<(usize, &ChunkRouting)>,
+        resume: Option<(usize, usize, &[ExpertRun])>,
         paused: &mut Option<usize>,
     ) -> Result<()> {
         let c = &self.config;
@@ -437,14 +443,15 @@ impl GpuModel {
                 rec.get_rows_n(rows, ids, nt, &b.x)?;
                 0
             }
-            Some((il, routing)) => {
+            Some((il, weights_at, runs)) => {
                 rec.after_earlier_submissions();
                 let GpuFfn::Moe(moe) = &self.layers[il].ffn else {
                     unreachable!("layer {il} paused at its router")
                 };
                 let m = b.moe.as_ref().expect("MoE scratch");
                 let bufs = (&m.xg, &m.eg, &m.eu, &m.ed);
-                moe.record_chunk_experts(rec, routing, &m.route, &m.xn, bufs, &b.x)?;
+                let route = (&m.route, weights_at);
+                moe.record_chunk_experts(rec, runs, route, &m.xn, bufs, &b.x)?;
                 il + 1
             }
         };

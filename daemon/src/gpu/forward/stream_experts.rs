@@ -1,0 +1,174 @@
+//! Prompt chunks through the routed experts a MoE model under its VRAM budget keeps off the
+//! GPU. A decode step runs such an expert on the CPU (or fetches it); a chunk of a prompt runs
+//! every expert its tokens chose on the GPU, once for all of them: at each MoE layer the
+//! experts that are not resident are copied, a group at a time, into a few VRAM slots shaped
+//! like the layer's (from the memory map, through upload staging) and run over their tokens
+//! there, then the resident ones run from their own slots. Each missing expert's weights then
+//! cross PCIe once per chunk (up to 512 tokens) where the CPU would multiply them with each
+//! token that chose them.
+//!
+//! The slots and a chunk's activations take VRAM the budget would otherwise give resident
+//! experts ([`super::super::placement`]); they are made when every MoE layer has the first
+//! one's expert shapes and weight types and there is no shared expert (a model without them
+//! keeps its prompts token by token). Prompt tokens are counted in the layers' expert counters
+//! (a streamed expert as a miss fetched) but do not change which experts stay resident.
+//!
+//! Partial: a group's copies and its products take turns (the next group's copies do not
+//! overlap this group's products), and the copies go through the compute queue.
+
+use std::sync::Arc;
+
+use super::prefill::Batch;
+use super::GpuModel;
+use crate::gpu::alloc::Allocator;
+use crate::gpu::error::Result;
+use crate::gpu::moe::{ChunkRouting, ExpertRun, GpuMoe};
+use crate::gpu::placement::ExpertShape;
+use crate::gpu::upload::Uploader;
+use crate::model::{Ffn, Matrix, Model, MoeWeights};
+
+/// VRAM for the slots a prompt's missing experts take in turn, when the caller does not ask
+/// for a number of slots: as many experts as fit (at least one, at most all of a layer's).
+const SLOT_BYTES: u64 = 64 << 20;
+
+fn moe_layers(model: &Model) -> impl Iterator<Item = &MoeWeights> {
+    model.layers.iter().filter_map(|l| match &l.ffn {
+        Ffn::Moe(m) => Some(m),
+        Ffn::Dense { .. } => None,
+    })
+}
+
+/// Whether `model`'s routed experts can take turns in one set of slots: every MoE layer has
+/// the first one's expert shapes and weight types, no shared expert, and experts of whole
+/// words (uploads are whole words).
+pub(crate) fn experts_streamable(model: &Model) -> bool {
+    let mut layers = moe_layers(model);
+    let Some(first) = layers.next() else {
+        return false;
+    };
+    let key = |m: &Matrix| (m.ty, m.n_in, m.n_out, m.n_mat);
+    let same = |m: &MoeWeights| {
+        m.shared.is_none()
+            && key(&m.gate) == key(&first.gate)
+            && key(&m.up) == key(&first.up)
+            && key(&m.down) == key(&first.down)
+    };
+    let words = ExpertShape::of(model)
+        .is_some_and(|s| [s.gate, s.up, s.down].iter().all(|b| b.is_multiple_of(4)));
+    words && same(first) && layers.all(same)
+}
+
+/// Slots for a prompt's missing experts: `asked` (0: as many as [`SLOT_BYTES`] holds), at
+/// least one and at most a layer's experts.
+pub(in crate::gpu) fn prompt_expert_slots(shape: &ExpertShape, asked: usize) -> usize {
+    let n = match asked {
+        0 => (SLOT_BYTES / shape.expert_bytes().max(1)) as usize,
+        n => n,
+    };
+    n.clamp(1, shape.n_expert)
+}
+
+/// The slots a prompt chunk's missing experts take in turn, with their upload staging.
+pub(super) struct ExpertStream {
+    moe: GpuMoe,
+    up: Uploader,
+}
+
+impl ExpertStream {
+    /// `slots` slots shaped like `model`'s first MoE layer's experts; the caller has checked
+    /// [`experts_streamable`].
+    pub(super) fn new(
+        model: &Model,
+        al: &Arc<Allocator>,
+        slots: usize,
+        staging_bytes: u64,
+    ) -> Result<ExpertStream> {
+        let mut up = Uploader::new(al, staging_bytes)?;
+        let first = moe_layers(model).next().expect("a MoE model");
+        let moe = GpuMoe::upload(model, al, &mut up, first, slots)?;
+        up.flush()?;
+        Ok(ExpertStream { moe, up })
+    }
+}
+
+impl GpuModel {
+    /// Runs MoE layer `il`'s experts that `routing` chose and that are not resident over their
+    /// tokens of the chunk in `b` (its normalised rows in `b.moe.xn`, the routing written to
+    /// `b.moe.route`), a group of slots at a time, adding their outputs to `b.x`; counts every
+    /// routed token in the layer's counters and returns the resident experts' runs as
+    /// `(slot, first entry, entries)`, which the chunk's next command buffer runs.
+    pub(super) fn chunk_experts(
+        &mut self,
+        b: &Batch,
+        il: usize,
+        routing: &ChunkRouting,
+    ) -> Result<Vec<ExpertRun>> {
+        let ex = self
+            .experts
+            .as_mut()
+            .expect("MoE models track their experts");
+        let slots = ex.slots[il].as_ref().expect("a MoE layer has slots");
+        let stats = &mut ex.stats[il];
+        let (mut resident, mut missing) = (Vec::new(), Vec::new());
+        for &(expert, first, count) in &routing.runs {
+            match slots.slot_of(expert) {
+                Some(slot) => {
+                    stats.hits += count as u64;
+                    resident.push((slot, first, count));
+                }
+                None => {
+                    stats.misses += count as u64;
+                    stats.fetched += count as u64;
+                    missing.push((expert, first, count));
+                }
+            }
+        }
+        if missing.is_empty() {
+            return Ok(resident);
+        }
+        let mut stream = self
+            .expert_stream
+            .take()
+            .expect("a partial placement batches prompts only with an expert stream");
+        let ran = self.stream_experts(&mut stream, b, il, (routing.weights_at(), &missing));
+        self.expert_stream = Some(stream);
+        let ex = self
+            .experts
+            .as_mut()
+            .expect("MoE models track their experts");
+        ex.stats[il].bytes_uploaded += ran?;
+        Ok(resident)
+    }
+
+    /// The bytes copied.
+    fn stream_experts(
+        &self,
+        s: &mut ExpertStream,
+        b: &Batch,
+        il: usize,
+        (weights_at, missing): (usize, &[ExpertRun]),
+    ) -> Result<u64> {
+        let Ffn::Moe(weights) = &self.model.layers[il].ffn else {
+            unreachable!("layer {il} is MoE");
+        };
+        let m = b.moe.as_ref().expect("MoE scratch");
+        let mut bytes = 0;
+        for group in missing.chunks(s.moe.n_slots()) {
+            let mut runs = Vec::with_capacity(group.len());
+            for (slot, &(expert, first, count)) in group.iter().enumerate() {
+                bytes += s
+                    .moe
+                    .fill_slot(&self.model, weights, &mut s.up, slot, expert)?;
+                runs.push((slot, first, count));
+            }
+            s.up.flush()?;
+            let bufs = (&m.xg, &m.eg, &m.eu, &m.ed);
+            self.kernels.record(|rec| {
+                rec.after_earlier_submissions();
+                s.moe
+                    .record_chunk_experts(rec, &runs, (&m.route, weights_at), &m.xn, bufs, b.x())
+            })?;
+        }
+        Ok(bytes)
+    }
+}
