@@ -121,30 +121,10 @@ fn chunked_prompt_matches_token_by_token_tiny_mixtral_q8_0() {
     check("tiny-mixtral", "Q8_0");
 }
 
+/// Qwen2-MoE: the shared expert runs over every token of a chunk with each token's gate.
 #[test]
-fn a_shared_expert_keeps_prompts_token_by_token() {
-    let Some(dev) = device() else { return };
-    let tmp = tempfile::tempdir().unwrap();
-    let path = tmp.path().join("m.gguf");
-    SynthModel::from_name("tiny-qwen2moe", "Q8_0".parse::<WeightType>().unwrap(), 5)
-        .unwrap()
-        .write(&path, false, |_, _| {})
-        .unwrap();
-    let model = Arc::new(Model::open(&path).unwrap());
-    let options = GpuModelOptions {
-        context: 64,
-        ..GpuModelOptions::default()
-    };
-    let mut gpu = GpuModel::new(&dev, &model, &options).unwrap();
-    assert!(!gpu.batches_prompts());
-    let mut one = GpuModel::new(&dev, &model, &options).unwrap();
-    let prompt = tokens(10, one.config().n_vocab);
-    let got = gpu.eval_prompt(&prompt, false).unwrap();
-    let mut want = Vec::new();
-    for &t in &prompt {
-        want = one.eval(t).unwrap();
-    }
-    assert_eq!(got, want);
+fn chunked_prompt_matches_token_by_token_tiny_qwen2moe_q8_0() {
+    check("tiny-qwen2moe", "Q8_0");
 }
 
 #[test]

@@ -156,7 +156,8 @@ fn mixtral_over_the_vram_budget_streams_a_prompts_missing_experts() {
     check("tiny-mixtral");
 }
 
-/// Qwen2-MoE's shared expert keeps its prompts token by token under a budget too.
+/// Qwen2-MoE's prompts take chunks with every expert resident (`bench/tests/vulkan_prefill.rs`),
+/// but under a budget they go token by token: a model with a shared expert has no expert slots.
 #[test]
 fn a_shared_expert_keeps_prompts_token_by_token_over_the_budget() {
     let Some(dev) = device() else { return };

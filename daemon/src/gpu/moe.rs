@@ -33,7 +33,8 @@
 //!
 //! A prompt's chunk ([`super::forward`]'s prefill) routes all its tokens on the host from one
 //! read-back per layer and runs each chosen expert once over its tokens
-//! ([`GpuMoe::record_chunk_experts`]).
+//! ([`GpuMoe::record_chunk_experts`]), then the shared expert over all of them with each
+//! token's gate ([`GpuMoe::record_chunk_shared`]).
 //!
 //! Partial: on the read-back path (some experts not resident) one
 //! read-back per MoE layer per token, and the experts of a token run one after another through
@@ -519,11 +520,15 @@ pub(super) struct ChunkRouting {
     pub words: Vec<u32>,
     /// (expert, first entry, entries).
     pub runs: Vec<ExpertRun>,
+    /// The first of the entries that give each token, in order, its shared expert's gate
+    /// (Qwen2-MoE), after the routed experts' entries.
+    pub shared_from: Option<usize>,
 }
 
 impl ChunkRouting {
-    /// Routes each token's router logits (`n_expert` a token) with the CPU engine's routing.
-    pub(super) fn new(cfg: &MoeConfig, logits: &[f32]) -> ChunkRouting {
+    /// Routes each token's router logits (`n_expert` a token) with the CPU engine's routing;
+    /// `shared`: each token's shared-expert gate logit, where the layer has a shared expert.
+    pub(super) fn new(cfg: &MoeConfig, logits: &[f32], shared: Option<&[f32]>) -> ChunkRouting {
         let tokens: Vec<Vec<RoutedExpert>> = logits
             .chunks_exact(cfg.n_expert)
             .map(|l| route(cfg, l))
@@ -534,8 +539,8 @@ impl ChunkRouting {
                 by_expert[e.expert].push((t as u32, e.weight));
             }
         }
-        let entries = tokens.len() * cfg.n_expert_used;
-        let weights_at = Self::weights_at_for(tokens.len(), cfg.n_expert_used);
+        let weights_at = Self::weights_at_for(tokens.len(), cfg.n_expert_used, shared.is_some());
+        let entries = weights_at;
         let mut words = vec![0u32; weights_at + entries];
         let mut runs = Vec::new();
         let mut at = 0;
@@ -550,12 +555,27 @@ impl ChunkRouting {
                 at += 1;
             }
         }
-        ChunkRouting { words, runs }
+        let shared_from = shared.map(|gates| {
+            let from = at;
+            for (t, &logit) in gates.iter().enumerate() {
+                words[at] = t as u32;
+                words[weights_at + at] = shared_expert_gate(logit).to_bits();
+                at += 1;
+            }
+            from
+        });
+        debug_assert_eq!(at, entries);
+        ChunkRouting {
+            words,
+            runs,
+            shared_from,
+        }
     }
 
-    /// Word of entry 0's weight for a chunk of `n` tokens routed to `k` experts each.
-    pub(super) fn weights_at_for(n: usize, k: usize) -> usize {
-        n * k
+    /// Word of entry 0's weight for a chunk of `n` tokens routed to `k` experts each, and to
+    /// the shared expert too where there is one.
+    pub(super) fn weights_at_for(n: usize, k: usize, shared: bool) -> usize {
+        n * (k + usize::from(shared))
     }
 
     /// Word of entry 0's weight in [`ChunkRouting::words`].
@@ -568,11 +588,6 @@ impl GpuMoe {
     /// `n_expert` rows, F32: the router.
     pub(super) fn router(&self) -> &GpuMatrix {
         &self.router
-    }
-
-    /// Whether the layer has a shared expert (Qwen2-MoE).
-    pub(super) fn has_shared(&self) -> bool {
-        self.shared.is_some()
     }
 
     /// Part 2 of a MoE layer for a prompt's chunk whose routing the host decided and wrote to
@@ -607,6 +622,35 @@ impl GpuMoe {
             rec.scatter_add(x, ed, route, run, n_embd as u32)?;
         }
         Ok(())
+    }
+
+    /// The shared expert's gate (`[n_embd, 1]`), where the layer has one.
+    pub(super) fn shared_gate_inp(&self) -> Option<&GpuMatrix> {
+        self.shared.as_ref().map(|s| &s.gate_inp)
+    }
+
+    /// A prompt chunk's shared expert (Qwen2-MoE; nothing without one) over all `n` rows of
+    /// `xn`: gate, up and SwiGLU in `(sg, su)`, down in `out`, added to `x` with each token's
+    /// gate from entries `from..from + n` of `route` (weights from word `weights_at`).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn record_chunk_shared(
+        &self,
+        rec: &mut Recorder<'_>,
+        n: usize,
+        (route, weights_at, from): (&Buffer, usize, usize),
+        xn: &GpuMatrix,
+        (sg, su, out): (&Buffer, &Buffer, &Buffer),
+        x: &Buffer,
+    ) -> Result<()> {
+        let Some(sh) = &self.shared else {
+            return Ok(());
+        };
+        rec.matvec_batch(&sh.gate, &xn.buffer, sg, n)?;
+        rec.matvec_batch(&sh.up, &xn.buffer, su, n)?;
+        rec.swiglu(sg, su, (n * sh.gate.n_out) as u32)?;
+        rec.matvec_batch(&sh.down, sg, out, n)?;
+        let run = (from as u32, n as u32, weights_at as u32);
+        rec.scatter_add(x, out, route, run, self.n_embd as u32)
     }
 
     /// Slots of each of gate, up and down.

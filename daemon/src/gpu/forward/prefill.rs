@@ -11,14 +11,16 @@
 //! are read back and routed on the host with the CPU engine's routing ([`ChunkRouting`]), then
 //! the next command buffer runs each chosen expert once over the tokens that chose it (their
 //! rows gathered, the expert's rows of the stacked matrices multiplied as for a dense layer, the
-//! outputs added back to their tokens with their weights, `scatter_add.comp`).
+//! outputs added back to their tokens with their weights, `scatter_add.comp`), then a shared
+//! expert (Qwen2-MoE) over every token, added with each token's gate (its logits read back with
+//! the router's).
 //!
 //! Under a VRAM budget the experts not resident run over their tokens through slots they take
 //! in turn ([`super::stream_experts`]).
 //!
-//! Partial: MoE models need no shared expert (Qwen2-MoE's go token by token), and a model over
-//! its VRAM budget the expert slots of [`super::stream_experts`]; a MoE layer is one read-back
-//! per chunk and six dispatches per chosen expert.
+//! Partial: a model over its VRAM budget needs the expert slots of [`super::stream_experts`]
+//! (a shared expert's model has none); a MoE layer is one read-back per chunk and six
+//! dispatches per chosen expert.
 
 use spillway_shaders::WeightType;
 
@@ -106,6 +108,16 @@ pub(super) struct BatchMoe {
     pub(super) ed: Buffer,
     logits: Buffer,
     pub(super) route: Buffer,
+    /// Present where the model has a shared expert (Qwen2-MoE).
+    shared: Option<BatchShared>,
+}
+
+/// A chunk's shared-expert scratch: each token's gate logit read back, and the expert's gate
+/// (then SwiGLU) and up over every token (its output goes to `BatchMoe::ed`).
+struct BatchShared {
+    logits: Buffer,
+    gate: Buffer,
+    up: Buffer,
 }
 
 impl Batch {
@@ -156,7 +168,17 @@ impl Batch {
             moe: match &c.moe {
                 Some(cfg) => {
                     let k = cfg.n_expert_used;
-                    let weights_at = ChunkRouting::weights_at_for(n, k);
+                    let shared_ff = m
+                        .layers
+                        .iter()
+                        .map(|l| match &l.ffn {
+                            GpuFfn::Moe(moe) => moe.shared_ff(),
+                            GpuFfn::Dense { .. } => 0,
+                        })
+                        .max()
+                        .unwrap_or(0);
+                    let shared = shared_ff > 0;
+                    let weights_at = ChunkRouting::weights_at_for(n, k, shared);
                     Some(BatchMoe {
                         xn: GpuMatrix {
                             buffer: f32s(n * c.n_embd)?,
@@ -176,9 +198,17 @@ impl Batch {
                         )?,
                         route: Buffer::new_in(
                             al,
-                            ((weights_at + n * k) * 4) as u64,
+                            (2 * weights_at * 4) as u64,
                             MemoryUse::DeviceMapped,
                         )?,
+                        shared: match shared {
+                            true => Some(BatchShared {
+                                logits: Buffer::new_in(al, n as u64 * 4, MemoryUse::Staging)?,
+                                gate: f32s(n * shared_ff)?,
+                                up: f32s(n * shared_ff)?,
+                            }),
+                            false => None,
+                        },
                     })
                 }
                 None => None,
@@ -217,20 +247,23 @@ impl Batch {
     }
 }
 
+/// Where a chunk's next command buffer starts after MoE layer `layer`'s router: its resident
+/// experts' runs (the experts not resident ran meanwhile, [`super::stream_experts`]), then its
+/// shared expert, with the route buffer's weights from word `weights_at`.
+struct Resume<'a> {
+    layer: usize,
+    weights_at: usize,
+    runs: &'a [ExpertRun],
+    shared_from: Option<usize>,
+}
+
 impl GpuModel {
-    /// Whether [`GpuModel::eval_prompt`] runs prompts in chunks (not MoE models with a shared
-    /// expert, nor those over their VRAM budget without slots for their missing experts; not
-    /// while profiling, and not after the device memory for a chunk was refused) rather than
-    /// token by token.
+    /// Whether [`GpuModel::eval_prompt`] runs prompts in chunks (not MoE models over their
+    /// VRAM budget without slots for their missing experts; not while profiling, and not after
+    /// the device memory for a chunk was refused) rather than token by token.
     pub fn batches_prompts(&self) -> bool {
-        // MoE layers need no shared expert, and every expert in VRAM or slots that the
-        // missing ones take in turn ([`super::stream_experts`]).
-        let moe_ok = self.config.moe.is_none()
-            || ((!self.placement.is_partial() || self.expert_stream.is_some())
-                && self.layers.iter().all(|l| match &l.ffn {
-                    GpuFfn::Moe(m) => !m.has_shared(),
-                    GpuFfn::Dense { .. } => true,
-                }));
+        // Every routed expert in VRAM, or slots that the missing ones take in turn.
+        let moe_ok = !self.placement.is_partial() || self.expert_stream.is_some();
         moe_ok && self.profiler.is_none() && !self.batch_refused
     }
 
@@ -389,9 +422,12 @@ impl GpuModel {
         let mut resume: Option<(usize, ChunkRouting, Vec<ExpertRun>)> = None;
         loop {
             let mut paused = None;
-            let from = resume
-                .as_ref()
-                .map(|(il, r, runs)| (*il, r.weights_at(), runs.as_slice()));
+            let from = resume.as_ref().map(|(il, r, runs)| Resume {
+                layer: *il,
+                weights_at: r.weights_at(),
+                runs,
+                shared_from: r.shared_from,
+            });
             let part = self
                 .kernels
                 .record(|rec| self.record_chunk(rec, batch, (n, all_logits), from, &mut paused))?;
@@ -401,7 +437,9 @@ impl GpuModel {
             let Some(il) = paused else { break };
             let cfg = self.config.moe.expect("MoE layers have a MoE config");
             let m = batch.moe.as_mut().expect("MoE scratch");
-            let routing = ChunkRouting::new(&cfg, &m.logits.read_f32(n * cfg.n_expert));
+            let shared = m.shared.as_ref().map(|s| s.logits.read_f32(n));
+            let logits = m.logits.read_f32(n * cfg.n_expert);
+            let routing = ChunkRouting::new(&cfg, &logits, shared.as_deref());
             let bytes: Vec<u8> = routing.words.iter().flat_map(|w| w.to_le_bytes()).collect();
             m.route.write(&bytes);
             // The experts not in VRAM run here; the resident ones in the next part.
@@ -415,15 +453,14 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Records a chunk's command buffer: from the embedding, or from MoE layer `resume.0`'s
-    /// resident experts (runs of `(slot, first entry, entries)`, the entries' weights from
-    /// word `resume.1` of the route buffer), to the next MoE layer's router (setting `paused` to its layer) or to the logits.
+    /// Records a chunk's command buffer: from the embedding, or from a paused MoE layer's
+    /// resident experts and shared expert ([`Resume`]), to the next MoE layer's router (setting `paused` to its layer) or to the logits.
     fn record_chunk(
         &self,
         rec: &mut Recorder<'_>,
         b: &Batch,
         (n, all_logits): (usize, bool),
-        resume: Option<(usize, usize, &[ExpertRun])>,
+        resume: Option<Resume<'_>>,
         paused: &mut Option<usize>,
     ) -> Result<()> {
         let c = &self.config;
@@ -443,15 +480,21 @@ impl GpuModel {
                 rec.get_rows_n(rows, ids, nt, &b.x)?;
                 0
             }
-            Some((il, weights_at, runs)) => {
+            Some(r) => {
                 rec.after_earlier_submissions();
+                let il = r.layer;
                 let GpuFfn::Moe(moe) = &self.layers[il].ffn else {
                     unreachable!("layer {il} paused at its router")
                 };
                 let m = b.moe.as_ref().expect("MoE scratch");
                 let bufs = (&m.xg, &m.eg, &m.eu, &m.ed);
-                let route = (&m.route, weights_at);
-                moe.record_chunk_experts(rec, runs, route, &m.xn, bufs, &b.x)?;
+                let route = (&m.route, r.weights_at);
+                moe.record_chunk_experts(rec, r.runs, route, &m.xn, bufs, &b.x)?;
+                if let (Some(from), Some(sh)) = (r.shared_from, &m.shared) {
+                    let route = (&m.route, r.weights_at, from);
+                    let bufs = (&sh.gate, &sh.up, &m.ed);
+                    moe.record_chunk_shared(rec, n, route, &m.xn, bufs, &b.x)?;
+                }
                 il + 1
             }
         };
@@ -465,6 +508,9 @@ impl GpuModel {
                     let m = b.moe.as_ref().expect("MoE scratch");
                     rec.rms_norm(&b.x, &l.ffn_norm, &m.xn.buffer, e, nt, eps)?;
                     rec.matvec_batch(moe.router(), &m.xn.buffer, &m.logits, n)?;
+                    if let (Some(gate_inp), Some(sh)) = (moe.shared_gate_inp(), &m.shared) {
+                        rec.matvec_batch(gate_inp, &m.xn.buffer, &sh.logits, n)?;
+                    }
                     *paused = Some(il);
                     return Ok(());
                 }
