@@ -14,7 +14,9 @@
 //! (a streamed expert as a miss fetched) but do not change which experts stay resident.
 //!
 //! Partial: a group's copies and its products take turns (the next group's copies do not
-//! overlap this group's products), and the copies go through the compute queue.
+//! overlap this group's products), and the copies go through the compute queue; the experts'
+//! bytes come through the memory map (the page cache) even under a RAM budget, whose cache of
+//! experts (`crate::stream`) serves only the decode steps' CPU experts.
 
 use std::sync::Arc;
 
