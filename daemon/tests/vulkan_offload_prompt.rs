@@ -96,8 +96,9 @@ fn check(preset: &str) {
 
     let minimum = GpuModel::minimum_budget(&dev, &model, &options(None, 0))
         .expect("a MoE model has a minimum budget");
-    // Two slots for the missing experts (a layer's misses take several groups), their staging
-    // (at most 1 MiB here), a chunk's activations, and about three resident slots a layer.
+    // Two slots for the missing experts (asked for, so they may take any share of the budget
+    // that fits; a layer's misses take several groups), their staging (at most 1 MiB here), a
+    // chunk's activations, and about three resident slots a layer.
     let stream = footprint::expert_stream_bytes(&model, 256, 2) + (1 << 20);
     let budget = minimum.total() + stream + 2 * minimum.one_slot_per_layer;
     let minimum = minimum.total();
@@ -124,6 +125,11 @@ fn check(preset: &str) {
     assert_eq!(t.fetched + t.cpu, t.misses, "{what}");
     assert!(t.fetched > 2 * moe_layers, "{what}: {t:?}");
     assert!(t.bytes_uploaded > 0, "{what}");
+
+    // Left to choose, the placement gives the slots at most a quarter of the room for experts,
+    // and here they would take more.
+    let auto = GpuModel::new(&dev, &model, &options(Some(budget), 0)).unwrap();
+    assert!(!auto.placement().stream_slot, "{what}: {:?}", auto.placement());
 
     // Without the slots the same budget holds more resident experts (here perhaps all), and
     // prompts go token by token where some are missing, with the same logits.

@@ -269,6 +269,20 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                     gpu.cpu_layers()
                 );
             }
+            let p = gpu.placement();
+            if p.is_partial() {
+                let prompts = match p.stream_slot {
+                    true => format!(
+                        "prompt chunks run the others on the GPU through {} slots",
+                        p.prompt_expert_slots
+                    ),
+                    false => "prompts go token by token".to_string(),
+                };
+                eprintln!(
+                    "the VRAM budget holds {} of {} experts per MoE layer; {prompts}",
+                    p.slots, p.n_expert
+                );
+            }
             Loaded::Gpu {
                 model: Box::new(gpu),
                 name,

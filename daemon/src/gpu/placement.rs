@@ -20,10 +20,12 @@
 //! cache and scratch, one expert slot per MoE layer, the upload staging where it counts against
 //! the budget, and a margin for the driver's alignment of each buffer.
 //!
-//! Where the budget also holds a few slots for the experts not resident and a prompt chunk's
-//! activations ([`Placement::stream_slot`] with [`Placement::prompt_expert_slots`]), a prompt
-//! chunk runs its missing experts on the GPU through them (`gpu::forward::stream_experts`),
-//! each once per chunk, for fewer resident experts.
+//! Where a few slots for the experts not resident and a prompt chunk's activations take at
+//! most a quarter of the room the budget leaves for experts ([`Placement::stream_slot`] with
+//! [`Placement::prompt_expert_slots`]), a prompt chunk runs its missing experts on the GPU
+//! through them (`gpu::forward::stream_experts`), each once per chunk, for fewer resident
+//! experts. (A fixed share, not the scheduler's predicted gain and loss; with
+//! `GpuModelOptions::prompt_expert_slots` given, any share that fits.)
 //!
 //! The budget's slots are spread over the MoE layers by an [`ExpertLayout`]: evenly (the
 //! default), by whole layers as llama.cpp's `--n-cpu-moe` does, one per layer, or as the
@@ -380,16 +382,22 @@ pub(super) fn plan(
             minimum: Box::new(minimum),
         });
     }
-    // Slots for the missing experts of a prompt chunk, where the budget holds them and one
-    // resident slot per layer.
+    // Slots for the missing experts of a prompt chunk, where they take at most a quarter of
+    // the room the budget leaves for expert slots (any share when their number was asked for)
+    // and leave one resident slot per layer.
+    let room = budget - (minimum.total() - minimum.one_slot_per_layer);
     let stream_bytes = |k| {
         let staging = expert_stream_staging(model, k, FULL_STAGING_BYTES);
         expert_stream_bytes(model, capacity, k) + counted(staging)
     };
     let prompt_slots = stream
         .filter(|_| experts_streamable(model))
-        .map(|asked| prompt_expert_slots(&shape, asked))
-        .filter(|&k| minimum.total() + stream_bytes(k) <= budget);
+        .map(|asked| (asked, prompt_expert_slots(&shape, asked)))
+        .filter(|&(asked, k)| {
+            let bytes = stream_bytes(k);
+            (asked > 0 || bytes <= room / 4) && minimum.total() + bytes <= budget
+        })
+        .map(|(_, k)| k);
     let prompt = prompt_slots.map_or(0, stream_bytes);
     let fixed = minimum.total() - minimum.one_slot_per_layer + prompt;
     let per_slot = shape.slot_bytes(1);

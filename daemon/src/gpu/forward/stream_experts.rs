@@ -60,11 +60,11 @@ pub(crate) fn experts_streamable(model: &Model) -> bool {
     words && same(first) && layers.all(same)
 }
 
-/// Slots for a prompt's missing experts: `asked` (0: as many as [`SLOT_BYTES`] holds), at
-/// least one and at most a layer's experts.
+/// Slots for a prompt's missing experts: `asked` (0: as many as [`SLOT_BYTES`] holds, at most
+/// a quarter of a layer's experts), at least one and at most a layer's experts.
 pub(in crate::gpu) fn prompt_expert_slots(shape: &ExpertShape, asked: usize) -> usize {
     let n = match asked {
-        0 => (SLOT_BYTES / shape.expert_bytes().max(1)) as usize,
+        0 => ((SLOT_BYTES / shape.expert_bytes().max(1)) as usize).min(shape.n_expert / 4),
         n => n,
     };
     n.clamp(1, shape.n_expert)
