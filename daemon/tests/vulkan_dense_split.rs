@@ -7,13 +7,14 @@
 //! whatever Vulkan device the machine has (lavapipe in CI) and skip without one, unless
 //! `SPILLWAY_REQUIRE_VULKAN` is set.
 
-use std::path::Path;
+#[path = "common/f16_model.rs"]
+mod f16_model;
+use f16_model::f16_model;
+
 use std::sync::Arc;
 
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions, STREAM_MIN_TOKENS};
 use spillway_daemon::gpu::{footprint, Device, GpuError};
-use spillway_daemon::model::Model;
-use spillway_daemon::synth::SynthModel;
 
 fn device() -> Option<Arc<Device>> {
     spillway_daemon::gpu::device_or_skip()
@@ -29,15 +30,6 @@ const SHORT: [u32; 9] = [2, 40, 7, 500, 33, 1, 1200, 8, 64];
 const LONG: usize = 40;
 const CONTEXT: usize = 80;
 const TOKENS: [u32; 10] = [1, 17, 300, 5, 1000, 42, 7, 99, 3, 800];
-
-fn model(dir: &Path, preset: &str) -> Arc<Model> {
-    let path = dir.join(format!("{preset}.gguf"));
-    SynthModel::from_name(preset, "F16".parse().unwrap(), 5)
-        .unwrap()
-        .write(&path, false, |_, _| {})
-        .unwrap();
-    Arc::new(Model::open(&path).unwrap())
-}
 
 fn options(budget: Option<u64>, stream: bool) -> GpuModelOptions {
     GpuModelOptions {
@@ -85,7 +77,7 @@ fn assert_near(what: &str, got: &[Vec<f32>], want: &[Vec<f32>]) {
 fn split(preset: &str) {
     let Some(dev) = device() else { return };
     let tmp = tempfile::tempdir().unwrap();
-    let model = model(tmp.path(), preset);
+    let model = f16_model(tmp.path(), preset);
     let (n_layer, n_vocab) = (model.config.n_layer, model.config.n_vocab);
     let whole = GpuModel::device_bytes(&model, &options(None, true)).total();
     let minimum = GpuModel::minimum_budget(&dev, &model, &options(None, true))

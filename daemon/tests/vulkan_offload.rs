@@ -6,16 +6,17 @@
 //! device the machine has (lavapipe in CI) and skip without one, unless
 //! `SPILLWAY_REQUIRE_VULKAN` is set.
 
-use std::path::Path;
+#[path = "common/f16_model.rs"]
+mod f16_model;
+use f16_model::f16_model;
+
 use std::sync::Arc;
 
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
 use spillway_daemon::gpu::moe::LayerRouting;
 use spillway_daemon::gpu::placement::{ExpertLayout, MoeMiss};
 use spillway_daemon::gpu::{Device, GpuError};
-use spillway_daemon::model::Model;
 use spillway_daemon::stream::ReplacementPolicy;
-use spillway_daemon::synth::SynthModel;
 
 fn device() -> Option<Arc<Device>> {
     spillway_daemon::gpu::device_or_skip()
@@ -29,15 +30,6 @@ const TOLERANCE_F16: f32 = 0.003;
 const ROUTER_TIE: f32 = 0.02;
 
 const TOKENS: [u32; 10] = [1, 17, 300, 5, 1000, 42, 7, 99, 3, 800];
-
-fn model(dir: &Path, preset: &str) -> Arc<Model> {
-    let path = dir.join(format!("{preset}.gguf"));
-    SynthModel::from_name(preset, "F16".parse().unwrap(), 5)
-        .unwrap()
-        .write(&path, false, |_, _| {})
-        .unwrap();
-    Arc::new(Model::open(&path).unwrap())
-}
 
 fn options(budget: Option<u64>, miss: MoeMiss) -> GpuModelOptions {
     GpuModelOptions {
@@ -103,7 +95,7 @@ fn assert_near(
 fn offload(preset: &str) {
     let Some(dev) = device() else { return };
     let tmp = tempfile::tempdir().unwrap();
-    let model = model(tmp.path(), preset);
+    let model = f16_model(tmp.path(), preset);
     let cfg = model.config.moe.unwrap();
     let whole = GpuModel::device_bytes(&model, &options(None, MoeMiss::Cpu)).total();
     let minimum = GpuModel::minimum_budget(&dev, &model, &options(None, MoeMiss::Cpu))
@@ -225,7 +217,7 @@ fn chain_matches_separate_submissions(preset: &str) {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let model = model(tmp.path(), preset);
+    let model = f16_model(tmp.path(), preset);
     let n_moe = model
         .layers
         .iter()
@@ -277,7 +269,7 @@ fn qwen2moe_chained_steps_equal_separate_submissions() {
 fn ram_tier(preset: &str) {
     let Some(dev) = device() else { return };
     let tmp = tempfile::tempdir().unwrap();
-    let model = model(tmp.path(), preset);
+    let model = f16_model(tmp.path(), preset);
     let k = model.config.moe.unwrap().n_expert_used as u64;
     let base = options(None, MoeMiss::Cpu);
     let vram = GpuModel::minimum_budget(&dev, &model, &base)
@@ -356,7 +348,7 @@ fn qwen2moe_cpu_experts_from_a_ram_budget_equal_the_memory_map() {
 fn expert_layouts_place_slots_per_layer_and_decode_as_unconstrained() {
     let Some(dev) = device() else { return };
     let tmp = tempfile::tempdir().unwrap();
-    let model = model(tmp.path(), "tiny-qwen3moe");
+    let model = f16_model(tmp.path(), "tiny-qwen3moe");
     let n = model.config.moe.unwrap().n_expert;
     let layers = model.config.n_layer;
     let whole = GpuModel::device_bytes(&model, &options(None, MoeMiss::Cpu)).total();

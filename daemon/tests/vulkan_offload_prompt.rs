@@ -7,13 +7,16 @@
 //! whatever Vulkan device the machine has (lavapipe in CI); without one these tests skip,
 //! unless `SPILLWAY_REQUIRE_VULKAN` is set, in which case they fail.
 
+#[path = "common/f16_model.rs"]
+mod f16_model;
+use f16_model::f16_model;
+
 use std::sync::Arc;
 
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
 use spillway_daemon::gpu::placement::MoeMiss;
 use spillway_daemon::gpu::{footprint, Device};
-use spillway_daemon::model::{Ffn, Model};
-use spillway_daemon::synth::SynthModel;
+use spillway_daemon::model::Ffn;
 
 fn device() -> Option<Arc<Device>> {
     spillway_daemon::gpu::device_or_skip()
@@ -41,15 +44,6 @@ fn tokens(n: usize, n_vocab: usize) -> Vec<u32> {
     (0..n)
         .map(|i| ((i as u64 * 2_654_435_761 + 17) % n_vocab as u64) as u32)
         .collect()
-}
-
-fn model(dir: &std::path::Path, preset: &str) -> Arc<Model> {
-    let path = dir.join(format!("{preset}.gguf"));
-    SynthModel::from_name(preset, "F16".parse().unwrap(), 5)
-        .unwrap()
-        .write(&path, false, |_, _| {})
-        .unwrap();
-    Arc::new(Model::open(&path).unwrap())
 }
 
 fn options(budget: Option<u64>, prompt_expert_slots: usize) -> GpuModelOptions {
@@ -83,7 +77,7 @@ fn run(gpu: &mut GpuModel) -> Vec<Vec<f32>> {
 fn check(preset: &str) {
     let Some(dev) = device() else { return };
     let tmp = tempfile::tempdir().unwrap();
-    let model = model(tmp.path(), preset);
+    let model = f16_model(tmp.path(), preset);
     let cfg = model.config.moe.unwrap();
     let moe_layers = model
         .layers
@@ -129,7 +123,11 @@ fn check(preset: &str) {
     // Left to choose, the placement gives the slots at most a quarter of the room for experts,
     // and here they would take more.
     let auto = GpuModel::new(&dev, &model, &options(Some(budget), 0)).unwrap();
-    assert!(!auto.placement().stream_slot, "{what}: {:?}", auto.placement());
+    assert!(
+        !auto.placement().stream_slot,
+        "{what}: {:?}",
+        auto.placement()
+    );
 
     // Without the slots the same budget holds more resident experts (here perhaps all), and
     // prompts go token by token where some are missing, with the same logits.
@@ -168,7 +166,7 @@ fn mixtral_over_the_vram_budget_streams_a_prompts_missing_experts() {
 fn a_shared_expert_keeps_prompts_token_by_token_over_the_budget() {
     let Some(dev) = device() else { return };
     let tmp = tempfile::tempdir().unwrap();
-    let model = model(tmp.path(), "tiny-qwen2moe");
+    let model = f16_model(tmp.path(), "tiny-qwen2moe");
     let bytes = GpuModel::device_bytes(&model, &options(None, 0)).total();
     let minimum = GpuModel::minimum_budget(&dev, &model, &options(None, 0))
         .unwrap()

@@ -4,25 +4,17 @@
 //! changes no logits. The tests run on whatever Vulkan device the
 //! machine has (lavapipe in CI) and skip without one, unless `SPILLWAY_REQUIRE_VULKAN` is set.
 
-use std::path::Path;
-use std::sync::Arc;
+#[path = "common/f16_model.rs"]
+mod f16_model;
+use f16_model::f16_model;
+
 use std::time::{Duration, Instant};
 
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions, GpuStepProfile};
 use spillway_daemon::gpu::placement::MoeMiss;
 use spillway_daemon::model::{Ffn, Model};
-use spillway_daemon::synth::SynthModel;
 
 const TOKENS: [u32; 4] = [1, 17, 300, 5];
-
-fn model(dir: &Path, preset: &str) -> Arc<Model> {
-    let path = dir.join(format!("{preset}.gguf"));
-    SynthModel::from_name(preset, "F16".parse().unwrap(), 5)
-        .unwrap()
-        .write(&path, false, |_, _| {})
-        .unwrap();
-    Arc::new(Model::open(&path).unwrap())
-}
 
 fn options(budget: Option<u64>) -> GpuModelOptions {
     GpuModelOptions {
@@ -105,7 +97,7 @@ fn a_dense_step_times_every_layer_and_adds_up() {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
-    let model = model(tmp.path(), "tiny-llama");
+    let model = f16_model(tmp.path(), "tiny-llama");
     let mut on = GpuModel::new(&dev, &model, &options(None)).unwrap();
     let mut off = GpuModel::new(&dev, &model, &options(None)).unwrap();
     on.set_profiling(true).unwrap();
@@ -147,7 +139,7 @@ fn a_split_step_times_the_gpu_layers_and_the_cpu_layers() {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
-    let model = model(tmp.path(), "tiny-llama");
+    let model = f16_model(tmp.path(), "tiny-llama");
     let minimum = GpuModel::minimum_budget(&dev, &model, &options(None))
         .unwrap()
         .total();
@@ -194,7 +186,7 @@ fn moe_steps_count_their_experts_per_layer() {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
-    let model = model(tmp.path(), "tiny-qwen3moe");
+    let model = f16_model(tmp.path(), "tiny-qwen3moe");
     let k = model.config.moe.unwrap().n_expert_used as u64;
     let minimum = GpuModel::minimum_budget(&dev, &model, &options(None))
         .unwrap()
@@ -250,7 +242,7 @@ fn ssd_bytes_per_layer_add_up_to_what_the_reader_delivered() {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
-    let model = model(tmp.path(), "tiny-qwen3moe");
+    let model = f16_model(tmp.path(), "tiny-qwen3moe");
     let minimum = GpuModel::minimum_budget(&dev, &model, &options(None))
         .unwrap()
         .total();
