@@ -128,7 +128,7 @@ pub fn stream_slot_bytes(model: &Model, capacity: usize) -> u64 {
 /// Device memory of the slots a MoE model's missing experts take in turn for a prompt chunk
 /// (`gpu::forward::stream_experts`): `slots` experts of the first MoE layer's shapes in each of
 /// gate, up and down, that layer's router, and a full prompt chunk's activations with its MoE
-/// scratch, without which the slots would go unused ([`expert_stream_staging`] is apart; so is
+/// scratch, without which the slots would go unused (their upload staging, `ExpertShape::staging_bytes_for`, is apart; so is
 /// the host-visible memory of a prompt that wants every token's logits, which goes token by
 /// token where the budget has no room for it).
 pub fn expert_stream_bytes(model: &Model, capacity: usize, slots: usize) -> u64 {
@@ -149,22 +149,6 @@ pub fn expert_stream_bytes(model: &Model, capacity: usize, slots: usize) -> u64 
     let (e, ff, k) = (c.n_embd, cfg.n_ff_expert, cfg.n_expert_used);
     let moe = tokens as u64 * 4 * (3 * e + 2 * ff + cfg.n_expert + 2 * k) as u64;
     weights + router + chunk + moe
-}
-
-/// Upload staging for the slots of [`expert_stream_bytes`]: their experts' bytes, at least
-/// 256 KiB and at most `most`.
-pub fn expert_stream_staging(model: &Model, slots: usize, most: u64) -> u64 {
-    let Some(m) = model.layers.iter().find_map(|l| match &l.ffn {
-        Ffn::Moe(m) => Some(m),
-        Ffn::Dense { .. } => None,
-    }) else {
-        return 0;
-    };
-    let expert = |w: &Matrix| model.expert(w, 0).data.len() as u64;
-    let bytes = slots as u64 * (expert(&m.gate) + expert(&m.up) + expert(&m.down));
-    bytes
-        .next_multiple_of(4)
-        .clamp(256 << 10, most.max(256 << 10))
 }
 
 /// The buffers `GpuModel::new` makes for one token's activations (and MoE scratch).

@@ -41,9 +41,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use super::error::{GpuError, Result};
-use super::footprint::{
-    expert_stream_bytes, expert_stream_staging, split_bytes, stream_slot_bytes, DeviceBytes,
-};
+use super::footprint::{expert_stream_bytes, split_bytes, stream_slot_bytes, DeviceBytes};
 use super::forward::{experts_streamable, prompt_expert_slots, streamable};
 use crate::model::{Ffn, Model, MoeWeights};
 
@@ -166,7 +164,13 @@ impl ExpertShape {
     /// Staging for loading and for fetching one expert at a time: one expert's bytes, at least
     /// 256 KiB (fewer submissions while loading) and at most the full staging.
     pub fn staging_bytes(&self) -> u64 {
-        self.expert_bytes()
+        self.staging_bytes_for(1)
+    }
+
+    /// Staging for copying `experts` experts at once (a prompt's expert slots,
+    /// `gpu::forward::stream_experts`), within the same bounds.
+    pub fn staging_bytes_for(&self, experts: usize) -> u64 {
+        (experts as u64 * self.expert_bytes())
             .next_multiple_of(4)
             .clamp(256 << 10, FULL_STAGING_BYTES)
     }
@@ -387,7 +391,7 @@ pub(super) fn plan(
     // and leave one resident slot per layer.
     let room = budget - (minimum.total() - minimum.one_slot_per_layer);
     let stream_bytes = |k| {
-        let staging = expert_stream_staging(model, k, FULL_STAGING_BYTES);
+        let staging = shape.staging_bytes_for(k);
         expert_stream_bytes(model, capacity, k) + counted(staging)
     };
     let prompt_slots = stream

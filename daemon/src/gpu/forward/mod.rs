@@ -56,7 +56,7 @@ use super::cpu_layers::CpuLayers;
 use super::device::Device;
 use super::error::{GpuError, Result};
 use super::expert_cache::{ExpertStats, LayerExpertStats, LayerSlots, SlotExpert};
-use super::footprint::{device_bytes, expert_stream_staging, DeviceBytes};
+use super::footprint::{device_bytes, DeviceBytes};
 use super::moe::{GpuMoe, LayerRouting, MoeScratch};
 use super::ops::{
     attention_counters, attention_scratch_floats, rope_table, upload_f32, AttentionArgs, Fused,
@@ -639,11 +639,6 @@ impl GpuModel {
                 model,
                 al,
                 placement.prompt_expert_slots,
-                expert_stream_staging(
-                    model,
-                    placement.prompt_expert_slots,
-                    super::placement::FULL_STAGING_BYTES,
-                ),
             )?),
             _ => None,
         };

@@ -77,15 +77,11 @@ pub(super) struct ExpertStream {
 }
 
 impl ExpertStream {
-    /// `slots` slots shaped like `model`'s first MoE layer's experts; the caller has checked
-    /// [`experts_streamable`].
-    pub(super) fn new(
-        model: &Model,
-        al: &Arc<Allocator>,
-        slots: usize,
-        staging_bytes: u64,
-    ) -> Result<ExpertStream> {
-        let mut up = Uploader::new(al, staging_bytes)?;
+    /// `slots` slots shaped like `model`'s first MoE layer's experts, with staging for as
+    /// many ([`ExpertShape::staging_bytes_for`]); the caller has checked [`experts_streamable`].
+    pub(super) fn new(model: &Model, al: &Arc<Allocator>, slots: usize) -> Result<ExpertStream> {
+        let shape = ExpertShape::of(model).expect("a MoE model");
+        let mut up = Uploader::new(al, shape.staging_bytes_for(slots))?;
         let first = moe_layers(model).next().expect("a MoE model");
         let moe = GpuMoe::upload(model, al, &mut up, first, slots)?;
         up.flush()?;
