@@ -250,7 +250,7 @@ impl Batch {
 /// Where a chunk's next command buffer starts after MoE layer `layer`'s router: its resident
 /// experts' runs (the experts not resident ran meanwhile, [`super::stream_experts`]), then its
 /// shared expert, with the route buffer's weights from word `weights_at`.
-struct Resume<'a> {
+struct ChunkResume<'a> {
     layer: usize,
     weights_at: usize,
     runs: &'a [ExpertRun],
@@ -422,7 +422,7 @@ impl GpuModel {
         let mut resume: Option<(usize, ChunkRouting, Vec<ExpertRun>)> = None;
         loop {
             let mut paused = None;
-            let from = resume.as_ref().map(|(il, r, runs)| Resume {
+            let from = resume.as_ref().map(|(il, r, runs)| ChunkResume {
                 layer: *il,
                 weights_at: r.weights_at(),
                 runs,
@@ -454,13 +454,14 @@ impl GpuModel {
     }
 
     /// Records a chunk's command buffer: from the embedding, or from a paused MoE layer's
-    /// resident experts and shared expert ([`Resume`]), to the next MoE layer's router (setting `paused` to its layer) or to the logits.
+    /// resident experts and shared expert ([`ChunkResume`]), to the next MoE layer's router
+    /// (setting `paused` to its layer) or to the logits.
     fn record_chunk(
         &self,
         rec: &mut Recorder<'_>,
         b: &Batch,
         (n, all_logits): (usize, bool),
-        resume: Option<Resume<'_>>,
+        resume: Option<ChunkResume<'_>>,
         paused: &mut Option<usize>,
     ) -> Result<()> {
         let c = &self.config;
