@@ -26,7 +26,10 @@ pub enum MemoryUse {
     /// Weights, activations, the KV cache: device-local, preferably not host-visible (the
     /// host-visible device-local heap is small on discrete GPUs without resizable BAR).
     DeviceLocal,
-    /// Host-visible and coherent, preferably in system RAM: staging for uploads and readback.
+    /// Host-visible and coherent, preferably in system RAM and cached by the CPU: staging for
+    /// uploads and readback. Uncached memory is write-combined at best (and plain uncached
+    /// under some hypervisors): the host's copies into it and reads from it run at a fraction
+    /// of memory speed.
     Staging,
     /// Host-visible memory the GPU reads fast: the device-local host-visible heap when the GPU
     /// exposes one (resizable BAR, integrated GPUs), else staging memory.
@@ -46,6 +49,9 @@ const DL: vk::MemoryPropertyFlags = vk::MemoryPropertyFlags::DEVICE_LOCAL;
 const HV: vk::MemoryPropertyFlags = vk::MemoryPropertyFlags::HOST_VISIBLE;
 const HC: vk::MemoryPropertyFlags = vk::MemoryPropertyFlags::HOST_COHERENT;
 const HV_HC: vk::MemoryPropertyFlags = vk::MemoryPropertyFlags::from_raw(HV.as_raw() | HC.as_raw());
+const HV_HC_CACHED: vk::MemoryPropertyFlags = vk::MemoryPropertyFlags::from_raw(
+    HV_HC.as_raw() | vk::MemoryPropertyFlags::HOST_CACHED.as_raw(),
+);
 const DL_HV_HC: vk::MemoryPropertyFlags =
     vk::MemoryPropertyFlags::from_raw(DL.as_raw() | HV.as_raw() | HC.as_raw());
 
@@ -55,7 +61,7 @@ impl MemoryUse {
         const NONE: vk::MemoryPropertyFlags = vk::MemoryPropertyFlags::empty();
         match self {
             MemoryUse::DeviceLocal => &[(DL, HV), (DL, NONE), (NONE, NONE)],
-            MemoryUse::Staging => &[(HV_HC, DL), (HV_HC, NONE)],
+            MemoryUse::Staging => &[(HV_HC_CACHED, DL), (HV_HC, DL), (HV_HC, NONE)],
             MemoryUse::DeviceMapped => &[(DL_HV_HC, NONE), (HV_HC, NONE)],
         }
     }
@@ -399,7 +405,12 @@ mod tests {
             choose_memory_type(&types, all, MemoryUse::DeviceLocal),
             Some(0)
         );
-        assert_eq!(choose_memory_type(&types, all, MemoryUse::Staging), Some(1));
+        // Staging in cached system RAM: the host writes and reads it at memory speed.
+        assert_eq!(choose_memory_type(&types, all, MemoryUse::Staging), Some(2));
+        assert_eq!(
+            choose_memory_type(&types, 0b1011, MemoryUse::Staging),
+            Some(1)
+        );
         assert_eq!(
             choose_memory_type(&types, all, MemoryUse::DeviceMapped),
             Some(3)
