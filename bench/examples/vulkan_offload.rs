@@ -12,8 +12,11 @@
 //! `cpu-record` is `cpu` with a step that is one submission recorded anew for every token
 //! instead of replayed (`GpuModelOptions::replay`).
 //! `cpu-noslot` is `cpu` without VRAM slots for a prompt's missing experts
-//! (`GpuModelOptions::stream_prompts`: its prompts go token by token).
-//! `threads=N` sets the CPU experts' threads (default: every core); `ram=MiB` gives the CPU's
+//! (`GpuModelOptions::stream_prompts`: its prompts go token by token); `cpu-static` is `cpu`
+//! with slots that keep the experts they were loaded with (`GpuModelOptions::promote_experts`
+//! off).
+//! `warmup=N` decodes N tokens before the clock starts (default 2; promotions ramp up over the
+//! first tokens). `threads=N` sets the CPU experts' threads (default: every core); `ram=MiB` gives the CPU's
 //! experts a RAM budget (a cache read from the file) in place of the memory map; `pp=N` times
 //! a prompt of N tokens first (after a 64-token warm-up prompt), in the `pp tok/s` column.
 
@@ -26,7 +29,7 @@ use spillway_daemon::gpu::placement::MoeMiss;
 use spillway_daemon::gpu::{Device, Instance};
 use spillway_daemon::model::Model;
 
-/// Steps before the clock starts: pipelines are created on first use.
+/// Steps before the clock starts (pipelines are created on first use), unless `warmup=N`.
 const WARMUP: usize = 2;
 
 fn mib(b: u64) -> f64 {
@@ -36,11 +39,12 @@ fn mib(b: u64) -> f64 {
 fn main() {
     let mut given_budgets: Option<Vec<u64>> = None;
     let mut modes = vec![
-        (MoeMiss::Cpu, true, true, true),
-        (MoeMiss::Fetch, true, true, true),
+        (MoeMiss::Cpu, true, true, true, true),
+        (MoeMiss::Fetch, true, true, true, true),
     ];
     let mut threads = 0;
     let mut pp = 0;
+    let mut warmup = WARMUP;
     let mut ram_budget = None;
     let args: Vec<String> = std::env::args()
         .skip(1)
@@ -58,6 +62,9 @@ fn main() {
             } else if let Some(n) = a.strip_prefix("threads=") {
                 threads = n.parse().unwrap();
                 false
+            } else if let Some(n) = a.strip_prefix("warmup=") {
+                warmup = n.parse().unwrap();
+                false
             } else if let Some(n) = a.strip_prefix("pp=") {
                 pp = n.parse().unwrap();
                 false
@@ -65,13 +72,14 @@ fn main() {
                 modes = m
                     .split(',')
                     .map(|m| match m {
-                        "cpu" => (MoeMiss::Cpu, true, true, true),
-                        "cpu-separate" => (MoeMiss::Cpu, false, true, true),
-                        "cpu-record" => (MoeMiss::Cpu, true, false, true),
-                        "cpu-noslot" => (MoeMiss::Cpu, true, true, false),
-                        "fetch" => (MoeMiss::Fetch, true, true, true),
+                        "cpu" => (MoeMiss::Cpu, true, true, true, true),
+                        "cpu-separate" => (MoeMiss::Cpu, false, true, true, true),
+                        "cpu-record" => (MoeMiss::Cpu, true, false, true, true),
+                        "cpu-noslot" => (MoeMiss::Cpu, true, true, false, true),
+                        "cpu-static" => (MoeMiss::Cpu, true, true, true, false),
+                        "fetch" => (MoeMiss::Fetch, true, true, true, true),
                         other => panic!(
-                            "modes={other}: cpu, cpu-separate, cpu-record, cpu-noslot or fetch"
+                            "modes={other}: cpu, cpu-separate, cpu-record, cpu-noslot, cpu-static or fetch"
                         ),
                     })
                     .collect();
@@ -103,7 +111,7 @@ fn main() {
     assert!(model.config.moe.is_some(), "{preset} is not a MoE model");
     let device = Device::open(Instance::new().unwrap(), None).unwrap();
     let base = GpuModelOptions {
-        context: n_tokens + WARMUP + 1 + if pp > 0 { 64 + pp } else { 0 },
+        context: n_tokens + warmup + 1 + if pp > 0 { 64 + pp } else { 0 },
         threads,
         ram_budget,
         ..GpuModelOptions::default()
@@ -128,7 +136,7 @@ fn main() {
     budgets.push(None);
 
     println!(
-        "{:>10} {:>7} {:>7} {:>9} {:>8} {:>7} {:>9} {:>9} {:>11} {:>11} {:>10}",
+        "{:>10} {:>7} {:>7} {:>9} {:>8} {:>7} {:>9} {:>9} {:>9} {:>11} {:>11} {:>10} {:>11}",
         "budget",
         "slots",
         "miss",
@@ -137,27 +145,31 @@ fn main() {
         "hits",
         "cpu/tok",
         "fetch/tok",
+        "prom/tok",
         "MiB up/tok",
         "wait ms/tok",
-        "cpu ms/tok"
+        "cpu ms/tok",
+        "prom ms/tok"
     );
-    let tokens: Vec<u32> = (0..(n_tokens + WARMUP) as u32)
+    let tokens: Vec<u32> = (0..(n_tokens + warmup) as u32)
         .map(|i| (i * 7919 + 13) % 1000)
         .collect();
     for budget in budgets {
-        for &(miss, chain, replay, stream_prompts) in &modes {
+        for &(miss, chain, replay, stream_prompts, promote) in &modes {
             let options = GpuModelOptions {
                 vram_budget: budget,
                 moe_miss: miss,
                 chain,
                 replay,
                 stream_prompts,
+                promote_experts: promote,
                 ..base.clone()
             };
-            let mode = match (miss, chain, replay, stream_prompts) {
-                (MoeMiss::Cpu, false, _, _) => "cpu-sep".to_string(),
-                (MoeMiss::Cpu, true, false, _) => "cpu-rec".to_string(),
-                (MoeMiss::Cpu, true, true, false) => "cpu-nos".to_string(),
+            let mode = match (miss, chain, replay, stream_prompts, promote) {
+                (MoeMiss::Cpu, false, ..) => "cpu-sep".to_string(),
+                (MoeMiss::Cpu, true, false, ..) => "cpu-rec".to_string(),
+                (MoeMiss::Cpu, true, true, false, _) => "cpu-nos".to_string(),
+                (MoeMiss::Cpu, true, true, true, false) => "cpu-sta".to_string(),
                 _ => miss.to_string(),
             };
             let mut gpu = match GpuModel::new(&device, &model, &options) {
@@ -177,13 +189,14 @@ fn main() {
                 gpu.eval_prompt(&prompt(pp, 11), false).unwrap();
                 pp_rate = pp as f64 / t0.elapsed().as_secs_f64();
             }
-            for &t in &tokens[..WARMUP] {
+            for &t in &tokens[..warmup] {
                 gpu.eval(t).unwrap();
             }
             let before = gpu.expert_stats().unwrap().total();
+            let promoting = gpu.promotion_time();
             let (mut wait, mut cpu) = (0u64, 0u64);
             let t0 = Instant::now();
-            for &t in &tokens[WARMUP..] {
+            for &t in &tokens[warmup..] {
                 gpu.eval(t).unwrap();
                 if let Some(h) = gpu.last_host_time() {
                     wait += h.wait_ns;
@@ -206,7 +219,7 @@ fn main() {
             let per_tok = |a: u64, b: u64| (a - b) as f64 / n_tokens as f64;
             let lookups = (after.hits + after.misses) - (before.hits + before.misses);
             println!(
-                "{:>10} {:>7} {:>7} {:>9.1} {:>8.2} {:>6.1}% {:>9.2} {:>9.2} {:>11.2} {:>11.2} {:>10.2}",
+                "{:>10} {:>7} {:>7} {:>9.1} {:>8.2} {:>6.1}% {:>9.2} {:>9.2} {:>9.2} {:>11.2} {:>11.2} {:>10.2} {:>11.2}",
                 budget.map_or("none".into(), |b| format!("{:.1}M", mib(b))),
                 format!("{}/{}", stats.slots, stats.n_expert),
                 mode,
@@ -215,9 +228,11 @@ fn main() {
                 100.0 * (after.hits - before.hits) as f64 / lookups.max(1) as f64,
                 per_tok(after.cpu, before.cpu),
                 per_tok(after.fetched, before.fetched),
+                per_tok(after.promoted, before.promoted),
                 mib(after.bytes_uploaded - before.bytes_uploaded) / n_tokens as f64,
                 wait as f64 / 1e6 / n_tokens as f64,
                 cpu as f64 / 1e6 / n_tokens as f64,
+                (gpu.promotion_time() - promoting).as_secs_f64() * 1e3 / n_tokens as f64,
             );
         }
     }

@@ -66,6 +66,10 @@ pub struct RunArgs {
     /// `fetch` copies it into a VRAM slot first.
     #[arg(long, default_value = "cpu")]
     pub moe_miss: MoeMiss,
+    /// With `--moe-miss cpu`, keep in VRAM the routed experts the slots were loaded with. By
+    /// default the experts used most come into the slots of residents used less between steps.
+    #[arg(long)]
+    pub static_experts: bool,
     /// How the expert slots the VRAM budget holds are spread over the MoE layers: `even` (the
     /// same number in each), `layers` (whole layers from the last back, the others one slot,
     /// as llama.cpp's --n-cpu-moe), `cpu` (one slot a layer) or `planned` (the scheduler's
@@ -81,7 +85,7 @@ pub struct RunArgs {
     /// `spillwayd calibrate`, or a shipped one (laptop-8gb, desktop-24gb, h200).
     #[arg(long)]
     pub hardware_profile: Option<String>,
-    /// Which VRAM expert a fetch replaces: `lru` or `lfu`.
+    /// Which VRAM expert a fetch or a promotion replaces: `lru` or `lfu`.
     #[arg(long, default_value = "lru", value_parser = parse_policy)]
     pub expert_cache: ReplacementPolicy,
     /// Tokens to generate.
@@ -256,6 +260,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 threads: args.threads.unwrap_or(0),
                 host_routing: false,
                 ram_budget: args.ram_budget.map(|b| b.0),
+                promote_experts: !args.static_experts,
                 ..GpuModelOptions::default()
             };
             let gpu = load_on_gpu(&device, &model, &options)

@@ -5,11 +5,17 @@
 //! bookkeeping: the copies into slots are [`super::moe::GpuMoe::fill_slot`]'s, the CPU's
 //! experts [`super::cpu_experts`]'.
 //!
+//! Which experts the slots hold follows demand: every routed expert (decode steps and prompt
+//! tokens) counts a use of it, and between steps [`LayerSlots::promotions`] gives the most
+//! used experts that miss VRAM the slots of residents the policy would evict, when they were
+//! used more. With misses on the CPU ([`MoeMiss::Cpu`]) this is how the slots come to hold a
+//! layer's hot experts; the copies are `GpuModel`'s, a few a step.
+//!
 //! Partial: a fetched expert's bytes come from the memory-mapped file (the page cache); experts
 //! not in RAM would come from the SSD through [`crate::stream::ExpertCache::get_or_load`], whose
 //! buffers would feed the same upload (the seam is `GpuModel`'s fetch, which asks the model for
-//! the expert's bytes). No prefetch of the next layer's likely experts; in CPU mode the slots
-//! keep the experts they were loaded with; a fetch waits for its copy (no transfer queue).
+//! the expert's bytes). No prefetch of the next layer's likely experts; a fetch or a promotion
+//! waits for its copy (no transfer queue).
 
 use super::placement::MoeMiss;
 use crate::engine::routing::RoutedExpert;
@@ -26,8 +32,11 @@ pub struct LayerExpertStats {
     pub cpu: u64,
     /// Misses copied into a slot and run on the GPU.
     pub fetched: u64,
-    /// Residents given up for a fetch.
+    /// Residents given up for a fetch or a promotion.
     pub evictions: u64,
+    /// Experts copied into a slot between steps because they were used more than the
+    /// resident they replaced ([`LayerSlots::promotions`]).
+    pub promoted: u64,
     /// Expert weight bytes copied into slots.
     pub bytes_uploaded: u64,
 }
@@ -49,6 +58,7 @@ impl LayerExpertStats {
         self.cpu += o.cpu;
         self.fetched += o.fetched;
         self.evictions += o.evictions;
+        self.promoted += o.promoted;
         self.bytes_uploaded += o.bytes_uploaded;
     }
 }
@@ -76,7 +86,7 @@ impl ExpertStats {
         let t = self.total();
         format!(
             "experts: {} of {} per layer in VRAM, misses {}; {} routed, {:.1}% hits, {} on \
-             the CPU, {} fetched ({:.1} MiB uploaded, {} evictions)",
+             the CPU, {} fetched, {} promoted ({:.1} MiB uploaded, {} evictions)",
             self.slots,
             self.n_expert,
             self.miss,
@@ -84,6 +94,7 @@ impl ExpertStats {
             100.0 * t.hit_rate(),
             t.cpu,
             t.fetched,
+            t.promoted,
             t.bytes_uploaded as f64 / (1u64 << 20) as f64,
             t.evictions
         )
@@ -113,7 +124,15 @@ pub struct LayerSlots {
     layer: u32,
     slot_of: Vec<Option<usize>>,
     residency: Residency,
+    /// Uses of each expert of the layer, resident or not, halved every
+    /// [`HALVE_EVERY_STEPS`] × `n_expert` uses so that the counts follow a drifting hot set.
+    demand: Vec<u32>,
+    uses_since_halving: u64,
 }
+
+/// How often [`LayerSlots`]' demand counts are halved, in uses per expert of the layer: about
+/// 16 × `n_expert` / `k` tokens (256 tokens of a 128-expert, top-8 model).
+const HALVE_EVERY_STEPS: u64 = 16;
 
 impl LayerSlots {
     /// `n_slots` slots of `n_expert` experts, slot `i` holding expert `i`.
@@ -132,7 +151,65 @@ impl LayerSlots {
             layer: layer as u32,
             slot_of: (0..n_expert).map(|e| (e < n_slots).then_some(e)).collect(),
             residency,
+            demand: vec![0; n_expert],
+            uses_since_halving: 0,
         }
+    }
+
+    /// Counts `count` uses of `expert` (tokens that chose it) in its demand.
+    pub fn note_uses(&mut self, expert: usize, count: u32) {
+        self.demand[expert] = self.demand[expert].saturating_add(count);
+        self.uses_since_halving += count as u64;
+        if self.uses_since_halving >= HALVE_EVERY_STEPS * self.demand.len() as u64 {
+            self.uses_since_halving = 0;
+            self.demand.iter_mut().for_each(|d| *d /= 2);
+        }
+    }
+
+    /// Up to `limit` (slot, expert) copies that put the most used experts missing VRAM in the
+    /// slots of the residents the policy would give up first, each only where the newcomer was
+    /// used more than the resident it replaces (so equals never trade places); the slots are
+    /// reassigned here, counted in `stats`, and the caller copies the weights before the slots
+    /// are next read.
+    pub fn promotions(
+        &mut self,
+        limit: usize,
+        stats: &mut LayerExpertStats,
+    ) -> Vec<(usize, usize)> {
+        let mut out = Vec::new();
+        if limit == 0 {
+            return out;
+        }
+        let mut missing: Vec<usize> = (0..self.demand.len())
+            .filter(|&e| self.slot_of[e].is_none() && self.demand[e] > 0)
+            .collect();
+        missing.sort_by_key(|&e| std::cmp::Reverse(self.demand[e]));
+        let mut promoted: Vec<usize> = Vec::new();
+        for e in missing {
+            if out.len() == limit {
+                break;
+            }
+            let Some(victim) = self
+                .residency
+                .victim(|k| !promoted.contains(&(k.expert as usize)))
+            else {
+                break;
+            };
+            let v = victim.expert as usize;
+            if self.demand[e] <= self.demand[v] {
+                // The same victim for every less used one.
+                break;
+            }
+            let slot = self.slot_of[v].take().expect("a resident has a slot");
+            self.residency.remove(victim);
+            self.slot_of[e] = Some(slot);
+            self.residency.insert(self.key(e), 1, true);
+            promoted.push(e);
+            stats.promoted += 1;
+            stats.evictions += 1;
+            out.push((slot, e));
+        }
+        out
     }
 
     fn key(&self, expert: usize) -> ExpertKey {
@@ -154,6 +231,9 @@ impl LayerSlots {
         stats: &mut LayerExpertStats,
     ) -> TokenExperts {
         let mut slots: Vec<Option<usize>> = routed.iter().map(|r| self.slot_of[r.expert]).collect();
+        for r in routed {
+            self.note_uses(r.expert, 1);
+        }
         for (r, s) in routed.iter().zip(&slots) {
             if s.is_some() {
                 stats.hits += 1;
@@ -291,6 +371,50 @@ mod tests {
         assert_eq!(t.fetch, vec![(0, 5)]);
         assert_eq!(t.cpu.len(), 1);
         assert_eq!(t.cpu[0].expert, 6);
+    }
+
+    #[test]
+    fn promotions_bring_the_most_used_misses_in_place_of_the_least_used() {
+        for policy in [ReplacementPolicy::Lru, ReplacementPolicy::LFU] {
+            let mut s = LayerSlots::new(0, 8, 2, policy);
+            let mut st = LayerExpertStats::default();
+            // Expert 0 is used once, expert 1 never; 5 three times, 6 twice, 7 once.
+            s.place(&routed(&[5, 0]), MoeMiss::Cpu, &mut st);
+            s.place(&routed(&[5, 6]), MoeMiss::Cpu, &mut st);
+            s.place(&routed(&[6, 5]), MoeMiss::Cpu, &mut st);
+            s.place(&routed(&[7]), MoeMiss::Cpu, &mut st);
+            // CPU mode: the slots did not change while placing.
+            assert_eq!((s.slot_of(5), s.slot_of(0)), (None, Some(0)), "{policy:?}");
+            // One copy allowed: the most used miss takes the slot of the policy's victim
+            // (expert 1, unused, for both policies).
+            let p = s.promotions(1, &mut st);
+            assert_eq!(p, vec![(1, 5)], "{policy:?}");
+            assert_eq!((s.slot_of(5), s.slot_of(1)), (Some(1), None), "{policy:?}");
+            // Then 6 (two uses) replaces 0 (one use); 7 (one use) does not replace an equal.
+            let p = s.promotions(8, &mut st);
+            assert_eq!(p, vec![(0, 6)], "{policy:?}");
+            assert_eq!(s.slot_of(7), None, "{policy:?}");
+            assert_eq!((st.promoted, st.evictions), (2, 2), "{policy:?}");
+            // Nothing more to gain: nothing moves.
+            assert!(s.promotions(8, &mut st).is_empty(), "{policy:?}");
+            let t = s.place(&routed(&[6, 5]), MoeMiss::Cpu, &mut st);
+            assert!(t.cpu.is_empty(), "{policy:?}: both now hit");
+        }
+    }
+
+    #[test]
+    fn demand_is_halved_so_a_new_hot_set_takes_over() {
+        let mut s = LayerSlots::new(0, 4, 1, ReplacementPolicy::LFU);
+        let mut st = LayerExpertStats::default();
+        // Expert 0 (resident) was hot long ago: more uses than expert 3 has since, but they
+        // count for less after two halvings.
+        s.note_uses(0, 100);
+        let since = HALVE_EVERY_STEPS * 4;
+        for _ in 0..since {
+            s.place(&routed(&[3]), MoeMiss::Cpu, &mut st);
+        }
+        assert!(since < 100);
+        assert_eq!(s.promotions(1, &mut st), vec![(0, 3)]);
     }
 
     #[test]

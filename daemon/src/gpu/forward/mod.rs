@@ -32,12 +32,14 @@ mod chained;
 mod gate_up;
 mod prefill;
 mod profile;
+mod promote;
 mod stream;
 mod stream_experts;
 
 pub use prefill::PREFILL_CHUNK;
 pub(crate) use prefill::{batch_bytes, logits_bytes};
 pub use profile::{GpuProfileRow, GpuStepProfile};
+pub use promote::PROMOTE_SHARE;
 pub use stream::STREAM_MIN_TOKENS;
 pub(crate) use stream::{readback_bytes, streamable};
 pub(crate) use stream_experts::experts_streamable;
@@ -123,6 +125,10 @@ pub struct GpuModelOptions {
     /// With `stream_prompts`, how many experts a MoE model's prompt takes through VRAM at a
     /// time; 0: as many as 64 MiB holds.
     pub prompt_expert_slots: usize,
+    /// With misses on the CPU, bring the experts used most into VRAM slots between steps in
+    /// place of residents used less ([`promote`]); `false`: the slots keep the experts they
+    /// were loaded with, for comparisons.
+    pub promote_experts: bool,
     /// Take a prompt chunk's attention in the flash-attention kernel
     /// ([`Recorder::attention_prefill`]) where its heads fit it; `false`: the decode kernel over
     /// the chunk's tokens, for comparisons.
@@ -148,6 +154,7 @@ impl Default for GpuModelOptions {
             flash_attention: true,
             stream_prompts: true,
             prompt_expert_slots: 0,
+            promote_experts: true,
         }
     }
 }
@@ -239,6 +246,9 @@ struct Experts {
     cpu: Option<CpuExperts>,
     /// Kept for fetches.
     uploader: Option<Uploader>,
+    /// Present when misses go to the CPU and the slots follow demand
+    /// ([`GpuModelOptions::promote_experts`]).
+    promoter: Option<promote::Promoter>,
 }
 
 /// Where a step's next command buffer starts.
@@ -603,6 +613,7 @@ impl GpuModel {
                 miss: options.moe_miss,
                 cpu: ram.map(|ram| CpuExperts::new(model.clone(), threads, ram)),
                 uploader: None,
+                promoter: None,
             }
         });
         let max_range = allocator.device().max_storage_buffer_range();
@@ -630,6 +641,9 @@ impl GpuModel {
         match experts.as_mut() {
             Some(e) if placement.is_partial() && options.moe_miss == MoeMiss::Fetch => {
                 e.uploader = Some(up);
+            }
+            Some(e) if placement.is_partial() && options.promote_experts => {
+                e.promoter = Some(promote::Promoter::new(model, al, up)?);
             }
             _ => drop(up),
         }
@@ -798,6 +812,7 @@ impl GpuModel {
     /// `token` when the caller ran them already (a prompt's tokens at once), else they run now.
     fn eval_from(&mut self, token: u32, hidden: Option<&[f32]>) -> Result<Vec<f32>> {
         self.check_tokens(&[token])?;
+        let started = Instant::now();
         let device = self.allocator.device();
         if let Some(point) = super::lost::token_loses_device() {
             device.arm_loss(point);
@@ -843,6 +858,7 @@ impl GpuModel {
             self.profile_after(host)?;
         }
         self.pos += 1;
+        self.promote_experts(started.elapsed())?;
         Ok(logits)
     }
 

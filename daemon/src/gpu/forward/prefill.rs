@@ -296,7 +296,11 @@ impl GpuModel {
         if !self.batches_prompts() || self.batch.is_none() || tokens.len() == 1 {
             return self.eval_each(tokens, all_logits);
         }
-        self.eval_chunks(tokens, all_logits)
+        let started = std::time::Instant::now();
+        let logits = self.eval_chunks(tokens, all_logits)?;
+        // The prompt's routing counted in the experts' demand: the hot ones come in now.
+        self.promote_experts(started.elapsed())?;
+        Ok(logits)
     }
 
     /// [`GpuModel::eval_prompt`] token by token; with the first layers on the CPU those take

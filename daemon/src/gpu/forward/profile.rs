@@ -308,6 +308,7 @@ fn delta(now: &LayerExpertStats, before: Option<&LayerExpertStats>) -> LayerExpe
         cpu: now.cpu - b.cpu,
         fetched: now.fetched - b.fetched,
         evictions: now.evictions - b.evictions,
+        promoted: now.promoted - b.promoted,
         bytes_uploaded: now.bytes_uploaded - b.bytes_uploaded,
     }
 }

@@ -11,7 +11,8 @@
 //! experts ([`super::super::placement`]); they are made when every MoE layer has the first
 //! one's expert shapes and weight types and there is no shared expert (a model without them
 //! keeps its prompts token by token). Prompt tokens are counted in the layers' expert counters
-//! (a streamed expert as a miss fetched) but do not change which experts stay resident.
+//! (a streamed expert as a miss fetched) and in the experts' demand, which decides what comes
+//! into the resident slots after the prompt ([`super::promote`]).
 //!
 //! Partial: a group's copies and its products take turns (the next group's copies do not
 //! overlap this group's products), and the copies go through the compute queue; the experts'
@@ -105,10 +106,11 @@ impl GpuModel {
             .experts
             .as_mut()
             .expect("MoE models track their experts");
-        let slots = ex.slots[il].as_ref().expect("a MoE layer has slots");
+        let slots = ex.slots[il].as_mut().expect("a MoE layer has slots");
         let stats = &mut ex.stats[il];
         let (mut resident, mut missing) = (Vec::new(), Vec::new());
         for &(expert, first, count) in &routing.runs {
+            slots.note_uses(expert, count as u32);
             match slots.slot_of(expert) {
                 Some(slot) => {
                     stats.hits += count as u64;

@@ -1,0 +1,173 @@
+//! A MoE model under its VRAM budget whose misses run on the CPU brings its most used experts
+//! into VRAM between steps: [`LayerSlots::promotions`](crate::gpu::expert_cache::LayerSlots)
+//! names, per layer, the experts used more than the residents the policy would give up, and
+//! their weights are copied into those residents' slots (from the memory map, through upload
+//! staging) after the step, before the next one reads the slots. Misses then become hits as
+//! the hot experts arrive, where they used to keep the experts they were loaded with.
+//!
+//! The copies are paid for out of a credit: each step (or prompt) adds [`PROMOTE_SHARE`] of its
+//! time, and an expert costs the copy time measured on the previous promotions (the first
+//! round copies one expert a layer to measure it). Steps thus spend about a tenth of their
+//! time on them while there is something to gain, and nothing once the slots hold the hot
+//! experts; after a prompt, whose routing filled the demand counts, a tenth of the prompt's
+//! time brings many at once. Layers take turns when the credit covers fewer copies than
+//! layers want.
+//!
+//! Partial: the copies go through the compute queue after the step, not on a transfer queue
+//! beside it; under a RAM budget their bytes still come through the memory map.
+
+use std::time::{Duration, Instant};
+
+use super::GpuModel;
+use crate::gpu::alloc::Allocator;
+use crate::gpu::error::Result;
+use crate::gpu::placement::ExpertShape;
+use crate::gpu::upload::Uploader;
+use crate::model::{Ffn, Model};
+
+/// The share of a step's time that promotions may take, on average.
+pub const PROMOTE_SHARE: f64 = 0.1;
+
+/// Experts a promotion round copies per submission where staging is host memory that the VRAM
+/// budget does not count (a discrete GPU): one submission's fixed cost spread over several.
+const STAGING_EXPERTS: usize = 16;
+
+/// Credit is capped at this many experts' copies, so that a long pause does not buy a long
+/// stall.
+const MAX_CREDIT_EXPERTS: f64 = 64.0;
+
+pub(super) struct Promoter {
+    up: Uploader,
+    /// Measured: nanoseconds to copy one expert, submission included.
+    ns_per_expert: Option<f64>,
+    credit_ns: f64,
+    /// The MoE layer (index into the MoE layers) whose turn comes first next round.
+    next: usize,
+    /// Time spent copying, in all.
+    spent_ns: u64,
+}
+
+impl Promoter {
+    /// `load_up` is the loading staging (the placement's size), kept where the budget counts
+    /// staging; elsewhere the promoter takes staging for [`STAGING_EXPERTS`] experts.
+    pub(super) fn new(
+        model: &Model,
+        al: &std::sync::Arc<Allocator>,
+        load_up: Uploader,
+    ) -> Result<Promoter> {
+        let up = match ExpertShape::of(model) {
+            Some(shape) if !al.budget_counts(crate::gpu::alloc::MemoryUse::Staging) => {
+                drop(load_up);
+                Uploader::new(al, shape.staging_bytes_for(STAGING_EXPERTS))?
+            }
+            _ => load_up,
+        };
+        Ok(Promoter {
+            up,
+            ns_per_expert: None,
+            credit_ns: 0.0,
+            next: 0,
+            spent_ns: 0,
+        })
+    }
+}
+
+impl GpuModel {
+    /// Time spent copying promoted experts since the model was loaded (zero without
+    /// promotions).
+    pub fn promotion_time(&self) -> Duration {
+        self.experts
+            .as_ref()
+            .and_then(|e| e.promoter.as_ref())
+            .map_or(Duration::ZERO, |p| Duration::from_nanos(p.spent_ns))
+    }
+
+    /// Promotes experts after a step or a prompt that took `spent` (see the module's notes):
+    /// rounds of copies while the credit lasts and some layer has an expert to gain.
+    pub(super) fn promote_experts(&mut self, spent: Duration) -> Result<()> {
+        let Some(p) = self.experts.as_mut().and_then(|e| e.promoter.as_mut()) else {
+            return Ok(());
+        };
+        let earned = PROMOTE_SHARE * spent.as_nanos() as f64;
+        p.credit_ns += earned;
+        loop {
+            let p = self
+                .experts
+                .as_mut()
+                .and_then(|e| e.promoter.as_mut())
+                .expect("checked above");
+            let limit = match p.ns_per_expert {
+                // The first round measures the copies: one expert a layer.
+                None => usize::MAX,
+                Some(ns) => {
+                    // A long pause buys at most a few dozen copies, a prompt its own share.
+                    p.credit_ns = p.credit_ns.min((MAX_CREDIT_EXPERTS * ns).max(earned));
+                    (p.credit_ns / ns) as usize
+                }
+            };
+            if limit == 0 || self.promote_round(limit)? == 0 {
+                return Ok(());
+            }
+        }
+    }
+
+    /// One round: up to `limit` copies (at most one a layer when the copy time is not yet
+    /// measured), the layers taking turns; the number of copies made.
+    fn promote_round(&mut self, limit: usize) -> Result<usize> {
+        let GpuModel {
+            experts,
+            layers,
+            model,
+            ..
+        } = self;
+        let ex = experts.as_mut().expect("a MoE model");
+        let p = ex.promoter.as_mut().expect("promotions on");
+        let moe: Vec<usize> = (0..ex.slots.len())
+            .filter(|&il| ex.slots[il].is_some())
+            .collect();
+        if moe.is_empty() {
+            return Ok(0);
+        }
+        let limit = match p.ns_per_expert {
+            None => limit.min(moe.len()),
+            Some(_) => limit,
+        };
+        let per_layer = limit.div_ceil(moe.len());
+        let mut copies = Vec::new();
+        for turn in 0..moe.len() {
+            let il = moe[(p.next + turn) % moe.len()];
+            let left = limit - copies.len();
+            let slots = ex.slots[il].as_mut().expect("a MoE layer has slots");
+            for (slot, expert) in slots.promotions(per_layer.min(left), &mut ex.stats[il]) {
+                copies.push((il, slot, expert));
+            }
+            if copies.len() == limit {
+                p.next = (p.next + turn + 1) % moe.len();
+                break;
+            }
+        }
+        if copies.is_empty() {
+            return Ok(0);
+        }
+        let t = Instant::now();
+        for &(il, slot, expert) in &copies {
+            let (super::GpuFfn::Moe(gpu), Ffn::Moe(weights)) =
+                (&layers[il].ffn, &model.layers[il].ffn)
+            else {
+                unreachable!("layer {il} is MoE");
+            };
+            ex.stats[il].bytes_uploaded +=
+                gpu.fill_slot(model, weights, &mut p.up, slot, expert)?;
+        }
+        p.up.flush()?;
+        let ns = t.elapsed().as_nanos() as f64;
+        p.spent_ns += ns as u64;
+        p.credit_ns = (p.credit_ns - ns).max(0.0);
+        let each = ns / copies.len() as f64;
+        p.ns_per_expert = Some(match p.ns_per_expert {
+            None => each,
+            Some(old) => 0.5 * (old + each),
+        });
+        Ok(copies.len())
+    }
+}
