@@ -136,7 +136,7 @@ fn main() {
     budgets.push(None);
 
     println!(
-        "{:>10} {:>7} {:>7} {:>9} {:>8} {:>7} {:>9} {:>9} {:>9} {:>11} {:>11} {:>10} {:>11}",
+        "{:>10} {:>7} {:>7} {:>9} {:>8} {:>7} {:>9} {:>9} {:>9} {:>11} {:>11} {:>10} {:>11} {:>13}",
         "budget",
         "slots",
         "miss",
@@ -149,7 +149,8 @@ fn main() {
         "MiB up/tok",
         "wait ms/tok",
         "cpu ms/tok",
-        "prom ms/tok"
+        "prom ms/tok",
+        "staging share"
     );
     let tokens: Vec<u32> = (0..(n_tokens + warmup) as u32)
         .map(|i| (i * 7919 + 13) % 1000)
@@ -216,10 +217,11 @@ fn main() {
             }
             let stats = gpu.expert_stats().unwrap();
             let after = stats.total();
+            let promoted = gpu.promotion_time();
             let per_tok = |a: u64, b: u64| (a - b) as f64 / n_tokens as f64;
             let lookups = (after.hits + after.misses) - (before.hits + before.misses);
             println!(
-                "{:>10} {:>7} {:>7} {:>9.1} {:>8.2} {:>6.1}% {:>9.2} {:>9.2} {:>9.2} {:>11.2} {:>11.2} {:>10.2} {:>11.2}",
+                "{:>10} {:>7} {:>7} {:>9.1} {:>8.2} {:>6.1}% {:>9.2} {:>9.2} {:>9.2} {:>11.2} {:>11.2} {:>10.2} {:>11.2} {:>12.0}%",
                 budget.map_or("none".into(), |b| format!("{:.1}M", mib(b))),
                 format!("{}/{}", stats.slots, stats.n_expert),
                 mode,
@@ -232,7 +234,9 @@ fn main() {
                 mib(after.bytes_uploaded - before.bytes_uploaded) / n_tokens as f64,
                 wait as f64 / 1e6 / n_tokens as f64,
                 cpu as f64 / 1e6 / n_tokens as f64,
-                (gpu.promotion_time() - promoting).as_secs_f64() * 1e3 / n_tokens as f64,
+                (promoted.total() - promoting.total()).as_secs_f64() * 1e3 / n_tokens as f64,
+                100.0 * (promoted.staging - promoting.staging).as_secs_f64()
+                    / (promoted.total() - promoting.total()).as_secs_f64().max(1e-9),
             );
         }
     }

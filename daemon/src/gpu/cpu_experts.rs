@@ -45,6 +45,12 @@ impl CpuExperts {
         }
     }
 
+    /// The threads the experts run on (idle between steps: promotions' staging copies use
+    /// them).
+    pub(crate) fn pool(&self) -> &ThreadPool {
+        &self.pool
+    }
+
     /// `Σ weight · expert(xn)` over `experts` of MoE layer `layer`, summed in their order.
     ///
     /// # Errors

@@ -241,45 +241,30 @@ impl Device {
         // SAFETY: recording began above.
         unsafe { self.raw.end_command_buffer(cmd) }.map_err(map_vk)?;
         let value = recorded?;
-        // SAFETY: `raw` is a live device.
-        let fence = unsafe { self.raw.create_fence(&vk::FenceCreateInfo::default(), None) }
-            .map_err(map_vk)?;
+        let done = Completion::new(self)?;
         let cmds = [cmd];
-        let submit = [vk::SubmitInfo::default().command_buffers(&cmds)];
+        let signal = [done.semaphore];
+        let values = [1u64];
+        let mut timeline =
+            vk::TimelineSemaphoreSubmitInfo::default().signal_semaphore_values(&values);
+        let mut submit = vk::SubmitInfo::default().command_buffers(&cmds);
+        if done.semaphore != vk::Semaphore::null() {
+            submit = submit.signal_semaphores(&signal).push_next(&mut timeline);
+        }
         let submitted = if self.loss.lost_at(LossPoint::Submit) {
             Err(vk::Result::ERROR_DEVICE_LOST)
         } else {
             let queue = self.queue.lock();
-            // SAFETY: the queue is externally synchronised by its mutex; `cmd` is executable.
-            unsafe { self.raw.queue_submit(*queue, &submit, fence) }
+            // SAFETY: the queue is externally synchronised by its mutex; `cmd` is executable;
+            // the info's arrays live across the call.
+            unsafe { self.raw.queue_submit(*queue, &[submit], done.fence) }
         };
         // The device runs while the host does its part; the wait below happens even if that
-        // part panics, so `cmd` and the fence are never freed while pending.
+        // part panics, so `cmd` and its completion's signal are never freed while pending.
         let host = submitted
             .is_ok()
             .then(|| catch_unwind(AssertUnwindSafe(meanwhile)));
-        let result = submitted.and_then(|()| {
-            // Polled first, as chains are: a sleeping wait's wake-up can cost more than the
-            // work (about a millisecond on the H200's driver), and these submissions are short.
-            let mut failed = None;
-            let done = super::chain::poll(|| {
-                // SAFETY: the fence belongs to this device.
-                match unsafe { self.raw.get_fence_status(fence) } {
-                    Ok(signalled) => Ok(signalled),
-                    Err(e) => {
-                        failed = Some(e);
-                        Ok(true)
-                    }
-                }
-            })
-            .unwrap_or(false);
-            match failed {
-                Some(e) => Err(e),
-                None if done => Ok(()),
-                // SAFETY: the fence belongs to this device.
-                None => unsafe { self.raw.wait_for_fences(&[fence], true, u64::MAX) },
-            }
-        });
+        let result = submitted.and_then(|()| done.wait(self));
         // An injected loss at the wait shows once the work is done, as a real one may.
         let result = result.and_then(|()| {
             if self.loss.lost_at(LossPoint::Wait) {
@@ -288,8 +273,8 @@ impl Device {
                 Ok(())
             }
         });
-        // SAFETY: the wait finished (or the submit failed), so the fence is not in use.
-        unsafe { self.raw.destroy_fence(fence, None) };
+        // The wait finished (or the submit failed): neither object is in use.
+        done.destroy(self);
         let host = host.map(|h| h.unwrap_or_else(|panic| resume_unwind(panic)));
         result.map_err(|r| self.map_result(r))?;
         Ok((value, host.expect("ran after a successful submission")))
@@ -361,6 +346,96 @@ impl Drop for Device {
             let _ = self.raw.device_wait_idle();
             self.raw.destroy_command_pool(*self.pool.get_mut(), None);
             self.raw.destroy_device(None);
+        }
+    }
+}
+
+/// What a one-off submission signals when it completes: a timeline semaphore where the device
+/// has them (its counter is read from memory, so a polled wait sees the completion within
+/// microseconds), else a fence.
+struct Completion {
+    semaphore: vk::Semaphore,
+    fence: vk::Fence,
+}
+
+impl Completion {
+    fn new(device: &Device) -> Result<Completion> {
+        let dev = &device.raw;
+        if device.timeline_semaphores {
+            let mut type_info = vk::SemaphoreTypeCreateInfo::default()
+                .semaphore_type(vk::SemaphoreType::TIMELINE)
+                .initial_value(0);
+            let info = vk::SemaphoreCreateInfo::default().push_next(&mut type_info);
+            // SAFETY: a valid create info; destroyed by `destroy`.
+            let semaphore = unsafe { dev.create_semaphore(&info, None) }.map_err(map_vk)?;
+            return Ok(Completion {
+                semaphore,
+                fence: vk::Fence::null(),
+            });
+        }
+        // SAFETY: `raw` is a live device; destroyed by `destroy`.
+        let fence =
+            unsafe { dev.create_fence(&vk::FenceCreateInfo::default(), None) }.map_err(map_vk)?;
+        Ok(Completion {
+            semaphore: vk::Semaphore::null(),
+            fence,
+        })
+    }
+
+    /// Waits for the submission: polled first, as chains are (a sleeping wait's wake-up can
+    /// cost more than the short work these submissions do), then asleep in the driver.
+    fn wait(&self, device: &Device) -> std::result::Result<(), vk::Result> {
+        let dev = &device.raw;
+        let mut failed = None;
+        let done = super::chain::poll(|| {
+            // SAFETY: both objects belong to this device and live until `destroy`.
+            let status = unsafe {
+                if self.semaphore != vk::Semaphore::null() {
+                    dev.get_semaphore_counter_value(self.semaphore)
+                        .map(|v| v >= 1)
+                } else {
+                    dev.get_fence_status(self.fence)
+                }
+            };
+            match status {
+                Ok(reached) => Ok(reached),
+                Err(e) => {
+                    failed = Some(e);
+                    Ok(true)
+                }
+            }
+        })
+        .unwrap_or(false);
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        if done {
+            return Ok(());
+        }
+        // SAFETY: as above; the info's arrays live across the call.
+        unsafe {
+            if self.semaphore != vk::Semaphore::null() {
+                let semaphores = [self.semaphore];
+                let values = [1u64];
+                let info = vk::SemaphoreWaitInfo::default()
+                    .semaphores(&semaphores)
+                    .values(&values);
+                dev.wait_semaphores(&info, u64::MAX)
+            } else {
+                dev.wait_for_fences(&[self.fence], true, u64::MAX)
+            }
+        }
+    }
+
+    fn destroy(self, device: &Device) {
+        // SAFETY: the submission that used them completed or was never made.
+        unsafe {
+            if self.semaphore != vk::Semaphore::null() {
+                device.raw.destroy_semaphore(self.semaphore, None);
+            }
+            if self.fence != vk::Fence::null() {
+                device.raw.destroy_fence(self.fence, None);
+            }
         }
     }
 }

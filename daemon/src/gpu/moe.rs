@@ -222,20 +222,35 @@ impl GpuMoe {
         slot: usize,
         expert: usize,
     ) -> Result<u64> {
-        assert!(slot < self.n_slots, "slot {slot} of {}", self.n_slots);
         let mut bytes = 0;
-        let (up_stack, up_first) = self.up_rows();
-        let up_slot = up_first / self.n_ff + slot;
-        for (stack, m, at) in [
-            (&self.gate, &moe.gate, slot),
-            (up_stack, &moe.up, up_slot),
-            (&self.down, &moe.down, slot),
-        ] {
-            let data = model.expert(m, expert).data;
-            up.upload(&stack.buffer, (at * data.len()) as u64, data)?;
+        for (buffer, at, data) in self.slot_uploads(model, moe, slot, expert) {
+            up.upload(buffer, at, data)?;
             bytes += data.len() as u64;
         }
         Ok(bytes)
+    }
+
+    /// The uploads (destination, offset, bytes) that put expert `expert` of `moe` (this
+    /// layer's weights) into slot `slot`: its gate, up and down matrices.
+    pub(super) fn slot_uploads<'a>(
+        &'a self,
+        model: &'a Model,
+        moe: &MoeWeights,
+        slot: usize,
+        expert: usize,
+    ) -> [(&'a Buffer, u64, &'a [u8]); 3] {
+        assert!(slot < self.n_slots, "slot {slot} of {}", self.n_slots);
+        let (up_stack, up_first) = self.up_rows();
+        let up_slot = up_first / self.n_ff + slot;
+        [
+            (&self.gate, &moe.gate, slot),
+            (up_stack, &moe.up, up_slot),
+            (&self.down, &moe.down, slot),
+        ]
+        .map(|(stack, m, at)| {
+            let data = model.expert(m, expert).data;
+            (&stack.buffer, (at * data.len()) as u64, data)
+        })
     }
 
     /// The matrix holding the up stack and the row where it starts there.

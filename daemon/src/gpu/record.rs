@@ -896,6 +896,22 @@ impl Recorder<'_> {
         Ok(())
     }
 
+    /// The copies `up` has pending, run here, before what is recorded next: a step takes a
+    /// promotion's copies this way instead of a submission and a wait of their own. The caller
+    /// tells `up` once the recording is submitted ([`super::upload::Uploader::submitted`]).
+    ///
+    /// # Safety
+    /// As [`super::upload::Uploader::record_pending`].
+    pub(crate) unsafe fn uploads(&mut self, up: &super::upload::Uploader) {
+        if !up.has_pending() {
+            return;
+        }
+        // SAFETY: `cmd` is recording; the caller's contract covers the staging.
+        unsafe { up.record_pending(self.cmd) };
+        self.hazards = Hazards::default();
+        self.stats.barriers += 1;
+    }
+
     /// Compute writes before it are visible to compute reads and writes after it.
     fn barrier(&mut self) {
         self.barrier_after(vk::PipelineStageFlags::empty(), vk::AccessFlags::empty());

@@ -9,6 +9,7 @@ use ash::vk;
 use super::alloc::{Allocator, MemoryUse};
 use super::buffer::Buffer;
 use super::error::Result;
+use crate::cpu::ThreadPool;
 
 /// Staging bytes per batch of copies.
 pub const DEFAULT_STAGING_BYTES: u64 = 32 << 20;
@@ -61,42 +62,148 @@ impl Uploader {
         Ok(())
     }
 
+    /// [`Uploader::upload`] of each `(dst, dst_offset, data)`, the bytes copied into staging
+    /// by `pool`'s threads (the host's copies are most of an upload's time when the device's
+    /// copy engine is fast). Data larger than the staging goes through `upload`.
+    pub fn upload_parallel(
+        &mut self,
+        pool: &ThreadPool,
+        items: &[(&Buffer, u64, &[u8])],
+    ) -> Result<()> {
+        let cap = self.staging.size();
+        let mut group: Vec<(&Buffer, u64, &[u8])> = Vec::new();
+        let mut bytes = 0u64;
+        for &(dst, dst_offset, data) in items {
+            let len = data.len() as u64;
+            if len > cap {
+                // What is grouped fits the staging left; this goes after it.
+                self.stage_group(pool, &group)?;
+                group.clear();
+                bytes = 0;
+                self.upload(dst, dst_offset, data)?;
+                continue;
+            }
+            if self.used + bytes + len > cap {
+                self.stage_group(pool, &group)?;
+                group.clear();
+                bytes = 0;
+                self.flush()?;
+            }
+            group.push((dst, dst_offset, data));
+            bytes += len;
+        }
+        self.stage_group(pool, &group)
+    }
+
+    /// Copies `group`, which fits the staging left, into it in parallel and queues its copies.
+    fn stage_group(&mut self, pool: &ThreadPool, group: &[(&Buffer, u64, &[u8])]) -> Result<()> {
+        /// Bytes a task copies: large enough to amortise a task, small enough to share out.
+        const TASK_BYTES: usize = 256 << 10;
+        let mut starts = Vec::with_capacity(group.len() + 1);
+        let mut total = 0usize;
+        for &(dst, dst_offset, data) in group {
+            assert!(
+                dst_offset + data.len() as u64 <= dst.size(),
+                "upload past the buffer"
+            );
+            assert!(
+                dst_offset.is_multiple_of(4) && data.len().is_multiple_of(4),
+                "uploads are whole words"
+            );
+            starts.push(total);
+            total += data.len();
+        }
+        starts.push(total);
+        if total == 0 {
+            return Ok(());
+        }
+        let at = self.used as usize;
+        let region = &mut self.staging.bytes_mut()[at..at + total];
+        pool.for_each_chunk(region, TASK_BYTES, &|first, out| {
+            // The items this chunk overlaps, in order.
+            let mut i = starts.partition_point(|&s| s <= first) - 1;
+            let mut done = 0;
+            while done < out.len() {
+                let pos = first + done;
+                let data = group[i].2;
+                let from = pos - starts[i];
+                let n = (data.len() - from).min(out.len() - done);
+                out[done..done + n].copy_from_slice(&data[from..from + n]);
+                done += n;
+                i += 1;
+            }
+        });
+        for (k, &(dst, dst_offset, data)) in group.iter().enumerate() {
+            self.pending.push((
+                dst.raw,
+                self.used + starts[k] as u64,
+                dst_offset,
+                data.len() as u64,
+            ));
+        }
+        self.used += total as u64;
+        Ok(())
+    }
+
     /// Submits the pending copies and waits for them.
     pub fn flush(&mut self) -> Result<()> {
         if self.pending.is_empty() {
             return Ok(());
         }
+        let device = self.staging.device().clone();
+        // SAFETY: `run_once` waits for the copies before returning.
+        device.run_once(|cmd| unsafe { self.record_pending(cmd) })?;
+        self.submitted();
+        Ok(())
+    }
+
+    /// Forgets the pending copies once a recording of them ([`Uploader::record_pending`]) was
+    /// submitted: the staging is free for new uploads once that submission completes.
+    pub(crate) fn submitted(&mut self) {
+        self.pending.clear();
+        self.used = 0;
+    }
+
+    /// Whether copies wait for [`Uploader::flush`] (or [`Uploader::record_pending`]).
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// Records the pending copies, and a barrier that makes them visible to later compute
+    /// shaders, into `cmd`. They stay pending until [`Uploader::submitted`] says `cmd` went to
+    /// the device (a recording that is never submitted leaves them for the next one).
+    ///
+    /// # Safety
+    /// `cmd` is recording, and, once submitted, completes before this uploader takes another
+    /// upload (which overwrites the staging its copies read) and while every destination is
+    /// alive.
+    pub(crate) unsafe fn record_pending(&self, cmd: vk::CommandBuffer) {
         let dev = &self.staging.device().raw;
         let src = self.staging.raw;
-        let pending = std::mem::take(&mut self.pending);
-        self.staging.device().run_once(|cmd| {
-            // SAFETY: `cmd` is recording; every destination is alive (the caller keeps it until
-            // this flush) and every region lies inside its buffers, as `upload` checked.
-            unsafe {
-                for &(dst, src_off, dst_off, len) in &pending {
-                    let region = [vk::BufferCopy {
-                        src_offset: src_off,
-                        dst_offset: dst_off,
-                        size: len,
-                    }];
-                    dev.cmd_copy_buffer(cmd, src, dst, &region);
-                }
-                let barrier = vk::MemoryBarrier::default()
-                    .src_access_mask(vk::AccessFlags::TRANSFER_WRITE)
-                    .dst_access_mask(vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE);
-                dev.cmd_pipeline_barrier(
-                    cmd,
-                    vk::PipelineStageFlags::TRANSFER,
-                    vk::PipelineStageFlags::COMPUTE_SHADER,
-                    vk::DependencyFlags::empty(),
-                    &[barrier],
-                    &[],
-                    &[],
-                );
+        // SAFETY: the caller's contract; every region lies inside its buffers, as `upload`
+        // checked.
+        unsafe {
+            for &(dst, src_off, dst_off, len) in &self.pending {
+                let region = [vk::BufferCopy {
+                    src_offset: src_off,
+                    dst_offset: dst_off,
+                    size: len,
+                }];
+                dev.cmd_copy_buffer(cmd, src, dst, &region);
             }
-        })?;
-        self.used = 0;
-        Ok(())
+            let barrier = vk::MemoryBarrier::default()
+                .src_access_mask(vk::AccessFlags::TRANSFER_WRITE)
+                .dst_access_mask(vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE);
+            dev.cmd_pipeline_barrier(
+                cmd,
+                vk::PipelineStageFlags::TRANSFER,
+                vk::PipelineStageFlags::COMPUTE_SHADER,
+                vk::DependencyFlags::empty(),
+                &[barrier],
+                &[],
+                &[],
+            );
+        }
     }
 }
 

@@ -39,7 +39,7 @@ mod stream_experts;
 pub use prefill::PREFILL_CHUNK;
 pub(crate) use prefill::{batch_bytes, logits_bytes};
 pub use profile::{GpuProfileRow, GpuStepProfile};
-pub use promote::PROMOTE_SHARE;
+pub use promote::{PromotionTime, PROMOTE_SHARE};
 pub use stream::STREAM_MIN_TOKENS;
 pub(crate) use stream::{readback_bytes, streamable};
 pub(crate) use stream_experts::experts_streamable;
@@ -837,6 +837,9 @@ impl GpuModel {
         let profiling = self.profiler.is_some();
         if profiling {
             self.profile_before();
+        }
+        if !self.chained {
+            self.flush_promotions()?;
         }
         let (logits, host) = if self.replays && !profiling {
             (self.eval_replay()?, None)

@@ -279,6 +279,7 @@ impl GpuModel {
     /// once: the model was placed without them, and its prompts still run.
     pub fn eval_prompt(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
         self.check_tokens(tokens)?;
+        self.flush_promotions()?;
         let wanted = tokens.len().next_multiple_of(64).min(PREFILL_CHUNK);
         let small = self.batch.as_ref().is_none_or(|b| b.tokens < wanted);
         if self.batches_prompts() && tokens.len() > 1 && small {

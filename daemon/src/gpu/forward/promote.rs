@@ -1,8 +1,9 @@
 //! A MoE model under its VRAM budget whose misses run on the CPU brings its most used experts
 //! into VRAM between steps: [`LayerSlots::promotions`](crate::gpu::expert_cache::LayerSlots)
 //! names, per layer, the experts used more than the residents the policy would give up, and
-//! their weights are copied into those residents' slots (from the memory map, through upload
-//! staging) after the step, before the next one reads the slots. Misses then become hits as
+//! their weights are copied into those residents' slots (from the memory map into upload
+//! staging by the CPU experts' threads, idle between steps, then by the device) after the
+//! step, before the next one reads the slots. Misses then become hits as
 //! the hot experts arrive, where they used to keep the experts they were loaded with.
 //!
 //! The copies are paid for out of a credit: each step (or prompt) adds [`PROMOTE_SHARE`] of its
@@ -13,8 +14,12 @@
 //! time brings many at once. Layers take turns when the credit covers fewer copies than
 //! layers want.
 //!
-//! Partial: the copies go through the compute queue after the step, not on a transfer queue
-//! beside it; under a RAM budget their bytes still come through the memory map.
+//! The device's copies run at the start of the next step's first command buffer when the step
+//! is a chain ([`super::chained`]), so they cost no submission of their own (about 0.55 ms on
+//! the H200 machine); before any other step or a prompt they are submitted and waited for.
+//!
+//! Partial: the copies go through the compute queue, not on a transfer queue beside it; under
+//! a RAM budget their bytes still come through the memory map.
 
 use std::time::{Duration, Instant};
 
@@ -43,13 +48,35 @@ pub(super) struct Promoter {
     credit_ns: f64,
     /// The MoE layer (index into the MoE layers) whose turn comes first next round.
     next: usize,
-    /// Time spent copying, in all.
-    spent_ns: u64,
+    /// Time spent, in all.
+    time: PromotionTime,
+}
+
+/// Where promotions' time went since the model was loaded.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PromotionTime {
+    /// Copying weights from the memory map into upload staging, on the host.
+    pub staging: Duration,
+    /// The device's copies from staging into the slots, where they took a submission and a
+    /// wait of their own (before a step that is not a chain, or a prompt); a chained step runs
+    /// them at its start, in its own time.
+    pub transfer: Duration,
+}
+
+impl PromotionTime {
+    pub fn total(&self) -> Duration {
+        self.staging + self.transfer
+    }
 }
 
 impl Promoter {
     /// `load_up` is the loading staging (the placement's size), kept where the budget counts
     /// staging; elsewhere the promoter takes staging for [`STAGING_EXPERTS`] experts.
+    /// The uploader holding the staged copies.
+    pub(super) fn uploader(&mut self) -> &mut Uploader {
+        &mut self.up
+    }
+
     pub(super) fn new(
         model: &Model,
         al: &std::sync::Arc<Allocator>,
@@ -67,7 +94,7 @@ impl Promoter {
             ns_per_expert: None,
             credit_ns: 0.0,
             next: 0,
-            spent_ns: 0,
+            time: PromotionTime::default(),
         })
     }
 }
@@ -75,11 +102,38 @@ impl Promoter {
 impl GpuModel {
     /// Time spent copying promoted experts since the model was loaded (zero without
     /// promotions).
-    pub fn promotion_time(&self) -> Duration {
+    pub fn promotion_time(&self) -> PromotionTime {
         self.experts
             .as_ref()
             .and_then(|e| e.promoter.as_ref())
-            .map_or(Duration::ZERO, |p| Duration::from_nanos(p.spent_ns))
+            .map_or(PromotionTime::default(), |p| p.time)
+    }
+
+    /// The promoter, taken out while a chained step records its copies at the start of its
+    /// first part (the chain completes before the next promotion stages anything).
+    pub(super) fn take_promoter(&mut self) -> Option<Promoter> {
+        self.experts.as_mut().and_then(|e| e.promoter.take())
+    }
+
+    pub(super) fn restore_promoter(&mut self, p: Option<Promoter>) {
+        if let (Some(e), Some(p)) = (self.experts.as_mut(), p) {
+            e.promoter = Some(p);
+        }
+    }
+
+    /// Submits the promotions' pending copies and waits for them: before anything but a
+    /// chained step reads the slots.
+    pub(super) fn flush_promotions(&mut self) -> Result<()> {
+        let Some(p) = self.experts.as_mut().and_then(|e| e.promoter.as_mut()) else {
+            return Ok(());
+        };
+        if !p.up.has_pending() {
+            return Ok(());
+        }
+        let t = Instant::now();
+        p.up.flush()?;
+        p.time.transfer += t.elapsed();
+        Ok(())
     }
 
     /// Promotes experts after a step or a prompt that took `spent` (see the module's notes):
@@ -150,18 +204,30 @@ impl GpuModel {
             return Ok(0);
         }
         let t = Instant::now();
+        let mut uploads = Vec::with_capacity(3 * copies.len());
         for &(il, slot, expert) in &copies {
             let (super::GpuFfn::Moe(gpu), Ffn::Moe(weights)) =
                 (&layers[il].ffn, &model.layers[il].ffn)
             else {
                 unreachable!("layer {il} is MoE");
             };
-            ex.stats[il].bytes_uploaded +=
-                gpu.fill_slot(model, weights, &mut p.up, slot, expert)?;
+            for u in gpu.slot_uploads(model, weights, slot, expert) {
+                ex.stats[il].bytes_uploaded += u.2.len() as u64;
+                uploads.push(u);
+            }
         }
-        p.up.flush()?;
-        let ns = t.elapsed().as_nanos() as f64;
-        p.spent_ns += ns as u64;
+        match &ex.cpu {
+            Some(cpu) => p.up.upload_parallel(cpu.pool(), &uploads)?,
+            None => {
+                for &(buffer, at, data) in &uploads {
+                    p.up.upload(buffer, at, data)?;
+                }
+            }
+        }
+        // The device's copies wait for the next step ([`GpuModel::promoted_uploads`]).
+        let spent = t.elapsed();
+        p.time.staging += spent;
+        let ns = spent.as_nanos() as f64;
         p.credit_ns = (p.credit_ns - ns).max(0.0);
         let each = ns / copies.len() as f64;
         p.ns_per_expert = Some(match p.ns_per_expert {
