@@ -33,7 +33,7 @@
 //!
 //! Partial: the CPU-or-fetch choice is the `--moe-miss` switch, not the plan's; the initial
 //! residents of a layer with `s` slots are experts `0..s`, not the most used (the planner has
-//! no routing statistics to choose by); a dense model's CPU layers go through VRAM (the stream
+//! no routing statistics to choose by; the slots then follow demand, `forward::promote`); a dense model's CPU layers go through VRAM (the stream
 //! slot) for prompt chunks only, never for decode steps, and the split is the budget's, not
 //! the scheduler's predictors'.
 
