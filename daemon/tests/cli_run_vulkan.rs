@@ -162,7 +162,19 @@ fn experts_beyond_the_vram_budget_give_the_same_greedy_tokens() {
         assert!(e["misses"].as_u64().unwrap() > 0, "{e}");
         let path_taken = if miss == "cpu" { "cpu" } else { "fetched" };
         assert!(e[path_taken].as_u64().unwrap() > 0, "{e}");
+        assert!(e["promoted"].as_u64().is_some(), "{e}");
     }
+    // Slots that keep the experts they were loaded with: no promotions, the same tokens.
+    let args = [
+        "--device",
+        "vulkan",
+        "--vram-budget",
+        &budget,
+        "--static-experts",
+    ];
+    let got = run_json_with(&path, &args);
+    assert_eq!(got["tokens"], all["tokens"], "--static-experts");
+    assert_eq!(got["experts"]["promoted"], 0, "{}", got["experts"]);
 }
 
 /// A dense model under its whole size runs its first layers on the CPU, says so, and gives

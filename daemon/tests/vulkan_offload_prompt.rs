@@ -119,6 +119,8 @@ fn check(preset: &str) {
     assert_eq!(t.fetched + t.cpu, t.misses, "{what}");
     assert!(t.fetched > 2 * moe_layers, "{what}: {t:?}");
     assert!(t.bytes_uploaded > 0, "{what}");
+    // The prompts' routing counted in the experts' demand: the most used came into VRAM.
+    assert!(t.promoted > 0, "{what}: {t:?}");
 
     // Left to choose, the placement gives the slots at most a quarter of the room for experts,
     // and here they would take more.

@@ -247,8 +247,8 @@ fn gpu_line(m: &pb::ModelStatus) -> Option<String> {
         };
         line += &format!(
             "; experts {} of {} per layer in VRAM, {routed} routed, {hit:.1}% hits, {} on the \
-             CPU, {} fetched (misses {})",
-            e.slots_per_layer, e.n_expert, e.cpu, e.fetched, e.miss
+             CPU, {} fetched, {} promoted (misses {})",
+            e.slots_per_layer, e.n_expert, e.cpu, e.fetched, e.promoted, e.miss
         );
     }
     Some(line)
@@ -299,12 +299,13 @@ mod tests {
             hits: 3,
             misses: 1,
             cpu: 1,
+            promoted: 2,
             ..Default::default()
         });
         assert_eq!(
             gpu_line(&m).unwrap(),
             "vulkan:0 (llvmpipe): VRAM 3.0 MiB held; 1 request at a time; experts 2 of 8 per layer in VRAM, 4 \
-             routed, 75.0% hits, 1 on the CPU, 0 fetched (misses cpu)"
+             routed, 75.0% hits, 1 on the CPU, 0 fetched, 2 promoted (misses cpu)"
         );
     }
 

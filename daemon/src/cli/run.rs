@@ -153,6 +153,7 @@ struct ExpertsReport {
     fetched: u64,
     evictions: u64,
     bytes_uploaded: u64,
+    promoted: u64,
 }
 
 impl From<&ExpertStats> for ExpertsReport {
@@ -168,6 +169,7 @@ impl From<&ExpertStats> for ExpertsReport {
             fetched: t.fetched,
             evictions: t.evictions,
             bytes_uploaded: t.bytes_uploaded,
+            promoted: t.promoted,
         }
     }
 }

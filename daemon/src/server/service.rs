@@ -607,6 +607,7 @@ fn gpu_status(gpu: &GpuStatus, tensors: u32, status: &mut pb::ModelStatus) {
             fetched: t.fetched,
             evictions: t.evictions,
             bytes_uploaded: t.bytes_uploaded,
+            promoted: t.promoted,
         });
     }
 }
