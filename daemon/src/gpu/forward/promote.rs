@@ -1,10 +1,10 @@
 //! A MoE model under its VRAM budget whose misses run on the CPU brings its most used experts
-//! into VRAM between steps: [`LayerSlots::promotions`](crate::gpu::expert_cache::LayerSlots)
+//! into VRAM between steps: [`LayerSlots::promotions`](crate::gpu::expert_cache::LayerSlots::promotions)
 //! names, per layer, the experts used more than the residents the policy would give up, and
 //! their weights are copied into those residents' slots (from the memory map into upload
 //! staging by the CPU experts' threads, idle between steps, then by the device) after the
-//! step, before the next one reads the slots. Misses then become hits as
-//! the hot experts arrive, where they used to keep the experts they were loaded with.
+//! step, before the next one reads the slots. Misses then become hits as the hot experts
+//! arrive, where the slots used to keep the experts they were loaded with.
 //!
 //! The copies are paid for out of a credit: each step (or prompt) adds [`PROMOTE_SHARE`] of its
 //! time, and an expert costs the copy time measured on the previous promotions (the first
@@ -70,13 +70,13 @@ impl PromotionTime {
 }
 
 impl Promoter {
-    /// `load_up` is the loading staging (the placement's size), kept where the budget counts
-    /// staging; elsewhere the promoter takes staging for [`STAGING_EXPERTS`] experts.
     /// The uploader holding the staged copies.
     pub(super) fn uploader(&mut self) -> &mut Uploader {
         &mut self.up
     }
 
+    /// `load_up` is the loading staging (the placement's size), kept where the budget counts
+    /// staging; elsewhere the promoter takes staging for [`STAGING_EXPERTS`] experts.
     pub(super) fn new(
         model: &Model,
         al: &std::sync::Arc<Allocator>,
