@@ -32,8 +32,8 @@ const SPIN: Duration = Duration::from_micros(2000);
 const SPIN_HARD: Duration = Duration::from_micros(50);
 
 /// Polls `done` for up to [`SPIN`]: `Ok(true)` once it says so, `Ok(false)` when the time ran
-/// out (the caller then sleeps in the driver). Chains and replays wait this way.
-pub(super) fn poll(mut done: impl FnMut() -> Result<bool>) -> Result<bool> {
+/// out (the caller then sleeps in the driver).
+fn poll<E>(mut done: impl FnMut() -> std::result::Result<bool, E>) -> std::result::Result<bool, E> {
     let start = Instant::now();
     loop {
         if done()? {
@@ -49,6 +49,36 @@ pub(super) fn poll(mut done: impl FnMut() -> Result<bool>) -> Result<bool> {
             std::hint::spin_loop();
         }
     }
+}
+
+/// Waits until timeline `semaphore` of `dev` reaches `value`: polled first ([`poll`]), then
+/// asleep in the driver. Chains and one-off submissions wait this way.
+pub(super) fn wait_timeline(
+    dev: &ash::Device,
+    semaphore: vk::Semaphore,
+    value: u64,
+) -> ash::prelude::VkResult<()> {
+    // SAFETY (both calls): the caller's semaphore belongs to `dev` and outlives the wait; the
+    // info's arrays live across the call.
+    if poll(|| unsafe { dev.get_semaphore_counter_value(semaphore) }.map(|now| now >= value))? {
+        return Ok(());
+    }
+    let semaphores = [semaphore];
+    let values = [value];
+    let info = vk::SemaphoreWaitInfo::default()
+        .semaphores(&semaphores)
+        .values(&values);
+    unsafe { dev.wait_semaphores(&info, u64::MAX) }
+}
+
+/// Waits for `fence` of `dev`: polled first ([`poll`]), then asleep in the driver. Replays and
+/// one-off submissions without timeline semaphores wait this way.
+pub(super) fn wait_fence(dev: &ash::Device, fence: vk::Fence) -> ash::prelude::VkResult<()> {
+    // SAFETY (both calls): the caller's fence belongs to `dev` and outlives the wait.
+    if poll(|| unsafe { dev.get_fence_status(fence) })? {
+        return Ok(());
+    }
+    unsafe { dev.wait_for_fences(&[fence], true, u64::MAX) }
 }
 
 /// A submitted chain, and the host's side of it (see the module's notes). Dropping it releases
@@ -217,24 +247,8 @@ impl Chain {
     }
 
     fn wait_done(&self, part: usize) -> Result<()> {
-        let value = 2 * part as u64 + 1;
-        let dev = &self.device.raw;
-        let reached = poll(|| {
-            // SAFETY: the semaphore belongs to this device and lives as long as the chain.
-            let now = unsafe { dev.get_semaphore_counter_value(self.semaphore) }
-                .map_err(|r| self.device.map_result(r))?;
-            Ok(now >= value)
-        })?;
-        if reached {
-            return Ok(());
-        }
-        let semaphores = [self.semaphore];
-        let values = [value];
-        let info = vk::SemaphoreWaitInfo::default()
-            .semaphores(&semaphores)
-            .values(&values);
-        // SAFETY: as above; the info's arrays live across the call.
-        unsafe { dev.wait_semaphores(&info, u64::MAX) }.map_err(|r| self.device.map_result(r))
+        wait_timeline(&self.device.raw, self.semaphore, 2 * part as u64 + 1)
+            .map_err(|r| self.device.map_result(r))
     }
 
     /// Lets part `part` start, once the previous part has completed (waited for here): call it

@@ -243,12 +243,13 @@ impl Device {
         let value = recorded?;
         let done = Completion::new(self)?;
         let cmds = [cmd];
-        let signal = [done.semaphore];
         let values = [1u64];
         let mut timeline =
             vk::TimelineSemaphoreSubmitInfo::default().signal_semaphore_values(&values);
         let mut submit = vk::SubmitInfo::default().command_buffers(&cmds);
-        if done.semaphore != vk::Semaphore::null() {
+        let signal;
+        if let Completion::Timeline(s) = done {
+            signal = [s];
             submit = submit.signal_semaphores(&signal).push_next(&mut timeline);
         }
         let submitted = if self.loss.lost_at(LossPoint::Submit) {
@@ -257,7 +258,7 @@ impl Device {
             let queue = self.queue.lock();
             // SAFETY: the queue is externally synchronised by its mutex; `cmd` is executable;
             // the info's arrays live across the call.
-            unsafe { self.raw.queue_submit(*queue, &[submit], done.fence) }
+            unsafe { self.raw.queue_submit(*queue, &[submit], done.fence()) }
         };
         // The device runs while the host does its part; the wait below happens even if that
         // part panics, so `cmd` and its completion's signal are never freed while pending.
@@ -353,9 +354,9 @@ impl Drop for Device {
 /// What a one-off submission signals when it completes: a timeline semaphore where the device
 /// has them (its counter is read from memory, so a polled wait sees the completion within
 /// microseconds), else a fence.
-struct Completion {
-    semaphore: vk::Semaphore,
-    fence: vk::Fence,
+enum Completion {
+    Timeline(vk::Semaphore),
+    Fence(vk::Fence),
 }
 
 impl Completion {
@@ -368,73 +369,37 @@ impl Completion {
             let info = vk::SemaphoreCreateInfo::default().push_next(&mut type_info);
             // SAFETY: a valid create info; destroyed by `destroy`.
             let semaphore = unsafe { dev.create_semaphore(&info, None) }.map_err(map_vk)?;
-            return Ok(Completion {
-                semaphore,
-                fence: vk::Fence::null(),
-            });
+            return Ok(Completion::Timeline(semaphore));
         }
         // SAFETY: `raw` is a live device; destroyed by `destroy`.
         let fence =
             unsafe { dev.create_fence(&vk::FenceCreateInfo::default(), None) }.map_err(map_vk)?;
-        Ok(Completion {
-            semaphore: vk::Semaphore::null(),
-            fence,
-        })
+        Ok(Completion::Fence(fence))
+    }
+
+    /// The fence to pass to the submission (null with a timeline semaphore).
+    fn fence(&self) -> vk::Fence {
+        match *self {
+            Completion::Timeline(_) => vk::Fence::null(),
+            Completion::Fence(f) => f,
+        }
     }
 
     /// Waits for the submission: polled first, as chains are (a sleeping wait's wake-up can
     /// cost more than the short work these submissions do), then asleep in the driver.
     fn wait(&self, device: &Device) -> std::result::Result<(), vk::Result> {
-        let dev = &device.raw;
-        let mut failed = None;
-        let done = super::chain::poll(|| {
-            // SAFETY: both objects belong to this device and live until `destroy`.
-            let status = unsafe {
-                if self.semaphore != vk::Semaphore::null() {
-                    dev.get_semaphore_counter_value(self.semaphore)
-                        .map(|v| v >= 1)
-                } else {
-                    dev.get_fence_status(self.fence)
-                }
-            };
-            match status {
-                Ok(reached) => Ok(reached),
-                Err(e) => {
-                    failed = Some(e);
-                    Ok(true)
-                }
-            }
-        })
-        .unwrap_or(false);
-        if let Some(e) = failed {
-            return Err(e);
-        }
-        if done {
-            return Ok(());
-        }
-        // SAFETY: as above; the info's arrays live across the call.
-        unsafe {
-            if self.semaphore != vk::Semaphore::null() {
-                let semaphores = [self.semaphore];
-                let values = [1u64];
-                let info = vk::SemaphoreWaitInfo::default()
-                    .semaphores(&semaphores)
-                    .values(&values);
-                dev.wait_semaphores(&info, u64::MAX)
-            } else {
-                dev.wait_for_fences(&[self.fence], true, u64::MAX)
-            }
+        match *self {
+            Completion::Timeline(s) => super::chain::wait_timeline(&device.raw, s, 1),
+            Completion::Fence(f) => super::chain::wait_fence(&device.raw, f),
         }
     }
 
     fn destroy(self, device: &Device) {
-        // SAFETY: the submission that used them completed or was never made.
+        // SAFETY: the submission that used it completed or was never made.
         unsafe {
-            if self.semaphore != vk::Semaphore::null() {
-                device.raw.destroy_semaphore(self.semaphore, None);
-            }
-            if self.fence != vk::Fence::null() {
-                device.raw.destroy_fence(self.fence, None);
+            match self {
+                Completion::Timeline(s) => device.raw.destroy_semaphore(s, None),
+                Completion::Fence(f) => device.raw.destroy_fence(f, None),
             }
         }
     }

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use ash::vk;
 
-use super::chain::poll;
+use super::chain::wait_fence;
 use super::device::Device;
 use super::error::{map_vk, Result};
 use super::lost::LossPoint;
@@ -128,20 +128,9 @@ impl Replay {
         self.device.check_lost(LossPoint::Wait)
     }
 
-    /// Polls the fence a while (a step is usually done within it, [`poll`]), then sleeps in
-    /// the driver.
+    /// Polls the fence a while (a step is usually done within it), then sleeps in the driver.
     fn wait(&self) -> Result<()> {
-        let dev = &self.device.raw;
-        let done = poll(|| {
-            // SAFETY: the fence belongs to this device.
-            unsafe { dev.get_fence_status(self.fence) }.map_err(|r| self.device.map_result(r))
-        })?;
-        if done {
-            return Ok(());
-        }
-        // SAFETY: as above.
-        unsafe { dev.wait_for_fences(&[self.fence], true, u64::MAX) }
-            .map_err(|r| self.device.map_result(r))
+        wait_fence(&self.device.raw, self.fence).map_err(|r| self.device.map_result(r))
     }
 }
 
