@@ -37,14 +37,7 @@ impl Uploader {
     /// # Panics
     /// If the data does not fit in `dst` or `dst_offset`/`data.len()` are not multiples of 4.
     pub fn upload(&mut self, dst: &Buffer, dst_offset: u64, data: &[u8]) -> Result<()> {
-        assert!(
-            dst_offset + data.len() as u64 <= dst.size(),
-            "upload past the buffer"
-        );
-        assert!(
-            dst_offset.is_multiple_of(4) && data.len().is_multiple_of(4),
-            "uploads are whole words"
-        );
+        check_upload(dst, dst_offset, data);
         let cap = self.staging.size();
         let mut done = 0usize;
         while done < data.len() {
@@ -102,14 +95,7 @@ impl Uploader {
         let mut starts = Vec::with_capacity(group.len() + 1);
         let mut total = 0usize;
         for &(dst, dst_offset, data) in group {
-            assert!(
-                dst_offset + data.len() as u64 <= dst.size(),
-                "upload past the buffer"
-            );
-            assert!(
-                dst_offset.is_multiple_of(4) && data.len().is_multiple_of(4),
-                "uploads are whole words"
-            );
+            check_upload(dst, dst_offset, data);
             starts.push(total);
             total += data.len();
         }
@@ -205,6 +191,18 @@ impl Uploader {
             );
         }
     }
+}
+
+/// An upload's bounds: `data` fits in `dst` at `dst_offset`, both in whole words.
+fn check_upload(dst: &Buffer, dst_offset: u64, data: &[u8]) {
+    assert!(
+        dst_offset + data.len() as u64 <= dst.size(),
+        "upload past the buffer"
+    );
+    assert!(
+        dst_offset.is_multiple_of(4) && data.len().is_multiple_of(4),
+        "uploads are whole words"
+    );
 }
 
 /// Copies `len` bytes of `src` at `offset` back into host memory through a staging buffer.

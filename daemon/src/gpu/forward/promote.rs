@@ -33,8 +33,8 @@ use crate::model::{Ffn, Model};
 /// The share of a step's time that promotions may take, on average.
 pub const PROMOTE_SHARE: f64 = 0.1;
 
-/// Experts a promotion round copies per submission where staging is host memory that the VRAM
-/// budget does not count (a discrete GPU): one submission's fixed cost spread over several.
+/// Experts a promotion round stages at once where staging is host memory that the VRAM budget
+/// does not count (a discrete GPU): more than that waits for a flush of its own.
 const STAGING_EXPERTS: usize = 16;
 
 /// Credit is capped at this many experts' copies, so that a long pause does not buy a long
@@ -43,10 +43,13 @@ const MAX_CREDIT_EXPERTS: f64 = 64.0;
 
 pub(super) struct Promoter {
     up: Uploader,
-    /// Measured: nanoseconds to copy one expert, submission included.
+    /// Measured: nanoseconds a round spent on one expert (staging it on the host, and any
+    /// flush a full staging forced; a chained step's copies are in the step's own time).
     ns_per_expert: Option<f64>,
     credit_ns: f64,
-    /// The MoE layer (index into the MoE layers) whose turn comes first next round.
+    /// The model's MoE layers, which take turns.
+    moe_layers: Vec<usize>,
+    /// The MoE layer (index into `moe_layers`) whose turn comes first next round.
     next: usize,
     /// Time spent, in all.
     time: PromotionTime,
@@ -89,8 +92,12 @@ impl Promoter {
             }
             _ => load_up,
         };
+        let moe_layers = (0..model.layers.len())
+            .filter(|&il| matches!(model.layers[il].ffn, Ffn::Moe(_)))
+            .collect();
         Ok(Promoter {
             up,
+            moe_layers,
             ns_per_expert: None,
             credit_ns: 0.0,
             next: 0,
@@ -176,9 +183,7 @@ impl GpuModel {
         } = self;
         let ex = experts.as_mut().expect("a MoE model");
         let p = ex.promoter.as_mut().expect("promotions on");
-        let moe: Vec<usize> = (0..ex.slots.len())
-            .filter(|&il| ex.slots[il].is_some())
-            .collect();
+        let moe = &p.moe_layers;
         if moe.is_empty() {
             return Ok(0);
         }
