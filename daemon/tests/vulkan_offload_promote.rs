@@ -8,6 +8,9 @@
 #[path = "common/f16_model.rs"]
 mod f16_model;
 use f16_model::f16_model;
+#[path = "common/logits.rs"]
+mod logits;
+use logits::assert_logits_close;
 
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
 use spillway_daemon::gpu::placement::{ExpertLayout, MoeMiss};
@@ -30,20 +33,6 @@ fn options(budget: Option<u64>, policy: ReplacementPolicy, promote: bool) -> Gpu
         promote_experts: promote,
         ..GpuModelOptions::default()
     }
-}
-
-/// The largest logit's magnitude times the tolerance bounds every difference.
-fn assert_close(got: &[f32], want: &[f32], what: &str) {
-    let scale = want.iter().fold(1.0f32, |m, v| m.max(v.abs()));
-    let worst = got
-        .iter()
-        .zip(want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0f32, f32::max);
-    assert!(
-        worst <= TOLERANCE_F16 * scale,
-        "{what}: worst difference {worst} of scale {scale}"
-    );
 }
 
 /// Every step's logits after a short prompt, one step at a time (each step's greedy token
@@ -103,10 +92,10 @@ fn promoted_experts_turn_misses_into_hits_and_keep_the_logits() {
             fixed.hits
         );
         for (i, (g, w)) in logits.iter().zip(&want).enumerate() {
-            assert_close(g, w, &format!("{what}: step {i}"));
+            assert_logits_close(g, w, TOLERANCE_F16, &format!("{what}: step {i}"));
         }
         for (i, (g, w)) in fixed_logits.iter().zip(&want).enumerate() {
-            assert_close(g, w, &format!("{what}, static: step {i}"));
+            assert_logits_close(g, w, TOLERANCE_F16, &format!("{what}, static: step {i}"));
         }
     }
 }

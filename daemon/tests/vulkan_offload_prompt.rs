@@ -10,6 +10,9 @@
 #[path = "common/f16_model.rs"]
 mod f16_model;
 use f16_model::f16_model;
+#[path = "common/logits.rs"]
+mod logits;
+use logits::assert_logits_close;
 
 use std::sync::Arc;
 
@@ -26,19 +29,6 @@ fn device() -> Option<Arc<Device>> {
 /// residual in another order than the unconstrained run's (the streamed ones first); a missed
 /// or doubled expert moves logits by a large part of their range.
 const TOLERANCE: f32 = 0.01;
-
-fn assert_close(got: &[f32], want: &[f32], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}");
-    let range = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let diff = got
-        .iter()
-        .zip(want)
-        .fold(0f32, |m, (g, w)| m.max((g - w).abs()));
-    assert!(
-        diff <= TOLERANCE * range,
-        "{what}: logits differ by {diff} (range {range})"
-    );
-}
 
 fn tokens(n: usize, n_vocab: usize) -> Vec<u32> {
     (0..n)
@@ -105,7 +95,7 @@ fn check(preset: &str) {
     assert!(gpu.batches_prompts(), "{what}");
     let got = run(&mut gpu);
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        assert_close(g, w, &format!("{what}: output {i}"));
+        assert_logits_close(g, w, TOLERANCE, &format!("{what}: output {i}"));
     }
     let t = gpu.expert_stats().unwrap().total();
     eprintln!("{what}: {}", gpu.expert_stats().unwrap().summary());
@@ -143,7 +133,12 @@ fn check(preset: &str) {
     assert!(!q.stream_slot, "{what}");
     assert_eq!(each.batches_prompts(), !q.is_partial(), "{what}: {q:?}");
     for (i, (g, w)) in run(&mut each).iter().zip(&want).enumerate() {
-        assert_close(g, w, &format!("{what}, token by token: output {i}"));
+        assert_logits_close(
+            g,
+            w,
+            TOLERANCE,
+            &format!("{what}, token by token: output {i}"),
+        );
     }
 
     // The smallest budget holds one slot per layer and no room for the prompt's slots.
