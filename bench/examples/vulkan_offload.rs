@@ -14,7 +14,8 @@
 //! `cpu-noslot` is `cpu` without VRAM slots for a prompt's missing experts
 //! (`GpuModelOptions::stream_prompts`: its prompts go token by token); `cpu-static` is `cpu`
 //! with slots that keep the experts they were loaded with (`GpuModelOptions::promote_experts`
-//! off).
+//! off). `pcie` reads the misses on the GPU from a copy of every expert in system RAM
+//! (`MoeMiss::Pcie`); `pcie-static` is that without promotions.
 //! `warmup=N` decodes N tokens before the clock starts (default 2; promotions ramp up over the
 //! first tokens). `threads=N` sets the CPU experts' threads (default: every core); `ram=MiB` gives the CPU's
 //! experts a RAM budget (a cache read from the file) in place of the memory map; `pp=N` times
@@ -78,8 +79,11 @@ fn main() {
                         "cpu-noslot" => (MoeMiss::Cpu, true, true, false, true),
                         "cpu-static" => (MoeMiss::Cpu, true, true, true, false),
                         "fetch" => (MoeMiss::Fetch, true, true, true, true),
+                        "pcie" => (MoeMiss::Pcie, true, true, true, true),
+                        "pcie-static" => (MoeMiss::Pcie, true, true, true, false),
                         other => panic!(
-                            "modes={other}: cpu, cpu-separate, cpu-record, cpu-noslot, cpu-static or fetch"
+                            "modes={other}: cpu, cpu-separate, cpu-record, cpu-noslot, cpu-static, \
+                             fetch, pcie or pcie-static"
                         ),
                     })
                     .collect();
@@ -136,7 +140,7 @@ fn main() {
     budgets.push(None);
 
     println!(
-        "{:>10} {:>7} {:>7} {:>9} {:>8} {:>7} {:>9} {:>9} {:>9} {:>11} {:>11} {:>10} {:>11} {:>13}",
+        "{:>10} {:>7} {:>8} {:>9} {:>8} {:>7} {:>9} {:>9} {:>9} {:>9} {:>11} {:>11} {:>10} {:>11} {:>13}",
         "budget",
         "slots",
         "miss",
@@ -145,6 +149,7 @@ fn main() {
         "hits",
         "cpu/tok",
         "fetch/tok",
+        "pcie/tok",
         "prom/tok",
         "MiB up/tok",
         "wait ms/tok",
@@ -171,6 +176,7 @@ fn main() {
                 (MoeMiss::Cpu, true, false, ..) => "cpu-rec".to_string(),
                 (MoeMiss::Cpu, true, true, false, _) => "cpu-nos".to_string(),
                 (MoeMiss::Cpu, true, true, true, false) => "cpu-sta".to_string(),
+                (MoeMiss::Pcie, true, true, true, false) => "pcie-sta".to_string(),
                 _ => miss.to_string(),
             };
             let mut gpu = match GpuModel::new(&device, &model, &options) {
@@ -221,7 +227,7 @@ fn main() {
             let per_tok = |a: u64, b: u64| (a - b) as f64 / n_tokens as f64;
             let lookups = (after.hits + after.misses) - (before.hits + before.misses);
             println!(
-                "{:>10} {:>7} {:>7} {:>9.1} {:>8.2} {:>6.1}% {:>9.2} {:>9.2} {:>9.2} {:>11.2} {:>11.2} {:>10.2} {:>11.2} {:>12.0}%",
+                "{:>10} {:>7} {:>8} {:>9.1} {:>8.2} {:>6.1}% {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>11.2} {:>11.2} {:>10.2} {:>11.2} {:>12.0}%",
                 budget.map_or("none".into(), |b| format!("{:.1}M", mib(b))),
                 format!("{}/{}", stats.slots, stats.n_expert),
                 mode,
@@ -230,6 +236,7 @@ fn main() {
                 100.0 * (after.hits - before.hits) as f64 / lookups.max(1) as f64,
                 per_tok(after.cpu, before.cpu),
                 per_tok(after.fetched, before.fetched),
+                per_tok(after.pcie, before.pcie),
                 per_tok(after.promoted, before.promoted),
                 mib(after.bytes_uploaded - before.bytes_uploaded) / n_tokens as f64,
                 wait as f64 / 1e6 / n_tokens as f64,

@@ -1,5 +1,6 @@
 //! MoE models over the VRAM budget (`gpu::placement`): from the smallest budget that runs them
-//! to the whole model, with misses computed on the CPU or fetched into VRAM slots, ten decode
+//! to the whole model, with misses computed on the CPU, fetched into VRAM slots or read by the
+//! GPU from system RAM, ten decode
 //! steps give the logits of the unconstrained GPU run, and the expert counters show which path
 //! each expert took. F16 weights keep the CPU experts' rounding (activations to f16) within
 //! 0.1% of the logits, as in `bench/tests/vulkan_forward.rs`. The tests run on whatever Vulkan
@@ -128,7 +129,7 @@ fn offload(preset: &str) {
     // Enough for half the experts in every layer beside the minimum's one.
     let half = minimum + (whole - minimum) / 2;
     for budget in [minimum, half, whole] {
-        for miss in [MoeMiss::Cpu, MoeMiss::Fetch] {
+        for miss in [MoeMiss::Cpu, MoeMiss::Fetch, MoeMiss::Pcie] {
             let what = format!("{preset}, budget {budget} of {whole}, misses {miss}");
             let mut gpu = GpuModel::new(&dev, &model, &options(Some(budget), miss)).unwrap();
             let slots = gpu.placement().slots;
@@ -136,8 +137,10 @@ fn offload(preset: &str) {
                 assert_eq!(slots, 1, "{what}: the minimum holds one slot per layer");
             }
             let (got, routing) = decode(&mut gpu);
-            // Misses need the routing on the host: a read-back per MoE layer.
-            assert_eq!(gpu.routes_on_device(), slots == cfg.n_expert, "{what}");
+            // Misses on the CPU or fetched need the routing on the host: a read-back per MoE
+            // layer. Read over PCIe, they do not.
+            let on_device = slots == cfg.n_expert || miss == MoeMiss::Pcie;
+            assert_eq!(gpu.routes_on_device(), on_device, "{what}");
             if !gpu.routes_on_device() {
                 let submits = gpu.last_stats().submits as usize;
                 assert!(submits > model.config.n_layer, "{what}: {submits} submits");
@@ -148,7 +151,7 @@ fn offload(preset: &str) {
             let t = stats.total();
             eprintln!("{what}: {}", stats.summary());
             assert_eq!(t.hits + t.misses, routed, "{what}");
-            assert_eq!(t.cpu + t.fetched, t.misses, "{what}");
+            assert_eq!(t.cpu + t.fetched + t.pcie, t.misses, "{what}");
             if slots == cfg.n_expert {
                 assert_eq!(t.misses, 0, "{what}");
                 assert_eq!(got, want, "{what}: all resident is the unconstrained run");
@@ -160,6 +163,18 @@ fn offload(preset: &str) {
                 MoeMiss::Fetch => {
                     assert!(t.fetched > 0 && t.evictions > 0, "{what}: {t:?}");
                     assert!(t.bytes_uploaded > 0, "{what}");
+                }
+                MoeMiss::Pcie => {
+                    // The same kernels on the same weights, the sum of the experts in VRAM
+                    // and of those read from RAM added apart: rounding only, on every token.
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        let range = w.iter().fold(0f32, |m, v| m.max(v.abs()));
+                        let diff = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                        assert!(diff <= 1e-4 * range, "{what}: token {i}: {diff} of {range}");
+                    }
+                    assert_eq!((t.pcie, t.cpu, t.fetched), (t.misses, 0, 0), "{what}");
+                    assert_eq!(gpu.last_stats().submits, 1, "{what}: one submission a step");
+                    assert!(gpu.host_expert_bytes() > 0, "{what}");
                 }
             }
             if budget == half {

@@ -954,6 +954,7 @@ fn moe_route_matches_engine_routing_with_ties() {
                         k: k as u32,
                         norm_weights,
                         log_offset: per as u32,
+                        slots: None,
                     };
                     gpu.kernels
                         .record(|r| r.moe_route(&lb, shared.then_some(&sb), &rb, &log, args))
@@ -994,11 +995,101 @@ fn moe_route_matches_engine_routing_with_ties() {
             k: 8,
             norm_weights: true,
             log_offset: 0,
+            slots: None,
         };
         let over = gpu
             .kernels
             .record(|r| r.moe_route(&lb, None, &rb, &log, args));
         assert!(over.is_err(), "more than 256 experts are refused");
+    }
+}
+
+#[test]
+fn moe_route_with_a_slot_map_lists_slots_and_experts_without_one_apart() {
+    // A layer over its VRAM budget: the routing's ids become slots, and the experts without
+    // one are listed after the shared gate; each list leaves the other's entries empty.
+    use spillway_daemon::engine::routing::route;
+    use spillway_daemon::gpu::ops::{
+        route_floats, route_log_floats, route_split_floats, MoeRouteArgs,
+    };
+    use spillway_daemon::model::MoeConfig;
+    let Some(dev) = device() else { return };
+    const NONE: u32 = u32::MAX;
+    for gpu in Gpu::both(&dev) {
+        let (n_expert, k) = (16, 4);
+        let cfg = MoeConfig {
+            n_expert,
+            n_expert_used: k,
+            n_ff_expert: 32,
+            norm_weights: true,
+        };
+        for seed in 0..6 {
+            let logits = router_logits(n_expert, 7 + seed, 0);
+            // Layer 1's part of the map: even experts hold slot e / 2, odd ones none; layer
+            // 0's part is garbage that must not be read.
+            let mut map = vec![7u32; n_expert];
+            map.extend((0..n_expert as u32).map(|e| if e % 2 == 0 { e / 2 } else { NONE }));
+            let map_f: Vec<f32> = map.iter().map(|&w| f32::from_bits(w)).collect();
+            let mb = gpu.f32s(&map_f);
+            let lb = gpu.f32s(&logits);
+            let rb = gpu.zeros(route_split_floats(k));
+            let log = gpu.zeros(route_log_floats(n_expert, k));
+            let args = MoeRouteArgs {
+                n_expert: n_expert as u32,
+                k: k as u32,
+                norm_weights: true,
+                log_offset: 0,
+                slots: Some((&mb, n_expert as u32)),
+            };
+            gpu.kernels
+                .record(|r| r.moe_route(&lb, None, &rb, &log, args))
+                .unwrap();
+            let got: Vec<u32> = rb
+                .read_f32(route_split_floats(k))
+                .iter()
+                .map(|v| v.to_bits())
+                .collect();
+            let want = route(&cfg, &logits);
+            let host_at = route_floats(k);
+            for (r, w) in want.iter().enumerate() {
+                let (slot, host) = (got[r], got[host_at + r]);
+                if w.expert % 2 == 0 {
+                    assert_eq!(
+                        (slot, host),
+                        (w.expert as u32 / 2, NONE),
+                        "seed {seed} rank {r}"
+                    );
+                } else {
+                    assert_eq!(
+                        (slot, host),
+                        (NONE, w.expert as u32),
+                        "seed {seed} rank {r}"
+                    );
+                }
+            }
+            let logged = log.read_f32(route_log_floats(n_expert, k));
+            let ids: Vec<usize> = logged[n_expert..n_expert + k]
+                .iter()
+                .map(|v| v.to_bits() as usize)
+                .collect();
+            let want_ids: Vec<usize> = want.iter().map(|r| r.expert).collect();
+            assert_eq!(ids, want_ids, "seed {seed}: the log keeps the experts");
+        }
+        let (lb, rb, log, mb) = (gpu.zeros(16), gpu.zeros(9), gpu.zeros(40), gpu.zeros(16));
+        let args = MoeRouteArgs {
+            n_expert: 16,
+            k: 4,
+            norm_weights: true,
+            log_offset: 0,
+            slots: Some((&mb, 0)),
+        };
+        let short = gpu
+            .kernels
+            .record(|r| r.moe_route(&lb, None, &rb, &log, args));
+        assert!(
+            short.is_err(),
+            "a route buffer without room for the second list is refused"
+        );
     }
 }
 
@@ -1027,6 +1118,7 @@ fn moe_router_in_one_dispatch_matches_the_product_then_the_routing() {
                 k: k as u32,
                 norm_weights,
                 log_offset: 0,
+                slots: None,
             };
             let (logits, route, log) = (
                 gpu.zeros(n_expert),

@@ -22,6 +22,13 @@
 // done in `done[0]` (zero before the dispatch); the workgroup that counts last, seeing every
 // logit, routes as above and sets the counter back to zero. One dependent dispatch fewer than a
 // product and a routing. No shared expert with it.
+//
+// With `host_at` non-zero, some experts are not in VRAM (a model over its VRAM budget): expert
+// i's slot is `slot_of[map_offset + i]` (0xFFFFFFFF where it has none). Entry r of `route` then
+// holds the chosen expert's slot, or 0xFFFFFFFF where it has none, and entry `host_at + r` the
+// expert itself where it has no slot, else 0xFFFFFFFF: the expert-indexed products run the first
+// list on the VRAM slot stacks and the second on stacks in host memory, each leaving the other's
+// entries empty. The log still gets the experts.
 
 #define WG 256u
 layout(local_size_x = 256) in;
@@ -40,6 +47,9 @@ layout(std430, binding = 4) readonly buffer Router { vec4 router4[]; };
 layout(std430, binding = 5) readonly buffer X { vec4 x4[]; };
 layout(std430, binding = 6) readonly buffer NormW { vec4 norm_w4[]; };
 layout(std430, binding = 7) coherent buffer Done { uint done[]; };
+layout(std430, binding = 8) readonly buffer SlotOf { uint slot_of[]; };
+#else
+layout(std430, binding = 4) readonly buffer SlotOf { uint slot_of[]; };
 #endif
 
 layout(push_constant) uniform Params {
@@ -48,6 +58,8 @@ layout(push_constant) uniform Params {
     uint norm;       // 1: weights divided by their sum (Mixtral, Qwen3-MoE)
     uint has_shared; // 1: write the shared expert's gate at route[2k]
     uint log_offset;
+    uint host_at;    // 0: every expert in VRAM; else where the host-memory list starts
+    uint map_offset; // index in `slot_of` of expert 0's slot (with host_at)
 #if defined(ROUTER)
     uint n_in;       // the router's width, a multiple of 4
     float eps;       // RMSNorm's
@@ -112,7 +124,13 @@ void main() {
             rank += (o > d || (o == d && j < i)) ? 1u : 0u;
         }
         if (rank < p.k) {
-            route[rank] = uintBitsToFloat(i);
+            uint id = i;
+            if (p.host_at != 0u) {
+                const uint slot = slot_of[p.map_offset + i];
+                route[p.host_at + rank] = uintBitsToFloat(slot == 0xFFFFFFFFu ? i : 0xFFFFFFFFu);
+                id = slot;
+            }
+            route[rank] = uintBitsToFloat(id);
             log_[p.log_offset + p.n_expert + rank] = uintBitsToFloat(i);
             chosen_w[rank] = prob;
         }

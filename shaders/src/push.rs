@@ -69,6 +69,11 @@ pub struct MoeRouteParams {
     pub has_shared: u32,
     /// Float offset of this routing in the host-visible log.
     pub log_offset: u32,
+    /// 0: every expert has a VRAM slot; else the entry of `route` where the experts without
+    /// one are listed (`moe_route.comp`).
+    pub host_at: u32,
+    /// Index in the slot map of expert 0's slot (with `host_at`).
+    pub map_offset: u32,
 }
 
 /// `moe_route.comp`'s `Params` with `ROUTER`.
@@ -81,6 +86,9 @@ pub struct MoeRouterParams {
     /// Always 0: no shared expert with the router in the dispatch.
     pub has_shared: u32,
     pub log_offset: u32,
+    /// As [`MoeRouteParams::host_at`].
+    pub host_at: u32,
+    pub map_offset: u32,
     /// The router's width.
     pub n_in: u32,
     /// RMSNorm's eps.
@@ -370,6 +378,8 @@ push_constants!(MoeRouterParams {
     norm,
     has_shared,
     log_offset,
+    host_at,
+    map_offset,
     n_in,
     eps
 });
@@ -378,7 +388,9 @@ push_constants!(MoeRouteParams {
     k,
     norm,
     has_shared,
-    log_offset
+    log_offset,
+    host_at,
+    map_offset
 });
 push_constants!(ScaleAddRoutedParams {
     n,

@@ -63,10 +63,12 @@ pub struct RunArgs {
     #[arg(long)]
     pub ram_budget: Option<ByteSize>,
     /// A routed expert not in VRAM: `cpu` computes it on the CPU while the GPU runs the others,
-    /// `fetch` copies it into a VRAM slot first.
+    /// `fetch` copies it into a VRAM slot first, `pcie` keeps every routed expert in system RAM
+    /// too and has the GPU read the missing ones from there over the bus (a step is then one
+    /// submission, with no host turn between layers).
     #[arg(long, default_value = "cpu")]
     pub moe_miss: MoeMiss,
-    /// With `--moe-miss cpu`, keep in VRAM the routed experts the slots were loaded with. By
+    /// With `--moe-miss cpu` or `pcie`, keep in VRAM the routed experts the slots were loaded with. By
     /// default the experts used most come into the slots of residents used less between steps.
     #[arg(long)]
     pub static_experts: bool,
@@ -151,6 +153,7 @@ struct ExpertsReport {
     misses: u64,
     cpu: u64,
     fetched: u64,
+    pcie: u64,
     evictions: u64,
     bytes_uploaded: u64,
     promoted: u64,
@@ -167,6 +170,7 @@ impl From<&ExpertStats> for ExpertsReport {
             misses: t.misses,
             cpu: t.cpu,
             fetched: t.fetched,
+            pcie: t.pcie,
             evictions: t.evictions,
             bytes_uploaded: t.bytes_uploaded,
             promoted: t.promoted,

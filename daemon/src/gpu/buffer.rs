@@ -38,6 +38,33 @@ unsafe impl Sync for Buffer {}
 impl Buffer {
     /// A host-visible storage buffer of `size` bytes (at least 4), zero-filled.
     pub fn new_host_visible(device: &Arc<Device>, size: u64) -> Result<Buffer> {
+        let flags = vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT;
+        let buffer = Buffer::new_own(device, size, |bits| device.memory_type(bits, flags))?;
+        // SAFETY: the mapping covers the buffer's `size` bytes.
+        unsafe { std::ptr::write_bytes(buffer.mapped, 0, buffer.size as usize) };
+        Ok(buffer)
+    }
+
+    /// A storage buffer of `size` bytes (at least 4) with memory of its own in system RAM,
+    /// mapped, where the device has such memory ([`MemoryUse::Staging`]'s preferences:
+    /// host-visible, coherent, cached by the CPU, not device-local): weights the GPU reads over
+    /// the bus. Not counted against a VRAM budget (on a device whose every memory type is
+    /// device-local, as lavapipe's, it is the same memory as the rest). Not zero-filled: the
+    /// caller writes it whole.
+    pub fn new_host_memory(device: &Arc<Device>, size: u64) -> Result<Buffer> {
+        let types = &device.memory.memory_types[..device.memory.memory_type_count as usize];
+        Buffer::new_own(device, size, |bits| {
+            super::alloc::choose_memory_type(types, bits, MemoryUse::Staging)
+        })
+    }
+
+    /// A mapped buffer of `size` bytes with a memory object of its own, of the type `choose`
+    /// picks among the allowed ones (a bit mask).
+    fn new_own(
+        device: &Arc<Device>,
+        size: u64,
+        choose: impl FnOnce(u32) -> Option<u32>,
+    ) -> Result<Buffer> {
         let size = size.max(4);
         let info = vk::BufferCreateInfo::default()
             .size(size)
@@ -48,8 +75,7 @@ impl Buffer {
         let raw = unsafe { dev.create_buffer(&info, None) }.map_err(map_vk)?;
         // SAFETY: `raw` was created from `dev`.
         let req = unsafe { dev.get_buffer_memory_requirements(raw) };
-        let flags = vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT;
-        let Some(type_index) = device.memory_type(req.memory_type_bits, flags) else {
+        let Some(type_index) = choose(req.memory_type_bits) else {
             // SAFETY: nothing is bound to `raw` yet.
             unsafe { dev.destroy_buffer(raw, None) };
             return Err(GpuError::Unsupported(
@@ -76,7 +102,6 @@ impl Buffer {
                     return Err(map_vk(e));
                 }
             };
-            std::ptr::write_bytes(mapped, 0, size as usize);
             Ok(Buffer {
                 raw,
                 backing: Backing::Own(memory),

@@ -32,6 +32,8 @@ pub struct LayerExpertStats {
     pub cpu: u64,
     /// Misses copied into a slot and run on the GPU.
     pub fetched: u64,
+    /// Misses run on the GPU from system RAM, read over the bus ([`MoeMiss::Pcie`]).
+    pub pcie: u64,
     /// Residents given up for a fetch or a promotion.
     pub evictions: u64,
     /// Experts copied into a slot between steps because they were used more than the
@@ -57,6 +59,7 @@ impl LayerExpertStats {
         self.misses += o.misses;
         self.cpu += o.cpu;
         self.fetched += o.fetched;
+        self.pcie += o.pcie;
         self.evictions += o.evictions;
         self.promoted += o.promoted;
         self.bytes_uploaded += o.bytes_uploaded;
@@ -86,7 +89,8 @@ impl ExpertStats {
         let t = self.total();
         format!(
             "experts: {} of {} per layer in VRAM, misses {}; {} routed, {:.1}% hits, {} on \
-             the CPU, {} fetched, {} promoted ({:.1} MiB uploaded, {} evictions)",
+             the CPU, {} fetched, {} read over PCIe, {} promoted ({:.1} MiB uploaded, {} \
+             evictions)",
             self.slots,
             self.n_expert,
             self.miss,
@@ -94,6 +98,7 @@ impl ExpertStats {
             100.0 * t.hit_rate(),
             t.cpu,
             t.fetched,
+            t.pcie,
             t.promoted,
             t.bytes_uploaded as f64 / (1u64 << 20) as f64,
             t.evictions
@@ -221,9 +226,15 @@ impl LayerSlots {
         self.slot_of[expert]
     }
 
+    /// The slot of each expert of the layer, `None` for those without one.
+    pub fn slot_table(&self) -> &[Option<usize>] {
+        &self.slot_of
+    }
+
     /// Decides where each of `routed` runs, counting into `stats`: residents on the GPU; misses
     /// on the CPU, or with [`MoeMiss::Fetch`] into a slot no expert of this token uses (on the
-    /// CPU when every slot is taken by this token's own experts).
+    /// CPU when every slot is taken by this token's own experts), or with [`MoeMiss::Pcie`]
+    /// on the GPU from system RAM (in neither list: the device ran them already).
     pub fn place(
         &mut self,
         routed: &[RoutedExpert],
@@ -251,6 +262,10 @@ impl LayerSlots {
             let fetched = match miss {
                 MoeMiss::Fetch => self.admit(r.expert, &slots, stats),
                 MoeMiss::Cpu => None,
+                MoeMiss::Pcie => {
+                    stats.pcie += 1;
+                    continue;
+                }
             };
             match fetched {
                 Some(slot) => {

@@ -47,8 +47,8 @@ use super::buffer::Buffer;
 use super::error::Result;
 use super::expert_cache::SlotExpert;
 use super::ops::{
-    route_floats, route_log_floats, zeroed_counters, Fused, GpuMatrix, IdFused, MoeRouteArgs,
-    MOE_ROUTE_MAX_EXPERTS,
+    route_floats, route_log_floats, route_split_floats, zeroed_counters, Fused, GpuMatrix, IdFused,
+    MoeRouteArgs, MOE_ROUTE_MAX_EXPERTS,
 };
 use super::record::Recorder;
 use super::upload::Uploader;
@@ -79,6 +79,26 @@ pub(super) struct GpuMoe {
     /// Rows of one expert's down.
     n_embd: usize,
     shared: Option<SharedExpert>,
+    /// Every routed expert of the layer in system RAM, where some have no slot and the GPU
+    /// reads those over the bus ([`GpuMoe::attach_host_experts`]).
+    host: Option<HostExperts>,
+}
+
+/// A MoE layer's routed experts in system RAM, all of them, laid out as the file's stacks
+/// (expert `e` in place `e`), the up stack after the gate stack where both fit one binding.
+struct HostExperts {
+    gate: GpuMatrix,
+    up: Option<GpuMatrix>,
+    down: GpuMatrix,
+}
+
+/// A layer's expert stacks as the expert-indexed products bind them: `n` experts in each.
+#[derive(Clone, Copy)]
+struct Stacks<'a> {
+    gate: &'a GpuMatrix,
+    up: Option<&'a GpuMatrix>,
+    down: &'a GpuMatrix,
+    n: usize,
 }
 
 /// Where one token's MoE layer goes: the routed experts, best first, and the shared expert's
@@ -127,6 +147,14 @@ pub(super) struct MoeScratch {
     gate_all: Buffer,
     up_all: Buffer,
     out_all: Buffer,
+    /// As `gate_all` and `up_all`, for the experts read from system RAM, so that their
+    /// products do not wait for the slots' (empty without such experts).
+    gate_host: Buffer,
+    up_host: Buffer,
+    /// Host-visible, where experts are read from system RAM: each MoE layer's slot of each
+    /// expert (`u32::MAX` for none), `n_expert` words a layer, written by the host whenever
+    /// the slots change ([`MoeScratch::write_slot_map`]).
+    slot_map: Option<Buffer>,
 }
 
 fn upload_matrix(
@@ -209,7 +237,59 @@ impl GpuMoe {
             n_ff: moe.gate.n_out,
             n_embd: moe.down.n_out,
             shared,
+            host: None,
         })
+    }
+
+    /// Copies every routed expert of `moe` (this layer's weights) into system RAM that the GPU
+    /// reads over the bus, for [`GpuMoe::record_routed`] to run the experts without a slot
+    /// there; the bytes it holds.
+    pub(super) fn attach_host_experts(
+        &mut self,
+        model: &Model,
+        device: &Arc<super::device::Device>,
+        moe: &MoeWeights,
+    ) -> Result<u64> {
+        let (g, u, d) = (
+            model.stacked(&moe.gate),
+            model.stacked(&moe.up),
+            model.stacked(&moe.down),
+        );
+        let stackable = g.ty == u.ty
+            && g.n_in == u.n_in
+            && moe.gate.n_out == moe.up.n_out
+            && g.data.len() == u.data.len()
+            && (g.data.len() + u.data.len()) as u64 <= device.max_storage_buffer_range();
+        let host = if stackable {
+            HostExperts {
+                gate: GpuMatrix::in_host_memory(device, g.ty, g.n_in, &[g.data, u.data])?,
+                up: None,
+                down: GpuMatrix::in_host_memory(device, d.ty, d.n_in, &[d.data])?,
+            }
+        } else {
+            HostExperts {
+                gate: GpuMatrix::in_host_memory(device, g.ty, g.n_in, &[g.data])?,
+                up: Some(GpuMatrix::in_host_memory(device, u.ty, u.n_in, &[u.data])?),
+                down: GpuMatrix::in_host_memory(device, d.ty, d.n_in, &[d.data])?,
+            }
+        };
+        let bytes = [Some(&host.gate), host.up.as_ref(), Some(&host.down)]
+            .iter()
+            .flatten()
+            .map(|m| m.buffer.size())
+            .sum();
+        self.host = Some(host);
+        Ok(bytes)
+    }
+
+    /// The VRAM slot stacks.
+    fn slot_stacks(&self) -> Stacks<'_> {
+        Stacks {
+            gate: &self.gate,
+            up: self.up.as_ref(),
+            down: &self.down,
+            n: self.n_slots,
+        }
     }
 
     /// Copies expert `expert` of `moe` (this layer's weights) into slot `slot`; the bytes
@@ -261,10 +341,17 @@ impl GpuMoe {
         }
     }
 
-    /// Whether [`GpuMoe::record_routed`] can run this layer: every expert resident, at most
-    /// [`MOE_ROUTE_MAX_EXPERTS`], and each stack within one binding of `max_range` bytes.
+    /// Whether [`GpuMoe::record_routed`] can run this layer: every expert resident or in system
+    /// RAM for the GPU ([`GpuMoe::attach_host_experts`]), at most [`MOE_ROUTE_MAX_EXPERTS`],
+    /// and each stack within one binding of `max_range` bytes.
     pub(super) fn routes_on_device(&self, cfg: &MoeConfig, max_range: u64) -> bool {
-        self.n_slots == cfg.n_expert
+        let host_fit = self.host.as_ref().is_some_and(|h| {
+            [Some(&h.gate), h.up.as_ref(), Some(&h.down)]
+                .iter()
+                .flatten()
+                .all(|m| m.buffer.size() <= max_range)
+        });
+        (self.n_slots == cfg.n_expert || host_fit)
             && cfg.n_expert <= MOE_ROUTE_MAX_EXPERTS
             && self.stacks_fit(max_range)
     }
@@ -282,11 +369,21 @@ impl GpuMoe {
         s: &MoeScratch,
     ) -> Result<()> {
         let k = cfg.n_expert_used;
+        let slots = match (&self.host, &s.slot_map) {
+            (Some(_), Some(map)) => Some((map, (layer * cfg.n_expert) as u32)),
+            (Some(_), None) => {
+                return Err(super::error::GpuError::Unsupported(
+                    "experts in system RAM without a slot map".into(),
+                ))
+            }
+            (None, _) => None,
+        };
         let args = MoeRouteArgs {
             n_expert: cfg.n_expert as u32,
             k: k as u32,
             norm_weights: cfg.norm_weights,
             log_offset: (layer * route_log_floats(cfg.n_expert, k)) as u32,
+            slots,
         };
         if self.shared.is_none() && self.router.wtype == WeightType::F32 {
             // The router's product and the routing in one dispatch.
@@ -339,6 +436,10 @@ impl GpuMoe {
     /// The k experts whose slots `route` holds (as [`route_floats`] lays them out), from the
     /// residual `x` RMSNorm'd with `norm` in the dispatch that runs them, their sum with the
     /// weights from `route` added to `x`, then the shared expert with its gate from `route`.
+    /// With experts in system RAM, those `route` lists after the shared gate
+    /// ([`route_split_floats`]) run from there, beside the slots' (their gate and up products
+    /// in dispatches of their own, which the slots' do not wait for), and their sum is added
+    /// after the slots'.
     fn record_fused(
         &self,
         rec: &mut Recorder<'_>,
@@ -347,35 +448,77 @@ impl GpuMoe {
         route: &Buffer,
         s: &MoeScratch,
     ) -> Result<()> {
-        let (ff, n_embd) = (self.n_ff, self.n_embd);
-        let (k32, ff32) = (k as u32, ff as u32);
-        let ids = (route, 0);
-        let gate_out = (&s.gate_all, ff32);
-        let normed = IdFused {
-            norm: Some(norm),
-            ..IdFused::default()
-        };
-        match &self.up {
-            None => {
-                let glu = IdFused {
-                    glu_up_rows: Some(self.n_slots * ff),
-                    ..normed
-                };
-                rec.matvec_id_fused(&self.gate, ff, ids, k32, (x, 0), gate_out, glu)?;
-            }
-            Some(up) => {
-                rec.matvec_id_fused(&self.gate, ff, ids, k32, (x, 0), gate_out, normed)?;
-                let up_out = (&s.up_all, ff32);
-                rec.matvec_id_fused(up, ff, ids, k32, (x, 0), up_out, normed)?;
-                rec.swiglu(&s.gate_all, &s.up_all, k32 * ff32)?;
-            }
+        let (k32, ff32) = (k as u32, self.n_ff as u32);
+        let mut halves = vec![(self.slot_stacks(), 0, (&s.gate_all, &s.up_all))];
+        if let Some(h) = &self.host {
+            let stacks = Stacks {
+                gate: &h.gate,
+                up: h.up.as_ref(),
+                down: &h.down,
+                n: self.gate_stack_experts(&h.gate, h.up.is_none()),
+            };
+            let host_at = route_floats(k) as u32;
+            halves.push((stacks, host_at, (&s.gate_host, &s.up_host)));
+        }
+        for &(stacks, rank, (gate_out, up_out)) in &halves {
+            self.record_gate_up(
+                rec,
+                stacks,
+                (route, rank),
+                k32,
+                (x, norm),
+                (gate_out, up_out),
+            )?;
         }
         let summed = IdFused {
             sum_weights_at: Some(k32),
             ..IdFused::default()
         };
-        rec.matvec_id_fused(&self.down, n_embd, ids, k32, gate_out, (x, 0), summed)?;
+        for &(stacks, rank, (gate_out, _)) in &halves {
+            let ids = (route, rank);
+            let input = (gate_out, ff32);
+            rec.matvec_id_fused(stacks.down, self.n_embd, ids, k32, input, (x, 0), summed)?;
+        }
         self.add_shared(rec, k32, x, route, s)
+    }
+
+    /// Experts in a gate stack (with the up stack after it where `with_up`).
+    fn gate_stack_experts(&self, gate: &GpuMatrix, with_up: bool) -> usize {
+        gate.n_out / self.n_ff / if with_up { 2 } else { 1 }
+    }
+
+    /// The gate, up and SwiGLU of the k experts of `stacks` whose ids `ids` lists from the
+    /// residual `x` RMSNorm'd with `norm`, into `gate_out` (`up_out` holding the up products
+    /// where the up stack is apart).
+    #[allow(clippy::too_many_arguments)]
+    fn record_gate_up(
+        &self,
+        rec: &mut Recorder<'_>,
+        stacks: Stacks<'_>,
+        ids: (&Buffer, u32),
+        k32: u32,
+        (x, norm): (&Buffer, (&Buffer, f32)),
+        (gate_out, up_out): (&Buffer, &Buffer),
+    ) -> Result<()> {
+        let (ff, ff32) = (self.n_ff, self.n_ff as u32);
+        let normed = IdFused {
+            norm: Some(norm),
+            ..IdFused::default()
+        };
+        match stacks.up {
+            None => {
+                let glu = IdFused {
+                    glu_up_rows: Some(stacks.n * ff),
+                    ..normed
+                };
+                rec.matvec_id_fused(stacks.gate, ff, ids, k32, (x, 0), (gate_out, ff32), glu)
+            }
+            Some(up) => {
+                rec.matvec_id_fused(stacks.gate, ff, ids, k32, (x, 0), (gate_out, ff32), normed)?;
+                rec.matvec_id_fused(up, ff, ids, k32, (x, 0), (up_out, ff32), normed)?;
+                rec.swiglu(gate_out, up_out, k32 * ff32)
+            }
+        }
     }
 
     /// The k experts whose slots `route` holds, from `xn`, each expert's products one dispatch
@@ -684,12 +827,12 @@ impl MoeScratch {
 
     /// Scratch for `n_layer` layers of `cfg` with experts of `n_embd` outputs and a shared
     /// expert of `shared_ff` hidden rows (0: none).
+    /// With `host_experts`, room for the experts read from system RAM and the slot map.
     pub(super) fn new(
         alloc: &Arc<Allocator>,
         cfg: &MoeConfig,
-        n_layer: usize,
-        n_embd: usize,
-        shared_ff: usize,
+        (n_layer, n_embd, shared_ff): (usize, usize, usize),
+        host_experts: bool,
     ) -> Result<MoeScratch> {
         let k = cfg.n_expert_used;
         let f32s = |n: usize| Buffer::new_in(alloc, n as u64 * 4, MemoryUse::DeviceLocal);
@@ -710,7 +853,7 @@ impl MoeScratch {
             router_dev: f32s(cfg.n_expert)?,
             router_done: zeroed_counters(alloc, 1)?,
             shared_logit_dev: f32s(1)?,
-            route: f32s(route_floats(k))?,
+            route: f32s(route_split_floats(k))?,
             log: Buffer::new_in(
                 alloc,
                 (n_layer * route_log_floats(cfg.n_expert, k)) as u64 * 4,
@@ -719,6 +862,28 @@ impl MoeScratch {
             gate_all: f32s(k * cfg.n_ff_expert)?,
             up_all: f32s(k * cfg.n_ff_expert)?,
             out_all: f32s(k * n_embd)?,
+            gate_host: f32s(if host_experts { k * cfg.n_ff_expert } else { 0 })?,
+            up_host: f32s(if host_experts { k * cfg.n_ff_expert } else { 0 })?,
+            slot_map: if host_experts {
+                let words = (n_layer * cfg.n_expert) as u64;
+                Some(Buffer::new_in(alloc, words * 4, MemoryUse::DeviceMapped)?)
+            } else {
+                None
+            },
         })
+    }
+
+    /// Writes layer `layer`'s part of the slot map: `slot_of[e]`, the slot of expert `e`.
+    /// Only between steps: a step reads it while it runs.
+    pub(super) fn write_slot_map(&mut self, layer: usize, slot_of: &[Option<usize>]) {
+        let map = self
+            .slot_map
+            .as_mut()
+            .expect("a slot map where experts are read from system RAM");
+        let at = layer * slot_of.len() * 4;
+        let bytes = &mut map.bytes_mut()[at..at + slot_of.len() * 4];
+        for (w, s) in bytes.chunks_exact_mut(4).zip(slot_of) {
+            w.copy_from_slice(&s.map_or(u32::MAX, |s| s as u32).to_le_bytes());
+        }
     }
 }

@@ -19,7 +19,8 @@ use crate::model::RopeLayout;
 
 // The MoE layer's operations live in `ops_moe`; their arguments are named here too.
 pub use super::ops_moe::{
-    route_floats, route_log_floats, IdFused, MoeRouteArgs, MOE_ROUTE_MAX_EXPERTS,
+    route_floats, route_log_floats, route_split_floats, IdFused, MoeRouteArgs,
+    MOE_ROUTE_MAX_EXPERTS,
 };
 
 /// The shader weight type of a GGUF type, if the GPU kernels read it.
@@ -98,6 +99,77 @@ impl GpuMatrix {
 /// Copies `parts` one after another into `buffer` from its start (a matrix's bytes, or a GLU
 /// stack's). Uploads are whole words: a length that is not is padded with zeros, which the
 /// buffer (rounded up to words) has room for.
+impl GpuMatrix {
+    /// Matrices of the same type and width as one (as [`GpuMatrix::upload_stack`]), in a buffer
+    /// of system RAM that the GPU reads over the bus ([`Buffer::new_host_memory`]), copied
+    /// there by the host's threads: MoE experts that have no VRAM slot.
+    pub fn in_host_memory(
+        device: &Arc<super::device::Device>,
+        ty: GgmlType,
+        n_in: usize,
+        parts: &[&[u8]],
+    ) -> Result<GpuMatrix> {
+        let wtype = weight_type(ty)
+            .ok_or_else(|| GpuError::Unsupported(format!("{ty} weights on the GPU")))?;
+        let row_bytes = ty
+            .row_bytes(n_in as u64)
+            .filter(|_| n_in.is_multiple_of(32))
+            .ok_or_else(|| GpuError::Unsupported(format!("rows of {n_in} {ty} weights")))?;
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        assert!(
+            parts
+                .iter()
+                .all(|p| (p.len() as u64).is_multiple_of(row_bytes)),
+            "matrix bytes"
+        );
+        let mut buffer = Buffer::new_host_memory(device, len as u64)?;
+        let dst = buffer.bytes_mut();
+        let (filled, rest) = dst.split_at_mut(len);
+        rest.fill(0);
+        let mut pieces = Vec::new();
+        let mut left = filled;
+        for p in parts {
+            let (d, r) = left.split_at_mut(p.len());
+            pieces.push((d, *p));
+            left = r;
+        }
+        copy_parallel(pieces);
+        Ok(GpuMatrix {
+            buffer,
+            wtype,
+            n_in,
+            n_out: (len as u64 / row_bytes) as usize,
+            row_bytes,
+        })
+    }
+}
+
+/// Copies each `(destination, source)` pair, large ones cut into pieces spread over the
+/// machine's threads (one thread copies from a memory map at a fraction of memory speed).
+fn copy_parallel(pairs: Vec<(&mut [u8], &[u8])>) {
+    const PIECE: usize = 8 << 20;
+    let mut jobs: Vec<(&mut [u8], &[u8])> = Vec::new();
+    for (d, s) in pairs {
+        jobs.extend(d.chunks_mut(PIECE).zip(s.chunks(PIECE)));
+    }
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(jobs.len());
+    if threads <= 1 {
+        jobs.into_iter().for_each(|(d, s)| d.copy_from_slice(s));
+        return;
+    }
+    let per = jobs.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let mut rest = jobs;
+        while !rest.is_empty() {
+            let tail = rest.split_off(per.min(rest.len()));
+            let mine = std::mem::replace(&mut rest, tail);
+            scope.spawn(move || mine.into_iter().for_each(|(d, s)| d.copy_from_slice(s)));
+        }
+    });
+}
+
 pub(crate) fn fill_parts(uploader: &mut Uploader, buffer: &Buffer, parts: &[&[u8]]) -> Result<()> {
     if parts.iter().all(|p| p.len().is_multiple_of(4)) {
         let mut at = 0u64;

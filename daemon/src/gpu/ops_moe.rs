@@ -20,6 +20,12 @@ pub fn route_floats(k: usize) -> usize {
     2 * k + 1
 }
 
+/// Floats of [`Recorder::moe_route`]'s buffer when some experts have no VRAM slot
+/// ([`MoeRouteArgs::slots`]): [`route_floats`], then `k` entries listing the experts without one.
+pub fn route_split_floats(k: usize) -> usize {
+    route_floats(k) + k
+}
+
 /// Floats of one routing in [`Recorder::moe_route`]'s log: the router logits, then the
 /// routing.
 pub fn route_log_floats(n_expert: usize, k: usize) -> usize {
@@ -27,8 +33,8 @@ pub fn route_log_floats(n_expert: usize, k: usize) -> usize {
 }
 
 /// One MoE layer's routing on the device.
-#[derive(Debug, Clone, Copy)]
-pub struct MoeRouteArgs {
+#[derive(Clone, Copy)]
+pub struct MoeRouteArgs<'b> {
     pub n_expert: u32,
     /// Experts chosen per token.
     pub k: u32,
@@ -36,6 +42,22 @@ pub struct MoeRouteArgs {
     pub norm_weights: bool,
     /// Float offset of this routing in the log.
     pub log_offset: u32,
+    /// Where some experts have no VRAM slot: the slot map (a `u32` per expert, `u32::MAX` for
+    /// none) and the index of this layer's expert 0 in it. The routing's ids are then slots
+    /// (`u32::MAX` for an expert without one), and entries [`route_floats`]`(k)..` list the
+    /// experts without one (`u32::MAX` for those with one), as [`route_split_floats`] counts.
+    pub slots: Option<(&'b Buffer, u32)>,
+}
+
+impl MoeRouteArgs<'_> {
+    /// `(host_at, map_offset)` of the kernel's parameters, and the binding of the slot map
+    /// (`unused` stands in without one).
+    fn split<'a>(&'a self, unused: &'a Buffer) -> (u32, u32, &'a Buffer) {
+        match self.slots {
+            Some((map, offset)) => (route_floats(self.k as usize) as u32, offset, map),
+            None => (0, 0, unused),
+        }
+    }
 }
 
 /// What an expert-indexed product ([`Recorder::matvec_id_fused`]) does besides `W_e · x`.
@@ -181,15 +203,18 @@ impl Recorder<'_> {
         shared_logit: Option<&Buffer>,
         route: &Buffer,
         log: &Buffer,
-        args: MoeRouteArgs,
+        args: MoeRouteArgs<'_>,
     ) -> Result<()> {
         check_routing(route, log, args)?;
+        let (host_at, map_offset, slot_map) = args.split(logits);
         let push = MoeRouteParams {
             n_expert: args.n_expert,
             k: args.k,
             norm: u32::from(args.norm_weights),
             has_shared: u32::from(shared_logit.is_some()),
             log_offset: args.log_offset,
+            host_at,
+            map_offset,
         };
         // Without a shared expert the binding is unused; the logits stand in for it.
         let bindings = [
@@ -197,6 +222,7 @@ impl Recorder<'_> {
             Binding::read(shared_logit.unwrap_or(logits)),
             Binding::write(route),
             Binding::write(log),
+            Binding::read(slot_map),
         ];
         let id = self.variant(Op::MoeRoute, None)?;
         self.dispatch(id, &bindings, &push, [1, 1, 1])
@@ -214,7 +240,7 @@ impl Recorder<'_> {
         (logits, done): (&Buffer, &Buffer),
         route: &Buffer,
         log: &Buffer,
-        args: MoeRouteArgs,
+        args: MoeRouteArgs<'_>,
     ) -> Result<()> {
         let n = args.n_expert as usize;
         let n_in = router.n_in;
@@ -232,12 +258,15 @@ impl Recorder<'_> {
             )));
         }
         check_routing(route, log, args)?;
+        let (host_at, map_offset, slot_map) = args.split(x);
         let push = MoeRouterParams {
             n_expert: args.n_expert,
             k: args.k,
             norm: u32::from(args.norm_weights),
             has_shared: 0,
             log_offset: args.log_offset,
+            host_at,
+            map_offset,
             n_in: n_in as u32,
             eps: norm.1,
         };
@@ -250,6 +279,7 @@ impl Recorder<'_> {
             Binding::read(x),
             Binding::read(norm.0),
             Binding::write(done),
+            Binding::read(slot_map),
         ];
         let id = self.variant(Op::MoeRouter, None)?;
         self.dispatch(id, &bindings, &push, [args.n_expert, 1, 1])
@@ -283,7 +313,7 @@ impl Recorder<'_> {
 /// Refuses a routing the kernel cannot make ([`Recorder::moe_route`], [`Recorder::moe_router`]):
 /// more experts than [`MOE_ROUTE_MAX_EXPERTS`], k outside `1..=n_expert`, or `route` and `log`
 /// too small for it.
-fn check_routing(route: &Buffer, log: &Buffer, args: MoeRouteArgs) -> Result<()> {
+fn check_routing(route: &Buffer, log: &Buffer, args: MoeRouteArgs<'_>) -> Result<()> {
     let (n, k) = (args.n_expert as usize, args.k as usize);
     if n > MOE_ROUTE_MAX_EXPERTS || k == 0 || k > n {
         return Err(GpuError::Unsupported(format!(
@@ -291,7 +321,17 @@ fn check_routing(route: &Buffer, log: &Buffer, args: MoeRouteArgs) -> Result<()>
         )));
     }
     let log_end = (args.log_offset as usize + route_log_floats(n, k)) as u64 * 4;
-    if route.size() < route_floats(k) as u64 * 4 || log.size() < log_end {
+    let route_end = match args.slots {
+        Some((map, offset)) if map.size() < (offset as u64 + n as u64) * 4 => {
+            return Err(GpuError::Unsupported(format!(
+                "a slot map of {} bytes for {n} experts from entry {offset}",
+                map.size()
+            )));
+        }
+        Some(_) => route_split_floats(k),
+        None => route_floats(k),
+    };
+    if route.size() < route_end as u64 * 4 || log.size() < log_end {
         return Err(GpuError::Unsupported(format!(
             "routing buffers of {} and {} bytes for {k} of {n} experts",
             route.size(),

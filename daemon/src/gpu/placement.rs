@@ -14,7 +14,8 @@
 //! gate, up and down rows), slot `i` holding expert `i` at load. A routed expert found in a slot
 //! runs on the GPU; a miss runs on the CPU ([`MoeMiss::Cpu`], the default: for one token at
 //! decode, the CPU's pass over the expert's bytes in RAM costs less than copying them over
-//! PCIe) or is fetched into a slot the cache policy gives up ([`MoeMiss::Fetch`]).
+//! PCIe) or is fetched into a slot the cache policy gives up ([`MoeMiss::Fetch`]), or is read
+//! by the GPU over the bus from a copy of every expert in system RAM ([`MoeMiss::Pcie`]).
 //!
 //! The smallest budget that runs a MoE model ([`MinimumBudget`]) is its non-expert weights, KV
 //! cache and scratch, one expert slot per MoE layer, the upload staging where it counts against
@@ -53,6 +54,11 @@ pub enum MoeMiss {
     Cpu,
     /// Copied into a slot (evicting by the cache policy), then run on the GPU.
     Fetch,
+    /// Run on the GPU from system RAM: every routed expert is also kept there, in memory the
+    /// GPU reads over the bus, and a step's experts without a slot are read from it by the
+    /// same dispatches as the resident ones. The step stays one submission, routed on the
+    /// device, with no host turn between layers.
+    Pcie,
 }
 
 impl FromStr for MoeMiss {
@@ -62,7 +68,10 @@ impl FromStr for MoeMiss {
         match s {
             "cpu" => Ok(MoeMiss::Cpu),
             "fetch" => Ok(MoeMiss::Fetch),
-            _ => Err(format!("`{s}` is not a miss policy: use cpu or fetch")),
+            "pcie" => Ok(MoeMiss::Pcie),
+            _ => Err(format!(
+                "`{s}` is not a miss policy: use cpu, fetch or pcie"
+            )),
         }
     }
 }
@@ -72,6 +81,7 @@ impl fmt::Display for MoeMiss {
         f.write_str(match self {
             MoeMiss::Cpu => "cpu",
             MoeMiss::Fetch => "fetch",
+            MoeMiss::Pcie => "pcie",
         })
     }
 }
@@ -435,7 +445,7 @@ mod tests {
 
     #[test]
     fn miss_policies_parse_and_print() {
-        for m in [MoeMiss::Cpu, MoeMiss::Fetch] {
+        for m in [MoeMiss::Cpu, MoeMiss::Fetch, MoeMiss::Pcie] {
             assert_eq!(m.to_string().parse::<MoeMiss>(), Ok(m));
         }
         assert!("gpu".parse::<MoeMiss>().is_err());

@@ -249,6 +249,12 @@ struct Experts {
     /// Present when misses go to the CPU and the slots follow demand
     /// ([`GpuModelOptions::promote_experts`]).
     promoter: Option<promote::Promoter>,
+    /// Bytes of the copy of every routed expert in system RAM that the GPU reads misses from
+    /// ([`MoeMiss::Pcie`]); 0 without it.
+    host_bytes: u64,
+    /// The slots changed since the device's slot map was written (read with [`MoeMiss::Pcie`]
+    /// only).
+    map_stale: bool,
 }
 
 /// Where a step's next command buffer starts.
@@ -510,6 +516,27 @@ impl GpuModel {
         };
         let output_norm = upload_f32(al, &mut up, &model.output_norm)?;
         let kv_bytes = (capacity * c.kv_width() * 2) as u64;
+        // Misses read by the GPU from system RAM: every routed expert is copied there too.
+        let host_experts = placement.is_partial() && options.moe_miss == MoeMiss::Pcie;
+        if host_experts {
+            let bytes = model.layers.iter().map(|l| match &l.ffn {
+                Ffn::Moe(m) => [&m.gate, &m.up, &m.down]
+                    .iter()
+                    .map(|w| model.stacked(w).data.len() as u64)
+                    .sum(),
+                Ffn::Dense { .. } => 0,
+            });
+            let bytes: u64 = bytes.sum();
+            if let Some(budget) = options.ram_budget.filter(|&b| b < bytes) {
+                return Err(GpuError::Unsupported(format!(
+                    "misses read over PCIe keep every routed expert in system RAM ({:.2} GiB), \
+                     more than the RAM budget of {:.2} GiB: raise it, or use --moe-miss cpu",
+                    bytes as f64 / (1u64 << 30) as f64,
+                    budget as f64 / (1u64 << 30) as f64,
+                )));
+            }
+        }
+        let mut host_bytes = 0;
         let mut layers = Vec::with_capacity(c.n_layer);
         for (il, layer) in model.layers.iter().enumerate() {
             let ffn = match &layer.ffn {
@@ -521,13 +548,13 @@ impl GpuModel {
                     gate_up: GateUp::upload(model, al, &mut up, gate, w_up)?,
                     down: matrix(model, al, &mut up, down)?,
                 },
-                Ffn::Moe(moe) => GpuFfn::Moe(GpuMoe::upload(
-                    model,
-                    al,
-                    &mut up,
-                    moe,
-                    placement.slots_of(il),
-                )?),
+                Ffn::Moe(moe) => {
+                    let mut m = GpuMoe::upload(model, al, &mut up, moe, placement.slots_of(il))?;
+                    if host_experts {
+                        host_bytes += m.attach_host_experts(model, device, moe)?;
+                    }
+                    GpuFfn::Moe(m)
+                }
             };
             layers.push(GpuLayer::upload(model, al, &mut up, layer, ffn, kv_bytes)?);
             // Bounds the staging memory the pending copies pin to one layer's worth.
@@ -552,7 +579,12 @@ impl GpuModel {
             }
         }
         let moe = match &c.moe {
-            Some(cfg) => Some(MoeScratch::new(al, cfg, c.n_layer, c.n_embd, shared_ff)?),
+            Some(cfg) => Some(MoeScratch::new(
+                al,
+                cfg,
+                (c.n_layer, c.n_embd, shared_ff),
+                host_experts,
+            )?),
             None => None,
         };
         let act = Activations {
@@ -577,10 +609,12 @@ impl GpuModel {
                     .into(),
             ));
         }
-        // The CPU's experts, from the memory map or, under a RAM budget, a cache of them.
+        // The CPU's experts, from the memory map or, under a RAM budget, a cache of them (with
+        // misses read over PCIe the CPU computes none: its threads stage promotions).
         let mut ram = match (placement.is_partial(), options.ram_budget) {
             (false, _) => None,
             (true, None) => Some(None),
+            (true, Some(_)) if host_experts => Some(None),
             (true, Some(budget)) => Some(Some(open_expert_cache(
                 model,
                 budget,
@@ -614,13 +648,15 @@ impl GpuModel {
                 cpu: ram.map(|ram| CpuExperts::new(model.clone(), threads, ram)),
                 uploader: None,
                 promoter: None,
+                host_bytes,
+                map_stale: host_experts,
             }
         });
         let max_range = allocator.device().max_storage_buffer_range();
         let routes_on_device = match &c.moe {
             Some(cfg) => {
                 !options.host_routing
-                    && !placement.is_partial()
+                    && (!placement.is_partial() || host_experts)
                     && layers.iter().all(|l| match &l.ffn {
                         GpuFfn::Moe(m) => m.routes_on_device(cfg, max_range),
                         GpuFfn::Dense { .. } => true,
@@ -628,6 +664,13 @@ impl GpuModel {
             }
             None => false,
         };
+        if host_experts && !routes_on_device {
+            return Err(GpuError::Unsupported(format!(
+                "misses read over PCIe need the routing on the device (at most {} experts, \
+                 each layer's stacks within one binding, no --host-routing): use --moe-miss cpu",
+                super::ops::MOE_ROUTE_MAX_EXPERTS
+            )));
+        }
         let chained = options.chain
             && c.moe.is_some()
             && placement.is_partial()
@@ -841,6 +884,7 @@ impl GpuModel {
         if !self.chained {
             self.flush_promotions()?;
         }
+        self.write_slot_map();
         let (logits, host) = if self.replays && !profiling {
             (self.eval_replay()?, None)
         } else if self.chained {
@@ -1107,6 +1151,30 @@ impl GpuModel {
             );
         }
         routings
+    }
+
+    /// Writes the slots of every MoE layer to the device's slot map where the GPU reads misses
+    /// from system RAM and they changed (at load, and after promotions): before a step, once
+    /// the copies into the slots are done.
+    fn write_slot_map(&mut self) {
+        let (Some(ex), Some(scratch)) = (self.experts.as_mut(), self.act.moe.as_mut()) else {
+            return;
+        };
+        if !ex.map_stale || ex.host_bytes == 0 {
+            return;
+        }
+        for (il, slots) in ex.slots.iter().enumerate() {
+            if let Some(slots) = slots {
+                scratch.write_slot_map(il, slots.slot_table());
+            }
+        }
+        ex.map_stale = false;
+    }
+
+    /// Bytes of system RAM holding every routed expert for the GPU to read its misses from
+    /// ([`MoeMiss::Pcie`]); 0 otherwise.
+    pub fn host_expert_bytes(&self) -> u64 {
+        self.experts.as_ref().map_or(0, |e| e.host_bytes)
     }
 
     /// Where `routing`'s experts run: slots, fetches (copied here, before the GPU part is

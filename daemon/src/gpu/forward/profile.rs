@@ -307,6 +307,7 @@ fn delta(now: &LayerExpertStats, before: Option<&LayerExpertStats>) -> LayerExpe
         misses: now.misses - b.misses,
         cpu: now.cpu - b.cpu,
         fetched: now.fetched - b.fetched,
+        pcie: now.pcie - b.pcie,
         evictions: now.evictions - b.evictions,
         promoted: now.promoted - b.promoted,
         bytes_uploaded: now.bytes_uploaded - b.bytes_uploaded,

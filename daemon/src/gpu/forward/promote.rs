@@ -208,6 +208,7 @@ impl GpuModel {
         if copies.is_empty() {
             return Ok(0);
         }
+        ex.map_stale = true;
         let t = Instant::now();
         let mut uploads = Vec::with_capacity(3 * copies.len());
         for &(il, slot, expert) in &copies {
