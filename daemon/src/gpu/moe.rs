@@ -333,6 +333,51 @@ impl GpuMoe {
         })
     }
 
+    /// Whether the layer's experts are also in system RAM ([`GpuMoe::attach_host_experts`]).
+    pub(super) fn has_host_experts(&self) -> bool {
+        self.host.is_some()
+    }
+
+    /// The device's copies (source, offset, destination, offset, bytes) that put expert
+    /// `expert` into slot `slot` from the layer's experts in system RAM: its gate, up and down.
+    ///
+    /// # Panics
+    /// Without experts in system RAM, or with `slot` out of range.
+    pub(super) fn host_slot_copies(
+        &self,
+        slot: usize,
+        expert: usize,
+    ) -> [(&Buffer, u64, &Buffer, u64, u64); 3] {
+        assert!(slot < self.n_slots, "slot {slot} of {}", self.n_slots);
+        let h = self.host.as_ref().expect("experts in system RAM");
+        let up = h.up.as_ref().unwrap_or(&h.gate);
+        // Where the up stack follows the gate stack, its expert 0 comes after all the gates.
+        let host_up_first = match h.up {
+            Some(_) => 0,
+            None => self.gate_stack_experts(&h.gate, true),
+        };
+        let (vram_up, vram_up_first) = self.up_rows();
+        let vram_up_slot = vram_up_first / self.n_ff + slot;
+        let bytes = |m: &GpuMatrix, rows: usize| (rows as u64) * m.row_bytes;
+        let (g, u, d) = (
+            bytes(&h.gate, self.n_ff),
+            bytes(up, self.n_ff),
+            bytes(&h.down, self.n_embd),
+        );
+        let (e, s) = (expert as u64, slot as u64);
+        [
+            (&h.gate.buffer, e * g, &self.gate.buffer, s * g, g),
+            (
+                &up.buffer,
+                (host_up_first as u64 + e) * u,
+                &vram_up.buffer,
+                vram_up_slot as u64 * u,
+                u,
+            ),
+            (&h.down.buffer, e * d, &self.down.buffer, s * d, d),
+        ]
+    }
+
     /// The matrix holding the up stack and the row where it starts there.
     fn up_rows(&self) -> (&GpuMatrix, usize) {
         match &self.up {

@@ -845,12 +845,20 @@ impl Recorder<'_> {
         (dst, dst_offset): (&Buffer, u64),
         size: u64,
     ) -> Result<()> {
-        if src_offset + size > src.size() || dst_offset + size > dst.size() {
-            return Err(GpuError::Unsupported(format!(
-                "a copy of {size} bytes from {src_offset} of {} into {dst_offset} of {}",
-                src.size(),
-                dst.size()
-            )));
+        self.copies(&[(src, src_offset, dst, dst_offset, size)])
+    }
+
+    /// [`Recorder::copy`] of each `(src, src_offset, dst, dst_offset, size)`, all between one
+    /// barrier before and one after.
+    pub fn copies(&mut self, copies: &[(&Buffer, u64, &Buffer, u64, u64)]) -> Result<()> {
+        for &(src, src_offset, dst, dst_offset, size) in copies {
+            if src_offset + size > src.size() || dst_offset + size > dst.size() {
+                return Err(GpuError::Unsupported(format!(
+                    "a copy of {size} bytes from {src_offset} of {} into {dst_offset} of {}",
+                    src.size(),
+                    dst.size()
+                )));
+            }
         }
         let dev = &self.kernels.device.raw;
         let before = vk::MemoryBarrier::default()
@@ -863,13 +871,8 @@ impl Recorder<'_> {
                     | vk::AccessFlags::SHADER_WRITE
                     | vk::AccessFlags::HOST_READ,
             );
-        let region = [vk::BufferCopy {
-            src_offset,
-            dst_offset,
-            size,
-        }];
-        // SAFETY: `cmd` is recording; both buffers outlive the recording's submission (the
-        // caller's borrows) and the region lies inside them, as checked above.
+        // SAFETY: `cmd` is recording; the buffers outlive the recording's submission (the
+        // caller's borrows) and every region lies inside them, as checked above.
         unsafe {
             dev.cmd_pipeline_barrier(
                 self.cmd,
@@ -880,7 +883,14 @@ impl Recorder<'_> {
                 &[],
                 &[],
             );
-            dev.cmd_copy_buffer(self.cmd, src.raw, dst.raw, &region);
+            for &(src, src_offset, dst, dst_offset, size) in copies {
+                let region = [vk::BufferCopy {
+                    src_offset,
+                    dst_offset,
+                    size,
+                }];
+                dev.cmd_copy_buffer(self.cmd, src.raw, dst.raw, &region);
+            }
             dev.cmd_pipeline_barrier(
                 self.cmd,
                 vk::PipelineStageFlags::TRANSFER,

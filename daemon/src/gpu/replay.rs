@@ -107,15 +107,24 @@ impl Replay {
     /// call are visible to it (a submission makes them so); its writes are visible to the host
     /// after.
     pub fn run(&self) -> Result<()> {
+        self.run_after(None)
+    }
+
+    /// [`Replay::run`], with `first`'s recording ahead of this one in the same submission (a
+    /// barrier at its end orders what this one reads after what it wrote): copies into VRAM
+    /// that the step needs, without a submission and a wait of their own. `first`'s own fence
+    /// is not used.
+    pub fn run_after(&self, first: Option<&Replay>) -> Result<()> {
         self.device.check_lost(LossPoint::Submit)?;
         let dev = &self.device.raw;
-        let cmds = [self.cmd];
+        let cmds: Vec<vk::CommandBuffer> = first.iter().map(|f| f.cmd).chain([self.cmd]).collect();
         let submit = [vk::SubmitInfo::default().command_buffers(&cmds)];
         {
             let queue = self.device.queue.lock();
-            // SAFETY: the queue is externally synchronised by its mutex; `cmd` is executable and
-            // not pending (every run waits for its fence before returning); the fence is
-            // unsignalled (created so, reset after each wait).
+            // SAFETY: the queue is externally synchronised by its mutex; both command buffers
+            // are executable and not pending (every run waits for its fence before returning,
+            // which covers `first` too); the fence is unsignalled (created so, reset after each
+            // wait).
             unsafe { dev.queue_submit(*queue, &submit, self.fence) }
                 .map_err(|r| self.device.map_result(r))?;
         }

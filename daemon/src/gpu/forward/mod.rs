@@ -881,11 +881,15 @@ impl GpuModel {
         if profiling {
             self.profile_before();
         }
-        if !self.chained {
+        let replaying = self.replays && !profiling;
+        if replaying {
+            // Copies from system RAM go ahead of the step, in its submission.
+            self.flush_staged_promotions()?;
+        } else if !self.chained {
             self.flush_promotions()?;
         }
         self.write_slot_map();
-        let (logits, host) = if self.replays && !profiling {
+        let (logits, host) = if replaying {
             (self.eval_replay()?, None)
         } else if self.chained {
             let logits = self.eval_chained()?;
@@ -920,8 +924,9 @@ impl GpuModel {
             debug_assert!(paused_at.is_none(), "a replayed step is one submission");
             self.replay = Some(replay);
         }
+        let copies = self.host_copies_recording()?;
         let replay = self.replay.as_ref().expect("recorded above");
-        replay.run()?;
+        replay.run_after(copies.as_ref())?;
         self.last_stats = replay.stats();
         self.last_routing = if self.routes_on_device {
             self.device_routings()

@@ -18,6 +18,11 @@
 //! is a chain ([`super::chained`]), so they cost no submission of their own (about 0.55 ms on
 //! the H200 machine); before any other step or a prompt they are submitted and waited for.
 //!
+//! With every expert also in system RAM ([`MoeMiss::Pcie`](crate::gpu::placement::MoeMiss::Pcie))
+//! the host copies nothing: the device copies the expert from there into the slot, in a
+//! command buffer that a replayed step submits ahead of itself (the first round's are run
+//! alone and timed, to price the later ones).
+//!
 //! Partial: the copies go through the compute queue, not on a transfer queue beside it; under
 //! a RAM budget their bytes still come through the memory map.
 
@@ -25,8 +30,10 @@ use std::time::{Duration, Instant};
 
 use super::GpuModel;
 use crate::gpu::alloc::Allocator;
+use crate::gpu::buffer::Buffer;
 use crate::gpu::error::Result;
 use crate::gpu::placement::ExpertShape;
+use crate::gpu::replay::Replay;
 use crate::gpu::upload::Uploader;
 use crate::model::{Ffn, Model};
 
@@ -51,6 +58,10 @@ pub(super) struct Promoter {
     moe_layers: Vec<usize>,
     /// The MoE layer (index into `moe_layers`) whose turn comes first next round.
     next: usize,
+    /// Promotions (layer, slot, expert) whose copies come from the experts in system RAM
+    /// ([`MoeMiss::Pcie`](crate::gpu::placement::MoeMiss::Pcie)) and wait for the next step's
+    /// submission, ahead of it.
+    host_copies: Vec<(usize, usize, usize)>,
     /// Time spent, in all.
     time: PromotionTime,
 }
@@ -101,6 +112,7 @@ impl Promoter {
             ns_per_expert: None,
             credit_ns: 0.0,
             next: 0,
+            host_copies: Vec::new(),
             time: PromotionTime::default(),
         })
     }
@@ -131,6 +143,12 @@ impl GpuModel {
     /// Submits the promotions' pending copies and waits for them: before anything but a
     /// chained step reads the slots.
     pub(super) fn flush_promotions(&mut self) -> Result<()> {
+        self.flush_staged_promotions()?;
+        self.run_host_copies().map(drop)
+    }
+
+    /// The staged part of [`GpuModel::flush_promotions`]: copies from upload staging.
+    pub(super) fn flush_staged_promotions(&mut self) -> Result<()> {
         let Some(p) = self.experts.as_mut().and_then(|e| e.promoter.as_mut()) else {
             return Ok(());
         };
@@ -141,6 +159,56 @@ impl GpuModel {
         p.up.flush()?;
         p.time.transfer += t.elapsed();
         Ok(())
+    }
+
+    /// The pending copies from the experts in system RAM, as the device's copy commands.
+    fn host_copy_regions(&self) -> Vec<(&Buffer, u64, &Buffer, u64, u64)> {
+        let Some(p) = self.experts.as_ref().and_then(|e| e.promoter.as_ref()) else {
+            return Vec::new();
+        };
+        p.host_copies
+            .iter()
+            .flat_map(|&(il, slot, expert)| match &self.layers[il].ffn {
+                super::GpuFfn::Moe(m) => m.host_slot_copies(slot, expert),
+                super::GpuFfn::Dense { .. } => unreachable!("layer {il} is MoE"),
+            })
+            .collect()
+    }
+
+    fn clear_host_copies(&mut self) {
+        if let Some(p) = self.experts.as_mut().and_then(|e| e.promoter.as_mut()) {
+            p.host_copies.clear();
+        }
+    }
+
+    /// Submits the pending copies from the experts in system RAM and waits for them: before
+    /// anything but a replayed step (which takes them ahead of itself,
+    /// [`GpuModel::host_copies_recording`]) reads the slots. The time they took.
+    fn run_host_copies(&mut self) -> Result<Duration> {
+        let regions = self.host_copy_regions();
+        if regions.is_empty() {
+            return Ok(Duration::ZERO);
+        }
+        let t = Instant::now();
+        self.kernels.record(|rec| rec.copies(&regions))?;
+        let spent = t.elapsed();
+        self.clear_host_copies();
+        if let Some(p) = self.experts.as_mut().and_then(|e| e.promoter.as_mut()) {
+            p.time.transfer += spent;
+        }
+        Ok(spent)
+    }
+
+    /// The pending copies from the experts in system RAM, recorded for a replayed step to
+    /// submit ahead of itself ([`Replay::run_after`]); `None` when there are none.
+    pub(super) fn host_copies_recording(&mut self) -> Result<Option<Replay>> {
+        let regions = self.host_copy_regions();
+        if regions.is_empty() {
+            return Ok(None);
+        }
+        let replay = self.kernels.record_replay(|rec| rec.copies(&regions))?;
+        self.clear_host_copies();
+        Ok(Some(replay))
     }
 
     /// Promotes experts after a step or a prompt that took `spent` (see the module's notes):
@@ -166,8 +234,26 @@ impl GpuModel {
                     (p.credit_ns / ns) as usize
                 }
             };
-            if limit == 0 || self.promote_round(limit)? == 0 {
+            let made = self.promote_round(limit)?;
+            if made == 0 {
                 return Ok(());
+            }
+            // Copies from system RAM are the device's alone: the first round's are run now
+            // and timed, to price the later ones (which go ahead of the next step).
+            let p = self
+                .experts
+                .as_mut()
+                .and_then(|e| e.promoter.as_mut())
+                .expect("checked above");
+            if p.ns_per_expert.is_none() && !p.host_copies.is_empty() {
+                let spent = self.run_host_copies()?;
+                let p = self
+                    .experts
+                    .as_mut()
+                    .and_then(|e| e.promoter.as_mut())
+                    .expect("checked above");
+                p.ns_per_expert = Some(spent.as_nanos() as f64 / made as f64);
+                p.credit_ns = (p.credit_ns - spent.as_nanos() as f64).max(0.0);
             }
         }
     }
@@ -209,6 +295,24 @@ impl GpuModel {
             return Ok(0);
         }
         ex.map_stale = true;
+        let from_host = copies.iter().all(
+            |&(il, ..)| matches!(&layers[il].ffn, super::GpuFfn::Moe(m) if m.has_host_experts()),
+        );
+        if from_host {
+            for &(il, slot, expert) in &copies {
+                let super::GpuFfn::Moe(gpu) = &layers[il].ffn else {
+                    unreachable!("layer {il} is MoE");
+                };
+                let bytes: u64 = gpu.host_slot_copies(slot, expert).iter().map(|c| c.4).sum();
+                ex.stats[il].bytes_uploaded += bytes;
+            }
+            let n = copies.len();
+            p.host_copies.extend(copies);
+            if let Some(ns) = p.ns_per_expert {
+                p.credit_ns = (p.credit_ns - ns * n as f64).max(0.0);
+            }
+            return Ok(n);
+        }
         let t = Instant::now();
         let mut uploads = Vec::with_capacity(3 * copies.len());
         for &(il, slot, expert) in &copies {
