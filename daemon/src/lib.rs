@@ -8,6 +8,7 @@
 //! - [`cpu`]: SIMD kernels over quantized rows and the persistent thread pool.
 //! - [`engine`]: the forward pass, KV cache and sampling.
 //! - [`gpu`]: the Vulkan backend through `ash`.
+//! - [`host_memory`]: the RAM a load may still take (cgroup and machine).
 //! - [`plan`]: the scheduler's plans for a model file, which the GPU model can run.
 //! - [`stream`]: the SSD tile reader (io_uring, or pread threads) and the expert cache.
 //! - [`server`]: the gRPC daemon (`spillwayd serve`).
@@ -18,6 +19,7 @@ pub mod cpu;
 pub mod engine;
 pub mod gguf;
 pub mod gpu;
+pub mod host_memory;
 pub mod model;
 pub mod plan;
 pub mod quant;

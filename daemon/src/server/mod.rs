@@ -21,7 +21,6 @@ pub mod default_model;
 pub mod device;
 pub mod gpu;
 pub mod hardware;
-pub mod host_memory;
 pub mod listen;
 pub mod models;
 pub mod profile;

@@ -214,7 +214,7 @@ impl Worker {
             .spawn(move || {
                 // `run` owns the model and drops it when it returns.
                 ctx.run(rx);
-                super::host_memory::release_freed();
+                crate::host_memory::release_freed();
             })?;
         Ok(Worker {
             jobs: Mutex::new(Some(jobs)),
