@@ -65,8 +65,9 @@ pub struct RunArgs {
     /// A routed expert not in VRAM: `cpu` computes it on the CPU while the GPU runs the others,
     /// `fetch` copies it into a VRAM slot first, `pcie` keeps every routed expert in system RAM
     /// too and has the GPU read the missing ones from there over the bus (a step is then one
-    /// submission, with no host turn between layers).
-    #[arg(long, default_value = "cpu")]
+    /// submission, with no host turn between layers); `auto`: `pcie` on a GPU across a bus with
+    /// RAM for the experts, else `cpu`.
+    #[arg(long, default_value = "auto")]
     pub moe_miss: MoeMiss,
     /// With `--moe-miss cpu` or `pcie`, keep in VRAM the routed experts the slots were loaded with. By
     /// default the experts used most come into the slots of residents used less between steps.

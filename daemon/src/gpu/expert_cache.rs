@@ -261,7 +261,8 @@ impl LayerSlots {
             let r = routed[i];
             let fetched = match miss {
                 MoeMiss::Fetch => self.admit(r.expert, &slots, stats),
-                MoeMiss::Cpu => None,
+                // The model resolves `Auto` at load; were it here, the CPU would take it.
+                MoeMiss::Cpu | MoeMiss::Auto => None,
                 MoeMiss::Pcie => {
                     stats.pcie += 1;
                     continue;

@@ -49,8 +49,14 @@ use crate::model::{Ffn, Model, MoeWeights};
 /// What happens to a routed expert that is not in a VRAM slot.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum MoeMiss {
-    /// Computed on the CPU from the memory-mapped file while the GPU runs the resident ones.
+    /// [`MoeMiss::Pcie`] where the GPU reads system RAM over a bus (it has host-visible memory
+    /// apart from its own) and the RAM left holds every routed expert within any RAM budget;
+    /// [`MoeMiss::Cpu`] elsewhere ([`MoeMiss::resolve`]). On the H200 machine reading misses
+    /// over PCIe ran 1.3 to 2.4 times as fast as computing them on the CPU, at every budget
+    /// measured (`bench/RESULTS.md`).
     #[default]
+    Auto,
+    /// Computed on the CPU from the memory-mapped file while the GPU runs the resident ones.
     Cpu,
     /// Copied into a slot (evicting by the cache policy), then run on the GPU.
     Fetch,
@@ -61,11 +67,39 @@ pub enum MoeMiss {
     Pcie,
 }
 
+impl MoeMiss {
+    /// The policy [`MoeMiss::Auto`] stands for (others are themselves): `bus` says whether the
+    /// device reads host-visible memory apart from its own (a discrete GPU), `experts` is the
+    /// bytes of every routed expert, `ram_budget` the user's ceiling on the RAM they take, and
+    /// `headroom` the RAM the process may still take (cgroup and machine), where known. Half
+    /// the headroom at most: the model file's pages and everything else want the rest.
+    pub fn resolve(
+        self,
+        bus: bool,
+        experts: u64,
+        ram_budget: Option<u64>,
+        headroom: Option<u64>,
+    ) -> MoeMiss {
+        if self != MoeMiss::Auto {
+            return self;
+        }
+        let room = ram_budget
+            .unwrap_or(u64::MAX)
+            .min(headroom.map_or(0, |h| h / 2));
+        if bus && experts <= room {
+            MoeMiss::Pcie
+        } else {
+            MoeMiss::Cpu
+        }
+    }
+}
+
 impl FromStr for MoeMiss {
     type Err = String;
 
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         match s {
+            "auto" => Ok(MoeMiss::Auto),
             "cpu" => Ok(MoeMiss::Cpu),
             "fetch" => Ok(MoeMiss::Fetch),
             "pcie" => Ok(MoeMiss::Pcie),
@@ -79,6 +113,7 @@ impl FromStr for MoeMiss {
 impl fmt::Display for MoeMiss {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
+            MoeMiss::Auto => "auto",
             MoeMiss::Cpu => "cpu",
             MoeMiss::Fetch => "fetch",
             MoeMiss::Pcie => "pcie",
@@ -445,11 +480,42 @@ mod tests {
 
     #[test]
     fn miss_policies_parse_and_print() {
-        for m in [MoeMiss::Cpu, MoeMiss::Fetch, MoeMiss::Pcie] {
+        for m in [MoeMiss::Auto, MoeMiss::Cpu, MoeMiss::Fetch, MoeMiss::Pcie] {
             assert_eq!(m.to_string().parse::<MoeMiss>(), Ok(m));
         }
         assert!("gpu".parse::<MoeMiss>().is_err());
-        assert_eq!(MoeMiss::default(), MoeMiss::Cpu);
+        assert_eq!(MoeMiss::default(), MoeMiss::Auto);
+    }
+
+    #[test]
+    fn auto_reads_misses_over_the_bus_where_there_is_one_and_ram_for_the_experts() {
+        const G: u64 = 1 << 30;
+        let auto = MoeMiss::Auto;
+        // A discrete GPU with RAM to spare.
+        assert_eq!(
+            auto.resolve(true, 15 * G, None, Some(100 * G)),
+            MoeMiss::Pcie
+        );
+        // No bus (lavapipe, integrated): the CPU.
+        assert_eq!(
+            auto.resolve(false, 15 * G, None, Some(100 * G)),
+            MoeMiss::Cpu
+        );
+        // Over half the headroom, or over the RAM budget, or headroom unknown: the CPU.
+        assert_eq!(auto.resolve(true, 15 * G, None, Some(29 * G)), MoeMiss::Cpu);
+        assert_eq!(
+            auto.resolve(true, 15 * G, Some(8 * G), Some(100 * G)),
+            MoeMiss::Cpu
+        );
+        assert_eq!(auto.resolve(true, 15 * G, None, None), MoeMiss::Cpu);
+        assert_eq!(
+            auto.resolve(true, 15 * G, Some(16 * G), Some(100 * G)),
+            MoeMiss::Pcie
+        );
+        // A policy given stays.
+        for m in [MoeMiss::Cpu, MoeMiss::Fetch, MoeMiss::Pcie] {
+            assert_eq!(m.resolve(false, 15 * G, Some(1), None), m);
+        }
     }
 
     fn partial(slots: usize, layout: ExpertLayout) -> Placement {

@@ -355,6 +355,21 @@ fn matrix(
     GpuMatrix::upload(alloc, up, r.ty, r.n_in, r.n_out, r.data)
 }
 
+/// Bytes of every routed expert of `model` in its file.
+fn routed_expert_bytes(model: &Model) -> u64 {
+    model
+        .layers
+        .iter()
+        .map(|l| match &l.ffn {
+            Ffn::Moe(m) => [&m.gate, &m.up, &m.down]
+                .iter()
+                .map(|w| model.stacked(w).data.len() as u64)
+                .sum(),
+            Ffn::Dense { .. } => 0,
+        })
+        .sum()
+}
+
 fn opt_vec(
     alloc: &Arc<Allocator>,
     up: &mut Uploader,
@@ -419,6 +434,30 @@ impl GpuModel {
         model: &Arc<Model>,
         options: &GpuModelOptions,
     ) -> Result<GpuModel> {
+        let resolved = Self::resolve_miss(device, model, options);
+        match Self::new_resolved(device, model, &resolved) {
+            // `auto` chose PCIe for a model whose layers the device cannot route (stacks
+            // past one binding): the CPU takes the misses instead.
+            Err(GpuError::Unsupported(why))
+                if options.moe_miss == MoeMiss::Auto && resolved.moe_miss == MoeMiss::Pcie =>
+            {
+                tracing::info!("misses go to the CPU: {why}");
+                let cpu = GpuModelOptions {
+                    moe_miss: MoeMiss::Cpu,
+                    ..resolved
+                };
+                Self::new_resolved(device, model, &cpu)
+            }
+            r => r,
+        }
+    }
+
+    /// [`GpuModel::new`] with the miss policy resolved.
+    fn new_resolved(
+        device: &Arc<Device>,
+        model: &Arc<Model>,
+        options: &GpuModelOptions,
+    ) -> Result<GpuModel> {
         let capacity = Self::capacity_for(&model.config, options);
         let needed = device_bytes(model, capacity);
         let allocator = Allocator::new(device, options.vram_budget);
@@ -452,6 +491,33 @@ impl GpuModel {
                 }
                 r => return r,
             }
+        }
+    }
+
+    /// `options` with [`MoeMiss::Auto`] resolved ([`MoeMiss::resolve`]) for `model` on `device`.
+    fn resolve_miss(
+        device: &Arc<Device>,
+        model: &Model,
+        options: &GpuModelOptions,
+    ) -> GpuModelOptions {
+        let allocator = Allocator::new(device, None);
+        // Staging that does not count against a VRAM budget is system RAM across a bus; the
+        // experts it holds need the routing on the device.
+        let routable = model
+            .config
+            .moe
+            .is_some_and(|c| c.n_expert <= super::ops::MOE_ROUTE_MAX_EXPERTS);
+        let bus = !allocator.budget_counts(MemoryUse::Staging) && routable && !options.host_routing;
+        let headroom = crate::host_memory::headroom().map(|h| h.bytes);
+        let miss = options.moe_miss.resolve(
+            bus,
+            routed_expert_bytes(model),
+            options.ram_budget,
+            headroom,
+        );
+        GpuModelOptions {
+            moe_miss: miss,
+            ..options.clone()
         }
     }
 
@@ -519,14 +585,7 @@ impl GpuModel {
         // Misses read by the GPU from system RAM: every routed expert is copied there too.
         let host_experts = placement.is_partial() && options.moe_miss == MoeMiss::Pcie;
         if host_experts {
-            let bytes = model.layers.iter().map(|l| match &l.ffn {
-                Ffn::Moe(m) => [&m.gate, &m.up, &m.down]
-                    .iter()
-                    .map(|w| model.stacked(w).data.len() as u64)
-                    .sum(),
-                Ffn::Dense { .. } => 0,
-            });
-            let bytes: u64 = bytes.sum();
+            let bytes = routed_expert_bytes(model);
             if let Some(budget) = options.ram_budget.filter(|&b| b < bytes) {
                 return Err(GpuError::Unsupported(format!(
                     "misses read over PCIe keep every routed expert in system RAM ({:.2} GiB), \
