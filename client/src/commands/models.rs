@@ -247,8 +247,8 @@ fn gpu_line(m: &pb::ModelStatus) -> Option<String> {
         };
         line += &format!(
             "; experts {} of {} per layer in VRAM, {routed} routed, {hit:.1}% hits, {} on the \
-             CPU, {} fetched, {} promoted (misses {})",
-            e.slots_per_layer, e.n_expert, e.cpu, e.fetched, e.promoted, e.miss
+             CPU, {} fetched, {} over PCIe, {} promoted (misses {})",
+            e.slots_per_layer, e.n_expert, e.cpu, e.fetched, e.pcie, e.promoted, e.miss
         );
     }
     Some(line)
@@ -305,7 +305,7 @@ mod tests {
         assert_eq!(
             gpu_line(&m).unwrap(),
             "vulkan:0 (llvmpipe): VRAM 3.0 MiB held; 1 request at a time; experts 2 of 8 per layer in VRAM, 4 \
-             routed, 75.0% hits, 1 on the CPU, 0 fetched, 2 promoted (misses cpu)"
+             routed, 75.0% hits, 1 on the CPU, 0 fetched, 0 over PCIe, 2 promoted (misses cpu)"
         );
     }
 

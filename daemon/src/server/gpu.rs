@@ -23,8 +23,9 @@ use crate::model::Model;
 pub struct GpuStatus {
     /// `vulkan:N (NAME)`.
     pub device: String,
-    /// Weight bytes in VRAM, and those left in RAM: routed experts (computed on the CPU or
-    /// fetched when routed), or a dense model's first layers (run on the CPU).
+    /// Weight bytes in VRAM, and those in RAM: routed experts (computed on the CPU, fetched or
+    /// read over PCIe when routed; with PCIe, all of them), or a dense model's first layers
+    /// (run on the CPU).
     pub vram_weights: u64,
     pub ram_weights: u64,
     /// Device memory the model holds (its allocator's blocks); replaced when the model is
@@ -69,7 +70,7 @@ impl GpuSequence {
         footprint: DeviceBytes,
     ) -> (GpuSequence, Arc<GpuStatus>) {
         let placement = gpu.placement();
-        let ram_weights = match placement.n_expert {
+        let left_in_ram = match placement.n_expert {
             // A dense model's first layers on the CPU (and the embedding they read).
             0 if gpu.cpu_layers() > 0 => {
                 let gpu_part = split_bytes(&model, gpu.capacity(), gpu.cpu_layers());
@@ -88,8 +89,9 @@ impl GpuSequence {
         };
         let status = Arc::new(GpuStatus {
             device,
-            vram_weights: footprint.weights.saturating_sub(ram_weights),
-            ram_weights,
+            vram_weights: footprint.weights.saturating_sub(left_in_ram),
+            // With misses read over PCIe every routed expert is in RAM, the resident ones too.
+            ram_weights: left_in_ram.max(gpu.host_expert_bytes()),
             allocator: Mutex::new(gpu.allocator().clone()),
             experts: Mutex::new(gpu.expert_stats()),
         });

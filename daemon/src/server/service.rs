@@ -608,6 +608,7 @@ fn gpu_status(gpu: &GpuStatus, tensors: u32, status: &mut pb::ModelStatus) {
             evictions: t.evictions,
             bytes_uploaded: t.bytes_uploaded,
             promoted: t.promoted,
+            pcie: t.pcie,
         });
     }
 }
