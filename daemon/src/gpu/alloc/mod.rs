@@ -84,6 +84,10 @@ pub fn choose_memory_type(
 /// Block size for new blocks; bigger requests get a block of their own size.
 pub const DEFAULT_BLOCK_BYTES: u64 = 64 << 20;
 
+/// Staging at least this large takes a block of its own size where the VRAM budget counts it
+/// (a model's upload staging: one expert's bytes under a budget).
+const STAGING_OWN_BLOCK_BYTES: u64 = 64 << 10;
+
 /// Blocks of device-local memory that the host maps ([`MemoryUse::DeviceMapped`]) where that
 /// is a memory type of its own: its buffers are step words and counters.
 pub const MAPPED_BLOCK_BYTES: u64 = 1 << 20;
@@ -225,7 +229,13 @@ impl Allocator {
         let (block, offset, memory, base) = match found {
             Some(f) => f,
             None => {
-                let i = self.new_block(&mut state, type_index, req.size)?;
+                // Staging of 64 KiB or more where the budget counts it takes a block of its
+                // own size: a shared block would hold the budget for its empty part, which a
+                // large weight buffer after it (an embedding table) could not use.
+                let exact = usage == MemoryUse::Staging
+                    && req.size >= STAGING_OWN_BLOCK_BYTES
+                    && self.counts_against_budget(type_index);
+                let i = self.new_block(&mut state, type_index, req.size, exact)?;
                 let b = state.blocks[type_index as usize][i]
                     .as_mut()
                     .expect("just made");
@@ -251,7 +261,13 @@ impl Allocator {
 
     /// Allocates (and maps, when host-visible) a new block able to hold `request` bytes; its
     /// slot index.
-    fn new_block(&self, state: &mut State, type_index: u32, request: u64) -> Result<usize> {
+    fn new_block(
+        &self,
+        state: &mut State,
+        type_index: u32,
+        request: u64,
+        exact: bool,
+    ) -> Result<usize> {
         let counted = self.counts_against_budget(type_index);
         // A request over half a block gets a block of its own size: in a block of the usual
         // size, the rest would be too small for another like it and lost to the budget (48
@@ -266,7 +282,7 @@ impl Allocator {
         let mapped_type = apart == Some(type_index);
         let preferred = if mapped_type {
             MAPPED_BLOCK_BYTES.max(request)
-        } else if request > self.block_bytes / 2 {
+        } else if exact || request > self.block_bytes / 2 {
             request
         } else {
             self.block_bytes
