@@ -15,7 +15,8 @@
 //! (`GpuModelOptions::stream_prompts`: its prompts go token by token); `cpu-static` is `cpu`
 //! with slots that keep the experts they were loaded with (`GpuModelOptions::promote_experts`
 //! off). `pcie` reads the misses on the GPU from a copy of every expert in system RAM
-//! (`MoeMiss::Pcie`); `pcie-static` is that without promotions.
+//! (`MoeMiss::Pcie`); `pcie-static` is that without promotions; `auto` is the default policy,
+//! shown as what it resolved to (`auto:pcie` or `auto:cpu`).
 //! `warmup=N` decodes N tokens before the clock starts (default 2; promotions ramp up over the
 //! first tokens). `threads=N` sets the CPU experts' threads (default: every core); `ram=MiB` gives the CPU's
 //! experts a RAM budget (a cache read from the file) in place of the memory map; `pp=N` times
@@ -81,9 +82,10 @@ fn main() {
                         "fetch" => (MoeMiss::Fetch, true, true, true, true),
                         "pcie" => (MoeMiss::Pcie, true, true, true, true),
                         "pcie-static" => (MoeMiss::Pcie, true, true, true, false),
+                        "auto" => (MoeMiss::Auto, true, true, true, true),
                         other => panic!(
-                            "modes={other}: cpu, cpu-separate, cpu-record, cpu-noslot, cpu-static, \
-                             fetch, pcie or pcie-static"
+                            "modes={other}: auto, cpu, cpu-separate, cpu-record, cpu-noslot, \
+                             cpu-static, fetch, pcie or pcie-static"
                         ),
                     })
                     .collect();
@@ -140,7 +142,7 @@ fn main() {
     budgets.push(None);
 
     println!(
-        "{:>10} {:>7} {:>8} {:>9} {:>8} {:>7} {:>9} {:>9} {:>9} {:>9} {:>11} {:>11} {:>10} {:>11} {:>13}",
+        "{:>10} {:>7} {:>9} {:>9} {:>8} {:>7} {:>9} {:>9} {:>9} {:>9} {:>11} {:>11} {:>10} {:>11} {:>13}",
         "budget",
         "slots",
         "miss",
@@ -177,6 +179,7 @@ fn main() {
                 (MoeMiss::Cpu, true, true, false, _) => "cpu-nos".to_string(),
                 (MoeMiss::Cpu, true, true, true, false) => "cpu-sta".to_string(),
                 (MoeMiss::Pcie, true, true, true, false) => "pcie-sta".to_string(),
+                (MoeMiss::Auto, ..) => "auto".to_string(),
                 _ => miss.to_string(),
             };
             let mut gpu = match GpuModel::new(&device, &model, &options) {
@@ -223,11 +226,15 @@ fn main() {
             }
             let stats = gpu.expert_stats().unwrap();
             let after = stats.total();
+            let mode = match miss {
+                MoeMiss::Auto => format!("auto:{}", stats.miss),
+                _ => mode,
+            };
             let promoted = gpu.promotion_time();
             let per_tok = |a: u64, b: u64| (a - b) as f64 / n_tokens as f64;
             let lookups = (after.hits + after.misses) - (before.hits + before.misses);
             println!(
-                "{:>10} {:>7} {:>8} {:>9.1} {:>8.2} {:>6.1}% {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>11.2} {:>11.2} {:>10.2} {:>11.2} {:>12.0}%",
+                "{:>10} {:>7} {:>9} {:>9.1} {:>8.2} {:>6.1}% {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>11.2} {:>11.2} {:>10.2} {:>11.2} {:>12.0}%",
                 budget.map_or("none".into(), |b| format!("{:.1}M", mib(b))),
                 format!("{}/{}", stats.slots, stats.n_expert),
                 mode,
