@@ -1,0 +1,443 @@
+//! Loading a [`GpuModel`]: the miss policy resolved, the placement planned within the VRAM
+//! budget, the weights uploaded (the routed experts that fit into slots, and with misses read
+//! over PCIe every routed expert into system RAM too), the scratch and the experts' bookkeeping
+//! made; and what a model would need, before anything is uploaded.
+
+use std::sync::Arc;
+
+use spillway_shaders::WeightType;
+
+use super::gate_up::GateUp;
+use super::*;
+
+/// Bytes of every routed expert of `model` in its file.
+fn routed_expert_bytes(model: &Model) -> u64 {
+    model
+        .layers
+        .iter()
+        .map(|l| match &l.ffn {
+            Ffn::Moe(m) => [&m.gate, &m.up, &m.down]
+                .iter()
+                .map(|w| model.stacked(w).data.len() as u64)
+                .sum(),
+            Ffn::Dense { .. } => 0,
+        })
+        .sum()
+}
+
+impl GpuModel {
+    /// Device memory `model` would take with `options`, before any upload.
+    pub fn device_bytes(model: &Model, options: &GpuModelOptions) -> DeviceBytes {
+        device_bytes(model, Self::capacity_for(&model.config, options))
+    }
+
+    fn stream_for(options: &GpuModelOptions) -> Option<usize> {
+        options
+            .stream_prompts
+            .then_some(options.prompt_expert_slots)
+    }
+
+    fn capacity_for(c: &Config, options: &GpuModelOptions) -> usize {
+        match options.context {
+            0 => c.context_length.min(4096),
+            n => n,
+        }
+    }
+
+    /// The smallest VRAM budget that runs `model` with `options` on `device` (`None` for a
+    /// dense model of one layer: it needs [`GpuModel::device_bytes`] whole).
+    pub fn minimum_budget(
+        device: &Arc<Device>,
+        model: &Model,
+        options: &GpuModelOptions,
+    ) -> Option<MinimumBudget> {
+        let needed = Self::device_bytes(model, options);
+        let allocator = Allocator::new(device, None);
+        let counts = allocator.budget_counts(MemoryUse::Staging);
+        // A budget of 0 is under any model: the plan says what it would have needed.
+        let capacity = Self::capacity_for(&model.config, options);
+        match plan(
+            model,
+            (&needed, capacity, Self::stream_for(options)),
+            Some(0),
+            (counts, allocator.mapped_reserve()),
+            MoeMiss::Cpu,
+            &options.expert_layout,
+        ) {
+            Err(GpuError::BelowMinimumBudget { minimum, .. }) => Some(*minimum),
+            _ => None,
+        }
+    }
+
+    /// Uploads `model`'s weights to `device` and makes room for `options.context` positions.
+    /// A MoE model larger than `options.vram_budget` (without one: than the device memory the
+    /// driver reports free, where it reports it) keeps what is not a routed expert in VRAM and as
+    /// many experts per layer as the rest of the budget holds; a dense one keeps as many of its
+    /// last layers as the budget holds and runs the others on the CPU ([`super::placement`]).
+    /// A model that cannot run within the budget is refused before anything is uploaded
+    /// ([`GpuError::BelowMinimumBudget`]).
+    pub fn new(
+        device: &Arc<Device>,
+        model: &Arc<Model>,
+        options: &GpuModelOptions,
+    ) -> Result<GpuModel> {
+        let resolved = Self::resolve_miss(device, model, options);
+        match Self::new_resolved(device, model, &resolved) {
+            // `auto` chose PCIe for a model whose layers the device cannot route (stacks
+            // past one binding): the CPU takes the misses instead.
+            Err(GpuError::Unsupported(why))
+                if options.moe_miss == MoeMiss::Auto && resolved.moe_miss == MoeMiss::Pcie =>
+            {
+                tracing::info!("misses go to the CPU: {why}");
+                let cpu = GpuModelOptions {
+                    moe_miss: MoeMiss::Cpu,
+                    ..resolved
+                };
+                Self::new_resolved(device, model, &cpu)
+            }
+            r => r,
+        }
+    }
+
+    /// [`GpuModel::new`] with the miss policy resolved.
+    fn new_resolved(
+        device: &Arc<Device>,
+        model: &Arc<Model>,
+        options: &GpuModelOptions,
+    ) -> Result<GpuModel> {
+        let capacity = Self::capacity_for(&model.config, options);
+        let needed = device_bytes(model, capacity);
+        let allocator = Allocator::new(device, options.vram_budget);
+        let counts = allocator.budget_counts(MemoryUse::Staging);
+        // Without a budget the plan keeps to what the driver says is free for this process
+        // (VK_EXT_memory_budget): a MoE model larger than that is placed in part, not refused by
+        // an allocation halfway through its upload.
+        let plan_budget = options.vram_budget.or_else(|| device.memory_budget());
+        let mut placement = plan(
+            model,
+            (&needed, capacity, Self::stream_for(options)),
+            plan_budget,
+            (counts, allocator.mapped_reserve()),
+            options.moe_miss,
+            &options.expert_layout,
+        )?;
+        let dense = model.config.moe.is_none();
+        loop {
+            match Self::load_split(&allocator, model, options, &placement, capacity) {
+                // The alignment margin was short (fragmented blocks): fewer slots.
+                Err(GpuError::OverBudget { .. })
+                    if placement.is_partial() && placement.slots > 1 =>
+                {
+                    placement.slots -= (placement.slots / 8).max(1);
+                }
+                // ... or one layer more on the CPU.
+                Err(GpuError::OverBudget { .. })
+                    if dense && placement.cpu_layers + 1 < model.layers.len() =>
+                {
+                    placement.cpu_layers += 1;
+                }
+                r => return r,
+            }
+        }
+    }
+
+    /// `options` with [`MoeMiss::Auto`] resolved ([`MoeMiss::resolve`]) for `model` on `device`.
+    fn resolve_miss(
+        device: &Arc<Device>,
+        model: &Model,
+        options: &GpuModelOptions,
+    ) -> GpuModelOptions {
+        let allocator = Allocator::new(device, None);
+        // Staging that does not count against a VRAM budget is system RAM across a bus; the
+        // experts it holds need the routing on the device.
+        let routable = model
+            .config
+            .moe
+            .is_some_and(|c| c.n_expert <= crate::gpu::ops::MOE_ROUTE_MAX_EXPERTS);
+        let bus = !allocator.budget_counts(MemoryUse::Staging) && routable && !options.host_routing;
+        let headroom = crate::host_memory::headroom().map(|h| h.bytes);
+        let miss = options.moe_miss.resolve(
+            bus,
+            routed_expert_bytes(model),
+            options.ram_budget,
+            headroom,
+        );
+        GpuModelOptions {
+            moe_miss: miss,
+            ..options.clone()
+        }
+    }
+
+    /// [`GpuModel::load`] of the layers `placement` puts on the GPU, with the others on the CPU.
+    fn load_split(
+        allocator: &Arc<Allocator>,
+        model: &Arc<Model>,
+        options: &GpuModelOptions,
+        placement: &Placement,
+        capacity: usize,
+    ) -> Result<GpuModel> {
+        let n_cpu = placement.cpu_layers;
+        if n_cpu == 0 {
+            return Self::load(allocator, model, options, placement, capacity);
+        }
+        let tail = Arc::new(model.layers_from(n_cpu));
+        let mut gpu = Self::load(allocator, &tail, options, placement, capacity)?;
+        if placement.stream_slot {
+            let staging = placement.staging_bytes;
+            gpu.stream = Some(stream::StreamSlot::new(
+                model, allocator, staging, capacity,
+            )?);
+        }
+        gpu.front = Some(CpuLayers::new(
+            model.clone(),
+            n_cpu,
+            options.threads,
+            capacity,
+        ));
+        Ok(gpu)
+    }
+
+    fn load(
+        allocator: &Arc<Allocator>,
+        model: &Arc<Model>,
+        options: &GpuModelOptions,
+        placement: &Placement,
+        capacity: usize,
+    ) -> Result<GpuModel> {
+        let c = model.config.clone();
+        let device = allocator.device();
+        let kernels = Kernels::with_int_dot(device, (true, options.coopmat), options.int_dot);
+        let mut up = Uploader::new(allocator, placement.staging_bytes)?;
+        let al = allocator;
+        // With the first layers on the CPU the step starts from their hidden state.
+        let hidden_in = placement.cpu_layers > 0;
+        let input_rows = if hidden_in {
+            GpuMatrix {
+                buffer: Buffer::new_in(al, c.n_embd as u64 * 4, MemoryUse::DeviceMapped)?,
+                wtype: WeightType::F32,
+                n_in: c.n_embd,
+                n_out: 1,
+                row_bytes: c.n_embd as u64 * 4,
+            }
+        } else {
+            matrix(model, al, &mut up, &model.token_embd)?
+        };
+        let output = if model.output == model.token_embd && !hidden_in {
+            None
+        } else {
+            Some(matrix(model, al, &mut up, &model.output)?)
+        };
+        let output_norm = upload_f32(al, &mut up, &model.output_norm)?;
+        let kv_bytes = (capacity * c.kv_width() * 2) as u64;
+        // Misses read by the GPU from system RAM: every routed expert is copied there too.
+        let host_experts = placement.is_partial() && options.moe_miss == MoeMiss::Pcie;
+        if host_experts {
+            let bytes = routed_expert_bytes(model);
+            if let Some(budget) = options.ram_budget.filter(|&b| b < bytes) {
+                return Err(GpuError::Unsupported(format!(
+                    "misses read over PCIe keep every routed expert in system RAM ({:.2} GiB), \
+                     more than the RAM budget of {:.2} GiB: raise it, or use --moe-miss cpu",
+                    bytes as f64 / (1u64 << 30) as f64,
+                    budget as f64 / (1u64 << 30) as f64,
+                )));
+            }
+        }
+        let mut host_bytes = 0;
+        let mut layers = Vec::with_capacity(c.n_layer);
+        for (il, layer) in model.layers.iter().enumerate() {
+            let ffn = match &layer.ffn {
+                Ffn::Dense {
+                    gate,
+                    up: w_up,
+                    down,
+                } => GpuFfn::Dense {
+                    gate_up: GateUp::upload(model, al, &mut up, gate, w_up)?,
+                    down: matrix(model, al, &mut up, down)?,
+                },
+                Ffn::Moe(moe) => {
+                    let mut m = GpuMoe::upload(model, al, &mut up, moe, placement.slots_of(il))?;
+                    if host_experts {
+                        host_bytes += m.attach_host_experts(model, device, moe)?;
+                    }
+                    GpuFfn::Moe(m)
+                }
+            };
+            layers.push(GpuLayer::upload(model, al, &mut up, layer, ffn, kv_bytes)?);
+            // Bounds the staging memory the pending copies pin to one layer's worth.
+            up.flush()?;
+        }
+        let table = rope_table(
+            capacity,
+            c.n_rot,
+            c.rope_freq_base,
+            c.rope_freq_scale,
+            model.rope_freqs.as_deref(),
+        );
+        let rope = upload_f32(al, &mut up, &table)?;
+        up.flush()?;
+        let f32s = |n: usize| Buffer::new_in(al, n as u64 * 4, MemoryUse::DeviceLocal);
+        let mut dense_ff = 0;
+        let mut shared_ff = 0;
+        for l in &layers {
+            match &l.ffn {
+                GpuFfn::Dense { gate_up, .. } => dense_ff = dense_ff.max(gate_up.n_ff()),
+                GpuFfn::Moe(m) => shared_ff = shared_ff.max(m.shared_ff()),
+            }
+        }
+        let moe = match &c.moe {
+            Some(cfg) => Some(MoeScratch::new(
+                al,
+                cfg,
+                (c.n_layer, c.n_embd, shared_ff),
+                host_experts,
+            )?),
+            None => None,
+        };
+        let act = Activations {
+            x: f32s(c.n_embd)?,
+            xn: f32s(c.n_embd)?,
+            q: f32s(c.q_width())?,
+            k: f32s(c.kv_width())?,
+            v: f32s(c.kv_width())?,
+            attn: f32s(c.q_width())?,
+            gate: f32s(dense_ff)?,
+            up: f32s(dense_ff)?,
+            scores: f32s(attention_scratch_floats(c.n_head, c.head_dim, capacity))?,
+            attn_done: attention_counters(al, c.n_head, 1)?,
+            step: Buffer::new_in(al, 8, MemoryUse::DeviceMapped)?,
+            logits: Buffer::new_in(al, c.n_vocab as u64 * 4, MemoryUse::Staging)?,
+            moe,
+        };
+        if options.ram_budget.is_some() && options.moe_miss == MoeMiss::Fetch {
+            return Err(GpuError::Unsupported(
+                "a RAM budget applies to experts computed on the CPU (misses go to the CPU), \
+                 not to fetched ones"
+                    .into(),
+            ));
+        }
+        // The CPU's experts, from the memory map or, under a RAM budget, a cache of them (with
+        // misses read over PCIe the CPU computes none: its threads stage promotions).
+        let mut ram = match (placement.is_partial(), options.ram_budget) {
+            (false, _) => None,
+            (true, None) => Some(None),
+            (true, Some(_)) if host_experts => Some(None),
+            (true, Some(budget)) => Some(Some(open_expert_cache(
+                model,
+                budget,
+                options.expert_policy,
+            )?)),
+        };
+        let experts = c.moe.map(|cfg| {
+            let ram = ram.take();
+            let threads = match options.threads {
+                0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+                n => n,
+            };
+            Experts {
+                slots: model
+                    .layers
+                    .iter()
+                    .enumerate()
+                    .map(|(il, l)| {
+                        matches!(l.ffn, Ffn::Moe(_)).then(|| {
+                            LayerSlots::new(
+                                il,
+                                cfg.n_expert,
+                                placement.slots_of(il),
+                                options.expert_policy,
+                            )
+                        })
+                    })
+                    .collect(),
+                stats: vec![LayerExpertStats::default(); c.n_layer],
+                miss: options.moe_miss,
+                cpu: ram.map(|ram| CpuExperts::new(model.clone(), threads, ram)),
+                uploader: None,
+                promoter: None,
+                host_bytes,
+                map_stale: host_experts,
+            }
+        });
+        let max_range = allocator.device().max_storage_buffer_range();
+        let routes_on_device = match &c.moe {
+            Some(cfg) => {
+                !options.host_routing
+                    && (!placement.is_partial() || host_experts)
+                    && layers.iter().all(|l| match &l.ffn {
+                        GpuFfn::Moe(m) => m.routes_on_device(cfg, max_range),
+                        GpuFfn::Dense { .. } => true,
+                    })
+            }
+            None => false,
+        };
+        if host_experts && !routes_on_device {
+            return Err(GpuError::Unsupported(format!(
+                "misses read over PCIe need the routing on the device (at most {} experts, \
+                 each layer's stacks within one binding, no --host-routing): use --moe-miss cpu",
+                crate::gpu::ops::MOE_ROUTE_MAX_EXPERTS
+            )));
+        }
+        let chained = options.chain
+            && c.moe.is_some()
+            && placement.is_partial()
+            && options.moe_miss == MoeMiss::Cpu
+            && allocator.device().chains()
+            && layers.iter().all(|l| match &l.ffn {
+                GpuFfn::Moe(m) => m.stacks_fit(max_range),
+                GpuFfn::Dense { .. } => true,
+            });
+        let mut experts = experts;
+        match experts.as_mut() {
+            Some(e) if placement.is_partial() && options.moe_miss == MoeMiss::Fetch => {
+                e.uploader = Some(up);
+            }
+            Some(e) if placement.is_partial() && options.promote_experts => {
+                e.promoter = Some(promote::Promoter::new(model, al, up)?);
+            }
+            _ => drop(up),
+        }
+        let replays = options.replay && !chained && (routes_on_device || c.moe.is_none());
+        let expert_stream = match (&c.moe, placement.stream_slot) {
+            (Some(_), true) => Some(stream_experts::ExpertStream::new(
+                model,
+                al,
+                placement.prompt_expert_slots,
+            )?),
+            _ => None,
+        };
+        Ok(GpuModel {
+            model: model.clone(),
+            kernels,
+            allocator: allocator.clone(),
+            config: c,
+            input_rows,
+            output,
+            front: None,
+            front_time: std::time::Duration::ZERO,
+            stream: None,
+            streamed_chunks: 0,
+            expert_stream,
+            output_norm,
+            layers,
+            rope,
+            act,
+            capacity,
+            pos: 0,
+            last_stats: RecordStats::default(),
+            last_routing: Vec::new(),
+            placement: placement.clone(),
+            experts,
+            routes_on_device,
+            chained,
+            last_host_time: None,
+            profiler: None,
+            replays,
+            replay: None,
+            last_profile: None,
+            batch: None,
+            batch_refused: false,
+            rope_in_attention: options.rope_in_attention,
+            flash_attention: options.flash_attention,
+        })
+    }
+}
