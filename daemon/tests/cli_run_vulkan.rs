@@ -145,7 +145,7 @@ fn experts_beyond_the_vram_budget_give_the_same_greedy_tokens() {
     let budget = (minimum + (whole - minimum) / 3).to_string();
     let all = run_json(&path, "vulkan");
     assert_eq!(all["experts"]["misses"], 0);
-    for miss in ["cpu", "fetch"] {
+    for miss in ["cpu", "fetch", "pcie"] {
         let args = [
             "--device",
             "vulkan",
@@ -160,7 +160,11 @@ fn experts_beyond_the_vram_budget_give_the_same_greedy_tokens() {
         assert_eq!(e["miss"], miss);
         assert!(e["slots_per_layer"].as_u64().unwrap() < e["n_expert"].as_u64().unwrap());
         assert!(e["misses"].as_u64().unwrap() > 0, "{e}");
-        let path_taken = if miss == "cpu" { "cpu" } else { "fetched" };
+        let path_taken = match miss {
+            "cpu" => "cpu",
+            "fetch" => "fetched",
+            _ => "pcie",
+        };
         assert!(e[path_taken].as_u64().unwrap() > 0, "{e}");
         assert!(e["promoted"].as_u64().is_some(), "{e}");
     }
@@ -175,6 +179,9 @@ fn experts_beyond_the_vram_budget_give_the_same_greedy_tokens() {
     let got = run_json_with(&path, &args);
     assert_eq!(got["tokens"], all["tokens"], "--static-experts");
     assert_eq!(got["experts"]["promoted"], 0, "{}", got["experts"]);
+    // The default miss policy is reported as what it resolved to.
+    let miss = got["experts"]["miss"].as_str().unwrap();
+    assert!(["cpu", "pcie"].contains(&miss), "{}", got["experts"]);
 }
 
 /// A dense model under its whole size runs its first layers on the CPU, says so, and gives
