@@ -144,8 +144,16 @@ fn offload(preset: &str) {
                 _ => assert_eq!(miss, asked, "{what}"),
             }
             let slots = gpu.placement().slots;
-            if budget == minimum {
+            if budget == minimum && miss != MoeMiss::Pcie {
                 assert_eq!(slots, 1, "{what}: the minimum holds one slot per layer");
+            }
+            if miss == MoeMiss::Pcie && slots < cfg.n_expert {
+                // The embedding went to system RAM with the experts: the minimum of misses on
+                // the CPU holds more slots.
+                assert!(gpu.host_embedding_bytes() > 0, "{what}");
+                if budget == minimum {
+                    assert!(slots > 1, "{what}: {slots} slots");
+                }
             }
             let (got, routing) = decode(&mut gpu);
             // Misses on the CPU or fetched need the routing on the host: a read-back per MoE
@@ -306,7 +314,13 @@ fn ram_tier(preset: &str) {
     let vram = GpuModel::minimum_budget(&dev, &model, &base)
         .unwrap()
         .total();
-    let mut mapped = GpuModel::new(&dev, &model, &options(Some(vram), MoeMiss::Cpu)).unwrap();
+    // Promotions follow measured times, which differ between runs (and with the machine's
+    // load): off here, so that every run keeps the same experts resident.
+    let fixed = GpuModelOptions {
+        promote_experts: false,
+        ..options(Some(vram), MoeMiss::Cpu)
+    };
+    let mut mapped = GpuModel::new(&dev, &model, &fixed).unwrap();
     let (want, _) = decode(&mut mapped);
     assert!(mapped.ram_tier().is_none());
     let cpu_experts = mapped.expert_stats().unwrap().total().cpu;
@@ -322,7 +336,7 @@ fn ram_tier(preset: &str) {
         let what = format!("{preset}, RAM budget {ram}");
         let o = GpuModelOptions {
             ram_budget: Some(ram),
-            ..options(Some(vram), MoeMiss::Cpu)
+            ..fixed.clone()
         };
         let mut gpu = GpuModel::new(&dev, &model, &o).unwrap();
         let (got, _) = decode(&mut gpu);

@@ -416,8 +416,16 @@ pub(super) fn plan(
         return Ok(whole);
     }
     let staging = shape.staging_bytes();
+    // Misses read over PCIe keep the token embedding in system RAM too (a row a token crosses
+    // the bus), as llama.cpp keeps it on the CPU; tied to the output, it stays.
+    let embedding = match miss {
+        MoeMiss::Pcie if model.output != model.token_embd => {
+            model.mat(&model.token_embd).data.len() as u64
+        }
+        _ => 0,
+    };
     let minimum = MinimumBudget {
-        non_expert: needed.weights - needed.experts,
+        non_expert: needed.weights - needed.experts - embedding,
         kv_cache: needed.kv_cache,
         activations: needed.activations,
         one_slot_per_layer: shape.slot_bytes(1),
@@ -451,6 +459,13 @@ pub(super) fn plan(
     let fixed = minimum.total() - minimum.one_slot_per_layer + prompt;
     let per_slot = shape.slot_bytes(1);
     let slots = (((budget - fixed) / per_slot) as usize).clamp(1, shape.n_expert);
+    // Where the budget holds every expert only because the embedding went to system RAM, one
+    // slot a layer fewer keeps the placement partial, so that the embedding does go there.
+    let slots = if embedding > 0 {
+        slots.min(shape.n_expert - 1).max(1)
+    } else {
+        slots
+    };
     let misaligned = [shape.gate, shape.up, shape.down]
         .iter()
         .any(|b| !b.is_multiple_of(4));

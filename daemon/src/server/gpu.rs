@@ -89,7 +89,9 @@ impl GpuSequence {
         };
         let status = Arc::new(GpuStatus {
             device,
-            vram_weights: footprint.weights.saturating_sub(left_in_ram),
+            vram_weights: footprint
+                .weights
+                .saturating_sub(left_in_ram + gpu.host_embedding_bytes()),
             // With misses read over PCIe every routed expert is in RAM, the resident ones too.
             ram_weights: left_in_ram.max(gpu.host_expert_bytes()),
             allocator: Mutex::new(gpu.allocator().clone()),

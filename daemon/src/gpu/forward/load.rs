@@ -10,6 +10,12 @@ use spillway_shaders::WeightType;
 use super::gate_up::GateUp;
 use super::*;
 
+/// Whether the routed experts (and an untied embedding) are copied into system RAM for the
+/// GPU to read misses from: a partial placement with misses over PCIe.
+fn host_experts_planned(placement: &Placement, options: &GpuModelOptions) -> bool {
+    placement.is_partial() && options.moe_miss == MoeMiss::Pcie
+}
+
 /// Bytes of every routed expert of `model` in its file.
 fn routed_expert_bytes(model: &Model) -> u64 {
     model
@@ -54,14 +60,19 @@ impl GpuModel {
         let needed = Self::device_bytes(model, options);
         let allocator = Allocator::new(device, None);
         let counts = allocator.budget_counts(MemoryUse::Staging);
-        // A budget of 0 is under any model: the plan says what it would have needed.
+        // A budget of 0 is under any model: the plan says what it would have needed. Misses
+        // over PCIe need less (the embedding goes to system RAM too); fetched ones as many.
         let capacity = Self::capacity_for(&model.config, options);
+        let miss = match Self::resolve_miss(device, model, options).moe_miss {
+            MoeMiss::Pcie => MoeMiss::Pcie,
+            _ => MoeMiss::Cpu,
+        };
         match plan(
             model,
             (&needed, capacity, Self::stream_for(options)),
             Some(0),
             (counts, allocator.mapped_reserve()),
-            MoeMiss::Cpu,
+            miss,
             &options.expert_layout,
         ) {
             Err(GpuError::BelowMinimumBudget { minimum, .. }) => Some(*minimum),
@@ -209,28 +220,8 @@ impl GpuModel {
         let kernels = Kernels::with_int_dot(device, (true, options.coopmat), options.int_dot);
         let mut up = Uploader::new(allocator, placement.staging_bytes)?;
         let al = allocator;
-        // With the first layers on the CPU the step starts from their hidden state.
-        let hidden_in = placement.cpu_layers > 0;
-        let input_rows = if hidden_in {
-            GpuMatrix {
-                buffer: Buffer::new_in(al, c.n_embd as u64 * 4, MemoryUse::DeviceMapped)?,
-                wtype: WeightType::F32,
-                n_in: c.n_embd,
-                n_out: 1,
-                row_bytes: c.n_embd as u64 * 4,
-            }
-        } else {
-            matrix(model, al, &mut up, &model.token_embd)?
-        };
-        let output = if model.output == model.token_embd && !hidden_in {
-            None
-        } else {
-            Some(matrix(model, al, &mut up, &model.output)?)
-        };
-        let output_norm = upload_f32(al, &mut up, &model.output_norm)?;
-        let kv_bytes = (capacity * c.kv_width() * 2) as u64;
         // Misses read by the GPU from system RAM: every routed expert is copied there too.
-        let host_experts = placement.is_partial() && options.moe_miss == MoeMiss::Pcie;
+        let host_experts = host_experts_planned(placement, options);
         if host_experts {
             let bytes = routed_expert_bytes(model);
             if let Some(budget) = options.ram_budget.filter(|&b| b < bytes) {
@@ -243,6 +234,33 @@ impl GpuModel {
             }
         }
         let mut host_bytes = 0;
+        let mut embedding_bytes = 0;
+        // With the first layers on the CPU the step starts from their hidden state.
+        let hidden_in = placement.cpu_layers > 0;
+        let input_rows = if hidden_in {
+            GpuMatrix {
+                buffer: Buffer::new_in(al, c.n_embd as u64 * 4, MemoryUse::DeviceMapped)?,
+                wtype: WeightType::F32,
+                n_in: c.n_embd,
+                n_out: 1,
+                row_bytes: c.n_embd as u64 * 4,
+            }
+        } else if host_experts && model.output != model.token_embd {
+            // With the experts, the embedding lives in system RAM (the plan counted it so).
+            let e = model.mat(&model.token_embd);
+            embedding_bytes = e.data.len() as u64;
+            host_bytes += embedding_bytes;
+            GpuMatrix::in_host_memory(device, e.ty, e.n_in, &[e.data])?
+        } else {
+            matrix(model, al, &mut up, &model.token_embd)?
+        };
+        let output = if model.output == model.token_embd && !hidden_in {
+            None
+        } else {
+            Some(matrix(model, al, &mut up, &model.output)?)
+        };
+        let output_norm = upload_f32(al, &mut up, &model.output_norm)?;
+        let kv_bytes = (capacity * c.kv_width() * 2) as u64;
         let mut layers = Vec::with_capacity(c.n_layer);
         for (il, layer) in model.layers.iter().enumerate() {
             let ffn = match &layer.ffn {
@@ -355,6 +373,7 @@ impl GpuModel {
                 uploader: None,
                 promoter: None,
                 host_bytes,
+                embedding_bytes,
                 map_stale: host_experts,
             }
         });

@@ -250,8 +250,10 @@ struct Experts {
     /// ([`GpuModelOptions::promote_experts`]).
     promoter: Option<promote::Promoter>,
     /// Bytes of the copy of every routed expert in system RAM that the GPU reads misses from
-    /// ([`MoeMiss::Pcie`]); 0 without it.
+    /// ([`MoeMiss::Pcie`]), with the token embedding where it went there too; 0 without it.
     host_bytes: u64,
+    /// The token embedding's part of `host_bytes`.
+    embedding_bytes: u64,
     /// The slots changed since the device's slot map was written (read with [`MoeMiss::Pcie`]
     /// only).
     map_stale: bool,
@@ -806,9 +808,15 @@ impl GpuModel {
     }
 
     /// Bytes of system RAM holding every routed expert for the GPU to read its misses from
-    /// ([`MoeMiss::Pcie`]); 0 otherwise.
+    /// ([`MoeMiss::Pcie`]), and the token embedding where it went there too; 0 otherwise.
     pub fn host_expert_bytes(&self) -> u64 {
         self.experts.as_ref().map_or(0, |e| e.host_bytes)
+    }
+
+    /// Bytes of the token embedding in system RAM (with misses over PCIe, where the output is
+    /// not tied to it); 0 where it is in VRAM.
+    pub fn host_embedding_bytes(&self) -> u64 {
+        self.experts.as_ref().map_or(0, |e| e.embedding_bytes)
     }
 
     /// Where `routing`'s experts run: slots, fetches (copied here, before the GPU part is
