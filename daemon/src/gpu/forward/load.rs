@@ -411,7 +411,7 @@ impl GpuModel {
                 e.uploader = Some(up);
             }
             Some(e) if placement.is_partial() && options.promote_experts => {
-                e.promoter = Some(promote::Promoter::new(model, al, up)?);
+                e.promoter = Some(promote::Promoter::new(model, al, up, host_experts)?);
             }
             _ => drop(up),
         }

@@ -90,13 +90,20 @@ impl Promoter {
     }
 
     /// `load_up` is the loading staging (the placement's size), kept where the budget counts
-    /// staging; elsewhere the promoter takes staging for [`STAGING_EXPERTS`] experts.
+    /// staging; elsewhere the promoter takes staging for [`STAGING_EXPERTS`] experts. With
+    /// every expert in system RAM (`from_host`) the device copies from there and staging goes
+    /// unused: a token amount of it is kept.
     pub(super) fn new(
         model: &Model,
         al: &std::sync::Arc<Allocator>,
         load_up: Uploader,
+        from_host: bool,
     ) -> Result<Promoter> {
         let up = match ExpertShape::of(model) {
+            _ if from_host => {
+                drop(load_up);
+                Uploader::new(al, 4096)?
+            }
             Some(shape) if !al.budget_counts(crate::gpu::alloc::MemoryUse::Staging) => {
                 drop(load_up);
                 Uploader::new(al, shape.staging_bytes_for(STAGING_EXPERTS))?
