@@ -71,19 +71,7 @@ impl GpuMatrix {
         n_in: usize,
         parts: &[&[u8]],
     ) -> Result<GpuMatrix> {
-        let wtype = weight_type(ty)
-            .ok_or_else(|| GpuError::Unsupported(format!("{ty} weights on the GPU")))?;
-        let row_bytes = ty
-            .row_bytes(n_in as u64)
-            .filter(|_| n_in.is_multiple_of(32))
-            .ok_or_else(|| GpuError::Unsupported(format!("rows of {n_in} {ty} weights")))?;
-        let len: usize = parts.iter().map(|p| p.len()).sum();
-        assert!(
-            parts
-                .iter()
-                .all(|p| (p.len() as u64).is_multiple_of(row_bytes)),
-            "matrix bytes"
-        );
+        let (wtype, row_bytes, len) = stack_layout(ty, n_in, parts)?;
         let buffer = Buffer::new_in(allocator, len as u64, MemoryUse::DeviceLocal)?;
         fill_parts(uploader, &buffer, parts)?;
         Ok(GpuMatrix {
@@ -94,12 +82,7 @@ impl GpuMatrix {
             row_bytes,
         })
     }
-}
 
-/// Copies `parts` one after another into `buffer` from its start (a matrix's bytes, or a GLU
-/// stack's). Uploads are whole words: a length that is not is padded with zeros, which the
-/// buffer (rounded up to words) has room for.
-impl GpuMatrix {
     /// Matrices of the same type and width as one (as [`GpuMatrix::upload_stack`]), in a buffer
     /// of system RAM that the GPU reads over the bus ([`Buffer::new_host_memory`]), copied
     /// there by the host's threads: MoE experts that have no VRAM slot.
@@ -109,19 +92,7 @@ impl GpuMatrix {
         n_in: usize,
         parts: &[&[u8]],
     ) -> Result<GpuMatrix> {
-        let wtype = weight_type(ty)
-            .ok_or_else(|| GpuError::Unsupported(format!("{ty} weights on the GPU")))?;
-        let row_bytes = ty
-            .row_bytes(n_in as u64)
-            .filter(|_| n_in.is_multiple_of(32))
-            .ok_or_else(|| GpuError::Unsupported(format!("rows of {n_in} {ty} weights")))?;
-        let len: usize = parts.iter().map(|p| p.len()).sum();
-        assert!(
-            parts
-                .iter()
-                .all(|p| (p.len() as u64).is_multiple_of(row_bytes)),
-            "matrix bytes"
-        );
+        let (wtype, row_bytes, len) = stack_layout(ty, n_in, parts)?;
         let mut buffer = Buffer::new_host_memory(device, len as u64)?;
         let dst = buffer.bytes_mut();
         let (filled, rest) = dst.split_at_mut(len);
@@ -142,6 +113,25 @@ impl GpuMatrix {
             row_bytes,
         })
     }
+}
+
+/// The weight type, row bytes and total bytes of matrices of type `ty` and width `n_in` laid
+/// one after another from `parts` (each whole rows).
+fn stack_layout(ty: GgmlType, n_in: usize, parts: &[&[u8]]) -> Result<(WeightType, u64, usize)> {
+    let wtype =
+        weight_type(ty).ok_or_else(|| GpuError::Unsupported(format!("{ty} weights on the GPU")))?;
+    let row_bytes = ty
+        .row_bytes(n_in as u64)
+        .filter(|_| n_in.is_multiple_of(32))
+        .ok_or_else(|| GpuError::Unsupported(format!("rows of {n_in} {ty} weights")))?;
+    let len: usize = parts.iter().map(|p| p.len()).sum();
+    assert!(
+        parts
+            .iter()
+            .all(|p| (p.len() as u64).is_multiple_of(row_bytes)),
+        "matrix bytes"
+    );
+    Ok((wtype, row_bytes, len))
 }
 
 /// Copies each `(destination, source)` pair, large ones cut into pieces spread over the
@@ -170,6 +160,9 @@ fn copy_parallel(pairs: Vec<(&mut [u8], &[u8])>) {
     });
 }
 
+/// Copies `parts` one after another into `buffer` from its start (a matrix's bytes, or a GLU
+/// stack's). Uploads are whole words: a length that is not is padded with zeros, which the
+/// buffer (rounded up to words) has room for.
 pub(crate) fn fill_parts(uploader: &mut Uploader, buffer: &Buffer, parts: &[&[u8]]) -> Result<()> {
     if parts.iter().all(|p| p.len().is_multiple_of(4)) {
         let mut at = 0u64;

@@ -158,6 +158,10 @@ impl GpuModel {
         model: &Model,
         options: &GpuModelOptions,
     ) -> GpuModelOptions {
+        // A policy given is itself: no need to read the RAM left or the device's memory types.
+        if options.moe_miss != MoeMiss::Auto {
+            return options.clone();
+        }
         let allocator = Allocator::new(device, None);
         // Staging that does not count against a VRAM budget is system RAM across a bus; the
         // experts it holds need the routing on the device.
