@@ -5,6 +5,11 @@
 //! wrote; dense and MoE models (experts run over the tokens that chose them). On whatever Vulkan device the machine has (lavapipe in CI); without one these tests
 //! skip, unless `SPILLWAY_REQUIRE_VULKAN` is set, in which case they fail.
 
+// The daemon's tests' comparison of logits, shared rather than written again.
+#[path = "../../daemon/tests/common/logits.rs"]
+mod logits;
+use logits::assert_logits_close;
+
 use std::sync::Arc;
 
 use spillway_bench::synth::{SynthModel, WeightType};
@@ -22,16 +27,7 @@ fn device() -> Option<Arc<Device>> {
 const TOLERANCE: f32 = 0.01;
 
 fn assert_close(got: &[f32], want: &[f32], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}");
-    let range = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let diff = got
-        .iter()
-        .zip(want)
-        .fold(0f32, |m, (g, w)| m.max((g - w).abs()));
-    assert!(
-        diff <= TOLERANCE * range,
-        "{what}: logits differ by {diff} (range {range})"
-    );
+    assert_logits_close(got, want, TOLERANCE, what);
 }
 
 fn tokens(n: usize, n_vocab: usize) -> Vec<u32> {

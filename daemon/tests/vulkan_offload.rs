@@ -10,6 +10,9 @@
 #[path = "common/f16_model.rs"]
 mod f16_model;
 use f16_model::f16_model;
+#[path = "common/logits.rs"]
+mod logits;
+use logits::assert_logits_close;
 
 use std::sync::Arc;
 
@@ -189,9 +192,7 @@ fn offload(preset: &str) {
                     // The same kernels on the same weights, the sum of the experts in VRAM
                     // and of those read from RAM added apart: rounding only, on every token.
                     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                        let range = w.iter().fold(0f32, |m, v| m.max(v.abs()));
-                        let diff = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-                        assert!(diff <= 1e-4 * range, "{what}: token {i}: {diff} of {range}");
+                        assert_logits_close(g, w, 1e-4, &format!("{what}: token {i}"));
                     }
                     assert_eq!((t.pcie, t.cpu, t.fetched), (t.misses, 0, 0), "{what}");
                     assert_eq!(gpu.last_stats().submits, 1, "{what}: one submission a step");
