@@ -51,8 +51,13 @@ fn compile(compiler: &Compiler, glsl_dir: &Path, v: &Variant) -> Vec<u32> {
         },
         ..CompilerOptions::default()
     };
-    let defines: Vec<(&str, Option<&str>)> =
+    let mut defines: Vec<(&str, Option<&str>)> =
         v.defines.iter().map(|&(k, val)| (k, Some(val))).collect();
+    let blocks = (COOPMAT_BLOCKS.0.to_string(), COOPMAT_BLOCKS.1.to_string());
+    if v.defines.contains(&CM) {
+        defines.push(("CM_TM", Some(&blocks.0)));
+        defines.push(("CM_TN", Some(&blocks.1)));
+    }
     let mut includes = GlslDir(glsl_dir.to_path_buf());
     let input = ShaderInput::new(
         &source,

@@ -146,6 +146,12 @@ const SG: (&str, &str) = ("USE_SUBGROUP", "1");
 /// The define that switches `matvec_batch.comp` to cooperative matrices.
 const CM: (&str, &str) = ("COOPMAT", "1");
 
+/// Blocks of 16 × 16 results a subgroup of the cooperative-matrix products computes, along rows
+/// and along tokens: `build.rs` defines them as `CM_TM` and `CM_TN` for every variant with
+/// [`CM`], and the runtime sizes its tiles from them.
+#[allow(dead_code)]
+pub const COOPMAT_BLOCKS: (u32, u32) = (4, 2);
+
 /// The define that makes `dequant.comp` write f16.
 const F16_OUT: (&str, &str) = ("F16_OUT", "1");
 

@@ -108,30 +108,52 @@ fn every_tile_of_the_cooperative_matrix_product_gives_the_same_products() {
         let xs = inputs(n_tok * n_in, 5);
         let want = one_by_one(&s, &xs, n_tok);
         let x = host(&s, &xs);
-        for rows in [64, 128] {
-            for depth in [32, 64, 128] {
-                let tile = MatMulTile { depth, rows };
-                if tile.check_on(&dev).is_err() {
-                    // Over the device's shared memory: refused, never run.
-                    assert!(s.kernels.set_matmul_tile(Some(tile)).is_err(), "{tile:?}");
-                    continue;
+        let before = inputs(n_tok * n_out, 3);
+        let want_added: Vec<f32> = before.iter().zip(&want).map(|(b, p)| b + p).collect();
+        for tokens in [64, 128] {
+            for rows in [64, 128] {
+                for depth in [32, 64, 128] {
+                    let tile = MatMulTile {
+                        depth,
+                        rows,
+                        tokens,
+                    };
+                    if tile.check_on(&dev).is_err() {
+                        // Over the device's shared memory: refused, never run.
+                        assert!(s.kernels.set_matmul_tile(Some(tile)).is_err(), "{tile:?}");
+                        continue;
+                    }
+                    s.kernels.set_matmul_tile(Some(tile)).unwrap();
+                    let y = host(&s, &vec![f32::NAN; n_tok * n_out]);
+                    s.kernels
+                        .record(|r| r.matvec_batch(&s.w, &x, &y, n_tok))
+                        .unwrap();
+                    let got = y.read_f32(n_tok * n_out);
+                    assert_close(&s, &got, &want, &format!("{ty} {tile:?}"));
+                    // Added to what Y held: whole blocks and the blocks at the edge.
+                    let y = host(&s, &before);
+                    s.kernels
+                        .record(|r| r.matvec_batch_add(&s.w, &x, &y, n_tok))
+                        .unwrap();
+                    let got = y.read_f32(n_tok * n_out);
+                    assert_close(&s, &got, &want_added, &format!("{ty} {tile:?}, added"));
                 }
-                s.kernels.set_matmul_tile(Some(tile)).unwrap();
-                let y = host(&s, &vec![f32::NAN; n_tok * n_out]);
-                s.kernels
-                    .record(|r| r.matvec_batch(&s.w, &x, &y, n_tok))
-                    .unwrap();
-                let got = y.read_f32(n_tok * n_out);
-                assert_close(&s, &got, &want, &format!("{ty} {tile:?}"));
             }
         }
         if s.kernels.uses_coopmat() {
             MatMulTile::TUNED.check_on(&dev).unwrap();
         }
-        for bad in [(64, 32), (48, 64), (64, 256)] {
+        for bad in [
+            (64, 32, 64),
+            (48, 64, 64),
+            (64, 256, 64),
+            (64, 64, 32),
+            (64, 64, 96),
+        ] {
             let tile = MatMulTile {
                 depth: bad.0,
                 rows: bad.1,
+                tokens: bad.2,
             };
             assert!(s.kernels.set_matmul_tile(Some(tile)).is_err(), "{tile:?}");
         }

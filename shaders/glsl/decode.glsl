@@ -4,6 +4,13 @@
 // (bit for bit) with the CPU's `dequantize_row`: `precise` keeps the compiler from fusing the
 // multiply-adds that the CPU rounds separately. Needs `weights` and common.glsl.
 
+// For Q8_0 and Q4_0, a unit can also be read ahead of its decoding: `unit_words` reads the
+// UNIT_WORDS words that hold it, starting at byte `unit_at(row, u)`, and `decode_words` decodes
+// them later with `decode_unit`'s arithmetic: prompt products keep the next step's weights in
+// flight while they multiply. Units start on an even byte: the words are realigned to the
+// unit's first byte before decoding, so that every later index is a constant.
+#define words_u16(w, b) ((w[(b) >> 2] >> (((b) & 2u) * 8u)) & 0xFFFFu)
+
 #if defined(WTYPE_F32)
 // MoE routers stay F32 (llama.cpp never quantizes them); rows start on whole words.
 uint row_bytes(uint n) { return 4u * n; }
@@ -33,6 +40,16 @@ void decode_unit(uint row, uint u, out float v[32]) {
         v[i + 1u] = float(int(q << 16) >> 24) * d;
     }
 }
+#define UNIT_WORDS 9u
+uint unit_at(uint row, uint u) { return row + 34u * u; }
+void decode_words(uint w[UNIT_WORDS], out float v[32]) {
+    const float d = unpackHalf2x16(w[0] & 0xFFFFu).x;
+    for (uint i = 0u; i < 32u; i += 2u) {
+        const uint q = words_u16(w, 2u + i);
+        v[i] = float(int(q << 24) >> 24) * d;
+        v[i + 1u] = float(int(q << 16) >> 24) * d;
+    }
+}
 #elif defined(WTYPE_Q4_0)
 uint row_bytes(uint n) { return (n / 32u) * 18u; }
 void decode_unit(uint row, uint u, out float v[32]) {
@@ -40,6 +57,18 @@ void decode_unit(uint row, uint u, out float v[32]) {
     const float d = load_f16(base);
     for (uint i = 0u; i < 16u; i += 2u) {
         const uint q = load_u16(base + 2u + i);
+        v[i] = float(int(q & 0xFu) - 8) * d;
+        v[i + 16u] = float(int((q >> 4) & 0xFu) - 8) * d;
+        v[i + 1u] = float(int((q >> 8) & 0xFu) - 8) * d;
+        v[i + 17u] = float(int((q >> 12) & 0xFu) - 8) * d;
+    }
+}
+#define UNIT_WORDS 5u
+uint unit_at(uint row, uint u) { return row + 18u * u; }
+void decode_words(uint w[UNIT_WORDS], out float v[32]) {
+    const float d = unpackHalf2x16(w[0] & 0xFFFFu).x;
+    for (uint i = 0u; i < 16u; i += 2u) {
+        const uint q = words_u16(w, 2u + i);
         v[i] = float(int(q & 0xFu) - 8) * d;
         v[i + 16u] = float(int((q >> 4) & 0xFu) - 8) * d;
         v[i + 1u] = float(int((q >> 8) & 0xFu) - 8) * d;
@@ -104,4 +133,23 @@ void decode_unit(uint row, uint u, out float v[32]) {
 }
 #else
 #error "decode.glsl needs a WTYPE_* define"
+#endif
+
+#if defined(UNIT_WORDS)
+void unit_words(uint at, out uint w[UNIT_WORDS]) {
+    const uint w0 = at >> 2;
+    for (uint i = 0u; i < UNIT_WORDS; ++i) {
+        w[i] = weights[w0 + i];
+    }
+}
+
+// Words read from byte `at & ~3` moved so that word 0 starts at byte `at`.
+void realign_words(uint at, inout uint w[UNIT_WORDS]) {
+    if ((at & 2u) != 0u) {
+        for (uint i = 0u; i + 1u < UNIT_WORDS; ++i) {
+            w[i] = (w[i] >> 16) | (w[i + 1u] << 16);
+        }
+        w[UNIT_WORDS - 1u] >>= 16;
+    }
+}
 #endif

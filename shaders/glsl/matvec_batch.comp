@@ -23,7 +23,7 @@
 //
 // With the ACCUMULATE specialization constant the products are added to Y (the residual sums).
 
-layout(local_size_x_id = 0) in; // base: 256; COOPMAT: 2 · ROW_GROUPS subgroups
+layout(local_size_x_id = 0) in; // base: 256; COOPMAT: ROW_GROUPS · COL_GROUPS subgroups
 layout(constant_id = 1) const uint ACCUMULATE = 0u;
 
 
@@ -125,31 +125,55 @@ void main() {
 
 #else // COOPMAT
 
-// Subgroups in a ROW_GROUPS × 2 grid, each 2 × 2 blocks of 16 × 16 results: a tile of 32 ·
-// ROW_GROUPS rows by 64 tokens. The blocks are four named matrices, not an array: indexed ones
-// cost a third of the speed on the H200 (`bench/RESULTS.md`). The shared tiles are single
+// A workgroup's tile is ROW_GROUPS × COL_GROUPS subgroups, each CM_TM × CM_TN blocks of 16 × 16
+// results: (16 · CM_TM · ROW_GROUPS) rows by (16 · CM_TN · COL_GROUPS) tokens. CM_TM and CM_TN
+// come from `COOPMAT_BLOCKS` in `variants.rs` (build.rs defines them) and are compile-time, so
+// each block is a named matrix: indexed arrays of them cost a third of the speed on the H200
+// (`bench/RESULTS.md`). At each step along the inputs a subgroup loads its CM_TN input blocks
+// once, then per row block one weight block and CM_TN products. The shared tiles are single
 // buffers, filled and read between two barriers a step: double buffers (the next step's tiles
 // filled while the matrix units work on this one's, one barrier a step) measured slower on the
-// H200, 69 → 51 TFLOPS for Q4_0 4096 × 4096 (`bench/RESULTS.md`, 2026-12-04).
+// H200, 69 → 51 TFLOPS for Q4_0 4096 × 4096 (`bench/RESULTS.md`, 2026-12-04). Instead, each
+// invocation reads its share of the next step's inputs (and, for Q4_0 and Q8_0, the words of its
+// next weight units) into registers right after the first barrier, so those loads are in
+// flight while the matrix units work; they reach shared memory after the second.
+#if !defined(CM_TM) || !defined(CM_TN)
+#error "CM_TM and CM_TN (blocks of a subgroup) must be defined"
+#endif
 // Inputs per step (32, 64 or 128).
 layout(constant_id = 2) const uint BK = 64u;
-// Subgroup rows of the tile (2 or 4).
+// Subgroups along the tile's rows and along its tokens.
 layout(constant_id = 3) const uint ROW_GROUPS = 2u;
-const uint BM_ = 32u * ROW_GROUPS;
-#define BN_ 64u
+layout(constant_id = 4) const uint COL_GROUPS = 2u;
+const uint BM_ = 16u * CM_TM * ROW_GROUPS;
+const uint BN_ = 16u * CM_TN * COL_GROUPS;
 // Rows of the shared tiles are padded by 8 halves (16 bytes) against bank conflicts.
 const uint BKP = BK + 8u;
-shared float16_t ws[BM_ * BKP]; // ws[r * BKP + k]: A, row-major
-shared float16_t xs[BN_ * BKP]; // xs[t * BKP + k]: B (k × tokens), column-major
-shared float cs[2u * ROW_GROUPS * 256u]; // one 16×16 result block per subgroup, on its way out
+// Four halves an element, so a tile is filled eight bytes a store, not two; the matrices are
+// loaded from them in units of four halves.
+shared f16vec4 ws[BM_ * BKP / 4u]; // half (r, k) at r * BKP + k: A, row-major
+shared f16vec4 xs[BN_ * BKP / 4u]; // half (k, t) at t * BKP + k: B (k × tokens), column-major
+// One 16×16 result block per subgroup on its way out, for blocks at the edge of Y only.
+shared float cs[ROW_GROUPS * COL_GROUPS * 256u];
 
 #define ACC coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>
 #define MAT_A coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA>
 #define MAT_B coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB>
 
-// Block (i, j) of this subgroup's results (rows rb + 16i, tokens tb + 16j) out to Y.
+// A block of results (rows r.., tokens t..) out to Y. Whole blocks whose start and stride are
+// 16-byte aligned go straight to Y, which is column-major for a block (element (r, t) at
+// t · y_stride + r); the others go through shared memory and `put`.
 void put_block(ACC c, uint sg, uint lane, uint r, uint t) {
-    // Column-major: element (r, t) of the block at t * 16 + r.
+    const uint at = p.y_offset + t * p.y_stride + r;
+    if (r + 16u <= p.n_rows && t + 16u <= p.n_tok && at % 4u == 0u && p.y_stride % 4u == 0u) {
+        if (ACCUMULATE != 0u) {
+            ACC old;
+            coopMatLoad(old, y, at, p.y_stride, gl_CooperativeMatrixLayoutColumnMajor);
+            c = c + old;
+        }
+        coopMatStore(c, y, at, p.y_stride, gl_CooperativeMatrixLayoutColumnMajor);
+        return;
+    }
     coopMatStore(c, cs, sg * 256u, 16u, gl_CooperativeMatrixLayoutColumnMajor);
     subgroupMemoryBarrierShared();
     subgroupBarrier();
@@ -160,18 +184,143 @@ void put_block(ACC c, uint sg, uint lane, uint r, uint t) {
     subgroupBarrier();
 }
 
+// The per-row-block steps, written out for CM_TM and CM_TN at compile time.
+#define LOAD_A(i) coopMatLoad(a, ws, ((rb + 16u * i) * BKP + kk) / 4u, BKP / 4u, gl_CooperativeMatrixLayoutRowMajor);
+#define LOAD_B(j) coopMatLoad(b##j, xs, ((tb + 16u * j) * BKP + kk) / 4u, BKP / 4u, gl_CooperativeMatrixLayoutColumnMajor);
+#define MMA(i, j) c##i##j = coopMatMulAdd(a, b##j, c##i##j);
+#define PUT(i, j) put_block(c##i##j, sg, lane, r0 + rb + 16u * i, t0 + tb + 16u * j);
+#if CM_TN == 1
+#define ROW_DECL(i) ACC c##i##0 = ACC(0.0);
+#define B_DECL MAT_B b0;
+#define B_LOADS LOAD_B(0)
+#define ROW_MMA(i) LOAD_A(i) MMA(i, 0)
+#define ROW_PUT(i) PUT(i, 0)
+#elif CM_TN == 2
+#define ROW_DECL(i) ACC c##i##0 = ACC(0.0), c##i##1 = ACC(0.0);
+#define B_DECL MAT_B b0, b1;
+#define B_LOADS LOAD_B(0) LOAD_B(1)
+#define ROW_MMA(i) LOAD_A(i) MMA(i, 0) MMA(i, 1)
+#define ROW_PUT(i) PUT(i, 0) PUT(i, 1)
+#elif CM_TN == 4
+#define ROW_DECL(i) ACC c##i##0 = ACC(0.0), c##i##1 = ACC(0.0), c##i##2 = ACC(0.0), c##i##3 = ACC(0.0);
+#define B_DECL MAT_B b0, b1, b2, b3;
+#define B_LOADS LOAD_B(0) LOAD_B(1) LOAD_B(2) LOAD_B(3)
+#define ROW_MMA(i) LOAD_A(i) MMA(i, 0) MMA(i, 1) MMA(i, 2) MMA(i, 3)
+#define ROW_PUT(i) PUT(i, 0) PUT(i, 1) PUT(i, 2) PUT(i, 3)
+#else
+#error "CM_TN must be 1, 2 or 4"
+#endif
+#if CM_TM == 1
+#define ALL_ROWS(M) M(0)
+#elif CM_TM == 2
+#define ALL_ROWS(M) M(0) M(1)
+#elif CM_TM == 4
+#define ALL_ROWS(M) M(0) M(1) M(2) M(3)
+#else
+#error "CM_TM must be 1, 2 or 4"
+#endif
+
+// Each invocation's share of a step's inputs, four a load, held in registers between the load
+// and the store to shared memory.
+const uint X_LOADS = BK * BN_ / 4u;
+const uint X_PER = (X_LOADS + gl_WorkGroupSize.x - 1u) / gl_WorkGroupSize.x;
+vec4 xr[X_PER];
+
+void load_x(uint t0, uint k0) {
+    [[unroll]] for (uint i = 0u; i < X_PER; ++i) {
+        const uint e = gl_LocalInvocationID.x + i * gl_WorkGroupSize.x;
+        const uint k = 4u * (e % (BK / 4u)), t = e / (BK / 4u);
+        xr[i] = vec4(0.0);
+        if (e < X_LOADS && t0 + t < p.n_tok && k0 + k < p.n_in) {
+            xr[i] = x4[((t0 + t) * p.x_stride + k0 + k) / 4u];
+        }
+    }
+}
+
+void store_x(uint t0) {
+    [[unroll]] for (uint i = 0u; i < X_PER; ++i) {
+        const uint e = gl_LocalInvocationID.x + i * gl_WorkGroupSize.x;
+        if (e < X_LOADS) {
+            const uint k = 4u * (e % (BK / 4u)), t = e / (BK / 4u);
+            xs[(t * BKP + k) / 4u] = f16vec4(xr[i]);
+        }
+    }
+}
+
+#if !defined(F16_MATRIX)
+// BM rows × BK/32 units of weights a step, each decoded by one invocation into the shared tile.
+const uint W_UNITS = BM_ * (BK / 32u);
+const uint W_PER = (W_UNITS + gl_WorkGroupSize.x - 1u) / gl_WorkGroupSize.x;
+
+#endif
+
+#if defined(UNIT_WORDS) && !defined(F16_MATRIX)
+#define W_PREFETCH
+void decoded_to_tile(uint e, float v[32]) {
+    const uint r = e / (BK / 32u), h = e % (BK / 32u);
+    [[unroll]] for (uint i = 0u; i < 8u; ++i) {
+        ws[(r * BKP + 32u * h) / 4u + i] =
+            f16vec4(v[4u * i], v[4u * i + 1u], v[4u * i + 2u], v[4u * i + 3u]);
+    }
+}
+
+bool unit_in(uint e, uint r0, uint k0) {
+    const uint r = e / (BK / 32u), h = e % (BK / 32u);
+    return e < W_UNITS && r0 + r < p.n_rows && k0 + 32u * h < p.n_in;
+}
+uint unit_byte(uint e, uint r0, uint k0, uint row_len) {
+    const uint r = e / (BK / 32u), h = e % (BK / 32u);
+    return unit_at(p.w_offset + (r0 + r) * row_len, k0 / 32u + h);
+}
+
+// The words of each invocation's units of the next step, in flight while this step multiplies.
+uint wr[W_PER][UNIT_WORDS];
+
+void load_w(uint r0, uint k0, uint row_len) {
+    [[unroll]] for (uint i = 0u; i < W_PER; ++i) {
+        const uint e = gl_LocalInvocationID.x + i * gl_WorkGroupSize.x;
+        if (unit_in(e, r0, k0)) {
+            unit_words(unit_byte(e, r0, k0, row_len), wr[i]);
+        }
+    }
+}
+
+void store_w(uint r0, uint k0, uint row_len) {
+    [[unroll]] for (uint i = 0u; i < W_PER; ++i) {
+        const uint e = gl_LocalInvocationID.x + i * gl_WorkGroupSize.x;
+        if (e < W_UNITS) {
+            float v[32];
+            if (unit_in(e, r0, k0)) {
+                uint w[UNIT_WORDS] = wr[i];
+                realign_words(unit_byte(e, r0, k0, row_len), w);
+                decode_words(w, v);
+            } else {
+                [[unroll]] for (uint j = 0u; j < 32u; ++j) {
+                    v[j] = 0.0;
+                }
+            }
+            decoded_to_tile(e, v);
+        }
+    }
+}
+#endif
+
 void main() {
     const uint tid = gl_LocalInvocationID.x;
-    const uint sg = gl_SubgroupID; // its 32 × 32 results of the tile
+    const uint sg = gl_SubgroupID;
     const uint lane = gl_SubgroupInvocationID;
     const uint r0 = gl_WorkGroupID.x * BM_;
     const uint t0 = gl_WorkGroupID.y * BN_;
-    const uint rb = (sg % ROW_GROUPS) * 32u;
-    const uint tb = (sg / ROW_GROUPS) * 32u;
+    const uint rb = (sg % ROW_GROUPS) * (16u * CM_TM);
+    const uint tb = (sg / ROW_GROUPS) * (16u * CM_TN);
 #if !defined(F16_MATRIX)
     const uint row_len = row_bytes(p.n_in);
 #endif
-    ACC c00 = ACC(0.0), c01 = ACC(0.0), c10 = ACC(0.0), c11 = ACC(0.0);
+    ALL_ROWS(ROW_DECL)
+    load_x(t0, 0u);
+#if defined(W_PREFETCH)
+    load_w(r0, 0u, row_len);
+#endif
     for (uint k0 = 0u; k0 < p.n_in; k0 += BK) {
 #if defined(F16_MATRIX)
         // BM rows × BK/8 loads of eight halves, consecutive invocations along a row.
@@ -181,16 +330,14 @@ void main() {
             if (r0 + r < p.n_rows && k0 + c < p.n_in) {
                 w = w8[(p.w_offset + (r0 + r) * p.n_in + k0 + c) / 8u];
             }
-            [[unroll]] for (uint i = 0u; i < 4u; ++i) {
-                const vec2 h = unpackHalf2x16(w[i]);
-                ws[r * BKP + c + 2u * i] = float16_t(h.x);
-                ws[r * BKP + c + 2u * i + 1u] = float16_t(h.y);
-            }
+            ws[(r * BKP + c) / 4u] = f16vec4(unpackFloat2x16(w.x), unpackFloat2x16(w.y));
+            ws[(r * BKP + c) / 4u + 1u] = f16vec4(unpackFloat2x16(w.z), unpackFloat2x16(w.w));
         }
+#elif defined(W_PREFETCH)
+        store_w(r0, k0, row_len);
 #else
-        // BM rows × BK/32 units, each decoded by one invocation.
-        for (uint u = tid; u < BM_ * (BK / 32u); u += gl_WorkGroupSize.x) {
-            const uint r = u / (BK / 32u), h = u % (BK / 32u);
+        for (uint e = tid; e < W_UNITS; e += gl_WorkGroupSize.x) {
+            const uint r = e / (BK / 32u), h = e % (BK / 32u);
             float v[32];
             if (r0 + r < p.n_rows && k0 + 32u * h < p.n_in) {
                 decode_unit(p.w_offset + (r0 + r) * row_len, k0 / 32u + h, v);
@@ -199,41 +346,31 @@ void main() {
                     v[i] = 0.0;
                 }
             }
-            [[unroll]] for (uint i = 0u; i < 32u; ++i) {
-                ws[r * BKP + 32u * h + i] = float16_t(v[i]);
+            [[unroll]] for (uint i = 0u; i < 8u; ++i) {
+                ws[(r * BKP + 32u * h) / 4u + i] =
+                    f16vec4(v[4u * i], v[4u * i + 1u], v[4u * i + 2u], v[4u * i + 3u]);
             }
         }
 #endif
-        // Four inputs a load (n_in and k0 are multiples of 32).
-        for (uint e = tid; e < BK * BN_ / 4u; e += gl_WorkGroupSize.x) {
-            const uint k = 4u * (e % (BK / 4u)), t = e / (BK / 4u);
-            vec4 v = vec4(0.0);
-            if (t0 + t < p.n_tok && k0 + k < p.n_in) {
-                v = x4[((t0 + t) * p.x_stride + k0 + k) / 4u];
-            }
-            [[unroll]] for (uint i = 0u; i < 4u; ++i) {
-                xs[t * BKP + k + i] = float16_t(v[i]);
-            }
-        }
+        store_x(t0);
         barrier();
+        // The next step's inputs (and Q4_0 or Q8_0 weights) are read while the matrix units
+        // work on this one's.
+        if (k0 + BK < p.n_in) {
+            load_x(t0, k0 + BK);
+#if defined(W_PREFETCH)
+            load_w(r0, k0 + BK, row_len);
+#endif
+        }
         [[unroll]] for (uint kk = 0u; kk < BK; kk += 16u) {
-            MAT_A a0, a1;
-            MAT_B b0, b1;
-            coopMatLoad(a0, ws, rb * BKP + kk, BKP, gl_CooperativeMatrixLayoutRowMajor);
-            coopMatLoad(a1, ws, (rb + 16u) * BKP + kk, BKP, gl_CooperativeMatrixLayoutRowMajor);
-            coopMatLoad(b0, xs, tb * BKP + kk, BKP, gl_CooperativeMatrixLayoutColumnMajor);
-            coopMatLoad(b1, xs, (tb + 16u) * BKP + kk, BKP, gl_CooperativeMatrixLayoutColumnMajor);
-            c00 = coopMatMulAdd(a0, b0, c00);
-            c01 = coopMatMulAdd(a0, b1, c01);
-            c10 = coopMatMulAdd(a1, b0, c10);
-            c11 = coopMatMulAdd(a1, b1, c11);
+            MAT_A a;
+            B_DECL
+            B_LOADS
+            ALL_ROWS(ROW_MMA)
         }
         barrier();
     }
-    put_block(c00, sg, lane, r0 + rb, t0 + tb);
-    put_block(c01, sg, lane, r0 + rb, t0 + tb + 16u);
-    put_block(c10, sg, lane, r0 + rb + 16u, t0 + tb);
-    put_block(c11, sg, lane, r0 + rb + 16u, t0 + tb + 16u);
+    ALL_ROWS(ROW_PUT)
 }
 
 #endif

@@ -1,13 +1,14 @@
 //! Operations over several tokens at once, for prompts: the tiled matrix product
-//! (`matvec_batch.comp`), which decodes each weight once per tile of 64 tokens and multiplies in
-//! the device's matrix units where it has cooperative matrices.
+//! (`matvec_batch.comp`), which decodes each weight once per tile of tokens (64 for the f32
+//! kernel; [`super::MatMulTile`]'s, 128 tuned, in the device's matrix units where it has
+//! cooperative matrices).
 
 use spillway_shaders::{DequantParams, Feature, MatVecBatchParams, Op, ScatterAddParams, ShaderId};
 
 use super::buffer::Buffer;
 use super::error::{GpuError, Result};
 use super::ops::{grid, GpuMatrix};
-use super::record::{Binding, MatMulTile, Recorder};
+use super::record::{Binding, Recorder};
 
 /// Rows and tokens of the tile one workgroup of the f32 `matvec_batch.comp` computes.
 const TILE_ROWS: u32 = 64;
@@ -169,12 +170,7 @@ impl Recorder<'_> {
         }
         let id = self.variant(Op::Matmul, None)?;
         let t = self.matmul_tile();
-        let spec = [
-            t.subgroups() * self.subgroup_size(),
-            accumulate as u32,
-            t.depth,
-            t.rows / 32,
-        ];
+        let spec = t.spec(self.subgroup_size(), accumulate);
         let push = MatVecBatchParams {
             n_in: n_in as u32,
             n_rows: n_rows as u32,
@@ -186,7 +182,7 @@ impl Recorder<'_> {
         };
         let groups = [
             (n_rows as u32).div_ceil(t.rows),
-            (n_tok as u32).div_ceil(MatMulTile::TOKENS),
+            (n_tok as u32).div_ceil(t.tokens),
             1,
         ];
         let bindings = [Binding::read(a), Binding::read(x), Binding::write(y)];
@@ -250,15 +246,9 @@ impl Recorder<'_> {
         // Workgroup size, then tile rows and tokens: the f32 kernel's are fixed.
         let (spec, tile_rows, tile_tokens) = if id.info().feature == Feature::CoopMat {
             let t = self.matmul_tile();
-            let spec = [
-                t.subgroups() * self.subgroup_size(),
-                accumulate as u32,
-                t.depth,
-                t.rows / 32,
-            ];
-            (spec, t.rows, MatMulTile::TOKENS)
+            (t.spec(self.subgroup_size(), accumulate), t.rows, t.tokens)
         } else {
-            ([256, accumulate as u32, 64, 2], TILE_ROWS, TILE_TOKENS)
+            ([256, accumulate as u32, 64, 2, 2], TILE_ROWS, TILE_TOKENS)
         };
         for chunk in chunks {
             let push = MatVecBatchParams {

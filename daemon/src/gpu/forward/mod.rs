@@ -133,6 +133,9 @@ pub struct GpuModelOptions {
     /// ([`Recorder::attention_prefill`]) where its heads fit it; `false`: the decode kernel over
     /// the chunk's tokens, for comparisons.
     pub flash_attention: bool,
+    /// The prompts' cooperative-matrix product tile; `None`: the tuned one
+    /// ([`crate::gpu::MatMulTile::TUNED`], or shallower where shared memory is short).
+    pub matmul_tile: Option<crate::gpu::MatMulTile>,
 }
 
 impl Default for GpuModelOptions {
@@ -155,6 +158,7 @@ impl Default for GpuModelOptions {
             stream_prompts: true,
             prompt_expert_slots: 0,
             promote_experts: true,
+            matmul_tile: None,
         }
     }
 }
