@@ -6,7 +6,7 @@
 //! counts the weights once per product, and the last column gives TFLOPS (2 · n_in · n_out · T
 //! per product). It uses cooperative matrices where the device has them; `nocoop` measures the
 //! f32 kernel instead, `staged` dequantizes each matrix to f16 first and multiplies that
-//! (`Recorder::matvec_batch_rows_staged`, the dequantization included in the time), and `tile=DEPTH[xROWS]` the inputs per step of its tile (32, 64 or 128) and its rows (64 or 128).
+//! (`Recorder::matvec_batch_rows_staged`, the dequantization included in the time), and `tile=DEPTH[xROWS[xTOKENS]],...` the inputs per step of its tile (32, 64 or 128), its rows and its tokens (64 or 128), each tile in turn.
 //!
 //! With `wg=THREADSxROWS,...`, each one-token product is measured with each of these workgroup
 //! shapes of `matvec.comp` in turn (the matrices uploaded once), instead of the tuned shape.
@@ -65,8 +65,6 @@ struct Mode {
     nocoop: bool,
     /// The batched products dequantized to f16 first (`matvec_batch_rows_staged`).
     staged: bool,
-    /// The cooperative-matrix product's tile (`tile=DEPTH`).
-    tile: Option<MatMulTile>,
     /// Q4_0 and Q8_0 products in integer dot products (`intdot`).
     int_dot: bool,
 }
@@ -80,9 +78,9 @@ fn main() {
         add: false,
         nocoop: false,
         staged: false,
-        tile: None,
         int_dot: false,
     };
+    let mut tiles: Vec<Option<MatMulTile>> = vec![None];
     let mut types = vec![
         GgmlType::Q4_0,
         GgmlType::Q4K,
@@ -109,12 +107,21 @@ fn main() {
                     })
                     .collect();
                 false
-            } else if let Some(t) = a.strip_prefix("tile=") {
-                let (depth, rows) = t.split_once('x').unwrap_or((t, "64"));
-                mode.tile = Some(MatMulTile {
-                    depth: depth.parse().unwrap(),
-                    rows: rows.parse().unwrap(),
-                });
+            } else if let Some(list) = a.strip_prefix("tile=") {
+                tiles = list
+                    .split(',')
+                    .map(|t| {
+                        let mut it = t.split('x').map(|n| n.parse::<u32>().unwrap());
+                        let depth = it.next().unwrap();
+                        let rows = it.next().unwrap_or(64);
+                        let tokens = it.next().unwrap_or(64);
+                        Some(MatMulTile {
+                            depth,
+                            rows,
+                            tokens,
+                        })
+                    })
+                    .collect();
                 false
             } else if a == "staged" {
                 mode.staged = true;
@@ -166,7 +173,9 @@ fn main() {
     println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     for (n_in, n_out) in shapes {
         for &ty in &types {
-            measure(&device, ty, (n_in, n_out), (tokens, mode), &wg);
+            for &tile in &tiles {
+                measure(&device, ty, (n_in, n_out), (tokens, mode, tile), &wg);
+            }
         }
     }
 }
@@ -175,12 +184,18 @@ fn measure(
     device: &Arc<Device>,
     ty: GgmlType,
     (n_in, n_out): (usize, usize),
-    (tokens, mode): (usize, Mode),
+    (tokens, mode, tile): (usize, Mode, Option<MatMulTile>),
     shapes: &[Option<MatVecShape>],
 ) {
     let alloc = Allocator::new(device, None);
     let kernels = Kernels::with_int_dot(device, (true, !mode.nocoop), mode.int_dot);
-    kernels.set_matmul_tile(mode.tile).unwrap();
+    if let Err(e) = kernels.set_matmul_tile(tile) {
+        println!(
+            "| {} | {n_in} × {n_out} | {tokens} | refused: {e} | | | | | |",
+            ty.name()
+        );
+        return;
+    }
     // A GLU stack holds the gate and the up matrix.
     let data = rows(ty, n_in, if mode.glu { 2 * n_out } else { n_out });
     let n_rows = data.len() / ty.row_bytes(n_in as u64).unwrap() as usize;
@@ -256,7 +271,10 @@ fn measure(
             _ if kernels.uses_coopmat() => {
                 let t = kernels.matmul_tile();
                 let how = if mode.staged { "staged f16" } else { "coopmat" };
-                format!("batch, {how}, {} rows, {} deep", t.rows, t.depth)
+                format!(
+                    "batch, {how}, {} rows × {} tokens, {} deep",
+                    t.rows, t.tokens, t.depth
+                )
             }
             _ => "batch".into(),
         };

@@ -5,7 +5,8 @@
 //! attention in the decode kernel (`GpuModelOptions::flash_attention` off), alternating; the
 //! medians are printed.
 //!
-//! `cargo run --release -p spillway-bench --example vulkan_prefill -- PRESET TYPE PROMPT [DIR]`
+//! `cargo run --release -p spillway-bench --example vulkan_prefill -- PRESET TYPE PROMPT [DIR]
+//! [tile=DEPTHxROWSxTOKENS]`
 //! e.g. `llama-3-8b Q4_0 512 /tmp`.
 
 use std::sync::Arc;
@@ -13,7 +14,7 @@ use std::time::Instant;
 
 use spillway_bench::synth::{SynthModel, WeightType};
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
-use spillway_daemon::gpu::{Device, Instance};
+use spillway_daemon::gpu::{Device, Instance, MatMulTile};
 use spillway_daemon::model::Model;
 
 fn main() {
@@ -32,8 +33,18 @@ fn main() {
     }
     let model = Arc::new(Model::open(&path).unwrap());
     let device = Device::open(Instance::new().unwrap(), None).unwrap();
+    // `tile=DEPTHxROWSxTOKENS`: the cooperative-matrix product's tile instead of the tuned one.
+    let matmul_tile = args.iter().find_map(|a| a.strip_prefix("tile=")).map(|t| {
+        let v: Vec<u32> = t.split('x').map(|n| n.parse().unwrap()).collect();
+        MatMulTile {
+            depth: v[0],
+            rows: v[1],
+            tokens: v[2],
+        }
+    });
     let options = GpuModelOptions {
         context: n_prompt + 8,
+        matmul_tile,
         ..GpuModelOptions::default()
     };
     let mut coop = GpuModel::new(&device, &model, &options).unwrap();
