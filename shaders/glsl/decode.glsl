@@ -4,11 +4,12 @@
 // (bit for bit) with the CPU's `dequantize_row`: `precise` keeps the compiler from fusing the
 // multiply-adds that the CPU rounds separately. Needs `weights` and common.glsl.
 
-// For Q8_0 and Q4_0, a unit can also be read ahead of its decoding: `unit_words` reads the
-// UNIT_WORDS words that hold it, starting at byte `unit_at(row, u)`, and `decode_words` decodes
-// them later with `decode_unit`'s arithmetic: prompt products keep the next step's weights in
-// flight while they multiply. Units start on an even byte: the words are realigned to the
-// unit's first byte before decoding, so that every later index is a constant.
+// For Q8_0, Q4_0 and Q4_K, a unit can also be read ahead of its decoding: `unit_words(row, u, w)`
+// reads the UNIT_WORDS words that hold it and `decode_words(row, u, w, v)` decodes them later
+// with `decode_unit`'s arithmetic, so prompt products keep the next step's weights in flight
+// while they multiply. Q8_0 and Q4_0 units start on an even byte: their words are realigned to
+// the unit's first byte before decoding, so that every later index is a constant. Q4_K
+// super-blocks (144 bytes, rows of whole ones from an aligned start) start on a word.
 #define words_u16(w, b) ((w[(b) >> 2] >> (((b) & 2u) * 8u)) & 0xFFFFu)
 
 #if defined(WTYPE_F32)
@@ -42,7 +43,9 @@ void decode_unit(uint row, uint u, out float v[32]) {
 }
 #define UNIT_WORDS 9u
 uint unit_at(uint row, uint u) { return row + 34u * u; }
-void decode_words(uint w[UNIT_WORDS], out float v[32]) {
+void realign_words(uint at, inout uint w[UNIT_WORDS]);
+void decode_words(uint row, uint u, uint w[UNIT_WORDS], out float v[32]) {
+    realign_words(unit_at(row, u), w);
     const float d = unpackHalf2x16(w[0] & 0xFFFFu).x;
     for (uint i = 0u; i < 32u; i += 2u) {
         const uint q = words_u16(w, 2u + i);
@@ -65,7 +68,9 @@ void decode_unit(uint row, uint u, out float v[32]) {
 }
 #define UNIT_WORDS 5u
 uint unit_at(uint row, uint u) { return row + 18u * u; }
-void decode_words(uint w[UNIT_WORDS], out float v[32]) {
+void realign_words(uint at, inout uint w[UNIT_WORDS]);
+void decode_words(uint row, uint u, uint w[UNIT_WORDS], out float v[32]) {
+    realign_words(unit_at(row, u), w);
     const float d = unpackHalf2x16(w[0] & 0xFFFFu).x;
     for (uint i = 0u; i < 16u; i += 2u) {
         const uint q = words_u16(w, 2u + i);
@@ -104,6 +109,44 @@ void decode_unit(uint row, uint u, out float v[32]) {
         v[l + 1u] = b;
     }
 }
+// Words 0-3: the super-block's d, dmin and scales; 4-11: the unit's 32 bytes of nibbles.
+#define UNIT_WORDS 12u
+#define UNIT_ALIGNED
+void unit_words(uint row, uint u, out uint w[UNIT_WORDS]) {
+    const uint b0 = (row + 144u * (u / 8u)) >> 2;
+    for (uint i = 0u; i < 4u; ++i) {
+        w[i] = weights[b0 + i];
+    }
+    const uint q0 = b0 + 4u + 8u * ((u % 8u) / 2u);
+    for (uint i = 0u; i < 8u; ++i) {
+        w[4u + i] = weights[q0 + i];
+    }
+}
+void decode_words(uint row, uint u, uint w[UNIT_WORDS], out float v[32]) {
+    const uint j = u % 8u;
+    const float d = unpackHalf2x16(w[0] & 0xFFFFu).x;
+    const float dmin = unpackHalf2x16(w[0] >> 16).x;
+    // Scale bytes 0-3 are in word 1, 4-7 in word 2, 8-11 in word 3.
+    const uint s = (j & 3u) * 8u;
+    uint sc, m;
+    if (j < 4u) {
+        sc = (w[1] >> s) & 63u;
+        m = (w[2] >> s) & 63u;
+    } else {
+        sc = ((w[3] >> s) & 0xFu) | ((((w[1] >> s) & 0xFFu) >> 6) << 4);
+        m = (((w[3] >> s) & 0xFFu) >> 4) | ((((w[2] >> s) & 0xFFu) >> 6) << 4);
+    }
+    precise float d1 = d * float(sc);
+    precise float m1 = dmin * float(m);
+    const uint shift = (j & 1u) * 4u;
+    for (uint l = 0u; l < 32u; l += 2u) {
+        const uint q = words_u16(w, 16u + l);
+        precise float a = d1 * float((q >> shift) & 0xFu) - m1;
+        precise float b = d1 * float((q >> (8u + shift)) & 0xFu) - m1;
+        v[l] = a;
+        v[l + 1u] = b;
+    }
+}
 #elif defined(WTYPE_Q6_K)
 // block_q6_K: ql[128], qh[64], int8 scales[16], f16 d. Unit u%8 = 4 * half + quarter.
 uint row_bytes(uint n) { return (n / 256u) * 210u; }
@@ -135,9 +178,9 @@ void decode_unit(uint row, uint u, out float v[32]) {
 #error "decode.glsl needs a WTYPE_* define"
 #endif
 
-#if defined(UNIT_WORDS)
-void unit_words(uint at, out uint w[UNIT_WORDS]) {
-    const uint w0 = at >> 2;
+#if defined(UNIT_WORDS) && !defined(UNIT_ALIGNED)
+void unit_words(uint row, uint u, out uint w[UNIT_WORDS]) {
+    const uint w0 = unit_at(row, u) >> 2;
     for (uint i = 0u; i < UNIT_WORDS; ++i) {
         w[i] = weights[w0 + i];
     }

@@ -88,7 +88,15 @@ void main() {
         if (tid < BM) {
             float v[32];
             if (r0 + tid < p.n_rows) {
+#if defined(UNIT_WORDS)
+                // Through the words the COOPMAT variant reads ahead, so that devices without
+                // cooperative matrices (lavapipe in CI) test that decoding too.
+                uint w[UNIT_WORDS];
+                unit_words(p.w_offset + (r0 + tid) * row_len, k0 / 32u, w);
+                decode_words(p.w_offset + (r0 + tid) * row_len, k0 / 32u, w, v);
+#else
                 decode_unit(p.w_offset + (r0 + tid) * row_len, k0 / 32u, v);
+#endif
             } else {
                 [[unroll]] for (uint i = 0u; i < 32u; ++i) {
                     v[i] = 0.0;
@@ -134,8 +142,8 @@ void main() {
 // buffers, filled and read between two barriers a step: double buffers (the next step's tiles
 // filled while the matrix units work on this one's, one barrier a step) measured slower on the
 // H200, 69 → 51 TFLOPS for Q4_0 4096 × 4096 (`bench/RESULTS.md`, 2026-12-04). Instead, each
-// invocation reads its share of the next step's inputs (and, for Q4_0 and Q8_0, the words of its
-// next weight units) into registers right after the first barrier, so those loads are in
+// invocation reads its share of the next step's inputs (and, for Q4_0, Q8_0 and Q4_K, the
+// words of its next weight units) into registers right after the first barrier, so those loads are in
 // flight while the matrix units work; they reach shared memory after the second.
 #if !defined(CM_TM) || !defined(CM_TN)
 #error "CM_TM and CM_TN (blocks of a subgroup) must be defined"
@@ -256,31 +264,21 @@ const uint W_PER = (W_UNITS + gl_WorkGroupSize.x - 1u) / gl_WorkGroupSize.x;
 
 #if defined(UNIT_WORDS) && !defined(F16_MATRIX)
 #define W_PREFETCH
-void decoded_to_tile(uint e, float v[32]) {
-    const uint r = e / (BK / 32u), h = e % (BK / 32u);
-    [[unroll]] for (uint i = 0u; i < 8u; ++i) {
-        ws[(r * BKP + 32u * h) / 4u + i] =
-            f16vec4(v[4u * i], v[4u * i + 1u], v[4u * i + 2u], v[4u * i + 3u]);
-    }
-}
+// The words of each invocation's units of the next step, in flight while this step multiplies.
+uint wr[W_PER][UNIT_WORDS];
 
+// Unit `e` of a step (row r of the tile, its h-th unit of 32 in the step) is in the matrix.
 bool unit_in(uint e, uint r0, uint k0) {
     const uint r = e / (BK / 32u), h = e % (BK / 32u);
     return e < W_UNITS && r0 + r < p.n_rows && k0 + 32u * h < p.n_in;
 }
-uint unit_byte(uint e, uint r0, uint k0, uint row_len) {
-    const uint r = e / (BK / 32u), h = e % (BK / 32u);
-    return unit_at(p.w_offset + (r0 + r) * row_len, k0 / 32u + h);
-}
-
-// The words of each invocation's units of the next step, in flight while this step multiplies.
-uint wr[W_PER][UNIT_WORDS];
 
 void load_w(uint r0, uint k0, uint row_len) {
     [[unroll]] for (uint i = 0u; i < W_PER; ++i) {
         const uint e = gl_LocalInvocationID.x + i * gl_WorkGroupSize.x;
+        const uint r = e / (BK / 32u), h = e % (BK / 32u);
         if (unit_in(e, r0, k0)) {
-            unit_words(unit_byte(e, r0, k0, row_len), wr[i]);
+            unit_words(p.w_offset + (r0 + r) * row_len, k0 / 32u + h, wr[i]);
         }
     }
 }
@@ -288,18 +286,20 @@ void load_w(uint r0, uint k0, uint row_len) {
 void store_w(uint r0, uint k0, uint row_len) {
     [[unroll]] for (uint i = 0u; i < W_PER; ++i) {
         const uint e = gl_LocalInvocationID.x + i * gl_WorkGroupSize.x;
+        const uint r = e / (BK / 32u), h = e % (BK / 32u);
         if (e < W_UNITS) {
             float v[32];
             if (unit_in(e, r0, k0)) {
-                uint w[UNIT_WORDS] = wr[i];
-                realign_words(unit_byte(e, r0, k0, row_len), w);
-                decode_words(w, v);
+                decode_words(p.w_offset + (r0 + r) * row_len, k0 / 32u + h, wr[i], v);
             } else {
                 [[unroll]] for (uint j = 0u; j < 32u; ++j) {
                     v[j] = 0.0;
                 }
             }
-            decoded_to_tile(e, v);
+            [[unroll]] for (uint j = 0u; j < 8u; ++j) {
+                ws[(r * BKP + 32u * h) / 4u + j] =
+                    f16vec4(v[4u * j], v[4u * j + 1u], v[4u * j + 2u], v[4u * j + 3u]);
+            }
         }
     }
 }
@@ -354,7 +354,7 @@ void main() {
 #endif
         store_x(t0);
         barrier();
-        // The next step's inputs (and Q4_0 or Q8_0 weights) are read while the matrix units
+        // The next step's inputs (and Q4_0, Q8_0 or Q4_K weights) are read while the matrix units
         // work on this one's.
         if (k0 + BK < p.n_in) {
             load_x(t0, k0 + BK);
