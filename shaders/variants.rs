@@ -19,6 +19,9 @@ pub enum Op {
     MatVecId,
     /// Quantized matrix × a batch of f32 vectors, token-major (prompts).
     MatVecBatch,
+    /// [`Op::MatVecBatch`] for several experts of a stack at once, each over its own rows of
+    /// tokens (a prompt chunk's MoE layer), the runs read from a buffer.
+    MatVecBatchGrouped,
     /// One weight row to f32 (the token embedding), the row read from the step buffer.
     GetRows,
     /// RMSNorm of rows, times a weight vector.
@@ -46,6 +49,9 @@ pub enum Op {
     /// `x[ids[i]] += w[i] * y[i]` over rows: one MoE expert's outputs for a prompt chunk's
     /// tokens, added to theirs.
     ScatterAdd,
+    /// `x[t] += Σ w[e] * y[e]` over the entries `e` a list gives each token (several experts'
+    /// outputs for a prompt chunk's tokens).
+    GatherAdd,
     /// Appends one token's K and V to the f16 caches.
     KvStore,
     /// One token's attention over the f16 KV cache (GQA), a run of positions per workgroup,
@@ -70,7 +76,8 @@ impl Op {
             Op::Dequant | Op::DequantF16 | Op::Add | Op::Swiglu | Op::ScaleAdd => 2,
             Op::Matmul | Op::MatVecBatch | Op::RmsNorm | Op::GetRows => 3,
             Op::MatVec => 4,
-            Op::ScaleAddRouted | Op::ScatterAdd => 3,
+            Op::ScaleAddRouted | Op::ScatterAdd | Op::GatherAdd => 3,
+            Op::MatVecBatchGrouped => 4,
             Op::MoeRoute => 5,
             Op::MoeRouter => 9,
             Op::MatVecId => 5,
@@ -151,6 +158,9 @@ const CM: (&str, &str) = ("COOPMAT", "1");
 /// [`CM`], and the runtime sizes its tiles from them.
 #[allow(dead_code)]
 pub const COOPMAT_BLOCKS: (u32, u32) = (4, 2);
+
+/// The define that makes `matvec_batch.comp` take several experts' runs in one dispatch.
+const GR: (&str, &str) = ("GROUPED", "1");
 
 /// The define that makes `dequant.comp` write f16.
 const F16_OUT: (&str, &str) = ("F16_OUT", "1");
@@ -240,6 +250,19 @@ pub const VARIANTS: &[Variant] = &[
     v("matvec_id_q6_k_subgroup", "matvec.comp", Op::MatVecId, Some(WeightType::Q6K), Feature::Subgroup, &[("WTYPE_Q6_K", "1"), ID, SG]),
     v("scale_add_routed", "scale_add.comp", Op::ScaleAddRouted, None, Feature::Base, &[("ROUTED", "1")]),
     v("scatter_add", "scatter_add.comp", Op::ScatterAdd, None, Feature::Base, &[]),
+    v("gather_add", "scatter_add.comp", Op::GatherAdd, None, Feature::Base, &[("GATHER", "1")]),
+    v("matvec_batch_grouped_f32", "matvec_batch.comp", Op::MatVecBatchGrouped, Some(WeightType::F32), Feature::Base, &[("WTYPE_F32", "1"), GR]),
+    v("matvec_batch_grouped_f16", "matvec_batch.comp", Op::MatVecBatchGrouped, Some(WeightType::F16), Feature::Base, &[("WTYPE_F16", "1"), GR]),
+    v("matvec_batch_grouped_q8_0", "matvec_batch.comp", Op::MatVecBatchGrouped, Some(WeightType::Q8_0), Feature::Base, &[("WTYPE_Q8_0", "1"), GR]),
+    v("matvec_batch_grouped_q4_0", "matvec_batch.comp", Op::MatVecBatchGrouped, Some(WeightType::Q4_0), Feature::Base, &[("WTYPE_Q4_0", "1"), GR]),
+    v("matvec_batch_grouped_q4_k", "matvec_batch.comp", Op::MatVecBatchGrouped, Some(WeightType::Q4K), Feature::Base, &[("WTYPE_Q4_K", "1"), GR]),
+    v("matvec_batch_grouped_q6_k", "matvec_batch.comp", Op::MatVecBatchGrouped, Some(WeightType::Q6K), Feature::Base, &[("WTYPE_Q6_K", "1"), GR]),
+    v("matvec_batch_grouped_f32_coopmat", "matvec_batch.comp", Op::MatVecBatchGrouped, Some(WeightType::F32), Feature::CoopMat, &[("WTYPE_F32", "1"), CM, GR]),
+    v("matvec_batch_grouped_f16_coopmat", "matvec_batch.comp", Op::MatVecBatchGrouped, Some(WeightType::F16), Feature::CoopMat, &[("WTYPE_F16", "1"), CM, GR]),
+    v("matvec_batch_grouped_q8_0_coopmat", "matvec_batch.comp", Op::MatVecBatchGrouped, Some(WeightType::Q8_0), Feature::CoopMat, &[("WTYPE_Q8_0", "1"), CM, GR]),
+    v("matvec_batch_grouped_q4_0_coopmat", "matvec_batch.comp", Op::MatVecBatchGrouped, Some(WeightType::Q4_0), Feature::CoopMat, &[("WTYPE_Q4_0", "1"), CM, GR]),
+    v("matvec_batch_grouped_q4_k_coopmat", "matvec_batch.comp", Op::MatVecBatchGrouped, Some(WeightType::Q4K), Feature::CoopMat, &[("WTYPE_Q4_K", "1"), CM, GR]),
+    v("matvec_batch_grouped_q6_k_coopmat", "matvec_batch.comp", Op::MatVecBatchGrouped, Some(WeightType::Q6K), Feature::CoopMat, &[("WTYPE_Q6_K", "1"), CM, GR]),
     v("moe_route", "moe_route.comp", Op::MoeRoute, None, Feature::Base, &[]),
     v("moe_route_subgroup", "moe_route.comp", Op::MoeRoute, None, Feature::Subgroup, &[SG]),
     v("moe_router", "moe_route.comp", Op::MoeRouter, None, Feature::Base, &[("ROUTER", "1")]),

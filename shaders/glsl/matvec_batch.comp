@@ -48,7 +48,40 @@ layout(push_constant) uniform Params {
     uint n_tok;
     uint x_stride; // floats from one token's vector to the next
     uint y_stride; // floats from one token's results to the next
+#if defined(GROUPED)
+    uint runs_at;  // word of the first run in `runs`
+#endif
 } p;
+
+#if defined(GROUPED)
+// Several experts' products in one dispatch, one run per workgroup layer (grid z): run i is
+// words runs_at + 3i.. of `runs`: the expert's slot in the stack (rows slot · n_rows..), its
+// first row of X and Y, and its rows (tokens). Each expert's tokens are rows of X gathered
+// together, its results the same rows of Y.
+layout(std430, binding = 3) readonly buffer Runs { uint runs[]; };
+#endif
+
+// This workgroup's product: its tokens, the byte (halves for F16_MATRIX) offset of its row 0,
+// its first row of X and its first result in Y. `set_job` sets them at the start of `main`.
+uint job_tok, job_w, job_x, job_y;
+
+// Whether this workgroup has tokens to compute; false for a token tile past its run's tokens.
+bool set_job(uint t0, uint row_len) {
+#if defined(GROUPED)
+    const uint at = p.runs_at + 3u * gl_WorkGroupID.z;
+    const uint slot = runs[at], first = runs[at + 1u];
+    job_tok = runs[at + 2u];
+    job_w = p.w_offset + slot * p.n_rows * row_len;
+    job_x = first;
+    job_y = p.y_offset + first * p.y_stride;
+#else
+    job_tok = p.n_tok;
+    job_w = p.w_offset;
+    job_x = 0u;
+    job_y = p.y_offset;
+#endif
+    return t0 < job_tok;
+}
 
 #if !defined(F16_MATRIX)
 #include "common.glsl"
@@ -56,8 +89,8 @@ layout(push_constant) uniform Params {
 #endif
 
 void put(uint r, uint t, float v) {
-    if (r < p.n_rows && t < p.n_tok) {
-        const uint at = p.y_offset + t * p.y_stride + r;
+    if (r < p.n_rows && t < job_tok) {
+        const uint at = job_y + t * p.y_stride + r;
         y[at] = ACCUMULATE != 0u ? y[at] + v : v;
     }
 }
@@ -78,6 +111,9 @@ void main() {
     const uint tr = (tid % 16u) * 4u; // this invocation's rows and tokens in the tile
     const uint tt = (tid / 16u) * 4u;
     const uint row_len = row_bytes(p.n_in);
+    if (!set_job(t0, row_len)) {
+        return;
+    }
     float acc[4][4];
     [[unroll]] for (uint i = 0u; i < 4u; ++i) {
         [[unroll]] for (uint j = 0u; j < 4u; ++j) {
@@ -92,10 +128,10 @@ void main() {
                 // Through the words the COOPMAT variant reads ahead, so that devices without
                 // cooperative matrices (lavapipe in CI) test that decoding too.
                 uint w[UNIT_WORDS];
-                unit_words(p.w_offset + (r0 + tid) * row_len, k0 / 32u, w);
-                decode_words(p.w_offset + (r0 + tid) * row_len, k0 / 32u, w, v);
+                unit_words(job_w + (r0 + tid) * row_len, k0 / 32u, w);
+                decode_words(job_w + (r0 + tid) * row_len, k0 / 32u, w, v);
 #else
-                decode_unit(p.w_offset + (r0 + tid) * row_len, k0 / 32u, v);
+                decode_unit(job_w + (r0 + tid) * row_len, k0 / 32u, v);
 #endif
             } else {
                 [[unroll]] for (uint i = 0u; i < 32u; ++i) {
@@ -108,7 +144,7 @@ void main() {
         }
         for (uint e = tid; e < BK * BN; e += gl_WorkGroupSize.x) {
             const uint t = e % BN, k = e / BN;
-            xs[k * BN + t] = t0 + t < p.n_tok ? x[(t0 + t) * p.x_stride + k0 + k] : 0.0;
+            xs[k * BN + t] = t0 + t < job_tok ? x[(job_x + t0 + t) * p.x_stride + k0 + k] : 0.0;
         }
         barrier();
         [[unroll]] for (uint k = 0u; k < BK; ++k) {
@@ -172,8 +208,8 @@ shared float cs[ROW_GROUPS * COL_GROUPS * 256u];
 // 16-byte aligned go straight to Y, which is column-major for a block (element (r, t) at
 // t · y_stride + r); the others go through shared memory and `put`.
 void put_block(ACC c, uint sg, uint lane, uint r, uint t) {
-    const uint at = p.y_offset + t * p.y_stride + r;
-    if (r + 16u <= p.n_rows && t + 16u <= p.n_tok && at % 4u == 0u && p.y_stride % 4u == 0u) {
+    const uint at = job_y + t * p.y_stride + r;
+    if (r + 16u <= p.n_rows && t + 16u <= job_tok && at % 4u == 0u && p.y_stride % 4u == 0u) {
         if (ACCUMULATE != 0u) {
             ACC old;
             coopMatLoad(old, y, at, p.y_stride, gl_CooperativeMatrixLayoutColumnMajor);
@@ -239,8 +275,8 @@ void load_x(uint t0, uint k0) {
         const uint e = gl_LocalInvocationID.x + i * gl_WorkGroupSize.x;
         const uint k = 4u * (e % (BK / 4u)), t = e / (BK / 4u);
         xr[i] = vec4(0.0);
-        if (e < X_LOADS && t0 + t < p.n_tok && k0 + k < p.n_in) {
-            xr[i] = x4[((t0 + t) * p.x_stride + k0 + k) / 4u];
+        if (e < X_LOADS && t0 + t < job_tok && k0 + k < p.n_in) {
+            xr[i] = x4[((job_x + t0 + t) * p.x_stride + k0 + k) / 4u];
         }
     }
 }
@@ -278,7 +314,7 @@ void load_w(uint r0, uint k0, uint row_len) {
         const uint e = gl_LocalInvocationID.x + i * gl_WorkGroupSize.x;
         const uint r = e / (BK / 32u), h = e % (BK / 32u);
         if (unit_in(e, r0, k0)) {
-            unit_words(p.w_offset + (r0 + r) * row_len, k0 / 32u + h, wr[i]);
+            unit_words(job_w + (r0 + r) * row_len, k0 / 32u + h, wr[i]);
         }
     }
 }
@@ -290,7 +326,7 @@ void store_w(uint r0, uint k0, uint row_len) {
         if (e < W_UNITS) {
             float v[32];
             if (unit_in(e, r0, k0)) {
-                decode_words(p.w_offset + (r0 + r) * row_len, k0 / 32u + h, wr[i], v);
+                decode_words(job_w + (r0 + r) * row_len, k0 / 32u + h, wr[i], v);
             } else {
                 [[unroll]] for (uint j = 0u; j < 32u; ++j) {
                     v[j] = 0.0;
@@ -313,9 +349,14 @@ void main() {
     const uint t0 = gl_WorkGroupID.y * BN_;
     const uint rb = (sg % ROW_GROUPS) * (16u * CM_TM);
     const uint tb = (sg / ROW_GROUPS) * (16u * CM_TN);
-#if !defined(F16_MATRIX)
+#if defined(F16_MATRIX)
+    const uint row_len = p.n_in; // halves
+#else
     const uint row_len = row_bytes(p.n_in);
 #endif
+    if (!set_job(t0, row_len)) {
+        return;
+    }
     ALL_ROWS(ROW_DECL)
     load_x(t0, 0u);
 #if defined(W_PREFETCH)
@@ -328,7 +369,7 @@ void main() {
             const uint r = e / (BK / 8u), c = 8u * (e % (BK / 8u));
             uvec4 w = uvec4(0u);
             if (r0 + r < p.n_rows && k0 + c < p.n_in) {
-                w = w8[(p.w_offset + (r0 + r) * p.n_in + k0 + c) / 8u];
+                w = w8[(job_w + (r0 + r) * p.n_in + k0 + c) / 8u];
             }
             ws[(r * BKP + c) / 4u] = f16vec4(unpackFloat2x16(w.x), unpackFloat2x16(w.y));
             ws[(r * BKP + c) / 4u + 1u] = f16vec4(unpackFloat2x16(w.z), unpackFloat2x16(w.w));
@@ -340,7 +381,7 @@ void main() {
             const uint r = e / (BK / 32u), h = e % (BK / 32u);
             float v[32];
             if (r0 + r < p.n_rows && k0 + 32u * h < p.n_in) {
-                decode_unit(p.w_offset + (r0 + r) * row_len, k0 / 32u + h, v);
+                decode_unit(job_w + (r0 + r) * row_len, k0 / 32u + h, v);
             } else {
                 [[unroll]] for (uint i = 0u; i < 32u; ++i) {
                     v[i] = 0.0;

@@ -11,9 +11,9 @@ include!(concat!(env!("OUT_DIR"), "/shaders.rs"));
 
 pub use push::{
     AttentionParams, AttentionPrefillParams, AttentionRopeParams, DequantParams, EltwiseParams,
-    GetRowsParams, KvStoreParams, MatVecBatchParams, MatVecIdParams, MatVecParams, MoeRouteParams,
-    MoeRouterParams, PushConstants, RmsNormParams, RopeParams, ScaleAddParams,
-    ScaleAddRoutedParams, ScatterAddParams,
+    GatherAddParams, GetRowsParams, KvStoreParams, MatVecBatchParams, MatVecGroupedParams,
+    MatVecIdParams, MatVecParams, MoeRouteParams, MoeRouterParams, PushConstants, RmsNormParams,
+    RopeParams, ScaleAddParams, ScaleAddRoutedParams, ScatterAddParams,
 };
 
 /// One compiled variant.

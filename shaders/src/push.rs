@@ -125,6 +125,38 @@ pub struct MatVecBatchParams {
     pub y_stride: u32,
 }
 
+/// `matvec_batch.comp`'s `Params` with `GROUPED` (`Op::MatVecBatchGrouped`): `n_rows` rows per
+/// expert, `n_tok` unused (each run has its tokens).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MatVecGroupedParams {
+    pub n_in: u32,
+    pub n_rows: u32,
+    pub w_offset: u32,
+    pub y_offset: u32,
+    pub n_tok: u32,
+    pub x_stride: u32,
+    pub y_stride: u32,
+    /// Word of the first run (slot, first row, rows) in the runs buffer.
+    pub runs_at: u32,
+}
+
+/// `scatter_add.comp`'s `Params` with `GATHER` (`Op::GatherAdd`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GatherAddParams {
+    /// Row width.
+    pub n: u32,
+    /// The group's first entry in the route buffer.
+    pub first: u32,
+    /// Word of entry 0's weight in the route buffer.
+    pub weights_at: u32,
+    /// Word of the group's token list.
+    pub list_at: u32,
+    /// Tokens in the list.
+    pub n_tokens: u32,
+}
+
 /// `scatter_add.comp`'s `Params`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -319,6 +351,23 @@ push_constants!(RopeParams {
     capacity
 });
 push_constants!(EltwiseParams { n, b_len });
+push_constants!(MatVecGroupedParams {
+    n_in,
+    n_rows,
+    w_offset,
+    y_offset,
+    n_tok,
+    x_stride,
+    y_stride,
+    runs_at
+});
+push_constants!(GatherAddParams {
+    n,
+    first,
+    weights_at,
+    list_at,
+    n_tokens
+});
 push_constants!(ScatterAddParams {
     n,
     first,

@@ -79,9 +79,9 @@ mod tests {
     use crate::push::PushConstants;
     use crate::{
         AttentionParams, AttentionPrefillParams, AttentionRopeParams, DequantParams, EltwiseParams,
-        GetRowsParams, KvStoreParams, MatVecBatchParams, MatVecIdParams, MatVecParams,
-        MoeRouteParams, MoeRouterParams, Op, RmsNormParams, RopeParams, ScaleAddParams,
-        ScaleAddRoutedParams, ScatterAddParams, ShaderId, SHADERS,
+        GatherAddParams, GetRowsParams, KvStoreParams, MatVecBatchParams, MatVecGroupedParams,
+        MatVecIdParams, MatVecParams, MoeRouteParams, MoeRouterParams, Op, RmsNormParams,
+        RopeParams, ScaleAddParams, ScaleAddRoutedParams, ScatterAddParams, ShaderId, SHADERS,
     };
 
     #[test]
@@ -111,6 +111,8 @@ mod tests {
                 Op::Add | Op::Swiglu | Op::Softmax => EltwiseParams::layout(),
                 Op::ScaleAdd => ScaleAddParams::layout(),
                 Op::ScatterAdd => ScatterAddParams::layout(),
+                Op::GatherAdd => GatherAddParams::layout(),
+                Op::MatVecBatchGrouped => MatVecGroupedParams::layout(),
                 Op::KvStore => KvStoreParams::layout(),
                 Op::Attention => AttentionParams::layout(),
                 Op::AttentionRopeNorm | Op::AttentionRopeNeox => AttentionRopeParams::layout(),

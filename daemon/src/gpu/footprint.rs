@@ -147,7 +147,8 @@ pub fn expert_stream_bytes(model: &Model, capacity: usize, slots: usize) -> u64 
     // Gathered rows, gate, up and output of one expert's tokens, the rows to gather from, the
     // router logits read back and the routing (token ids and weights).
     let (e, ff, k) = (c.n_embd, cfg.n_ff_expert, cfg.n_expert_used);
-    let moe = tokens as u64 * 4 * (3 * e + 2 * ff + cfg.n_expert + 2 * k) as u64;
+    let moe = tokens as u64 * 4 * (3 * e + 2 * ff + cfg.n_expert + 2 * k) as u64
+        + 4 * crate::gpu::moe_groups::group_words_for(tokens, k, cfg.n_expert) as u64;
     weights + router + chunk + moe
 }
 

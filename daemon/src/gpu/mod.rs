@@ -29,6 +29,7 @@ pub mod forward;
 mod instance;
 pub mod lost;
 pub mod moe;
+mod moe_groups;
 pub mod ops;
 pub mod ops_attention;
 pub mod ops_batch;

@@ -46,6 +46,7 @@ use super::alloc::{Allocator, MemoryUse};
 use super::buffer::Buffer;
 use super::error::Result;
 use super::expert_cache::SlotExpert;
+use super::moe_groups::RunGroup;
 use super::ops::{
     route_floats, route_log_floats, route_split_floats, zeroed_counters, Fused, GpuMatrix, IdFused,
     MoeRouteArgs, MOE_ROUTE_MAX_EXPERTS,
@@ -823,6 +824,51 @@ impl GpuMoe {
             rec.matvec_batch_rows(&self.down, slot * n_embd, n_embd, eg, ed, count)?;
             let run = (first as u32, count as u32, weights_at as u32);
             rec.scatter_add(x, ed, route, run, n_embd as u32)?;
+        }
+        Ok(())
+    }
+
+    /// Whether [`GpuMoe::record_chunk_groups`] can run this layer: each stack in one binding.
+    pub(super) fn groups_fit(&self, rec: &Recorder<'_>) -> bool {
+        let (up, up_first) = self.up_rows();
+        rec.in_one_binding(&self.gate, 0)
+            && rec.in_one_binding(up, up_first)
+            && rec.in_one_binding(&self.down, 0)
+    }
+
+    /// [`GpuMoe::record_chunk_experts`] by [`RunGroup`]s: per group, its entries' rows of `xn`
+    /// gathered into `xg`, the gate, up and down products of all its experts in one dispatch
+    /// each, and their outputs added to their tokens' rows of `x` in one more.
+    pub(super) fn record_chunk_groups(
+        &self,
+        rec: &mut Recorder<'_>,
+        groups: &[RunGroup],
+        (route, weights_at): (&Buffer, usize),
+        xn: &GpuMatrix,
+        (xg, eg, eu, ed): (&Buffer, &Buffer, &Buffer, &Buffer),
+        x: &Buffer,
+    ) -> Result<()> {
+        let (ff, n_embd) = (self.n_ff, self.n_embd);
+        let (up, up_first) = self.up_rows();
+        for g in groups {
+            let ids = super::ops::StepWord {
+                buffer: route,
+                index: g.first as u32,
+            };
+            rec.get_rows_n(xn, ids, g.span as u32, xg)?;
+            let runs = (route, g.runs_at as u32, g.n_runs as u32);
+            let sizes = (g.span, g.max_count);
+            rec.matvec_batch_grouped(&self.gate, (0, ff), xg, eg, runs, sizes)?;
+            rec.matvec_batch_grouped(up, (up_first, ff), xg, eu, runs, sizes)?;
+            rec.swiglu(eg, eu, (g.span * ff) as u32)?;
+            rec.matvec_batch_grouped(&self.down, (0, n_embd), eg, ed, runs, sizes)?;
+            let list = (
+                g.first as u32,
+                weights_at as u32,
+                g.list_at as u32,
+                g.n_tokens as u32,
+            );
+            rec.gather_add(x, ed, route, list, n_embd as u32)?;
         }
         Ok(())
     }

@@ -3,7 +3,10 @@
 //! kernel; [`super::MatMulTile`]'s, 128 tuned, in the device's matrix units where it has
 //! cooperative matrices).
 
-use spillway_shaders::{DequantParams, Feature, MatVecBatchParams, Op, ScatterAddParams, ShaderId};
+use spillway_shaders::{
+    DequantParams, Feature, GatherAddParams, MatVecBatchParams, MatVecGroupedParams, Op,
+    ScatterAddParams, ShaderId,
+};
 
 use super::buffer::Buffer;
 use super::error::{GpuError, Result};
@@ -109,6 +112,117 @@ impl Recorder<'_> {
             &bindings,
             &push,
             [n.div_ceil(256), count, 1],
+        )
+    }
+
+    /// Whether `w`'s rows `first..` lie in one binding, as [`Recorder::matvec_batch_grouped`]
+    /// needs.
+    pub fn in_one_binding(&self, w: &GpuMatrix, first: usize) -> bool {
+        self.row_chunks(w, first, w.n_out.saturating_sub(first))
+            .is_ok_and(|c| c.len() == 1)
+    }
+
+    /// Several experts of the stack `w` (rows from `row0`, `rows` a expert) at once, each over
+    /// its own rows of `x` into the same rows of `y` (`rows` floats a row): the runs are words
+    /// `runs.1..` of `runs.0`, `runs.2` of them, each (slot, first row, rows); `span` rows of
+    /// `x` and `y` in all, a run at most `max_count` of them. The stack from `row0` must be in
+    /// one binding ([`Recorder::in_one_binding`]).
+    pub fn matvec_batch_grouped(
+        &mut self,
+        w: &GpuMatrix,
+        (row0, rows): (usize, usize),
+        x: &Buffer,
+        y: &Buffer,
+        (runs, runs_at, n_runs): (&Buffer, u32, u32),
+        (span, max_count): (usize, usize),
+    ) -> Result<()> {
+        let floats = |b: &Buffer| b.size() / 4;
+        let chunks = self.row_chunks(w, row0, w.n_out.saturating_sub(row0))?;
+        if chunks.len() != 1
+            || floats(x) < (span * w.n_in) as u64
+            || floats(y) < (span * rows) as u64
+            || runs.size() < (u64::from(runs_at) + 3 * u64::from(n_runs)) * 4
+            || max_count > span
+        {
+            return Err(GpuError::Unsupported(format!(
+                "{n_runs} experts of {rows} rows over {span} rows of {} inputs in buffers of \
+                 {} and {} floats, from row {row0} of {} in {} bindings",
+                w.n_in,
+                floats(x),
+                floats(y),
+                w.n_out,
+                chunks.len()
+            )));
+        }
+        if n_runs == 0 || max_count == 0 {
+            return Ok(());
+        }
+        let chunk = &chunks[0];
+        let id = self.variant(Op::MatVecBatchGrouped, Some(w.wtype))?;
+        let (spec, tile_rows, tile_tokens) = if id.info().feature == Feature::CoopMat {
+            let t = self.matmul_tile();
+            (t.spec(self.subgroup_size(), false), t.rows, t.tokens)
+        } else {
+            ([256, 0, 64, 2, 2], TILE_ROWS, TILE_TOKENS)
+        };
+        let push = MatVecGroupedParams {
+            n_in: w.n_in as u32,
+            n_rows: rows as u32,
+            w_offset: chunk.w_offset,
+            y_offset: 0,
+            n_tok: 0,
+            x_stride: w.n_in as u32,
+            y_stride: rows as u32,
+            runs_at,
+        };
+        let groups = [
+            (rows as u32).div_ceil(tile_rows),
+            (max_count as u32).div_ceil(tile_tokens),
+            n_runs,
+        ];
+        let bindings = [
+            chunk.weights,
+            Binding::read(x),
+            Binding::write(y),
+            Binding::read(runs),
+        ];
+        self.dispatch_spec(id, &spec, &bindings, &push, groups)
+    }
+
+    /// `x[t] += Σ w[first + e] * y[e]` for each of `n_tokens` tokens over the entries `e` its
+    /// list gives (word `list_at` of `route`: the tokens, their `n_tokens + 1` starts, then the
+    /// entries; the weights' bits from word `weights_at + first`); rows of `n` floats.
+    pub fn gather_add(
+        &mut self,
+        x: &Buffer,
+        y: &Buffer,
+        route: &Buffer,
+        (first, weights_at, list_at, n_tokens): (u32, u32, u32, u32),
+        n: u32,
+    ) -> Result<()> {
+        if route.size() < (u64::from(list_at) + 2 * u64::from(n_tokens) + 1) * 4 || n_tokens > 65535
+        {
+            return Err(GpuError::Unsupported(format!(
+                "a list of {n_tokens} tokens from word {list_at} in a route of {} bytes",
+                route.size()
+            )));
+        }
+        if n_tokens == 0 {
+            return Ok(());
+        }
+        let push = GatherAddParams {
+            n,
+            first,
+            weights_at,
+            list_at,
+            n_tokens,
+        };
+        let bindings = [Binding::write(x), Binding::read(y), Binding::read(route)];
+        self.dispatch(
+            ShaderId::GatherAdd,
+            &bindings,
+            &push,
+            [n.div_ceil(256), n_tokens, 1],
         )
     }
 

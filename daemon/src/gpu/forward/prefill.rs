@@ -29,6 +29,7 @@ use crate::gpu::alloc::MemoryUse;
 use crate::gpu::buffer::Buffer;
 use crate::gpu::error::Result;
 use crate::gpu::moe::{ChunkRouting, ExpertRun};
+use crate::gpu::moe_groups::{group_runs, group_words_for, RunGroup};
 use crate::gpu::ops::{attention_counters, attention_scratch_floats, Fused, GpuMatrix, StepWord};
 use crate::gpu::ops_attention::flash_attention_fits;
 use crate::gpu::record::{RecordStats, Recorder};
@@ -198,7 +199,7 @@ impl Batch {
                         )?,
                         route: Buffer::new_in(
                             al,
-                            (2 * weights_at * 4) as u64,
+                            ((2 * weights_at + group_words_for(n, k, cfg.n_expert)) * 4) as u64,
                             MemoryUse::DeviceMapped,
                         )?,
                         shared: match shared {
@@ -250,10 +251,16 @@ impl Batch {
 /// Where a chunk's next command buffer starts after MoE layer `layer`'s router: its resident
 /// experts' runs (the experts not resident ran meanwhile, [`super::stream_experts`]), then its
 /// shared expert, with the route buffer's weights from word `weights_at`.
+/// A chunk paused at a MoE layer's router: the layer, its routing, its resident experts' runs
+/// and those runs in groups.
+type Paused = (usize, ChunkRouting, Vec<ExpertRun>, Option<Vec<RunGroup>>);
+
 struct ChunkResume<'a> {
     layer: usize,
     weights_at: usize,
     runs: &'a [ExpertRun],
+    /// `runs` as groups, their words written to the route buffer ([`group_runs`]).
+    groups: Option<&'a [RunGroup]>,
     shared_from: Option<usize>,
 }
 
@@ -424,13 +431,14 @@ impl GpuModel {
             self.stream_front(batch, tokens)?;
         }
         let mut stats = RecordStats::default();
-        let mut resume: Option<(usize, ChunkRouting, Vec<ExpertRun>)> = None;
+        let mut resume: Option<Paused> = None;
         loop {
             let mut paused = None;
-            let from = resume.as_ref().map(|(il, r, runs)| ChunkResume {
+            let from = resume.as_ref().map(|(il, r, runs, groups)| ChunkResume {
                 layer: *il,
                 weights_at: r.weights_at(),
                 runs,
+                groups: groups.as_deref(),
                 shared_from: r.shared_from,
             });
             let part = self
@@ -449,7 +457,17 @@ impl GpuModel {
             m.route.write(&bytes);
             // The experts not in VRAM run here; the resident ones in the next part.
             let resident = self.chunk_experts(batch, il, &routing)?;
-            resume = Some((il, routing, resident));
+            // The resident experts in groups, described after the routing's words.
+            let m = batch.moe.as_mut().expect("MoE scratch");
+            let base = routing.words.len();
+            let groups = group_runs(&resident, &routing.words, batch.tokens, base)
+                .filter(|(words, _)| (base + words.len()) as u64 * 4 <= m.route.size())
+                .map(|(words, groups)| {
+                    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+                    m.route.bytes_mut()[base * 4..base * 4 + bytes.len()].copy_from_slice(&bytes);
+                    groups
+                });
+            resume = Some((il, routing, resident, groups));
         }
         batch.x_ready = false;
         self.last_stats = stats;
@@ -495,7 +513,12 @@ impl GpuModel {
                 let m = b.moe.as_ref().expect("MoE scratch");
                 let bufs = (&m.xg, &m.eg, &m.eu, &m.ed);
                 let route = (&m.route, r.weights_at);
-                moe.record_chunk_experts(rec, r.runs, route, &m.xn, bufs, &b.x)?;
+                match r.groups.filter(|_| moe.groups_fit(rec)) {
+                    Some(groups) => {
+                        moe.record_chunk_groups(rec, groups, route, &m.xn, bufs, &b.x)?
+                    }
+                    None => moe.record_chunk_experts(rec, r.runs, route, &m.xn, bufs, &b.x)?,
+                }
                 if let (Some(from), Some(sh)) = (r.shared_from, &m.shared) {
                     let route = (&m.route, r.weights_at, from);
                     let bufs = (&sh.gate, &sh.up, &m.ed);
