@@ -20,7 +20,8 @@
 //! `warmup=N` decodes N tokens before the clock starts (default 2; promotions ramp up over the
 //! first tokens). `threads=N` sets the CPU experts' threads (default: every core); `ram=MiB` gives the CPU's
 //! experts a RAM budget (a cache read from the file) in place of the memory map; `pp=N` times
-//! a prompt of N tokens first (after a 64-token warm-up prompt), in the `pp tok/s` column.
+//! a prompt of N tokens first (after a 64-token warm-up prompt), in the `pp tok/s` column;
+//! `tile=DEPTHxROWSxTOKENS` gives every prompt product that tile (`GpuModelOptions::matmul_tile`).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -28,7 +29,7 @@ use std::time::Instant;
 use spillway_bench::synth::{SynthModel, WeightType};
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
 use spillway_daemon::gpu::placement::MoeMiss;
-use spillway_daemon::gpu::{Device, Instance};
+use spillway_daemon::gpu::{Device, Instance, MatMulTile};
 use spillway_daemon::model::Model;
 
 /// Steps before the clock starts (pipelines are created on first use), unless `warmup=N`.
@@ -46,6 +47,7 @@ fn main() {
     ];
     let mut threads = 0;
     let mut pp = 0;
+    let mut matmul_tile = None;
     let mut warmup = WARMUP;
     let mut ram_budget = None;
     let args: Vec<String> = std::env::args()
@@ -69,6 +71,14 @@ fn main() {
                 false
             } else if let Some(n) = a.strip_prefix("pp=") {
                 pp = n.parse().unwrap();
+                false
+            } else if let Some(t) = a.strip_prefix("tile=") {
+                let v: Vec<u32> = t.split('x').map(|n| n.parse().unwrap()).collect();
+                matmul_tile = Some(MatMulTile {
+                    depth: v[0],
+                    rows: v[1],
+                    tokens: v[2],
+                });
                 false
             } else if let Some(m) = a.strip_prefix("modes=") {
                 modes = m
@@ -120,6 +130,7 @@ fn main() {
         context: n_tokens + warmup + 1 + if pp > 0 { 64 + pp } else { 0 },
         threads,
         ram_budget,
+        matmul_tile,
         ..GpuModelOptions::default()
     };
     let whole = GpuModel::device_bytes(&model, &base).total();
