@@ -1,7 +1,9 @@
 //! The batched matrix product for prompts (`Recorder::matvec_batch`) against the one-token
 //! product (`Recorder::matvec`, itself checked against the CPU in `vulkan_ops.rs`), for every
-//! weight type, token counts around the kernel's tile of 64, a row range of a stack, and a
-//! matrix split over several bindings. On whatever Vulkan device the machine has (lavapipe in
+//! weight type, token counts around the kernel's tile of 64, a row range of a stack, a
+//! matrix split over several bindings, every tile of the cooperative-matrix kernel, and several
+//! experts' products in one dispatch (`matvec_batch_grouped`) with their sums into the tokens
+//! (`gather_add`). On whatever Vulkan device the machine has (lavapipe in
 //! CI); without one these tests skip, unless `SPILLWAY_REQUIRE_VULKAN` is set.
 
 use std::sync::Arc;
@@ -369,4 +371,109 @@ fn scattered_rows_are_added_to_their_tokens_with_their_weights() {
         .kernels
         .record(|r| r.scatter_add(&x, &y, &route, (1, 3, 3), width as u32))
         .is_err());
+}
+
+/// A host-visible buffer of words.
+fn words(s: &Setup, w: &[u32]) -> Buffer {
+    let mut b = Buffer::new_in(&s.allocator, (w.len() * 4) as u64, MemoryUse::Staging).unwrap();
+    let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+    b.write(&bytes);
+    b
+}
+
+#[test]
+fn grouped_products_equal_each_experts_rows_of_the_whole_product() {
+    let Some(dev) = device() else { return };
+    // Three experts of 70 rows each; runs over rows of x with a gap (rows 70..80 belong to
+    // no run and must stay untouched), runs longer and shorter than a tile of tokens.
+    let (n_in, rows, span) = (256, 70, 150);
+    let runs = [(2u32, 0u32, 70u32), (0, 80, 5), (1, 85, 65)];
+    for ty in [GgmlType::Q4_0, GgmlType::Q4K, GgmlType::Q6K] {
+        let s = setup(&dev, ty, n_in, 3 * rows);
+        let xs = inputs(span * n_in, 11);
+        let x = host(&s, &xs);
+        let whole = host(&s, &vec![0.0; span * 3 * rows]);
+        s.kernels
+            .record(|r| r.matvec_batch(&s.w, &x, &whole, span))
+            .unwrap();
+        let whole = whole.read_f32(span * 3 * rows);
+        // Runs from word 5 of the buffer.
+        let mut ws = vec![0u32; 5];
+        for &(slot, first, count) in &runs {
+            ws.extend([slot, first, count]);
+        }
+        let runs_buf = words(&s, &ws);
+        let y = host(&s, &vec![f32::NAN; span * rows]);
+        s.kernels
+            .record(|r| {
+                r.matvec_batch_grouped(&s.w, (0, rows), &x, &y, (&runs_buf, 5, 3), (span, 70))
+            })
+            .unwrap();
+        let got = y.read_f32(span * rows);
+        for &(slot, first, count) in &runs {
+            let (slot, first, count) = (slot as usize, first as usize, count as usize);
+            let want: Vec<f32> = (first..first + count)
+                .flat_map(|t| {
+                    let at = t * 3 * rows + slot * rows;
+                    whole[at..at + rows].to_vec()
+                })
+                .collect();
+            let part = &got[first * rows..(first + count) * rows];
+            assert_close(&s, part, &want, &format!("{ty} slot {slot}"));
+        }
+        assert!(
+            got[70 * rows..80 * rows].iter().all(|v| v.is_nan()),
+            "{ty}: the gap"
+        );
+        // A run table past its buffer is refused.
+        assert!(s
+            .kernels
+            .record(|r| r.matvec_batch_grouped(
+                &s.w,
+                (0, rows),
+                &x,
+                &y,
+                (&runs_buf, 6, 3),
+                (span, 70)
+            ))
+            .is_err());
+    }
+}
+
+#[test]
+fn gathered_sums_add_each_tokens_entries_in_order() {
+    let Some(dev) = device() else { return };
+    let s = setup(&dev, GgmlType::Q8_0, 32, 1);
+    let n = 300; // over one workgroup of 256
+    let x0 = inputs(4 * n, 1);
+    let ys = inputs(5 * n, 2);
+    let x = host(&s, &x0);
+    let y = host(&s, &ys);
+    // Entries 0..5 of the group from entry 2 of the route; weights from word 10; the list from
+    // word 20: tokens 0, 2, 3 with entries [0, 3], [1], [2, 4]. Token 1 has none.
+    let weights = [0.5f32, -1.0, 2.0, 0.25, 1.5];
+    let mut w = vec![0u32; 20];
+    for (i, v) in weights.iter().enumerate() {
+        w[10 + 2 + i] = v.to_bits();
+    }
+    w.extend([0, 2, 3, 0, 2, 3, 5, 0, 3, 1, 2, 4]);
+    let route = words(&s, &w);
+    s.kernels
+        .record(|r| r.gather_add(&x, &y, &route, (2, 10, 20, 3), n as u32))
+        .unwrap();
+    let got = x.read_f32(4 * n);
+    let lists: [(usize, &[usize]); 3] = [(0, &[0, 3]), (2, &[1]), (3, &[2, 4])];
+    let mut want = x0.clone();
+    for (t, entries) in lists {
+        for c in 0..n {
+            let mut acc = want[t * n + c];
+            for &e in entries {
+                acc += weights[e] * ys[e * n + c];
+            }
+            want[t * n + c] = acc;
+        }
+    }
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!((g - w).abs() <= 1e-6 * w.abs().max(1.0), "[{i}] {g} vs {w}");
+    }
 }
