@@ -159,12 +159,7 @@ impl Recorder<'_> {
         }
         let chunk = &chunks[0];
         let id = self.variant(Op::MatVecBatchGrouped, Some(w.wtype))?;
-        let (spec, tile_rows, tile_tokens) = if id.info().feature == Feature::CoopMat {
-            let t = self.matmul_tile();
-            (t.spec(self.subgroup_size(), false), t.rows, t.tokens)
-        } else {
-            ([256, 0, 64, 2, 2], TILE_ROWS, TILE_TOKENS)
-        };
+        let (spec, tile_rows, tile_tokens) = self.batch_tile(id, false);
         let push = MatVecGroupedParams {
             n_in: w.n_in as u32,
             n_rows: rows as u32,
@@ -314,6 +309,18 @@ impl Recorder<'_> {
         self.batch_product(w, (0, w.n_out), x, (y, w.n_out), n_tok, true, None)
     }
 
+    /// The specialization constants (workgroup size, accumulate, depth, subgroups along rows
+    /// and tokens), tile rows and tile tokens of `matvec_batch.comp`'s variant `id`: the
+    /// cooperative-matrix tile, or the f32 kernel's fixed one.
+    fn batch_tile(&self, id: ShaderId, accumulate: bool) -> ([u32; 5], u32, u32) {
+        if id.info().feature == Feature::CoopMat {
+            let t = self.matmul_tile();
+            (t.spec(self.subgroup_size(), accumulate), t.rows, t.tokens)
+        } else {
+            ([256, accumulate as u32, 64, 2, 2], TILE_ROWS, TILE_TOKENS)
+        }
+    }
+
     /// Rows `rows.0..rows.0 + rows.1` of `w` times each token of `x` into `y.0`, whose tokens
     /// are `y.1` floats apart; through `scratch` in f16 where the device multiplies f16
     /// matrices ([`Recorder::matvec_batch_rows_staged`]).
@@ -357,13 +364,7 @@ impl Recorder<'_> {
             return Ok(());
         }
         let id = self.variant(Op::MatVecBatch, Some(w.wtype))?;
-        // Workgroup size, then tile rows and tokens: the f32 kernel's are fixed.
-        let (spec, tile_rows, tile_tokens) = if id.info().feature == Feature::CoopMat {
-            let t = self.matmul_tile();
-            (t.spec(self.subgroup_size(), accumulate), t.rows, t.tokens)
-        } else {
-            ([256, accumulate as u32, 64, 2, 2], TILE_ROWS, TILE_TOKENS)
-        };
+        let (spec, tile_rows, tile_tokens) = self.batch_tile(id, accumulate);
         for chunk in chunks {
             let push = MatVecBatchParams {
                 n_in: w.n_in as u32,
