@@ -28,6 +28,7 @@ pub mod footprint;
 pub mod forward;
 mod instance;
 pub mod lost;
+mod matmul_tile;
 pub mod moe;
 mod moe_groups;
 pub mod ops;
@@ -45,8 +46,9 @@ pub use buffer::Buffer;
 pub use device::Device;
 pub use error::{map_vk, GpuError, MemoryKind};
 pub use instance::{DeviceInfo, DeviceKind, Instance};
+pub use matmul_tile::MatMulTile;
 pub use pipeline::ComputePipeline;
-pub use record::{Kernels, MatMulTile, RecordStats, Recorder};
+pub use record::{Kernels, RecordStats, Recorder};
 pub use upload::Uploader;
 
 /// Set (to anything but `0`) where a Vulkan device must exist, as in CI: GPU tests then fail
