@@ -20,7 +20,9 @@
 //! `warmup=N` decodes N tokens before the clock starts (default 2; promotions ramp up over the
 //! first tokens). `threads=N` sets the CPU experts' threads (default: every core); `ram=MiB` gives the CPU's
 //! experts a RAM budget (a cache read from the file) in place of the memory map; `pp=N` times
-//! a prompt of N tokens first (after a 64-token warm-up prompt), in the `pp tok/s` column;
+//! a prompt of N tokens from position 0 first (after a 64-token warm-up prompt), in the
+//! `pp tok/s` column,
+//! then another, profiled (its last chunk's GPU time by op, and the host's);
 //! `tile=DEPTHxROWSxTOKENS` gives every prompt product that tile (`GpuModelOptions::matmul_tile`).
 
 use std::sync::Arc;
@@ -127,7 +129,7 @@ fn main() {
     assert!(model.config.moe.is_some(), "{preset} is not a MoE model");
     let device = Device::open(Instance::new().unwrap(), None).unwrap();
     let base = GpuModelOptions {
-        context: n_tokens + warmup + 1 + if pp > 0 { 64 + pp } else { 0 },
+        context: n_tokens + warmup + 1 + if pp > 0 { 64 + 2 * pp } else { 0 },
         threads,
         ram_budget,
         matmul_tile,
@@ -206,9 +208,22 @@ fn main() {
                     (0..n as u32).map(|i| (i * 31 + k) % 1000).collect()
                 };
                 gpu.eval_prompt(&prompt(64, 5), false).unwrap();
+                // From position 0, as llama-bench's pp.
+                gpu.reset();
                 let t0 = Instant::now();
                 gpu.eval_prompt(&prompt(pp, 11), false).unwrap();
                 pp_rate = pp as f64 / t0.elapsed().as_secs_f64();
+                // The same prompt again, profiled: where its last chunk's time went.
+                gpu.set_profiling(true).unwrap();
+                gpu.reset();
+                gpu.eval_prompt(&prompt(pp, 13), false).unwrap();
+                if let Some(p) = gpu.last_profile() {
+                    println!(
+                        "{budget:?} {mode}: {}",
+                        spillway_bench::prompt_profile::summary(p)
+                    );
+                }
+                gpu.set_profiling(false).unwrap();
             }
             for &t in &tokens[..warmup] {
                 gpu.eval(t).unwrap();

@@ -3,7 +3,7 @@
 //! a prompt of PROMPT tokens from position 0, three times each with cooperative matrices (where
 //! the device has them), with the f32 kernel, and with cooperative matrices but the chunk's
 //! attention in the decode kernel (`GpuModelOptions::flash_attention` off), alternating; the
-//! medians are printed.
+//! medians are printed, then a profiled prompt's GPU time by op and the host's time.
 //!
 //! `cargo run --release -p spillway-bench --example vulkan_prefill -- PRESET TYPE PROMPT [DIR]
 //! [tile=DEPTHxROWSxTOKENS]`
@@ -128,4 +128,11 @@ fn main() {
         st.dispatches,
         st.barriers
     );
+    // One more prompt, profiled: where its last chunk's time went.
+    coop.set_profiling(true).unwrap();
+    coop.reset();
+    coop.eval_prompt(&tokens, false).unwrap();
+    let p = coop.last_profile().expect("profiling");
+    println!("coopmat {}", spillway_bench::prompt_profile::summary(p));
+    coop.set_profiling(false).unwrap();
 }

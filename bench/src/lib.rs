@@ -5,9 +5,11 @@
 //! - [`demo`]: the README's first command.
 //! - [`progress`]: a progress line for long jobs.
 //! - [`interleave`]: two variants of a measurement taken in turns.
+//! - [`prompt_profile`]: where a profiled prompt chunk's time went.
 
 pub mod demo;
 pub mod interleave;
 pub mod progress;
+pub mod prompt_profile;
 
 pub use spillway_daemon::synth;

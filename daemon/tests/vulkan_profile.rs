@@ -169,15 +169,67 @@ fn a_split_step_times_the_gpu_layers_and_the_cpu_layers() {
             "step {i}: {cpu} ns"
         );
     }
-    // While profiling a prompt goes token by token on the GPU, its CPU layers over the whole
-    // prompt at once: the same arithmetic per token as one at a time.
+    // While profiling, a prompt runs in chunks as it does unprofiled (its CPU layers over the
+    // whole prompt at once): the same logits, one profile for the chunk, with the CPU's time.
     on.reset();
     off.reset();
     let n_vocab = model.config.n_vocab;
-    let got = on.eval_prompt(&TOKENS, true).unwrap();
-    let want: Vec<f32> = TOKENS.iter().flat_map(|&t| off.eval(t).unwrap()).collect();
+    let (got, wall) = timed(|| on.eval_prompt(&TOKENS, true).unwrap());
     assert_eq!(got.len(), TOKENS.len() * n_vocab);
-    assert_eq!(got, want, "a prompt's CPU layers at once");
+    let want = off.eval_prompt(&TOKENS, true).unwrap();
+    assert_eq!(got, want, "profiling changed a prompt's logits");
+    let p = on.last_profile().expect("the prompt's chunk was profiled");
+    let expected = vec![
+        (None, "hidden_state_in"),
+        (Some(last), "attention"),
+        (Some(last), "ffn"),
+        (None, "output_head"),
+    ];
+    check_rows("prompt", expected, p, wall);
+    let host = p.host.expect("a chunk's host time");
+    assert!(host.cpu_layers_ns > 0 && host.wait_ns <= host.step_ns);
+}
+
+/// A prompt profiled in one chunk, dense and MoE (whose chunk pauses at each MoE layer's
+/// router for the host's routing): every group in order, adding up to the chunk, the MoE rows
+/// counting k experts for each of the chunk's tokens, and the logits of the unprofiled chunk.
+#[test]
+fn a_profiled_prompt_chunk_times_every_layer_and_changes_no_logits() {
+    let Some(dev) = spillway_daemon::gpu::device_or_skip() else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let prompt: Vec<u32> = (0..24).map(|i| (i * 37 + 3) % 200).collect();
+    for name in ["tiny-llama", "tiny-qwen3moe"] {
+        let model = f16_model(tmp.path(), name);
+        let mut on = GpuModel::new(&dev, &model, &options(None)).unwrap();
+        let mut off = GpuModel::new(&dev, &model, &options(None)).unwrap();
+        assert!(on.batches_prompts(), "{name}");
+        on.set_profiling(true).unwrap();
+        let (got, wall) = timed(|| on.eval_prompt(&prompt, false).unwrap());
+        assert_eq!(
+            got,
+            off.eval_prompt(&prompt, false).unwrap(),
+            "{name}: logits"
+        );
+        let p = on.last_profile().expect("the chunk was profiled");
+        check_step(&format!("{name} prompt"), &model, p, wall);
+        let host = p.host.expect("a chunk's host time");
+        assert!(host.wait_ns > 0 && host.wait_ns <= host.step_ns, "{name}");
+        // The GPU's time in the submissions fits in the host's time waiting for them.
+        let busy = p.submissions_gpu_ns.expect("timestamps");
+        assert!(
+            busy > 0 && busy <= host.wait_ns,
+            "{name}: {busy} of {host:?}"
+        );
+        if let Some(cfg) = model.config.moe {
+            for r in p.rows.iter().filter(|r| r.op == "experts") {
+                let e = r.experts.expect("a MoE row's counters");
+                let routed = (prompt.len() * cfg.n_expert_used) as u64;
+                assert_eq!(e.hits + e.misses, routed, "{name} layer {:?}", r.layer);
+            }
+        }
+    }
 }
 
 #[test]

@@ -24,7 +24,7 @@
 
 use spillway_shaders::WeightType;
 
-use super::{GateUp, GpuFfn, GpuModel};
+use super::{profile, GateUp, GpuFfn, GpuModel, HostTime};
 use crate::gpu::alloc::MemoryUse;
 use crate::gpu::buffer::Buffer;
 use crate::gpu::error::Result;
@@ -266,12 +266,14 @@ struct ChunkResume<'a> {
 
 impl GpuModel {
     /// Whether [`GpuModel::eval_prompt`] runs prompts in chunks (not MoE models over their
-    /// VRAM budget without slots for their missing experts; not while profiling, and not after
-    /// the device memory for a chunk was refused) rather than token by token.
+    /// VRAM budget without slots for their missing experts, and not after the device memory
+    /// for a chunk was refused) rather than token by token. While profiling, each chunk is
+    /// profiled as a step is ([`super::profile`]): [`GpuModel::last_profile`] is the last
+    /// chunk's.
     pub fn batches_prompts(&self) -> bool {
         // Every routed expert in VRAM, or slots that the missing ones take in turn.
         let moe_ok = !self.placement.is_partial() || self.expert_stream.is_some();
-        moe_ok && self.profiler.is_none() && !self.batch_refused
+        moe_ok && !self.batch_refused
     }
 
     /// Whether prompt chunks take their attention in the flash-attention kernel.
@@ -427,9 +429,18 @@ impl GpuModel {
         }
         batch.step.write(&words);
         batch.x_ready = false;
+        let profiling = self.profiler.is_some();
+        if profiling {
+            self.profile_before();
+        }
         if streams {
             self.stream_front(batch, tokens)?;
         }
+        // The whole chunk, and the host's time inside its submissions (recording, submitting,
+        // waiting): the rest is its routing and its missing experts' turns.
+        let (started, mut waited) = (std::time::Instant::now(), std::time::Duration::ZERO);
+        // The GPU's time in those submissions, when profiling.
+        let mut busy = Some(0);
         let mut stats = RecordStats::default();
         let mut resume: Option<Paused> = None;
         loop {
@@ -441,9 +452,16 @@ impl GpuModel {
                 groups: groups.as_deref(),
                 shared_from: r.shared_from,
             });
-            let part = self
-                .kernels
-                .record(|rec| self.record_chunk(rec, batch, (n, all_logits), from, &mut paused))?;
+            let t = std::time::Instant::now();
+            let record = |rec: &mut Recorder<'_>| {
+                self.record_chunk(rec, batch, (n, all_logits), from, &mut paused)
+            };
+            let part = match profiling {
+                true => self.kernels.record_timed(record)?,
+                false => self.kernels.record(record)?,
+            };
+            waited += t.elapsed();
+            busy = busy.zip(part.gpu_ns).map(|(a, b)| a + b);
             stats.dispatches += part.dispatches;
             stats.barriers += part.barriers;
             stats.submits += part.submits;
@@ -473,6 +491,21 @@ impl GpuModel {
         self.last_stats = stats;
         self.last_routing = Vec::new();
         self.last_host_time = None;
+        if profiling {
+            let host = HostTime {
+                step_ns: started.elapsed().as_nanos() as u64,
+                wait_ns: waited.as_nanos() as u64,
+                cpu_layers_ns: match self.front {
+                    Some(_) => self.front_time.as_nanos() as u64,
+                    None => 0,
+                },
+                ..HostTime::default()
+            };
+            self.profile_after(Some(host))?;
+            if let Some(p) = self.last_profile.as_mut() {
+                p.submissions_gpu_ns = busy;
+            }
+        }
         Ok(())
     }
 
@@ -489,6 +522,12 @@ impl GpuModel {
     ) -> Result<()> {
         let c = &self.config;
         let (e, eps, nt) = (c.n_embd as u32, c.rms_eps, n as u32);
+        if resume.is_none() {
+            if let Some(p) = &self.profiler {
+                p.start(rec);
+            }
+            self.mark(rec, profile::EMBEDDING);
+        }
         let start = match resume {
             // The chunk's first layers ran through the stream slot ([`super::stream`]).
             None if b.x_ready => {
@@ -528,7 +567,9 @@ impl GpuModel {
             }
         };
         for (il, l) in self.layers.iter().enumerate().skip(start) {
+            self.mark(rec, profile::attention(il));
             self.record_chunk_attention(rec, b, l, n)?;
+            self.mark(rec, profile::ffn(il));
             match &l.ffn {
                 GpuFfn::Dense { gate_up, down } => {
                     self.record_chunk_ffn(rec, b, l, (gate_up, down), n)?;
@@ -545,11 +586,12 @@ impl GpuModel {
                 }
             }
         }
+        self.mark(rec, profile::head(self.layers.len()));
         let head = self.output.as_ref().unwrap_or(&self.input_rows);
         match (&b.logits, all_logits) {
             (Some(logits), true) => {
                 rec.rms_norm(&b.x, &self.output_norm, &b.xn, e, nt, eps)?;
-                rec.matvec_batch(head, &b.xn, logits, n)
+                rec.matvec_batch(head, &b.xn, logits, n)?;
             }
             _ => {
                 let last = Fused {
@@ -557,9 +599,13 @@ impl GpuModel {
                     x_offset: ((n - 1) * c.n_embd * 4) as u64,
                     ..Fused::default()
                 };
-                rec.matvec_fused(head, &b.x, &self.act.logits, last)
+                rec.matvec_fused(head, &b.x, &self.act.logits, last)?;
             }
         }
+        if let Some(p) = &self.profiler {
+            p.end(rec);
+        }
+        Ok(())
     }
 
     /// A dense layer's FFN for the chunk's tokens, its output added to `x`.

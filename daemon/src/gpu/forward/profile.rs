@@ -17,6 +17,12 @@
 //! the host's routing, the CPU's experts and the waits between them. The host's side of a
 //! chained step is [`GpuStepProfile::host`].
 //!
+//! A prompt chunk ([`super::prefill`]) is profiled the same way, its rows over all of its
+//! tokens: a MoE layer's `experts` row spans the read-back of its router logits, the host's
+//! routing and the experts' command buffer. Its [`HostTime`] has the chunk's wall time and the
+//! host's time inside its submissions (`wait_ns`); the rest is the host's routing (and, under a
+//! VRAM budget, the missing experts' turns through their slots).
+//!
 //! Where the compute queue has no timestamps (`timestampValidBits` 0) the rows are still
 //! listed, with no GPU times.
 
@@ -59,8 +65,11 @@ pub struct GpuStepProfile {
     /// GPU time between the step's first and last timestamps, the sum of the rows' times;
     /// `None` without timestamps.
     pub step_gpu_ns: Option<u64>,
-    /// The host's side of a step with experts on the CPU, else `None`.
+    /// The host's side of a step with experts on the CPU, or of a prompt chunk; else `None`.
     pub host: Option<HostTime>,
+    /// A prompt chunk's: the GPU time of each of its submissions, summed (the chunk without
+    /// the host's turns between them); `None` for decode steps and without timestamps.
+    pub submissions_gpu_ns: Option<u64>,
     /// What the CPU experts' pool threads ran in the step, with the layer of each span.
     pub workers: Vec<(usize, WorkerSpan)>,
     /// The experts the RAM tier read from the SSD in the step.
@@ -293,6 +302,7 @@ impl GpuModel {
             rows,
             step_gpu_ns: at(p.count as usize - 1),
             host,
+            submissions_gpu_ns: None,
             workers,
             reads,
         });

@@ -407,6 +407,7 @@ mod tests {
                     cpu_experts_ns: 4,
                     cpu_layers_ns: 0,
                 }),
+                submissions_gpu_ns: None,
                 workers: Vec::new(),
                 reads: Vec::new(),
             },
