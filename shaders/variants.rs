@@ -44,6 +44,11 @@ pub enum Op {
     /// The router's product (F32, RMSNorm of the input fused) and then [`Op::MoeRoute`] by the
     /// last workgroup, in one dispatch.
     MoeRouter,
+    /// [`Op::MoeRoute`] of every token of a prompt chunk, a workgroup each.
+    MoeRouteChunk,
+    /// A prompt chunk's routing (from [`Op::MoeRouteChunk`]) laid out by expert for
+    /// [`Op::MatVecBatchGrouped`] and [`Op::GatherAdd`], with each expert's count.
+    MoeSort,
     /// Softmax of rows in place.
     Softmax,
     /// `x[ids[i]] += w[i] * y[i]` over rows: one MoE expert's outputs for a prompt chunk's
@@ -78,7 +83,8 @@ impl Op {
             Op::MatVec => 4,
             Op::ScaleAddRouted | Op::ScatterAdd | Op::GatherAdd => 3,
             Op::MatVecBatchGrouped => 4,
-            Op::MoeRoute => 5,
+            Op::MoeRoute | Op::MoeRouteChunk => 5,
+            Op::MoeSort => 3,
             Op::MoeRouter => 9,
             Op::MatVecId => 5,
             Op::RopeNorm | Op::RopeNeox => 7,
@@ -265,6 +271,9 @@ pub const VARIANTS: &[Variant] = &[
     v("matvec_batch_grouped_q6_k_coopmat", "matvec_batch.comp", Op::MatVecBatchGrouped, Some(WeightType::Q6K), Feature::CoopMat, &[("WTYPE_Q6_K", "1"), CM, GR]),
     v("moe_route", "moe_route.comp", Op::MoeRoute, None, Feature::Base, &[]),
     v("moe_route_subgroup", "moe_route.comp", Op::MoeRoute, None, Feature::Subgroup, &[SG]),
+    v("moe_route_chunk", "moe_route.comp", Op::MoeRouteChunk, None, Feature::Base, &[("CHUNK", "1")]),
+    v("moe_route_chunk_subgroup", "moe_route.comp", Op::MoeRouteChunk, None, Feature::Subgroup, &[("CHUNK", "1"), SG]),
+    v("moe_sort", "moe_sort.comp", Op::MoeSort, None, Feature::Base, &[]),
     v("moe_router", "moe_route.comp", Op::MoeRouter, None, Feature::Base, &[("ROUTER", "1")]),
     v("moe_router_subgroup", "moe_route.comp", Op::MoeRouter, None, Feature::Subgroup, &[("ROUTER", "1"), SG]),
     v("matmul_f16_coopmat", "matvec_batch.comp", Op::Matmul, None, Feature::CoopMat, &[CM, ("F16_MATRIX", "1")]),

@@ -20,10 +20,12 @@
 //! `warmup=N` decodes N tokens before the clock starts (default 2; promotions ramp up over the
 //! first tokens). `threads=N` sets the CPU experts' threads (default: every core); `ram=MiB` gives the CPU's
 //! experts a RAM budget (a cache read from the file) in place of the memory map; `pp=N` times
-//! a prompt of N tokens from position 0 first (after a 64-token warm-up prompt), in the
+//! a prompt of N tokens from position 0 first (after a warm-up prompt as long), in the
 //! `pp tok/s` column,
 //! then another, profiled (its last chunk's GPU time by op, and the host's);
-//! `tile=DEPTHxROWSxTOKENS` gives every prompt product that tile (`GpuModelOptions::matmul_tile`).
+//! `tile=DEPTHxROWSxTOKENS` gives every prompt product that tile (`GpuModelOptions::matmul_tile`);
+//! `host-routing` routes every MoE layer on the host, prompt chunks' included
+//! (`GpuModelOptions::host_routing`).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -52,10 +54,14 @@ fn main() {
     let mut matmul_tile = None;
     let mut warmup = WARMUP;
     let mut ram_budget = None;
+    let mut host_routing = false;
     let args: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| {
-            if let Some(list) = a.strip_prefix("budgets=") {
+            if a == "host-routing" {
+                host_routing = true;
+                false
+            } else if let Some(list) = a.strip_prefix("budgets=") {
                 given_budgets = Some(
                     list.split(',')
                         .map(|m| m.parse::<u64>().unwrap() << 20)
@@ -129,10 +135,11 @@ fn main() {
     assert!(model.config.moe.is_some(), "{preset} is not a MoE model");
     let device = Device::open(Instance::new().unwrap(), None).unwrap();
     let base = GpuModelOptions {
-        context: n_tokens + warmup + 1 + if pp > 0 { 64 + 2 * pp } else { 0 },
+        context: n_tokens + warmup + 1 + if pp > 0 { pp } else { 0 },
         threads,
         ram_budget,
         matmul_tile,
+        host_routing,
         ..GpuModelOptions::default()
     };
     let whole = GpuModel::device_bytes(&model, &base).total();
@@ -207,7 +214,8 @@ fn main() {
                 let prompt = |n: usize, k: u32| -> Vec<u32> {
                     (0..n as u32).map(|i| (i * 31 + k) % 1000).collect()
                 };
-                gpu.eval_prompt(&prompt(64, 5), false).unwrap();
+                // A warm-up prompt of the same length (the chunk's buffers are made for it).
+                gpu.eval_prompt(&prompt(pp, 5), false).unwrap();
                 // From position 0, as llama-bench's pp.
                 gpu.reset();
                 let t0 = Instant::now();

@@ -134,3 +134,63 @@ fn a_prompt_that_overflows_the_context_is_refused_and_nothing_moves() {
     assert!(batched.eval_prompt(&bad, false).is_err());
     assert_eq!(batched.position(), 0);
 }
+
+/// A MoE chunk routed on the device (one submission; each token's experts chosen, laid out by
+/// expert and summed back on the GPU) against the same chunk routed on the host (a submission
+/// per MoE layer, `host_routing`): the same logits within the tolerance, the same experts
+/// counted in every layer, and the device's chunk in one submission.
+fn check_routing_on_device(preset: &str, weights: &str) {
+    let Some(dev) = device() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("m.gguf");
+    SynthModel::from_name(preset, weights.parse::<WeightType>().unwrap(), 5)
+        .unwrap()
+        .write(&path, false, |_, _| {})
+        .unwrap();
+    let model = Arc::new(Model::open(&path).unwrap());
+    let options = GpuModelOptions {
+        context: 256,
+        ..GpuModelOptions::default()
+    };
+    let mut device = GpuModel::new(&dev, &model, &options).unwrap();
+    let host_routing = GpuModelOptions {
+        host_routing: true,
+        ..options
+    };
+    let mut host = GpuModel::new(&dev, &model, &host_routing).unwrap();
+    let n_vocab = device.config().n_vocab;
+    let moe_layers = model.config.n_layer as u32;
+    // A chunk of 100 tokens (every token's logits: 64 and 36), then one of 150.
+    for (n, all) in [(100, true), (150, false)] {
+        let prompt = tokens(n, n_vocab);
+        let got = device.eval_prompt(&prompt, all).unwrap();
+        assert_eq!(device.last_stats().submits, 1, "{preset}: one submission");
+        let want = host.eval_prompt(&prompt, all).unwrap();
+        assert_eq!(
+            host.last_stats().submits,
+            1 + moe_layers,
+            "{preset}: host routing"
+        );
+        for (i, (g, w)) in got.chunks(n_vocab).zip(want.chunks(n_vocab)).enumerate() {
+            assert_close(g, w, &format!("{preset} {weights}: {n} tokens, logits {i}"));
+        }
+    }
+    let (a, b) = (device.expert_stats().unwrap(), host.expert_stats().unwrap());
+    assert_eq!(a.layers, b.layers, "{preset}: every layer's counters");
+    let k = model.config.moe.unwrap().n_expert_used as u64;
+    assert_eq!(
+        a.total().hits,
+        (100 + 150) * u64::from(moe_layers) * k,
+        "{preset}"
+    );
+}
+
+#[test]
+fn a_chunk_routed_on_the_device_equals_the_host_routing_tiny_qwen3moe() {
+    check_routing_on_device("tiny-qwen3moe", "Q4_0");
+}
+
+#[test]
+fn a_chunk_routed_on_the_device_equals_the_host_routing_tiny_mixtral() {
+    check_routing_on_device("tiny-mixtral", "Q8_0");
+}

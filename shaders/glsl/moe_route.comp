@@ -29,6 +29,11 @@
 // expert itself where it has no slot, else 0xFFFFFFFF: the expert-indexed products run the first
 // list on the VRAM slot stacks and the second on stacks in host memory, each leaving the other's
 // entries empty. The log still gets the experts.
+//
+// With CHUNK, every token of a prompt chunk at once, one workgroup each (grid x): token t's
+// logits are `logits[t * n_expert..]`, its k ids and k weights go to `route[t * 2k..]`, and
+// nothing goes to the log (`moe_sort.comp` then lays the chunk's entries out by expert). No
+// shared expert and no slot map with it.
 
 #define WG 256u
 layout(local_size_x = 256) in;
@@ -106,8 +111,14 @@ void main() {
         memoryBarrierBuffer();
     }
 #endif
+#if defined(CHUNK)
+    const uint lbase = gl_WorkGroupID.x * p.n_expert;
+    const uint rbase = gl_WorkGroupID.x * 2u * p.k;
+#else
+    const uint lbase = 0u, rbase = 0u;
+#endif
     const bool live = i < p.n_expert;
-    const float l = live ? logits[i] : uintBitsToFloat(0xFF800000u);
+    const float l = live ? logits[lbase + i] : uintBitsToFloat(0xFF800000u);
     const float m = wg_max(l);
     // The host's softmax computes the same difference (one correctly rounded subtraction);
     // ordering by it, two logits that round to one difference tie there and here alike.
@@ -117,7 +128,9 @@ void main() {
     const float sum = wg_sum(e); // contains barriers: `vals` is complete after it
     const float prob = e * (1.0 / sum);
     if (live) {
+#if !defined(CHUNK)
         log_[p.log_offset + i] = l;
+#endif
         uint rank = 0u;
         for (uint j = 0u; j < p.n_expert; ++j) {
             const float o = vals[j];
@@ -130,8 +143,10 @@ void main() {
                 route[p.host_at + rank] = uintBitsToFloat(slot == 0xFFFFFFFFu ? i : 0xFFFFFFFFu);
                 id = slot;
             }
-            route[rank] = uintBitsToFloat(id);
+            route[rbase + rank] = uintBitsToFloat(id);
+#if !defined(CHUNK)
             log_[p.log_offset + p.n_expert + rank] = uintBitsToFloat(i);
+#endif
             chosen_w[rank] = prob;
         }
     }
@@ -143,8 +158,10 @@ void main() {
         }
         for (uint r = 0u; r < p.k; ++r) {
             const float w = p.norm != 0u ? chosen_w[r] / s : chosen_w[r];
-            route[p.k + r] = w;
+            route[rbase + p.k + r] = w;
+#if !defined(CHUNK)
             log_[p.log_offset + p.n_expert + p.k + r] = w;
+#endif
         }
         if (p.has_shared != 0u) {
             const float g = 1.0 / (1.0 + exp(-shared_logit[0]));

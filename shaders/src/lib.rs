@@ -12,8 +12,8 @@ include!(concat!(env!("OUT_DIR"), "/shaders.rs"));
 pub use push::{
     AttentionParams, AttentionPrefillParams, AttentionRopeParams, DequantParams, EltwiseParams,
     GatherAddParams, GetRowsParams, KvStoreParams, MatVecBatchParams, MatVecGroupedParams,
-    MatVecIdParams, MatVecParams, MoeRouteParams, MoeRouterParams, PushConstants, RmsNormParams,
-    RopeParams, ScaleAddParams, ScaleAddRoutedParams, ScatterAddParams,
+    MatVecIdParams, MatVecParams, MoeRouteParams, MoeRouterParams, MoeSortParams, PushConstants,
+    RmsNormParams, RopeParams, ScaleAddParams, ScaleAddRoutedParams, ScatterAddParams,
 };
 
 /// One compiled variant.

@@ -76,6 +76,22 @@ pub struct MoeRouteParams {
     pub map_offset: u32,
 }
 
+/// `moe_sort.comp`'s `Params`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MoeSortParams {
+    /// The chunk's tokens.
+    pub n_tok: u32,
+    pub k: u32,
+    pub n_expert: u32,
+    /// Words of the route buffer: the entries' weights, the runs, the gathered sum's list.
+    pub weights_at: u32,
+    pub runs_at: u32,
+    pub list_at: u32,
+    /// Word of expert 0's count in the counts buffer.
+    pub counts_at: u32,
+}
+
 /// `moe_route.comp`'s `Params` with `ROUTER`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -431,6 +447,15 @@ push_constants!(MoeRouterParams {
     map_offset,
     n_in,
     eps
+});
+push_constants!(MoeSortParams {
+    n_tok,
+    k,
+    n_expert,
+    weights_at,
+    runs_at,
+    list_at,
+    counts_at
 });
 push_constants!(MoeRouteParams {
     n_expert,

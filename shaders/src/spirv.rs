@@ -80,8 +80,9 @@ mod tests {
     use crate::{
         AttentionParams, AttentionPrefillParams, AttentionRopeParams, DequantParams, EltwiseParams,
         GatherAddParams, GetRowsParams, KvStoreParams, MatVecBatchParams, MatVecGroupedParams,
-        MatVecIdParams, MatVecParams, MoeRouteParams, MoeRouterParams, Op, RmsNormParams,
-        RopeParams, ScaleAddParams, ScaleAddRoutedParams, ScatterAddParams, ShaderId, SHADERS,
+        MatVecIdParams, MatVecParams, MoeRouteParams, MoeRouterParams, MoeSortParams, Op,
+        RmsNormParams, RopeParams, ScaleAddParams, ScaleAddRoutedParams, ScatterAddParams,
+        ShaderId, SHADERS,
     };
 
     #[test]
@@ -101,7 +102,8 @@ mod tests {
                 Op::Matmul => MatVecBatchParams::layout(),
                 Op::MatVec => MatVecParams::layout(),
                 Op::MatVecId => MatVecIdParams::layout(),
-                Op::MoeRoute => MoeRouteParams::layout(),
+                Op::MoeRoute | Op::MoeRouteChunk => MoeRouteParams::layout(),
+                Op::MoeSort => MoeSortParams::layout(),
                 Op::MoeRouter => MoeRouterParams::layout(),
                 Op::ScaleAddRouted => ScaleAddRoutedParams::layout(),
                 Op::MatVecBatch => MatVecBatchParams::layout(),

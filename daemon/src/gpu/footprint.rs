@@ -144,10 +144,12 @@ pub fn expert_stream_bytes(model: &Model, capacity: usize, slots: usize) -> u64 
     let router = buffer(model.stacked(&m.router).data.len() as u64);
     let tokens = crate::gpu::forward::PREFILL_CHUNK.min(capacity.next_multiple_of(64));
     let chunk = crate::gpu::forward::batch_bytes(c, tokens, capacity);
-    // Gathered rows, gate, up and output of one expert's tokens, the rows to gather from, the
+    // Gathered rows, gate, up and output of a group's entries, the rows to gather from, the
     // router logits read back and the routing (token ids and weights).
     let (e, ff, k) = (c.n_embd, cfg.n_ff_expert, cfg.n_expert_used);
-    let moe = tokens as u64 * 4 * (3 * e + 2 * ff + cfg.n_expert + 2 * k) as u64
+    let rows = crate::gpu::forward::moe_rows(c, tokens) as u64;
+    let moe = tokens as u64 * 4 * (e + cfg.n_expert + 2 * k) as u64
+        + rows * 4 * (2 * e + 2 * ff) as u64
         + 4 * crate::gpu::moe_groups::group_words_for(tokens, k, cfg.n_expert) as u64;
     weights + router + chunk + moe
 }

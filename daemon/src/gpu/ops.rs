@@ -19,7 +19,7 @@ use crate::model::RopeLayout;
 
 // The MoE layer's operations live in `ops_moe`; their arguments are named here too.
 pub use super::ops_moe::{
-    route_floats, route_log_floats, route_split_floats, IdFused, MoeRouteArgs,
+    route_floats, route_log_floats, route_split_floats, ChunkLayout, IdFused, MoeRouteArgs,
     MOE_ROUTE_MAX_EXPERTS,
 };
 

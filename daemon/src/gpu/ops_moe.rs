@@ -3,7 +3,8 @@
 //! the router's product before it in the same dispatch), and the routed weighted sum.
 
 use spillway_shaders::{
-    MatVecIdParams, MoeRouteParams, MoeRouterParams, Op, ScaleAddRoutedParams, ShaderId, WeightType,
+    MatVecIdParams, MoeRouteParams, MoeRouterParams, MoeSortParams, Op, ScaleAddRoutedParams,
+    ShaderId, WeightType,
 };
 
 use super::buffer::Buffer;
@@ -30,6 +31,37 @@ pub fn route_split_floats(k: usize) -> usize {
 /// routing.
 pub fn route_log_floats(n_expert: usize, k: usize) -> usize {
     n_expert + route_floats(k)
+}
+
+/// Where [`Recorder::moe_sort`] lays out a prompt chunk's routing in the route buffer (words,
+/// as `moe_sort.comp` describes), and the word of expert 0's count in the counts buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkLayout {
+    pub weights_at: u32,
+    pub runs_at: u32,
+    pub list_at: u32,
+    pub counts_at: u32,
+}
+
+impl ChunkLayout {
+    /// The layout of a chunk of `n_tok` tokens routed to `k` of `n_expert` experts: the entries'
+    /// tokens from word 0, their weights, a run per expert, the gathered sum's list.
+    pub fn new(n_tok: usize, k: usize, n_expert: usize, counts_at: usize) -> ChunkLayout {
+        let weights_at = n_tok * k;
+        let runs_at = 2 * weights_at;
+        let list_at = runs_at + 3 * n_expert;
+        ChunkLayout {
+            weights_at: weights_at as u32,
+            runs_at: runs_at as u32,
+            list_at: list_at as u32,
+            counts_at: counts_at as u32,
+        }
+    }
+
+    /// Route buffer words the layout takes for `n_tok` tokens routed to `k` experts.
+    pub fn words(&self, n_tok: usize, k: usize) -> usize {
+        self.list_at as usize + 2 * n_tok + 1 + n_tok * k
+    }
 }
 
 /// One MoE layer's routing on the device.
@@ -313,6 +345,97 @@ impl Recorder<'_> {
 /// Refuses a routing the kernel cannot make ([`Recorder::moe_route`], [`Recorder::moe_router`]):
 /// more experts than [`MOE_ROUTE_MAX_EXPERTS`], k outside `1..=n_expert`, or `route` and `log`
 /// too small for it.
+impl Recorder<'_> {
+    /// [`Recorder::moe_route`] of each of `n_tok` tokens (`logits`: `n_expert` a token, in
+    /// order): token t's `k` ids and `k` weights to floats `t * 2k..` of `sel`. No shared
+    /// expert, no slot map and no log.
+    pub fn moe_route_chunk(
+        &mut self,
+        logits: &Buffer,
+        sel: &Buffer,
+        n_tok: u32,
+        args: MoeRouteArgs<'_>,
+    ) -> Result<()> {
+        let (n, k) = (args.n_expert as u64, args.k as u64);
+        if args.n_expert as usize > MOE_ROUTE_MAX_EXPERTS
+            || k == 0
+            || k > n
+            || args.slots.is_some()
+            || logits.size() < u64::from(n_tok) * n * 4
+            || sel.size() < u64::from(n_tok) * 2 * k * 4
+        {
+            return Err(GpuError::Unsupported(format!(
+                "routing {n_tok} tokens to {k} of {n} experts in buffers of {} and {} bytes",
+                logits.size(),
+                sel.size()
+            )));
+        }
+        if n_tok == 0 {
+            return Ok(());
+        }
+        let push = MoeRouteParams {
+            n_expert: args.n_expert,
+            k: args.k,
+            norm: u32::from(args.norm_weights),
+            ..MoeRouteParams::default()
+        };
+        // Bindings 1, 3 and 4 (shared logit, log, slot map) are unused with CHUNK.
+        let bindings = [
+            Binding::read(logits),
+            Binding::read(logits),
+            Binding::write(sel),
+            Binding::write(sel),
+            Binding::read(logits),
+        ];
+        let id = self.variant(Op::MoeRouteChunk, None)?;
+        self.dispatch(id, &bindings, &push, [n_tok, 1, 1])
+    }
+
+    /// Lays out `n_tok` tokens' routing (`sel`, from [`Recorder::moe_route_chunk`]) by expert
+    /// in `route` at `layout`, for [`Recorder::matvec_batch_grouped`] (one run per expert, slot
+    /// = expert) and [`Recorder::gather_add`] (every token, its entries in rank order), and
+    /// each expert's count to `counts`.
+    pub fn moe_sort(
+        &mut self,
+        sel: &Buffer,
+        (route, counts): (&Buffer, &Buffer),
+        (n_tok, k, n_expert): (u32, u32, u32),
+        layout: ChunkLayout,
+    ) -> Result<()> {
+        let words = layout.words(n_tok as usize, k as usize) as u64;
+        if n_expert as usize > MOE_ROUTE_MAX_EXPERTS
+            || sel.size() < u64::from(n_tok * 2 * k) * 4
+            || route.size() < words * 4
+            || u64::from(layout.weights_at) < u64::from(n_tok * k)
+            || counts.size() < u64::from(layout.counts_at + n_expert) * 4
+        {
+            return Err(GpuError::Unsupported(format!(
+                "laying out {n_tok} tokens' {k} of {n_expert} experts at {layout:?} in buffers of \
+                 {}, {} and {} bytes",
+                sel.size(),
+                route.size(),
+                counts.size()
+            )));
+        }
+        let push = MoeSortParams {
+            n_tok,
+            k,
+            n_expert,
+            weights_at: layout.weights_at,
+            runs_at: layout.runs_at,
+            list_at: layout.list_at,
+            counts_at: layout.counts_at,
+        };
+        let bindings = [
+            Binding::read(sel),
+            Binding::write(route),
+            Binding::write(counts),
+        ];
+        let id = self.variant(Op::MoeSort, None)?;
+        self.dispatch(id, &bindings, &push, [1, 1, 1])
+    }
+}
+
 fn check_routing(route: &Buffer, log: &Buffer, args: MoeRouteArgs<'_>) -> Result<()> {
     let (n, k) = (args.n_expert as usize, args.k as usize);
     if n > MOE_ROUTE_MAX_EXPERTS || k == 0 || k > n {

@@ -38,7 +38,7 @@ mod stream;
 mod stream_experts;
 
 pub use prefill::PREFILL_CHUNK;
-pub(crate) use prefill::{batch_bytes, logits_bytes};
+pub(crate) use prefill::{batch_bytes, logits_bytes, moe_rows};
 pub use profile::{GpuProfileRow, GpuStepProfile};
 pub use promote::{PromotionTime, PROMOTE_SHARE};
 pub use stream::STREAM_MIN_TOKENS;

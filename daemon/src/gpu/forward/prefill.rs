@@ -7,20 +7,27 @@
 //! SwiGLU take the chunk's tokens as one more grid dimension; token `t` of a chunk at position
 //! `pos` attends to positions `0..=pos + t` (causal), the earlier chunks' included.
 //!
-//! A MoE layer ends its chunk's command buffer at its router: the router logits of every token
-//! are read back and routed on the host with the CPU engine's routing ([`ChunkRouting`]), then
-//! the next command buffer runs each chosen expert once over the tokens that chose it (their
-//! rows gathered, the expert's rows of the stacked matrices multiplied as for a dense layer, the
-//! outputs added back to their tokens with their weights, `scatter_add.comp`), then a shared
-//! expert (Qwen2-MoE) over every token, added with each token's gate (its logits read back with
-//! the router's).
+//! A MoE layer with every routed expert in VRAM and no shared expert is routed on the device,
+//! in the chunk's one submission ([`GpuModel::routes_chunks_on_device`]): each token's top-k
+//! (`moe_route.comp` with CHUNK), the entries laid out by expert (`moe_sort.comp`), every
+//! expert's product over its rows in one dispatch a matrix, and each token's experts added back
+//! in rank order (`scatter_add.comp` with GATHER). The host reads each layer's counts per
+//! expert after the chunk, for its counters.
+//!
+//! Otherwise a MoE layer ends its chunk's command buffer at its router: the router logits of
+//! every token are read back and routed on the host with the CPU engine's routing
+//! ([`ChunkRouting`]), then the next command buffer runs each chosen expert once over the
+//! tokens that chose it (their rows gathered, the expert's rows of the stacked matrices
+//! multiplied as for a dense layer, the outputs added back to their tokens with their weights),
+//! in groups of experts where they fit ([`group_runs`]), then a shared expert (Qwen2-MoE) over
+//! every token, added with each token's gate (its logits read back with the router's).
 //!
 //! Under a VRAM budget the experts not resident run over their tokens through slots they take
 //! in turn ([`super::stream_experts`]).
 //!
 //! Partial: a model over its VRAM budget needs the expert slots of [`super::stream_experts`]
-//! (a shared expert's model has none); a MoE layer is one read-back per chunk and six
-//! dispatches per chosen expert.
+//! (a shared expert's model has none), and its MoE layers are routed on the host, one
+//! submission each.
 
 use spillway_shaders::WeightType;
 
@@ -30,7 +37,10 @@ use crate::gpu::buffer::Buffer;
 use crate::gpu::error::Result;
 use crate::gpu::moe::{ChunkRouting, ExpertRun};
 use crate::gpu::moe_groups::{group_runs, group_words_for, RunGroup};
-use crate::gpu::ops::{attention_counters, attention_scratch_floats, Fused, GpuMatrix, StepWord};
+use crate::gpu::ops::{
+    attention_counters, attention_scratch_floats, ChunkLayout, Fused, GpuMatrix, MoeRouteArgs,
+    StepWord,
+};
 use crate::gpu::ops_attention::flash_attention_fits;
 use crate::gpu::record::{RecordStats, Recorder};
 
@@ -48,6 +58,24 @@ const SCRATCH_BYTES: usize = 64 << 20;
 /// Bytes of attention scratch one token takes when its chunk ends at `end` positions.
 fn scratch_per_token(c: &crate::model::Config, end: usize) -> usize {
     attention_scratch_floats(c.n_head, c.head_dim, end) * 4
+}
+
+/// Most bytes of a MoE chunk's gathered rows (each an expert's input, gate, up and output),
+/// unless one chunk's tokens take more.
+const MOE_SCRATCH_BYTES: usize = 128 << 20;
+
+/// Rows of a MoE chunk of `tokens` tokens' gathered scratch ([`BatchMoe`]): room for every
+/// token's `k` entries where [`MOE_SCRATCH_BYTES`] holds them, so that a layer's resident
+/// experts make one group ([`group_runs`]) whose products fill the device, and never fewer than
+/// the chunk's tokens (the most one expert takes).
+pub(crate) fn moe_rows(c: &crate::model::Config, tokens: usize) -> usize {
+    let Some(m) = &c.moe else {
+        return 0;
+    };
+    let row = 4 * (2 * c.n_embd + 2 * m.n_ff_expert);
+    (tokens * m.n_expert_used)
+        .min(MOE_SCRATCH_BYTES / row)
+        .max(tokens)
 }
 
 /// Device memory of a dense model's [`Batch`] for `tokens` tokens with a KV cache of
@@ -98,11 +126,14 @@ pub(super) struct Batch {
     pub(super) moe: Option<BatchMoe>,
 }
 
-/// A chunk's MoE scratch: the layer's normalised input as rows to gather from, one expert's
-/// gathered input, gate (then SwiGLU), up and output, the router logits read back, and the
-/// routing the host writes ([`ChunkRouting`]).
+/// A chunk's MoE scratch: the layer's normalised input as rows to gather from, the gathered
+/// input, gate (then SwiGLU), up and output of an expert's tokens or a group's entries
+/// ([`moe_rows`] rows), the router logits read back, and the routing the host writes
+/// ([`ChunkRouting`]).
 pub(super) struct BatchMoe {
     pub(super) xn: GpuMatrix,
+    /// Rows of `xg`, `eg`, `eu` and `ed`.
+    rows: usize,
     pub(super) xg: Buffer,
     pub(super) eg: Buffer,
     pub(super) eu: Buffer,
@@ -111,6 +142,18 @@ pub(super) struct BatchMoe {
     pub(super) route: Buffer,
     /// Present where the model has a shared expert (Qwen2-MoE).
     shared: Option<BatchShared>,
+    /// Present where the chunk's MoE layers are routed on the device
+    /// ([`GpuModel::routes_chunks_on_device`]).
+    device: Option<ChunkOnDevice>,
+}
+
+/// A chunk's routing on the device: the router logits, each token's experts and weights
+/// (`moe_route.comp` with CHUNK), and each MoE layer's count per expert, which the host reads
+/// after the chunk for its counters (host-visible).
+struct ChunkOnDevice {
+    logits: Buffer,
+    sel: Buffer,
+    counts: Buffer,
 }
 
 /// A chunk's shared-expert scratch: each token's gate logit read back, and the expert's gate
@@ -180,7 +223,9 @@ impl Batch {
                         .unwrap_or(0);
                     let shared = shared_ff > 0;
                     let weights_at = ChunkRouting::weights_at_for(n, k, shared);
+                    let rows = moe_rows(c, n);
                     Some(BatchMoe {
+                        rows,
                         xn: GpuMatrix {
                             buffer: f32s(n * c.n_embd)?,
                             wtype: WeightType::F32,
@@ -188,10 +233,10 @@ impl Batch {
                             n_out: n,
                             row_bytes: c.n_embd as u64 * 4,
                         },
-                        xg: f32s(n * c.n_embd)?,
-                        eg: f32s(n * cfg.n_ff_expert)?,
-                        eu: f32s(n * cfg.n_ff_expert)?,
-                        ed: f32s(n * c.n_embd)?,
+                        xg: f32s(rows * c.n_embd)?,
+                        eg: f32s(rows * cfg.n_ff_expert)?,
+                        eu: f32s(rows * cfg.n_ff_expert)?,
+                        ed: f32s(rows * c.n_embd)?,
                         logits: Buffer::new_in(
                             al,
                             (n * cfg.n_expert * 4) as u64,
@@ -202,6 +247,18 @@ impl Batch {
                             ((2 * weights_at + group_words_for(n, k, cfg.n_expert)) * 4) as u64,
                             MemoryUse::DeviceMapped,
                         )?,
+                        device: match m.routes_chunks_on_device(n) {
+                            true => Some(ChunkOnDevice {
+                                logits: f32s(n * cfg.n_expert)?,
+                                sel: f32s(n * 2 * k)?,
+                                counts: Buffer::new_in(
+                                    al,
+                                    (c.n_layer * cfg.n_expert * 4) as u64,
+                                    MemoryUse::Staging,
+                                )?,
+                            }),
+                            false => None,
+                        },
                         shared: match shared {
                             true => Some(BatchShared {
                                 logits: Buffer::new_in(al, n as u64 * 4, MemoryUse::Staging)?,
@@ -274,6 +331,24 @@ impl GpuModel {
         // Every routed expert in VRAM, or slots that the missing ones take in turn.
         let moe_ok = !self.placement.is_partial() || self.expert_stream.is_some();
         moe_ok && !self.batch_refused
+    }
+
+    /// Whether a chunk of `n` tokens routes its MoE layers on the device, in its one
+    /// submission: every routed expert resident (slot = expert), routing on the device allowed
+    /// ([`GpuModel::routes_on_device`]), no shared expert, and scratch rows for every token's
+    /// entries ([`moe_rows`]). Otherwise each MoE layer's router logits are read back and routed
+    /// on the host, a submission per layer.
+    fn routes_chunks_on_device(&self, n: usize) -> bool {
+        let Some(cfg) = &self.config.moe else {
+            return false;
+        };
+        self.routes_on_device
+            && !self.placement.is_partial()
+            && moe_rows(&self.config, n) >= n * cfg.n_expert_used
+            && self.layers.iter().all(|l| match &l.ffn {
+                GpuFfn::Moe(m) => m.shared_ff() == 0,
+                GpuFfn::Dense { .. } => true,
+            })
     }
 
     /// Whether prompt chunks take their attention in the flash-attention kernel.
@@ -443,6 +518,8 @@ impl GpuModel {
         let mut busy = Some(0);
         let mut stats = RecordStats::default();
         let mut resume: Option<Paused> = None;
+        // The MoE layers routed on the device (in this chunk's submissions).
+        let mut on_device = Vec::new();
         loop {
             let mut paused = None;
             let from = resume.as_ref().map(|(il, r, runs, groups)| ChunkResume {
@@ -454,7 +531,8 @@ impl GpuModel {
             });
             let t = std::time::Instant::now();
             let record = |rec: &mut Recorder<'_>| {
-                self.record_chunk(rec, batch, (n, all_logits), from, &mut paused)
+                let out = (&mut paused, &mut on_device);
+                self.record_chunk(rec, batch, (n, all_logits), from, out)
             };
             let part = match profiling {
                 true => self.kernels.record_timed(record)?,
@@ -478,7 +556,7 @@ impl GpuModel {
             // The resident experts in groups, described after the routing's words.
             let m = batch.moe.as_mut().expect("MoE scratch");
             let base = routing.words.len();
-            let groups = group_runs(&resident, &routing.words, batch.tokens, base)
+            let groups = group_runs(&resident, &routing.words, m.rows, base)
                 .filter(|(words, _)| (base + words.len()) as u64 * 4 <= m.route.size())
                 .map(|(words, groups)| {
                     let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
@@ -488,6 +566,7 @@ impl GpuModel {
             resume = Some((il, routing, resident, groups));
         }
         batch.x_ready = false;
+        self.count_routed_on_device(batch, &on_device);
         self.last_stats = stats;
         self.last_routing = Vec::new();
         self.last_host_time = None;
@@ -518,7 +597,7 @@ impl GpuModel {
         b: &Batch,
         (n, all_logits): (usize, bool),
         resume: Option<ChunkResume<'_>>,
-        paused: &mut Option<usize>,
+        (paused, on_device): (&mut Option<usize>, &mut Vec<usize>),
     ) -> Result<()> {
         let c = &self.config;
         let (e, eps, nt) = (c.n_embd as u32, c.rms_eps, n as u32);
@@ -577,6 +656,11 @@ impl GpuModel {
                 GpuFfn::Moe(moe) => {
                     let m = b.moe.as_ref().expect("MoE scratch");
                     rec.rms_norm(&b.x, &l.ffn_norm, &m.xn.buffer, e, nt, eps)?;
+                    if let Some(d) = m.device.as_ref().filter(|_| moe.groups_fit(rec)) {
+                        self.record_chunk_routed(rec, (m, d), moe, (il, n), &b.x)?;
+                        on_device.push(il);
+                        continue;
+                    }
                     rec.matvec_batch(moe.router(), &m.xn.buffer, &m.logits, n)?;
                     if let (Some(gate_inp), Some(sh)) = (moe.shared_gate_inp(), &m.shared) {
                         rec.matvec_batch(gate_inp, &m.xn.buffer, &sh.logits, n)?;
@@ -606,6 +690,75 @@ impl GpuModel {
             p.end(rec);
         }
         Ok(())
+    }
+
+    /// MoE layer `il`'s experts for the chunk's `n` tokens, routed on the device (its input
+    /// normalised in `m.xn`): the router's product, each token's routing, the entries laid out
+    /// by expert, then every expert in one group ([`GpuMoe::record_chunk_groups`]), added to
+    /// `x`.
+    fn record_chunk_routed(
+        &self,
+        rec: &mut Recorder<'_>,
+        (m, d): (&BatchMoe, &ChunkOnDevice),
+        moe: &crate::gpu::moe::GpuMoe,
+        (il, n): (usize, usize),
+        x: &Buffer,
+    ) -> Result<()> {
+        let cfg = self.config.moe.expect("MoE layers have a MoE config");
+        let (k, n_expert) = (cfg.n_expert_used, cfg.n_expert);
+        rec.matvec_batch(moe.router(), &m.xn.buffer, &d.logits, n)?;
+        let args = MoeRouteArgs {
+            n_expert: n_expert as u32,
+            k: k as u32,
+            norm_weights: cfg.norm_weights,
+            log_offset: 0,
+            slots: None,
+        };
+        rec.moe_route_chunk(&d.logits, &d.sel, n as u32, args)?;
+        let layout = ChunkLayout::new(n, k, n_expert, il * n_expert);
+        let sizes = (n as u32, k as u32, n_expert as u32);
+        rec.moe_sort(&d.sel, (&m.route, &d.counts), sizes, layout)?;
+        let group = RunGroup {
+            first: 0,
+            span: n * k,
+            runs_at: layout.runs_at as usize,
+            n_runs: n_expert,
+            // An expert's rows are known on the device only: a token tile per token tile of
+            // the chunk, those past an expert's rows idle.
+            max_count: n,
+            list_at: layout.list_at as usize,
+            n_tokens: n,
+        };
+        let bufs = (&m.xg, &m.eg, &m.eu, &m.ed);
+        let route = (&m.route, layout.weights_at as usize);
+        moe.record_chunk_groups(rec, &[group], route, &m.xn, bufs, x)
+    }
+
+    /// After a chunk: the experts its device-routed MoE layers ran (their counts), in the
+    /// layers' counters and demand, as the host's routing counts them.
+    fn count_routed_on_device(&mut self, batch: &Batch, layers: &[usize]) {
+        let (Some(cfg), Some(m)) = (self.config.moe, batch.moe.as_ref()) else {
+            return;
+        };
+        let Some(d) = m.device.as_ref().filter(|_| !layers.is_empty()) else {
+            return;
+        };
+        let counts: Vec<u32> = d.counts.bytes()[..self.config.n_layer * cfg.n_expert * 4]
+            .chunks_exact(4)
+            .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
+            .collect();
+        let ex = self
+            .experts
+            .as_mut()
+            .expect("MoE models track their experts");
+        for &il in layers {
+            let slots = ex.slots[il].as_mut().expect("a MoE layer has slots");
+            let row = &counts[il * cfg.n_expert..(il + 1) * cfg.n_expert];
+            for (expert, &c) in row.iter().enumerate() {
+                slots.note_uses(expert, c);
+                ex.stats[il].hits += u64::from(c);
+            }
+        }
     }
 
     /// A dense layer's FFN for the chunk's tokens, its output added to `x`.
