@@ -40,6 +40,7 @@ shared float ps[BQ * BKV];
 shared float m_s[BQ];
 shared float l_s[BQ];
 shared float alpha_s[BQ];
+shared float red[WG];
 
 float round_f16(float v) {
     return unpackHalf2x16(packHalf2x16(vec2(v, 0.0))).x;
@@ -94,48 +95,67 @@ void main() {
             vs[c * HEAD_DIM + d + 1u] = vv.y;
         }
         barrier();
+        // Scores of row sr, columns tid % 8 + 8j: each query element read once for the four.
+        float sc[BKV / 8u];
+        [[unroll]] for (uint j = 0u; j < BKV / 8u; ++j) {
+            sc[j] = 0.0;
+        }
+        for (uint d = 0u; d < HEAD_DIM; d += 2u) {
+            const float q0 = qs[sr * HEAD_DIM + d], q1 = qs[sr * HEAD_DIM + d + 1u];
+            [[unroll]] for (uint j = 0u; j < BKV / 8u; ++j) {
+                const uint c = tid % 8u + 8u * j;
+                sc[j] += q0 * ks[c * KP + d] + q1 * ks[c * KP + d + 1u];
+            }
+        }
+        float mx_own = uintBitsToFloat(0xFF800000u);
         [[unroll]] for (uint j = 0u; j < BKV / 8u; ++j) {
             const uint c = tid % 8u + 8u * j;
-            float s = uintBitsToFloat(0xFF800000u);
-            if (k0 + c <= limit && sr < rows) {
-                float acc = 0.0;
-                for (uint d = 0u; d < HEAD_DIM; d += 2u) {
-                    acc += qs[sr * HEAD_DIM + d] * ks[c * KP + d]
-                        + qs[sr * HEAD_DIM + d + 1u] * ks[c * KP + d + 1u];
-                }
-                s = acc * p.scale;
-            }
-            ps[sr * BKV + c] = s;
+            sc[j] = k0 + c <= limit && sr < rows ? sc[j] * p.scale : uintBitsToFloat(0xFF800000u);
+            mx_own = max(mx_own, sc[j]);
         }
+        // The row's maximum and sum over its eight invocations, through shared memory.
+        red[tid] = mx_own;
         barrier();
-        if (tid < BQ) {
-            float mx = m_s[tid];
-            for (uint c = 0u; c < BKV; ++c) {
-                mx = max(mx, ps[tid * BKV + c]);
-            }
+        const float m_old = m_s[sr];
+        float mx = m_old;
+        [[unroll]] for (uint i = 0u; i < 8u; ++i) {
+            mx = max(mx, red[sr * 8u + i]);
+        }
+        float sum_own = 0.0;
+        [[unroll]] for (uint j = 0u; j < BKV / 8u; ++j) {
+            const uint c = tid % 8u + 8u * j;
             // A row with nothing to attend to yet (-inf everywhere) keeps its zeros.
-            const float a = mx == m_s[tid] ? 1.0 : exp(m_s[tid] - mx);
+            const float e = sc[j] == uintBitsToFloat(0xFF800000u) ? 0.0 : exp(sc[j] - mx);
+            ps[sr * BKV + c] = e;
+            sum_own += e;
+        }
+        barrier(); // every maximum read
+        red[tid] = sum_own;
+        barrier();
+        if (tid % 8u == 0u) {
             float sum = 0.0;
-            for (uint c = 0u; c < BKV; ++c) {
-                const float s = ps[tid * BKV + c];
-                const float e = s == uintBitsToFloat(0xFF800000u) ? 0.0 : exp(s - mx);
-                ps[tid * BKV + c] = e;
-                sum += e;
+            [[unroll]] for (uint i = 0u; i < 8u; ++i) {
+                sum += red[sr * 8u + i];
             }
-            alpha_s[tid] = a;
-            m_s[tid] = mx;
-            l_s[tid] = l_s[tid] * a + sum;
+            const float a = mx == m_old ? 1.0 : exp(m_old - mx);
+            alpha_s[sr] = a;
+            m_s[sr] = mx;
+            l_s[sr] = l_s[sr] * a + sum;
         }
         barrier();
-        // Unrolled to BQ with RPT a constant once specialized: `o` stays in registers.
+        // Unrolled to BQ with RPT a constant once specialized: `o` stays in registers; each
+        // value read once for all of the invocation's rows.
         [[unroll]] for (uint i = 0u; i < BQ; ++i) {
             if (i < RPT) {
-                const uint r = or0 + i * ROW_STEP;
-                float acc = o[i] * alpha_s[r];
-                for (uint c = 0u; c < BKV; ++c) {
-                    acc += ps[r * BKV + c] * vs[c * HEAD_DIM + od];
+                o[i] *= alpha_s[or0 + i * ROW_STEP];
+            }
+        }
+        for (uint c = 0u; c < BKV; ++c) {
+            const float v = vs[c * HEAD_DIM + od];
+            [[unroll]] for (uint i = 0u; i < BQ; ++i) {
+                if (i < RPT) {
+                    o[i] += ps[(or0 + i * ROW_STEP) * BKV + c] * v;
                 }
-                o[i] = acc;
             }
         }
     }
