@@ -84,7 +84,7 @@ impl Op {
             Op::ScaleAddRouted | Op::ScatterAdd | Op::GatherAdd => 3,
             Op::MatVecBatchGrouped => 4,
             Op::MoeRoute | Op::MoeRouteChunk => 5,
-            Op::MoeSort => 3,
+            Op::MoeSort => 4,
             Op::MoeRouter => 9,
             Op::MatVecId => 5,
             Op::RopeNorm | Op::RopeNeox => 7,

@@ -14,7 +14,8 @@ use std::sync::Arc;
 
 use spillway_bench::synth::{SynthModel, WeightType};
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
-use spillway_daemon::gpu::Device;
+use spillway_daemon::gpu::placement::MoeMiss;
+use spillway_daemon::gpu::{footprint, Device};
 use spillway_daemon::model::Model;
 
 fn device() -> Option<Arc<Device>> {
@@ -193,4 +194,77 @@ fn a_chunk_routed_on_the_device_equals_the_host_routing_tiny_qwen3moe() {
 #[test]
 fn a_chunk_routed_on_the_device_equals_the_host_routing_tiny_mixtral() {
     check_routing_on_device("tiny-mixtral", "Q8_0");
+}
+
+/// Under a VRAM budget with the misses read from system RAM (`MoeMiss::Pcie`), a chunk is still
+/// routed on the device in one submission: the experts without a slot are multiplied from their
+/// stacks in system RAM by the same kernels, so the logits are the whole model's chunk's bit for
+/// bit, and every routed expert is counted, the missing ones as read over the bus. The budget
+/// holds a chunk's activations through two prompt slots (which this path leaves unused): the
+/// placement reserves them only with slots.
+fn check_pcie_chunks(preset: &str, weights: &str) {
+    let Some(dev) = device() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("m.gguf");
+    SynthModel::from_name(preset, weights.parse::<WeightType>().unwrap(), 5)
+        .unwrap()
+        .write(&path, false, |_, _| {})
+        .unwrap();
+    let model = Arc::new(Model::open(&path).unwrap());
+    let pcie = GpuModelOptions {
+        context: 256,
+        moe_miss: MoeMiss::Pcie,
+        ..GpuModelOptions::default()
+    };
+    let mut whole = GpuModel::new(&dev, &model, &pcie).unwrap();
+    let minimum = GpuModel::minimum_budget(&dev, &model, &pcie).unwrap();
+    let staging = if minimum.staging > 0 { 1 << 20 } else { 0 };
+    let budget = minimum.total()
+        + footprint::expert_stream_bytes(&model, 256, 2)
+        + staging
+        + 2 * minimum.one_slot_per_layer;
+    let options = GpuModelOptions {
+        vram_budget: Some(budget),
+        prompt_expert_slots: 2,
+        ..pcie
+    };
+    let mut gpu = GpuModel::new(&dev, &model, &options).unwrap();
+    let p = gpu.placement().clone();
+    if !p.is_partial() {
+        // A GPU whose staging is system RAM holds these tiny models whole at this budget.
+        eprintln!("{preset}: the whole model fits {budget} bytes on this device");
+        return;
+    }
+    assert!(gpu.batches_prompts(), "{preset}");
+    let n_vocab = gpu.config().n_vocab;
+    for n in [100, 150] {
+        let prompt = tokens(n, n_vocab);
+        let got = gpu.eval_prompt(&prompt, false).unwrap();
+        let stats = gpu.last_stats();
+        assert_eq!(stats.submits, 1, "{preset}: one submission");
+        assert!(
+            stats.dispatches > 10,
+            "{preset}: a chunk, not a step: {stats:?}"
+        );
+        let want = whole.eval_prompt(&prompt, false).unwrap();
+        assert_eq!(got, want, "{preset} {weights}: {n} tokens, {p:?}");
+    }
+    let t = gpu.expert_stats().unwrap().total();
+    let k = model.config.moe.unwrap().n_expert_used as u64;
+    let routed = (100 + 150) * model.config.n_layer as u64 * k;
+    assert_eq!(t.hits + t.misses, routed, "{preset}: {t:?}");
+    assert!(
+        t.hits > 0 && t.pcie > 0 && t.pcie == t.misses,
+        "{preset}: {t:?}"
+    );
+}
+
+#[test]
+fn a_chunk_over_the_vram_budget_reads_its_missing_experts_over_the_bus_tiny_qwen3moe() {
+    check_pcie_chunks("tiny-qwen3moe", "Q4_0");
+}
+
+#[test]
+fn a_chunk_over_the_vram_budget_reads_its_missing_experts_over_the_bus_tiny_mixtral() {
+    check_pcie_chunks("tiny-mixtral", "Q8_0");
 }

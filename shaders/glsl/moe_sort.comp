@@ -10,8 +10,11 @@
 // route buffer receives:
 // - words 0..n_tok·k: each entry row's token;
 // - words weights_at..: each entry row's weight (float bits);
-// - words runs_at..: for each expert, its slot (the expert: every expert is resident), its
-//   first row and its rows (0 for an expert no token chose);
+// - words runs_at..: for each expert, its slot, its first row and its rows (0 for an expert no
+//   token chose). Where `host_runs_at` is not 0 some experts have no VRAM slot (`slot_of[
+//   map_offset + e]`, 0xFFFFFFFF for none): their runs here have no rows, and a second table
+//   at host_runs_at gives every expert's run in the stacks in system RAM (slot = the expert),
+//   with rows only for those without a slot. Without it every expert is resident, slot = expert;
 // - words list_at..: the tokens 0..n_tok, their starts t·k (n_tok + 1 words), then for each
 //   token its k entry rows in rank order: the gathered sum adds a token's experts in the order
 //   the decode step does.
@@ -24,6 +27,7 @@ layout(local_size_x = 256) in;
 layout(std430, binding = 0) readonly buffer Sel { uint sel[]; };
 layout(std430, binding = 1) writeonly buffer Route { uint route[]; };
 layout(std430, binding = 2) writeonly buffer Counts { uint counts[]; };
+layout(std430, binding = 3) readonly buffer SlotOf { uint slot_of[]; };
 
 layout(push_constant) uniform Params {
     uint n_tok;
@@ -33,6 +37,8 @@ layout(push_constant) uniform Params {
     uint runs_at;
     uint list_at;
     uint counts_at;
+    uint host_runs_at; // 0: every expert resident
+    uint map_offset;   // index in `slot_of` of expert 0's slot (with host_runs_at)
 } p;
 
 shared uint rows[MAX_EXPERTS];
@@ -59,9 +65,16 @@ void main() {
     }
     barrier();
     for (uint e = i; e < p.n_expert; e += WG) {
-        route[p.runs_at + 3u * e] = e;
+        const uint slot = p.host_runs_at != 0u ? slot_of[p.map_offset + e] : e;
+        const bool resident = slot != 0xFFFFFFFFu;
+        route[p.runs_at + 3u * e] = resident ? slot : 0u;
         route[p.runs_at + 3u * e + 1u] = cursor[e];
-        route[p.runs_at + 3u * e + 2u] = rows[e];
+        route[p.runs_at + 3u * e + 2u] = resident ? rows[e] : 0u;
+        if (p.host_runs_at != 0u) {
+            route[p.host_runs_at + 3u * e] = e;
+            route[p.host_runs_at + 3u * e + 1u] = cursor[e];
+            route[p.host_runs_at + 3u * e + 2u] = resident ? 0u : rows[e];
+        }
         counts[p.counts_at + e] = rows[e];
     }
     const uint starts = p.list_at + p.n_tok;

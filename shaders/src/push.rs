@@ -90,6 +90,10 @@ pub struct MoeSortParams {
     pub list_at: u32,
     /// Word of expert 0's count in the counts buffer.
     pub counts_at: u32,
+    /// 0: every expert resident; else the word of the runs in the stacks in system RAM.
+    pub host_runs_at: u32,
+    /// Index in the slot map of expert 0's slot (with `host_runs_at`).
+    pub map_offset: u32,
 }
 
 /// `moe_route.comp`'s `Params` with `ROUTER`.
@@ -455,7 +459,9 @@ push_constants!(MoeSortParams {
     weights_at,
     runs_at,
     list_at,
-    counts_at
+    counts_at,
+    host_runs_at,
+    map_offset
 });
 push_constants!(MoeRouteParams {
     n_expert,

@@ -150,7 +150,7 @@ pub fn expert_stream_bytes(model: &Model, capacity: usize, slots: usize) -> u64 
     let rows = crate::gpu::forward::moe_rows(c, tokens) as u64;
     let moe = tokens as u64 * 4 * (e + cfg.n_expert + 2 * k) as u64
         + rows * 4 * (2 * e + 2 * ff) as u64
-        + 4 * crate::gpu::moe_groups::group_words_for(tokens, k, cfg.n_expert) as u64;
+        + 4 * crate::gpu::moe_groups::route_words_for(tokens, k, cfg.n_expert) as u64;
     weights + router + chunk + moe
 }
 

@@ -48,8 +48,8 @@ use super::error::Result;
 use super::expert_cache::SlotExpert;
 use super::moe_groups::RunGroup;
 use super::ops::{
-    route_floats, route_log_floats, route_split_floats, zeroed_counters, Fused, GpuMatrix, IdFused,
-    MoeRouteArgs, MOE_ROUTE_MAX_EXPERTS,
+    route_floats, route_log_floats, route_split_floats, zeroed_counters, ChunkLayout, Fused,
+    GpuMatrix, IdFused, MoeRouteArgs, MOE_ROUTE_MAX_EXPERTS,
 };
 use super::record::Recorder;
 use super::upload::Uploader;
@@ -873,6 +873,58 @@ impl GpuMoe {
         Ok(())
     }
 
+    /// A chunk's experts routed on the device and laid out by [`Recorder::moe_sort`] at
+    /// `layout` in `route` (`n` tokens, `k` entries each): every entry's row of `xn` gathered
+    /// into `xg`, the gate and up products over the VRAM slots' runs and, where some experts
+    /// are in system RAM only, over theirs, SwiGLU over every row, the down products the same
+    /// way, and each token's experts added to `x` in rank order.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn record_chunk_sorted(
+        &self,
+        rec: &mut Recorder<'_>,
+        (route, layout): (&Buffer, ChunkLayout),
+        (n, k): (usize, usize),
+        xn: &GpuMatrix,
+        (xg, eg, eu, ed): (&Buffer, &Buffer, &Buffer, &Buffer),
+        x: &Buffer,
+    ) -> Result<()> {
+        let (ff, n_embd) = (self.n_ff, self.n_embd);
+        let span = n * k;
+        let ids = super::ops::StepWord {
+            buffer: route,
+            index: 0,
+        };
+        rec.get_rows_n(xn, ids, span as u32, xg)?;
+        let n_expert = match &self.host {
+            Some(h) => h.down.n_out / n_embd,
+            None => self.n_slots,
+        };
+        let (up, up_first) = self.up_rows();
+        let mut tables = vec![(&self.gate, (up, up_first), &self.down, layout.runs_at)];
+        if let Some(h) = self.host.as_ref().filter(|_| layout.host_runs_at != 0) {
+            let up = match &h.up {
+                Some(up) => (up, 0),
+                None => (&h.gate, n_expert * ff),
+            };
+            tables.push((&h.gate, up, &h.down, layout.host_runs_at));
+        }
+        // An expert's rows are known on the device only: a token tile per token tile of the
+        // chunk, those past an expert's rows idle.
+        let sizes = (span, n);
+        for &(gate, (up, up_first), _, runs_at) in &tables {
+            let runs = (route, runs_at, n_expert as u32);
+            rec.matvec_batch_grouped(gate, (0, ff), xg, eg, runs, sizes)?;
+            rec.matvec_batch_grouped(up, (up_first, ff), xg, eu, runs, sizes)?;
+        }
+        rec.swiglu(eg, eu, (span * ff) as u32)?;
+        for &(_, _, down, runs_at) in &tables {
+            let runs = (route, runs_at, n_expert as u32);
+            rec.matvec_batch_grouped(down, (0, n_embd), eg, ed, runs, sizes)?;
+        }
+        let list = (0, layout.weights_at, layout.list_at, n as u32);
+        rec.gather_add(x, ed, route, list, n_embd as u32)
+    }
+
     /// The shared expert's gate (`[n_embd, 1]`), where the layer has one.
     pub(super) fn shared_gate_inp(&self) -> Option<&GpuMatrix> {
         self.shared.as_ref().map(|s| &s.gate_inp)
@@ -962,6 +1014,11 @@ impl MoeScratch {
                 None
             },
         })
+    }
+
+    /// The slot map, where experts are read from system RAM.
+    pub(super) fn slot_map(&self) -> Option<&Buffer> {
+        self.slot_map.as_ref()
     }
 
     /// Writes layer `layer`'s part of the slot map: `slot_of[e]`, the slot of expert `e`.

@@ -88,10 +88,14 @@ pub(super) fn group_runs(
     Some((words, groups))
 }
 
-/// Route words a chunk of `n` tokens may need for [`group_runs`] beyond the routing's own:
-/// three a run, and for the entries a token each, a start each and themselves.
-pub(super) fn group_words_for(n: usize, k: usize, n_expert: usize) -> usize {
-    3 * n_expert + 3 * n * k + n_expert + 1
+/// Route words a chunk of `n` tokens may need beyond the routing's own: for [`group_runs`],
+/// three a run, and for the entries a token each, a start each and themselves; for the layout
+/// of a routing on the device (`Recorder::moe_sort`), two tables of three words an expert and
+/// every token, its start and its entries.
+pub(super) fn route_words_for(n: usize, k: usize, n_expert: usize) -> usize {
+    let groups = 3 * n_expert + 3 * n * k + n_expert + 1;
+    let sorted = 6 * n_expert + 2 * n + 1 + n * k;
+    groups.max(sorted)
 }
 
 #[cfg(test)]
@@ -127,7 +131,7 @@ mod tests {
         // Group b's entries are rows of its own span.
         let list: Vec<u32> = (0..2 + 3 + 2).map(|i| at(b.list_at + i)).collect();
         assert_eq!(list, [0, 2, 0, 1, 2, 1, 0]);
-        assert!(words.len() <= super::group_words_for(3, 3, 10));
+        assert!(words.len() <= super::route_words_for(3, 3, 10));
         // An expert's tokens over the scratch rows: no groups.
         assert!(group_runs(&runs, &ids, 2, 0).is_none());
     }

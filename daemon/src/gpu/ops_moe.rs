@@ -39,20 +39,25 @@ pub fn route_log_floats(n_expert: usize, k: usize) -> usize {
 pub struct ChunkLayout {
     pub weights_at: u32,
     pub runs_at: u32,
+    /// 0 where every expert is resident; else the runs in the stacks in system RAM.
+    pub host_runs_at: u32,
     pub list_at: u32,
     pub counts_at: u32,
 }
 
 impl ChunkLayout {
     /// The layout of a chunk of `n_tok` tokens routed to `k` of `n_expert` experts: the entries'
-    /// tokens from word 0, their weights, a run per expert, the gathered sum's list.
-    pub fn new(n_tok: usize, k: usize, n_expert: usize, counts_at: usize) -> ChunkLayout {
+    /// tokens from word 0, their weights, a run per expert (and with `host`, a second table of
+    /// runs in the stacks in system RAM), the gathered sum's list.
+    pub fn new(n_tok: usize, k: usize, n_expert: usize, counts_at: usize, host: bool) -> Self {
         let weights_at = n_tok * k;
         let runs_at = 2 * weights_at;
-        let list_at = runs_at + 3 * n_expert;
+        let host_runs_at = if host { runs_at + 3 * n_expert } else { 0 };
+        let list_at = runs_at + 3 * n_expert * (1 + usize::from(host));
         ChunkLayout {
             weights_at: weights_at as u32,
             runs_at: runs_at as u32,
+            host_runs_at: host_runs_at as u32,
             list_at: list_at as u32,
             counts_at: counts_at as u32,
         }
@@ -392,18 +397,26 @@ impl Recorder<'_> {
     }
 
     /// Lays out `n_tok` tokens' routing (`sel`, from [`Recorder::moe_route_chunk`]) by expert
-    /// in `route` at `layout`, for [`Recorder::matvec_batch_grouped`] (one run per expert, slot
-    /// = expert) and [`Recorder::gather_add`] (every token, its entries in rank order), and
-    /// each expert's count to `counts`.
+    /// in `route` at `layout`, for [`Recorder::matvec_batch_grouped`] (one run per expert; its
+    /// slot from `slots`, the slot map and this layer's expert 0 in it, where
+    /// `layout.host_runs_at` gives a second table for the experts without one, else slot =
+    /// expert) and [`Recorder::gather_add`] (every token, its entries in rank order), and each
+    /// expert's count to `counts`.
     pub fn moe_sort(
         &mut self,
         sel: &Buffer,
         (route, counts): (&Buffer, &Buffer),
         (n_tok, k, n_expert): (u32, u32, u32),
-        layout: ChunkLayout,
+        (layout, slots): (ChunkLayout, Option<(&Buffer, u32)>),
     ) -> Result<()> {
         let words = layout.words(n_tok as usize, k as usize) as u64;
-        if n_expert as usize > MOE_ROUTE_MAX_EXPERTS
+        let map_ok = match (layout.host_runs_at, slots) {
+            (0, None) => true,
+            (0, Some(_)) | (_, None) => false,
+            (_, Some((map, at))) => map.size() >= (u64::from(at) + u64::from(n_expert)) * 4,
+        };
+        if !map_ok
+            || n_expert as usize > MOE_ROUTE_MAX_EXPERTS
             || sel.size() < u64::from(n_tok * 2 * k) * 4
             || route.size() < words * 4
             || u64::from(layout.weights_at) < u64::from(n_tok * k)
@@ -425,11 +438,15 @@ impl Recorder<'_> {
             runs_at: layout.runs_at,
             list_at: layout.list_at,
             counts_at: layout.counts_at,
+            host_runs_at: layout.host_runs_at,
+            map_offset: slots.map_or(0, |(_, at)| at),
         };
+        // Without a slot map `sel` stands in for its unused binding.
         let bindings = [
             Binding::read(sel),
             Binding::write(route),
             Binding::write(counts),
+            Binding::read(slots.map_or(sel, |(map, _)| map)),
         ];
         let id = self.variant(Op::MoeSort, None)?;
         self.dispatch(id, &bindings, &push, [1, 1, 1])

@@ -36,7 +36,7 @@ use crate::gpu::alloc::MemoryUse;
 use crate::gpu::buffer::Buffer;
 use crate::gpu::error::Result;
 use crate::gpu::moe::{ChunkRouting, ExpertRun};
-use crate::gpu::moe_groups::{group_runs, group_words_for, RunGroup};
+use crate::gpu::moe_groups::{group_runs, route_words_for, RunGroup};
 use crate::gpu::ops::{
     attention_counters, attention_scratch_floats, ChunkLayout, Fused, GpuMatrix, MoeRouteArgs,
     StepWord,
@@ -244,7 +244,7 @@ impl Batch {
                         )?,
                         route: Buffer::new_in(
                             al,
-                            ((2 * weights_at + group_words_for(n, k, cfg.n_expert)) * 4) as u64,
+                            ((2 * weights_at + route_words_for(n, k, cfg.n_expert)) * 4) as u64,
                             MemoryUse::DeviceMapped,
                         )?,
                         device: match m.routes_chunks_on_device(n) {
@@ -329,12 +329,15 @@ impl GpuModel {
     /// chunk's.
     pub fn batches_prompts(&self) -> bool {
         // Every routed expert in VRAM, or slots that the missing ones take in turn.
-        let moe_ok = !self.placement.is_partial() || self.expert_stream.is_some();
+        let moe_ok = !self.placement.is_partial()
+            || self.expert_stream.is_some()
+            || self.routes_chunks_on_device(PREFILL_CHUNK);
         moe_ok && !self.batch_refused
     }
 
     /// Whether a chunk of `n` tokens routes its MoE layers on the device, in its one
-    /// submission: every routed expert resident (slot = expert), routing on the device allowed
+    /// submission: every routed expert resident, or in system RAM for the GPU to read those
+    /// without a slot ([`crate::gpu::placement::MoeMiss::Pcie`]); routing on the device allowed
     /// ([`GpuModel::routes_on_device`]), no shared expert, and scratch rows for every token's
     /// entries ([`moe_rows`]). Otherwise each MoE layer's router logits are read back and routed
     /// on the host, a submission per layer.
@@ -342,11 +345,11 @@ impl GpuModel {
         let Some(cfg) = &self.config.moe else {
             return false;
         };
+        let whole = !self.placement.is_partial();
         self.routes_on_device
-            && !self.placement.is_partial()
             && moe_rows(&self.config, n) >= n * cfg.n_expert_used
             && self.layers.iter().all(|l| match &l.ffn {
-                GpuFfn::Moe(m) => m.shared_ff() == 0,
+                GpuFfn::Moe(m) => m.shared_ff() == 0 && (whole || m.has_host_experts()),
                 GpuFfn::Dense { .. } => true,
             })
     }
@@ -508,6 +511,8 @@ impl GpuModel {
         if profiling {
             self.profile_before();
         }
+        // The slots of experts read from system RAM, as the chunk's routing reads them.
+        self.write_slot_map();
         if streams {
             self.stream_front(batch, tokens)?;
         }
@@ -694,8 +699,9 @@ impl GpuModel {
 
     /// MoE layer `il`'s experts for the chunk's `n` tokens, routed on the device (its input
     /// normalised in `m.xn`): the router's product, each token's routing, the entries laid out
-    /// by expert, then every expert in one group ([`GpuMoe::record_chunk_groups`]), added to
-    /// `x`.
+    /// by expert (each expert's slot from the slot map where some are read from system RAM),
+    /// then every expert's products in one dispatch a matrix and stack
+    /// ([`GpuMoe::record_chunk_sorted`]), added to `x`.
     fn record_chunk_routed(
         &self,
         rec: &mut Recorder<'_>,
@@ -715,23 +721,22 @@ impl GpuModel {
             slots: None,
         };
         rec.moe_route_chunk(&d.logits, &d.sel, n as u32, args)?;
-        let layout = ChunkLayout::new(n, k, n_expert, il * n_expert);
-        let sizes = (n as u32, k as u32, n_expert as u32);
-        rec.moe_sort(&d.sel, (&m.route, &d.counts), sizes, layout)?;
-        let group = RunGroup {
-            first: 0,
-            span: n * k,
-            runs_at: layout.runs_at as usize,
-            n_runs: n_expert,
-            // An expert's rows are known on the device only: a token tile per token tile of
-            // the chunk, those past an expert's rows idle.
-            max_count: n,
-            list_at: layout.list_at as usize,
-            n_tokens: n,
+        let host = moe.has_host_experts();
+        let layout = ChunkLayout::new(n, k, n_expert, il * n_expert, host);
+        let slots = match host {
+            true => {
+                let map = self
+                    .moe_scratch()
+                    .slot_map()
+                    .expect("a slot map with host experts");
+                Some((map, (il * n_expert) as u32))
+            }
+            false => None,
         };
+        let sizes = (n as u32, k as u32, n_expert as u32);
+        rec.moe_sort(&d.sel, (&m.route, &d.counts), sizes, (layout, slots))?;
         let bufs = (&m.xg, &m.eg, &m.eu, &m.ed);
-        let route = (&m.route, layout.weights_at as usize);
-        moe.record_chunk_groups(rec, &[group], route, &m.xn, bufs, x)
+        moe.record_chunk_sorted(rec, (&m.route, layout), (n, k), &m.xn, bufs, x)
     }
 
     /// After a chunk: the experts its device-routed MoE layers ran (their counts), in the
@@ -753,10 +758,19 @@ impl GpuModel {
             .expect("MoE models track their experts");
         for &il in layers {
             let slots = ex.slots[il].as_mut().expect("a MoE layer has slots");
+            let stats = &mut ex.stats[il];
             let row = &counts[il * cfg.n_expert..(il + 1) * cfg.n_expert];
             for (expert, &c) in row.iter().enumerate() {
                 slots.note_uses(expert, c);
-                ex.stats[il].hits += u64::from(c);
+                let c = u64::from(c);
+                match slots.slot_of(expert) {
+                    Some(_) => stats.hits += c,
+                    // Read by the GPU from system RAM ([`crate::gpu::placement::MoeMiss::Pcie`]).
+                    None => {
+                        stats.misses += c;
+                        stats.pcie += c;
+                    }
+                }
             }
         }
     }
