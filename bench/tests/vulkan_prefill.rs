@@ -37,14 +37,20 @@ fn tokens(n: usize, n_vocab: usize) -> Vec<u32> {
         .collect()
 }
 
-fn models(dev: &Arc<Device>, preset: &str, weights: &str) -> (GpuModel, GpuModel) {
+/// The synthetic `preset` with `weights`, written to a temporary file (the map stays valid
+/// after the file's directory is gone).
+fn synth_model(preset: &str, weights: &str) -> Arc<Model> {
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp.path().join("m.gguf");
     SynthModel::from_name(preset, weights.parse::<WeightType>().unwrap(), 5)
         .unwrap()
         .write(&path, false, |_, _| {})
         .unwrap();
-    let model = Arc::new(Model::open(&path).unwrap());
+    Arc::new(Model::open(&path).unwrap())
+}
+
+fn models(dev: &Arc<Device>, preset: &str, weights: &str) -> (GpuModel, GpuModel) {
+    let model = synth_model(preset, weights);
     // The one-token steps with f32 dots, as the chunks' products: with integer dots they
     // quantize the inputs of Q4_0 rows to 8 bits (checked against the CPU engine, which does the
     // same, in `vulkan_forward.rs`), a difference of about 1% of the logits' range that is not
@@ -142,13 +148,7 @@ fn a_prompt_that_overflows_the_context_is_refused_and_nothing_moves() {
 /// counted in every layer, and the device's chunk in one submission.
 fn check_routing_on_device(preset: &str, weights: &str) {
     let Some(dev) = device() else { return };
-    let tmp = tempfile::tempdir().unwrap();
-    let path = tmp.path().join("m.gguf");
-    SynthModel::from_name(preset, weights.parse::<WeightType>().unwrap(), 5)
-        .unwrap()
-        .write(&path, false, |_, _| {})
-        .unwrap();
-    let model = Arc::new(Model::open(&path).unwrap());
+    let model = synth_model(preset, weights);
     let options = GpuModelOptions {
         context: 256,
         ..GpuModelOptions::default()
@@ -204,13 +204,7 @@ fn a_chunk_routed_on_the_device_equals_the_host_routing_tiny_mixtral() {
 /// placement reserves them only with slots.
 fn check_pcie_chunks(preset: &str, weights: &str) {
     let Some(dev) = device() else { return };
-    let tmp = tempfile::tempdir().unwrap();
-    let path = tmp.path().join("m.gguf");
-    SynthModel::from_name(preset, weights.parse::<WeightType>().unwrap(), 5)
-        .unwrap()
-        .write(&path, false, |_, _| {})
-        .unwrap();
-    let model = Arc::new(Model::open(&path).unwrap());
+    let model = synth_model(preset, weights);
     let pcie = GpuModelOptions {
         context: 256,
         moe_miss: MoeMiss::Pcie,
