@@ -132,26 +132,38 @@ pub fn stream_slot_bytes(model: &Model, capacity: usize) -> u64 {
 /// the host-visible memory of a prompt that wants every token's logits, which goes token by
 /// token where the budget has no room for it).
 pub fn expert_stream_bytes(model: &Model, capacity: usize, slots: usize) -> u64 {
-    let c = &model.config;
-    let Some((m, cfg)) = model.layers.iter().find_map(|l| match &l.ffn {
-        Ffn::Moe(m) => c.moe.map(|cfg| (m, cfg)),
-        Ffn::Dense { .. } => None,
+    let Some(m) = model.layers.iter().find_map(|l| match &l.ffn {
+        Ffn::Moe(m) if model.config.moe.is_some() => Some(m),
+        _ => None,
     }) else {
         return 0;
     };
     let stack = |w: &Matrix| buffer(model.expert(w, 0).data.len() as u64 * slots as u64);
     let weights = stack(&m.gate) + stack(&m.up) + stack(&m.down);
     let router = buffer(model.stacked(&m.router).data.len() as u64);
+    weights + router + moe_chunk_bytes(model, capacity)
+}
+
+/// Device memory of a MoE model's full prompt chunk: its activations and MoE scratch, and
+/// where its MoE layers are routed on the device, the routing's own buffers (the host-visible
+/// memory of a prompt that wants every token's logits is apart); 0 for a dense model.
+pub fn moe_chunk_bytes(model: &Model, capacity: usize) -> u64 {
+    let c = &model.config;
+    let Some(cfg) = c.moe else {
+        return 0;
+    };
     let tokens = crate::gpu::forward::PREFILL_CHUNK.min(capacity.next_multiple_of(64));
     let chunk = crate::gpu::forward::batch_bytes(c, tokens, capacity);
     // Gathered rows, gate, up and output of a group's entries, the rows to gather from, the
-    // router logits read back and the routing (token ids and weights).
+    // router logits read back and the routing (token ids and weights); routed on the device,
+    // the logits there, each token's choice and each layer's counts.
     let (e, ff, k) = (c.n_embd, cfg.n_ff_expert, cfg.n_expert_used);
     let rows = crate::gpu::forward::moe_rows(c, tokens) as u64;
     let moe = tokens as u64 * 4 * (e + cfg.n_expert + 2 * k) as u64
         + rows * 4 * (2 * e + 2 * ff) as u64
         + 4 * crate::gpu::moe_groups::route_words_for(tokens, k, cfg.n_expert) as u64;
-    weights + router + chunk + moe
+    let routed = 4 * (tokens * (cfg.n_expert + 2 * k) + c.n_layer * cfg.n_expert) as u64;
+    chunk + moe + routed
 }
 
 /// The buffers `GpuModel::new` makes for one token's activations (and MoE scratch).

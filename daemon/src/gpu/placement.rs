@@ -42,7 +42,9 @@ use std::fmt;
 use std::str::FromStr;
 
 use super::error::{GpuError, Result};
-use super::footprint::{expert_stream_bytes, split_bytes, stream_slot_bytes, DeviceBytes};
+use super::footprint::{
+    expert_stream_bytes, moe_chunk_bytes, split_bytes, stream_slot_bytes, DeviceBytes,
+};
 use super::forward::{experts_streamable, prompt_expert_slots, streamable};
 use crate::model::{Ffn, Model, MoeWeights};
 
@@ -447,15 +449,25 @@ pub(super) fn plan(
         let staging = shape.staging_bytes_for(k);
         expert_stream_bytes(model, capacity, k) + counted(staging)
     };
+    // With misses read over PCIe a chunk is routed on the device and reads its missing experts
+    // there too (no shared expert): it needs room for its activations, not slots, on the same
+    // terms. Slots asked for still take their place.
+    let no_shared = model.layers.iter().all(|l| match &l.ffn {
+        Ffn::Moe(m) => m.shared.is_none(),
+        Ffn::Dense { .. } => true,
+    });
+    let chunk_on_device = miss == MoeMiss::Pcie && no_shared && stream == Some(0);
+    let chunk = Some(moe_chunk_bytes(model, capacity))
+        .filter(|&b| chunk_on_device && b <= room / 4 && minimum.total() + b <= budget);
     let prompt_slots = stream
-        .filter(|_| experts_streamable(model))
+        .filter(|_| !chunk_on_device && experts_streamable(model))
         .map(|asked| (asked, prompt_expert_slots(&shape, asked)))
         .filter(|&(asked, k)| {
             let bytes = stream_bytes(k);
             (asked > 0 || bytes <= room / 4) && minimum.total() + bytes <= budget
         })
         .map(|(_, k)| k);
-    let prompt = prompt_slots.map_or(0, stream_bytes);
+    let prompt = prompt_slots.map_or(0, stream_bytes) + chunk.unwrap_or(0);
     let fixed = minimum.total() - minimum.one_slot_per_layer + prompt;
     let per_slot = shape.slot_bytes(1);
     let slots = (((budget - fixed) / per_slot) as usize).clamp(1, shape.n_expert);
