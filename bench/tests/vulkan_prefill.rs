@@ -200,7 +200,8 @@ fn a_chunk_routed_on_the_device_equals_the_host_routing_tiny_mixtral() {
 /// routed on the device in one submission: the experts without a slot are multiplied from their
 /// stacks in system RAM by the same kernels, so the logits are the whole model's chunk's bit for
 /// bit, and every routed expert is counted, the missing ones as read over the bus. The
-/// placement keeps room for the chunk's activations, not prompt slots.
+/// placement places no prompt slots (its room for the chunk, on a real model's shape, is
+/// `gpu::placement`'s unit test).
 fn check_pcie_chunks(preset: &str, weights: &str) {
     let Some(dev) = device() else { return };
     let model = synth_model(preset, weights);

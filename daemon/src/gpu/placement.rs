@@ -505,6 +505,47 @@ pub(super) fn plan(
 mod tests {
     use super::*;
 
+    /// The Qwen3-30B-A3B shape at 8 GiB (a sparse file: only its header and 1-D tensors are
+    /// written, which is all a plan reads): with misses over PCIe the plan places no prompt
+    /// slots and leaves room for a chunk's activations beyond its expert slots; with misses on
+    /// the CPU it places prompt slots.
+    #[test]
+    fn misses_over_the_bus_keep_room_for_a_chunk_instead_of_prompt_slots() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("m.gguf");
+        let q4_0 = "Q4_0".parse().unwrap();
+        crate::synth::SynthModel::from_name("qwen3-30b-a3b", q4_0, 7)
+            .unwrap()
+            .write(&path, true, |_, _| {})
+            .unwrap();
+        let model = Model::open(&path).unwrap();
+        let capacity = 4096;
+        let needed = super::super::footprint::device_bytes(&model, capacity);
+        let budget = 8 << 30;
+        let plan_for = |miss| {
+            let stream = (&needed, capacity, Some(0));
+            let layout = ExpertLayout::default();
+            plan(&model, stream, Some(budget), (false, 0), miss, &layout).unwrap()
+        };
+        let pcie = plan_for(MoeMiss::Pcie);
+        assert!(pcie.is_partial(), "{pcie:?}");
+        assert!(
+            !pcie.stream_slot && pcie.prompt_expert_slots == 0,
+            "{pcie:?}"
+        );
+        let m = pcie.minimum.expect("partial");
+        let slots = (m.total() - m.one_slot_per_layer) + pcie.slots as u64 * m.one_slot_per_layer;
+        let chunk = moe_chunk_bytes(&model, capacity);
+        assert!(
+            chunk > 0 && slots + chunk <= budget,
+            "{slots} + {chunk} of {budget}"
+        );
+        // Without the chunk's room the same budget would hold more slots.
+        assert!(slots + chunk + m.one_slot_per_layer > budget, "{pcie:?}");
+        let cpu = plan_for(MoeMiss::Cpu);
+        assert!(cpu.stream_slot && cpu.prompt_expert_slots > 0, "{cpu:?}");
+    }
+
     #[test]
     fn miss_policies_parse_and_print() {
         for m in [MoeMiss::Auto, MoeMiss::Cpu, MoeMiss::Fetch, MoeMiss::Pcie] {
