@@ -102,6 +102,17 @@ struct Stacks<'a> {
     n: usize,
 }
 
+impl<'a> Stacks<'a> {
+    /// The matrix holding the up stack and its first row: its own, or the rows after the gate
+    /// stack's (`n` experts of `ff` rows).
+    fn up_rows(&self, ff: usize) -> (&'a GpuMatrix, usize) {
+        match self.up {
+            Some(up) => (up, 0),
+            None => (self.gate, self.n * ff),
+        }
+    }
+}
+
 /// Where one token's MoE layer goes: the routed experts, best first, and the shared expert's
 /// weight (Qwen2-MoE), decided from the router logits read back.
 #[derive(Debug, Clone, PartialEq)]
@@ -293,6 +304,16 @@ impl GpuMoe {
         }
     }
 
+    /// The stacks of every expert in system RAM, where the layer has them.
+    fn host_stacks(&self) -> Option<Stacks<'_>> {
+        self.host.as_ref().map(|h| Stacks {
+            gate: &h.gate,
+            up: h.up.as_ref(),
+            down: &h.down,
+            n: self.gate_stack_experts(&h.gate, h.up.is_none()),
+        })
+    }
+
     /// Copies expert `expert` of `moe` (this layer's weights) into slot `slot`; the bytes
     /// copied. The copies may still be pending in `up`: flush it before recording.
     pub(super) fn fill_slot(
@@ -381,10 +402,7 @@ impl GpuMoe {
 
     /// The matrix holding the up stack and the row where it starts there.
     fn up_rows(&self) -> (&GpuMatrix, usize) {
-        match &self.up {
-            Some(up) => (up, 0),
-            None => (&self.gate, self.n_slots * self.n_ff),
-        }
+        self.slot_stacks().up_rows(self.n_ff)
     }
 
     /// Whether [`GpuMoe::record_routed`] can run this layer: every expert resident or in system
@@ -496,13 +514,7 @@ impl GpuMoe {
     ) -> Result<()> {
         let (k32, ff32) = (k as u32, self.n_ff as u32);
         let mut halves = vec![(self.slot_stacks(), 0, (&s.gate_all, &s.up_all))];
-        if let Some(h) = &self.host {
-            let stacks = Stacks {
-                gate: &h.gate,
-                up: h.up.as_ref(),
-                down: &h.down,
-                n: self.gate_stack_experts(&h.gate, h.up.is_none()),
-            };
+        if let Some(stacks) = self.host_stacks() {
             let host_at = route_floats(k) as u32;
             halves.push((stacks, host_at, (&s.gate_host, &s.up_host)));
         }
@@ -845,39 +857,20 @@ impl GpuMoe {
         groups: &[RunGroup],
         (route, weights_at): (&Buffer, usize),
         xn: &GpuMatrix,
-        (xg, eg, eu, ed): (&Buffer, &Buffer, &Buffer, &Buffer),
+        bufs: (&Buffer, &Buffer, &Buffer, &Buffer),
         x: &Buffer,
     ) -> Result<()> {
-        let (ff, n_embd) = (self.n_ff, self.n_embd);
-        let (up, up_first) = self.up_rows();
         for g in groups {
-            let ids = super::ops::StepWord {
-                buffer: route,
-                index: g.first as u32,
-            };
-            rec.get_rows_n(xn, ids, g.span as u32, xg)?;
-            let runs = (route, g.runs_at as u32, g.n_runs as u32);
-            let sizes = (g.span, g.max_count);
-            rec.matvec_batch_grouped(&self.gate, (0, ff), xg, eg, runs, sizes)?;
-            rec.matvec_batch_grouped(up, (up_first, ff), xg, eu, runs, sizes)?;
-            rec.swiglu(eg, eu, (g.span * ff) as u32)?;
-            rec.matvec_batch_grouped(&self.down, (0, n_embd), eg, ed, runs, sizes)?;
-            let list = (
-                g.first as u32,
-                weights_at as u32,
-                g.list_at as u32,
-                g.n_tokens as u32,
-            );
-            rec.gather_add(x, ed, route, list, n_embd as u32)?;
+            let tables = [(self.slot_stacks(), g.runs_at)];
+            self.record_group(rec, g, &tables, (route, weights_at), xn, bufs, x)?;
         }
         Ok(())
     }
 
     /// A chunk's experts routed on the device and laid out by [`Recorder::moe_sort`] at
-    /// `layout` in `route` (`n` tokens, `k` entries each): every entry's row of `xn` gathered
-    /// into `xg`, the gate and up products over the VRAM slots' runs and, where some experts
-    /// are in system RAM only, over theirs, SwiGLU over every row, the down products the same
-    /// way, and each token's experts added to `x` in rank order.
+    /// `layout` in `route` (`n` tokens, `k` entries each): one group of every entry, its
+    /// products over the VRAM slots' runs and, where some experts are in system RAM only,
+    /// over theirs, and each token's experts added to `x` in rank order.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn record_chunk_sorted(
         &self,
@@ -885,43 +878,68 @@ impl GpuMoe {
         (route, layout): (&Buffer, ChunkLayout),
         (n, k): (usize, usize),
         xn: &GpuMatrix,
+        bufs: (&Buffer, &Buffer, &Buffer, &Buffer),
+        x: &Buffer,
+    ) -> Result<()> {
+        let mut tables = vec![(self.slot_stacks(), layout.runs_at as usize)];
+        if let Some(host) = self.host_stacks().filter(|_| layout.host_runs_at != 0) {
+            tables.push((host, layout.host_runs_at as usize));
+        }
+        let group = RunGroup {
+            first: 0,
+            span: n * k,
+            runs_at: layout.runs_at as usize,
+            // A run per expert of the layer: every one has a slot or a copy in system RAM.
+            n_runs: self.host_stacks().map_or(self.n_slots, |h| h.n),
+            // An expert's rows are known on the device only: a token tile per token tile of
+            // the chunk, those past an expert's rows idle.
+            max_count: n,
+            list_at: layout.list_at as usize,
+            n_tokens: n,
+        };
+        let route = (route, layout.weights_at as usize);
+        self.record_group(rec, &group, &tables, route, xn, bufs, x)
+    }
+
+    /// One group of a chunk's entries (`g`): its rows of `xn` gathered into `xg`, for each of
+    /// `tables` (expert stacks and the word of their runs, `g.n_runs` of them) the gate and up
+    /// products into `(eg, eu)`, SwiGLU over every row, the down products into `ed`, and the
+    /// outputs added to their tokens' rows of `x` with the weights from word `weights_at`.
+    #[allow(clippy::too_many_arguments)]
+    fn record_group(
+        &self,
+        rec: &mut Recorder<'_>,
+        g: &RunGroup,
+        tables: &[(Stacks<'_>, usize)],
+        (route, weights_at): (&Buffer, usize),
+        xn: &GpuMatrix,
         (xg, eg, eu, ed): (&Buffer, &Buffer, &Buffer, &Buffer),
         x: &Buffer,
     ) -> Result<()> {
         let (ff, n_embd) = (self.n_ff, self.n_embd);
-        let span = n * k;
         let ids = super::ops::StepWord {
             buffer: route,
-            index: 0,
+            index: g.first as u32,
         };
-        rec.get_rows_n(xn, ids, span as u32, xg)?;
-        let n_expert = match &self.host {
-            Some(h) => h.down.n_out / n_embd,
-            None => self.n_slots,
-        };
-        let (up, up_first) = self.up_rows();
-        let mut tables = vec![(&self.gate, (up, up_first), &self.down, layout.runs_at)];
-        if let Some(h) = self.host.as_ref().filter(|_| layout.host_runs_at != 0) {
-            let up = match &h.up {
-                Some(up) => (up, 0),
-                None => (&h.gate, n_expert * ff),
-            };
-            tables.push((&h.gate, up, &h.down, layout.host_runs_at));
-        }
-        // An expert's rows are known on the device only: a token tile per token tile of the
-        // chunk, those past an expert's rows idle.
-        let sizes = (span, n);
-        for &(gate, (up, up_first), _, runs_at) in &tables {
-            let runs = (route, runs_at, n_expert as u32);
-            rec.matvec_batch_grouped(gate, (0, ff), xg, eg, runs, sizes)?;
+        rec.get_rows_n(xn, ids, g.span as u32, xg)?;
+        let sizes = (g.span, g.max_count);
+        for (st, runs_at) in tables {
+            let runs = (route, *runs_at as u32, g.n_runs as u32);
+            let (up, up_first) = st.up_rows(ff);
+            rec.matvec_batch_grouped(st.gate, (0, ff), xg, eg, runs, sizes)?;
             rec.matvec_batch_grouped(up, (up_first, ff), xg, eu, runs, sizes)?;
         }
-        rec.swiglu(eg, eu, (span * ff) as u32)?;
-        for &(_, _, down, runs_at) in &tables {
-            let runs = (route, runs_at, n_expert as u32);
-            rec.matvec_batch_grouped(down, (0, n_embd), eg, ed, runs, sizes)?;
+        rec.swiglu(eg, eu, (g.span * ff) as u32)?;
+        for (st, runs_at) in tables {
+            let runs = (route, *runs_at as u32, g.n_runs as u32);
+            rec.matvec_batch_grouped(st.down, (0, n_embd), eg, ed, runs, sizes)?;
         }
-        let list = (0, layout.weights_at, layout.list_at, n as u32);
+        let list = (
+            g.first as u32,
+            weights_at as u32,
+            g.list_at as u32,
+            g.n_tokens as u32,
+        );
         rec.gather_add(x, ed, route, list, n_embd as u32)
     }
 
