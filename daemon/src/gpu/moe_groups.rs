@@ -94,7 +94,9 @@ pub(super) fn group_runs(
 /// every token, its start and its entries.
 pub(super) fn route_words_for(n: usize, k: usize, n_expert: usize) -> usize {
     let groups = 3 * n_expert + 3 * n * k + n_expert + 1;
-    let sorted = 6 * n_expert + 2 * n + 1 + n * k;
+    // Beyond the tokens and weights of the n·k entries, which the routing's words hold.
+    let layout = super::ops::ChunkLayout::new(n, k, n_expert, 0, true);
+    let sorted = layout.words(n, k) - 2 * n * k;
     groups.max(sorted)
 }
 

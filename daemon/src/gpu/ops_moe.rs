@@ -361,11 +361,9 @@ impl Recorder<'_> {
         n_tok: u32,
         args: MoeRouteArgs<'_>,
     ) -> Result<()> {
+        check_top_k(args)?;
         let (n, k) = (args.n_expert as u64, args.k as u64);
-        if args.n_expert as usize > MOE_ROUTE_MAX_EXPERTS
-            || k == 0
-            || k > n
-            || args.slots.is_some()
+        if args.slots.is_some()
             || logits.size() < u64::from(n_tok) * n * 4
             || sel.size() < u64::from(n_tok) * 2 * k * 4
         {
@@ -453,13 +451,20 @@ impl Recorder<'_> {
     }
 }
 
-fn check_routing(route: &Buffer, log: &Buffer, args: MoeRouteArgs<'_>) -> Result<()> {
+/// The top `k` of `n_expert` experts can be routed on the device.
+fn check_top_k(args: MoeRouteArgs<'_>) -> Result<()> {
     let (n, k) = (args.n_expert as usize, args.k as usize);
     if n > MOE_ROUTE_MAX_EXPERTS || k == 0 || k > n {
         return Err(GpuError::Unsupported(format!(
             "routing the top {k} of {n} experts on the device (at most {MOE_ROUTE_MAX_EXPERTS})"
         )));
     }
+    Ok(())
+}
+
+fn check_routing(route: &Buffer, log: &Buffer, args: MoeRouteArgs<'_>) -> Result<()> {
+    check_top_k(args)?;
+    let (n, k) = (args.n_expert as usize, args.k as usize);
     let log_end = (args.log_offset as usize + route_log_floats(n, k)) as u64 * 4;
     let route_end = match args.slots {
         Some((map, offset)) if map.size() < (offset as u64 + n as u64) * 4 => {
