@@ -747,19 +747,14 @@ impl GpuModel {
             ..Fused::default()
         };
         rec.matvec_fused(head, &a.x, &a.logits, normed)?;
-        if let Some(p) = &self.profiler {
-            p.end(rec);
-        }
+        self.mark_end(rec);
         Ok(())
     }
 
     /// The token's embedding row into `x`: the first thing a step records (after resetting
     /// the profile's queries when profiling).
     fn record_embedding(&self, rec: &mut Recorder<'_>) -> Result<()> {
-        if let Some(p) = &self.profiler {
-            p.start(rec);
-        }
-        self.mark(rec, profile::EMBEDDING);
+        self.mark_start(rec);
         rec.get_rows(&self.input_rows, self.step_word(0), &self.act.x)?;
         Ok(())
     }

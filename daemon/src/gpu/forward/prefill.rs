@@ -607,10 +607,7 @@ impl GpuModel {
         let c = &self.config;
         let (e, eps, nt) = (c.n_embd as u32, c.rms_eps, n as u32);
         if resume.is_none() {
-            if let Some(p) = &self.profiler {
-                p.start(rec);
-            }
-            self.mark(rec, profile::EMBEDDING);
+            self.mark_start(rec);
         }
         let start = match resume {
             // The chunk's first layers ran through the stream slot ([`super::stream`]).
@@ -691,9 +688,7 @@ impl GpuModel {
                 rec.matvec_fused(head, &b.x, &self.act.logits, last)?;
             }
         }
-        if let Some(p) = &self.profiler {
-            p.end(rec);
-        }
+        self.mark_end(rec);
         Ok(())
     }
 

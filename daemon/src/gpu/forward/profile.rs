@@ -226,6 +226,23 @@ impl GpuModel {
         }
     }
 
+    /// When profiling, resets the queries and marks where the embedding begins: the first
+    /// thing a step or a prompt chunk records.
+    pub(super) fn mark_start(&self, rec: &mut Recorder<'_>) {
+        if let Some(p) = &self.profiler {
+            p.start(rec);
+        }
+        self.mark(rec, EMBEDDING);
+    }
+
+    /// When profiling, marks the end of the output head: the last thing a step or a prompt
+    /// chunk records.
+    pub(super) fn mark_end(&self, rec: &mut Recorder<'_>) {
+        if let Some(p) = &self.profiler {
+            p.end(rec);
+        }
+    }
+
     /// Before a profiled step: the expert counters, for the deltas.
     pub(super) fn profile_before(&mut self) {
         let stats = self.experts.as_ref().map(|e| e.stats.clone());
