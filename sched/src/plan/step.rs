@@ -335,14 +335,14 @@ impl Group {
 /// Dispatches of a GPU layer that read no weights, by phase: attention's two RoPEs, KV store,
 /// attention and residual add; a dense FFN's activation and residual add; a MoE layer's
 /// routing (the per-expert ones are [`GPU_OPS_PER_EXPERT`]). What the GPU forward pass records
-/// (`gpu/forward`, `gpu/moe.rs`); each costs the profile's `gpu.dispatch_s`.
+/// (`gpu/forward`, `gpu/moe/`); each costs the profile's `gpu.dispatch_s`.
 const GPU_WEIGHTLESS_OPS: [f64; 3] = [5.0, 2.0, 1.0];
 
 /// Dispatches of each routed expert on the GPU beyond its products: SwiGLU and the weighted add.
 const GPU_OPS_PER_EXPERT: f64 = 2.0;
 
 /// Dispatches of a layer whose routed experts are all in VRAM beyond one per expert matrix:
-/// SwiGLU and the weighted add, over every chosen expert at once (`gpu/moe.rs`,
+/// SwiGLU and the weighted add, over every chosen expert at once (`gpu/moe/`,
 /// `record_indexed`).
 const GPU_INDEXED_OPS: f64 = 2.0;
 
