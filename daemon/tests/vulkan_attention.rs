@@ -82,7 +82,8 @@ fn check(kernels: &Arc<Kernels>, alloc: &Arc<Allocator>, c: &Case) {
         ),
     );
     let (q, k, v) = (noise(n_heads * hd, 3), noise(kvw, 4), noise(kvw, 5));
-    let step = host(alloc, &[f32::from_bits(c.pos as u32)]);
+    // The position, then the sequence's first cache row.
+    let step = host(alloc, &[f32::from_bits(c.pos as u32), 0.0]);
     let pos = || StepWord {
         buffer: &step,
         index: 0,
@@ -251,7 +252,11 @@ fn flash_attention_of_a_chunk_equals_the_decode_kernel_over_its_tokens() {
         let (kc, vc) = (cache(11), cache(12));
         let width = (n_heads * hd) as usize * n_tok as usize;
         let q = host(&alloc, &noise(width, 13));
-        let step = host(&alloc, &[f32::from_bits(pos0)]);
+        // Each token's position and its sequence's first cache row.
+        let words: Vec<f32> = (0..n_tok)
+            .flat_map(|t| [f32::from_bits(pos0 + t), 0.0])
+            .collect();
+        let step = host(&alloc, &words);
         let pos = || StepWord {
             buffer: &step,
             index: 0,
@@ -295,5 +300,148 @@ fn flash_attention_of_a_chunk_equals_the_decode_kernel_over_its_tokens() {
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert!((g - w).abs() <= 1e-4 * scale, "{what}: out[{i}] {g} vs {w}");
         }
+    }
+}
+
+/// One cache holding several sequences one after another (a batched decode step's): the decode
+/// kernel over one token of each, each at its own position and first row, gives each the
+/// output it gets alone over a cache of its own rows; and a prompt chunk of a later sequence
+/// takes the flash-attention kernel from its first row as the decode kernel does.
+#[test]
+fn attention_over_a_cache_of_several_sequences_takes_each_tokens_own_rows() {
+    let Some(dev) = spillway_daemon::gpu::device_or_skip() else {
+        return;
+    };
+    let alloc = Allocator::new(&dev, None);
+    let kernels = Kernels::new(&dev);
+    let (hd, n_heads, n_kv_heads, capacity) = (64u32, 8u32, 2u32, 300u32);
+    let args = AttentionArgs {
+        n_heads,
+        n_kv_heads,
+        head_dim: hd,
+        capacity,
+    };
+    let kvw = (n_kv_heads * hd) as usize;
+    let n_seq = 3usize;
+    // Halves of noise, two a float: `rows` cache rows.
+    let halves_of = |rows: usize, seed| -> Vec<f32> {
+        noise(rows * kvw, seed)
+            .chunks_exact(2)
+            .map(|p| {
+                let h = |v: f32| half::f16::from_f32(v * 2.0).to_bits() as u32;
+                f32::from_bits(h(p[0]) | (h(p[1]) << 16))
+            })
+            .collect()
+    };
+    let rows = n_seq * capacity as usize;
+    let (k_all, v_all) = (halves_of(rows, 21), halves_of(rows, 22));
+    let (kc, vc) = (host(&alloc, &k_all), host(&alloc, &v_all));
+    let width = (n_heads * hd) as usize;
+    let words = |pairs: &[(u32, u32)]| -> Buffer {
+        let w: Vec<f32> = pairs
+            .iter()
+            .flat_map(|&(pos, row)| [f32::from_bits(pos), f32::from_bits(row)])
+            .collect();
+        host(&alloc, &w)
+    };
+
+    // (sequence, position): out of order, in different runs of 128 positions.
+    let tokens = [(2usize, 250u32), (0, 10), (1, 130)];
+    let n_tok = tokens.len() as u32;
+    let q = noise(width * tokens.len(), 23);
+    let qb = host(&alloc, &q);
+    let step = words(
+        &tokens
+            .iter()
+            .map(|&(s, p)| (p, s as u32 * capacity))
+            .collect::<Vec<_>>(),
+    );
+    let end = tokens.iter().map(|&(_, p)| p + 1).max().unwrap();
+    let scratch_floats = attention_scratch_floats(n_heads as usize, hd as usize, end as usize);
+    let scratch = host(&alloc, &vec![0.0; tokens.len() * scratch_floats]);
+    let done = attention_counters(&alloc, n_heads as usize, tokens.len()).unwrap();
+    let out = host(&alloc, &vec![f32::NAN; width * tokens.len()]);
+    let pos = StepWord {
+        buffer: &step,
+        index: 0,
+    };
+    kernels
+        .record(|r| {
+            r.attention_n(
+                &qb,
+                (&kc, &vc),
+                (&scratch, &done),
+                &out,
+                args,
+                pos,
+                (n_tok, end),
+            )
+        })
+        .unwrap();
+    let got = out.read_f32(width * tokens.len());
+    let floats_a_seq = capacity as usize * kvw / 2;
+    for (i, &(seq, p)) in tokens.iter().enumerate() {
+        let own = |all: &[f32]| host(&alloc, &all[seq * floats_a_seq..(seq + 1) * floats_a_seq]);
+        let (k1, v1) = (own(&k_all), own(&v_all));
+        let q1 = host(&alloc, &q[i * width..(i + 1) * width]);
+        let step1 = words(&[(p, 0)]);
+        let scratch1 = host(&alloc, &vec![0.0; scratch_floats]);
+        let done1 = attention_counters(&alloc, n_heads as usize, 1).unwrap();
+        let out1 = host(&alloc, &vec![f32::NAN; width]);
+        let pos1 = StepWord {
+            buffer: &step1,
+            index: 0,
+        };
+        kernels
+            .record(|r| {
+                let scratch = (&scratch1, &done1);
+                r.attention_n(&q1, (&k1, &v1), scratch, &out1, args, pos1, (1, end))
+            })
+            .unwrap();
+        assert_eq!(
+            got[i * width..(i + 1) * width],
+            out1.read_f32(width)[..],
+            "sequence {seq} at {p}"
+        );
+    }
+
+    // A prompt chunk of sequence 1 from position 40: flash attention from its first row.
+    let (pos0, n_chunk) = (40u32, 20u32);
+    let chunk: Vec<(u32, u32)> = (0..n_chunk).map(|t| (pos0 + t, capacity)).collect();
+    let step = words(&chunk);
+    let qc = host(&alloc, &noise(width * n_chunk as usize, 24));
+    let end = pos0 + n_chunk;
+    let scratch_floats = attention_scratch_floats(n_heads as usize, hd as usize, end as usize);
+    let scratch = host(&alloc, &vec![0.0; n_chunk as usize * scratch_floats]);
+    let done = attention_counters(&alloc, n_heads as usize, n_chunk as usize).unwrap();
+    let n = width * n_chunk as usize;
+    let (want, got) = (
+        host(&alloc, &vec![0.0; n]),
+        host(&alloc, &vec![f32::NAN; n]),
+    );
+    let pos = StepWord {
+        buffer: &step,
+        index: 0,
+    };
+    kernels
+        .record(|r| {
+            r.attention_n(
+                &qc,
+                (&kc, &vc),
+                (&scratch, &done),
+                &want,
+                args,
+                pos,
+                (n_chunk, end),
+            )
+        })
+        .unwrap();
+    kernels
+        .record(|r| r.attention_prefill(&qc, (&kc, &vc), &got, args, pos, n_chunk))
+        .unwrap();
+    let (want, got) = (want.read_f32(n), got.read_f32(n));
+    let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!((g - w).abs() <= 1e-4 * scale, "out[{i}] {g} vs {w}");
     }
 }

@@ -606,7 +606,8 @@ fn rope_matches_cpu_in_both_layouts_with_and_without_qk_norm() {
                     eps: 1e-6,
                 };
                 let norm = qk_norm.then_some(&norm_b);
-                let step = gpu.words(&[1, pos as u32]);
+                // A token id, then its position and its sequence's first cache row.
+                let step = gpu.words(&[1, pos as u32, 0]);
                 let pos_word = StepWord {
                     buffer: &step,
                     index: 1,
@@ -659,7 +660,7 @@ fn rope_store_fills_the_caches_as_rope_then_kv_store() {
                     eps: 1e-6,
                 };
                 let norm = qk_norm.then_some(&norm_b);
-                let step = gpu.words(&[0, 5]);
+                let step = gpu.words(&[0, 5, 0]);
                 let pos = StepWord {
                     buffer: &step,
                     index: 1,
@@ -757,7 +758,8 @@ fn kv_store_and_gqa_attention_match_cpu() {
         let keys: Vec<f32> = noise(n_kv * kvw, 1).iter().map(|v| v * 2.0).collect();
         let values = noise(n_kv * kvw, 2);
         let (mut kb, mut vb) = (gpu.zeros(kvw), gpu.zeros(kvw));
-        let mut step = gpu.words(&[0]);
+        // The position, then the sequence's first cache row.
+        let mut step = gpu.words(&[0, 0]);
         fn pos(step: &Buffer) -> StepWord<'_> {
             StepWord {
                 buffer: step,

@@ -16,9 +16,11 @@
 // Unlike the CPU engine the probabilities stay f32: they are not rounded to f16 before weighing
 // the values. The new token's position is read on the device, from word `step_index` of the step
 // buffer (positions 0..=pos attend, at most `capacity`), so a recorded step can be replayed at
-// each position; runs past the position leave at once. A prompt's tokens are the workgroup
-// layers (z): token t is at the step word's position plus t, its query and its partial results
-// follow token t - 1's.
+// each position; runs past the position leave at once. Its sequence's positions start at the
+// cache row of word `step_index + 1` (one cache holds several sequences, one after another).
+// Several tokens are the workgroup layers (z): token t's position and first row are words
+// `step_index + 2t` and `+ 2t + 1`, its query and its partial results follow token t - 1's. They
+// may be a prompt's tokens or one token of each of several sequences (a batched decode step).
 
 #define WG 128u
 #define SPLIT 128u
@@ -134,7 +136,9 @@ void main() {
     const uint tok = gl_WorkGroupID.z;
     const uint n_heads = gl_NumWorkGroups.x;
     const uint n_splits = (p.capacity + SPLIT - 1u) / SPLIT;
-    const uint n_kv = min(step[p.step_index] + tok + 1u, p.capacity);
+    const uint n_kv = min(step[p.step_index + 2u * tok] + 1u, p.capacity);
+    // The sequence's first row in the caches.
+    const uint seq_row = step[p.step_index + 2u * tok + 1u];
     const uint t0 = split * SPLIT;
     if (t0 >= n_kv) {
         return; // the whole workgroup: its run is past the position
@@ -155,7 +159,7 @@ void main() {
         const uint base = kv_off;
         ROPE_HEAD(k_new, k_norm, kh)
         if (h % p.group == 0u) {
-            const uint row = (pos * p.kv_width + kv_off) / 2u;
+            const uint row = ((seq_row + pos) * p.kv_width + kv_off) / 2u;
             for (uint w = tid; w < HEAD_DIM / 2u; w += WG) {
                 k_words[row + w] = packHalf2x16(vec2(kh[2u * w], kh[2u * w + 1u]));
                 v_cache[row + w] = packHalf2x16(vec2(v_new[kv_off + 2u * w], v_new[kv_off + 2u * w + 1u]));
@@ -184,7 +188,7 @@ void main() {
 #endif
     if (tid < cached) {
         // Eight halves a load: kv_width and the offset are multiples of 8 halves.
-        const uint row = ((t0 + tid) * p.kv_width + kv_off) / 8u;
+        const uint row = ((seq_row + t0 + tid) * p.kv_width + kv_off) / 8u;
         uvec4 kw[HEAD_DIM / 8u];
         [[unroll]] for (uint c = 0u; c < HEAD_DIM / 8u; ++c) {
             kw[c] = k4[row + c];
@@ -213,7 +217,7 @@ void main() {
         for (; j + 4u <= cached; j += 4u) {
             float v[4];
             [[unroll]] for (uint u = 0u; u < 4u; ++u) {
-                const uint w = v_cache[((t0 + j + u) * p.kv_width + at) / 2u];
+                const uint w = v_cache[((seq_row + t0 + j + u) * p.kv_width + at) / 2u];
                 v[u] = unpackHalf2x16(w)[at & 1u];
             }
             [[unroll]] for (uint u = 0u; u < 4u; ++u) {
@@ -221,7 +225,7 @@ void main() {
             }
         }
         for (; j < cached; ++j) {
-            const uint w = v_cache[((t0 + j) * p.kv_width + at) / 2u];
+            const uint w = v_cache[((seq_row + t0 + j) * p.kv_width + at) / 2u];
             acc += e[j] * unpackHalf2x16(w)[at & 1u];
         }
 #if defined(ROPE_IN)

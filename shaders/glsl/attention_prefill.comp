@@ -5,9 +5,11 @@
 // each tile of f16 keys and values read into shared memory once for all BQ queries (the decode
 // kernel, attention.comp, reads them once per token). The softmax is online: per query a running
 // maximum m and sum l, the output rescaled by exp(m_old - m_new) when the maximum grows. Causal:
-// token t, at the step word's position plus t, attends to positions 0..=its own (all the cache
-// holds when that is past it). Rounding as attention.comp: queries to f16, f32 scores and
-// probabilities, f16 keys and values; the sums run in another order.
+// token t attends to positions 0..=its own (all the cache holds when that is past it). Rounding as attention.comp: queries to f16, f32 scores and
+// probabilities, f16 keys and values; the sums run in another order. Positions as attention.comp
+// reads them: token t's is word `step_index + 2t` of the step buffer and its sequence's first
+// cache row word `step_index + 2t + 1`; the tokens of a tile must be consecutive positions of one
+// sequence (a prompt's), so that they share its keys.
 
 #define WG 128u
 #define BQ 16u
@@ -51,11 +53,11 @@ void main() {
     const uint tq0 = gl_WorkGroupID.y * BQ;
     const uint n_heads = gl_NumWorkGroups.x;
     const uint tid = gl_LocalInvocationID.x;
-    const uint pos0 = step[p.step_index];
     const uint kv_off = (h / p.group) * HEAD_DIM; // in halves, within a cache row
     const uint rows = min(BQ, p.n_tok - tq0);
-    // The last position any query of the tile attends to.
-    const uint last = min(pos0 + tq0 + rows - 1u, p.capacity - 1u);
+    // The tile's sequence's first cache row, and the last position any query of it attends to.
+    const uint seq_row = step[p.step_index + 2u * tq0 + 1u];
+    const uint last = min(step[p.step_index + 2u * (tq0 + rows - 1u)], p.capacity - 1u);
 
     for (uint e = tid; e < BQ * HEAD_DIM; e += WG) {
         const uint r = e / HEAD_DIM, d = e % HEAD_DIM;
@@ -77,7 +79,7 @@ void main() {
         o[i] = 0.0;
     }
     // Query row r attends to positions 0..=limit(r).
-    const uint limit = min(pos0 + tq0 + sr, p.capacity - 1u);
+    const uint limit = min(step[p.step_index + 2u * (tq0 + min(sr, rows - 1u))], p.capacity - 1u);
 
     for (uint k0 = 0u; k0 <= last; k0 += BKV) {
         barrier(); // the previous tile's keys, values and probabilities are used
@@ -85,7 +87,7 @@ void main() {
             const uint c = w / (HEAD_DIM / 2u), d = 2u * (w % (HEAD_DIM / 2u));
             vec2 kk = vec2(0.0), vv = vec2(0.0);
             if (k0 + c <= last) {
-                const uint at = ((k0 + c) * p.kv_width + kv_off + d) / 2u;
+                const uint at = ((seq_row + k0 + c) * p.kv_width + kv_off + d) / 2u;
                 kk = unpackHalf2x16(k_cache[at]);
                 vv = unpackHalf2x16(v_cache[at]);
             }

@@ -1,7 +1,8 @@
 #version 450
 // Appends one token's K and V (f32) to the f16 caches at its position, read on the device from
-// word `step_index` of the step buffer: invocation i packs values 2i and 2i + 1 into one word.
-// The caches are `capacity` rows of `kv_width` halves; a position past them stores nothing.
+// word `step_index` of the step buffer, past the first row of its sequence (word
+// `step_index + 1`): invocation i packs values 2i and 2i + 1 into one word. The caches are
+// `capacity` rows of `kv_width` halves; a row past them stores nothing.
 
 layout(local_size_x = 64) in;
 
@@ -19,11 +20,11 @@ layout(push_constant) uniform Params {
 
 void main() {
     const uint i = gl_GlobalInvocationID.x;
-    const uint pos = step[p.step_index];
-    if (i >= p.kv_width / 2u || pos >= p.capacity) {
+    const uint row = step[p.step_index + 1u] + step[p.step_index];
+    if (i >= p.kv_width / 2u || row >= p.capacity) {
         return;
     }
-    const uint at = pos * (p.kv_width / 2u) + i;
+    const uint at = row * (p.kv_width / 2u) + i;
     k_cache[at] = packHalf2x16(vec2(k[2u * i], k[2u * i + 1u]));
     v_cache[at] = packHalf2x16(vec2(v[2u * i], v[2u * i + 1u]));
 }

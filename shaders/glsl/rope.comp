@@ -6,14 +6,17 @@
 // RoPE of every head of one token in place (one workgroup per head), optionally after an RMSNorm
 // of the head (Qwen3's QK-norm). Pairs are adjacent (llama) or halves (ROPE_NEOX, the Qwen
 // family). Angles come from a table that the host fills with the CPU's own `rope_cache`:
-// `table[(pos * n_rot/2 + i) * 2]` = cos, `+ 1` = sin. The position is read on the device, from
-// word `step_index` of the step buffer (clamped to the table), so a recorded step can be replayed
-// at each new position. A prompt's tokens are the workgroup rows (y): token t's heads follow
-// token t - 1's and its position is the step word's plus t.
+// `table[(pos * n_rot/2 + i) * 2]` = cos, `+ 1` = sin. Positions are read on the device, so a
+// recorded step can be replayed at each new position: token t's position is word
+// `step_index + 2t` of the step buffer (clamped to the table) and the first cache row of its
+// sequence word `step_index + 2t + 1`. Several tokens are the workgroup rows (y): token t's
+// heads follow token t - 1's. They may be a prompt's, at consecutive positions of one sequence,
+// or one token of each of several sequences (a batched decode step).
 //
 // With the STORE specialization constant (for K) the result is not written back: it goes
-// straight to the f16 K cache at the position, and V's head goes to the V cache beside it (the
-// KV-cache append of `kv_store.comp` in the same dispatch; nothing past `capacity` rows). Without
+// straight to the f16 K cache at the sequence's first row plus the position, and V's head goes
+// to the V cache beside it (the KV-cache append of `kv_store.comp` in the same dispatch; nothing
+// past `capacity` rows). Without
 // it the bindings 4..6 are unused (the host binds stand-ins).
 
 #define WG 64u
@@ -60,7 +63,7 @@ void main() {
     }
     barrier();
     const uint half_rot = p.n_rot / 2u;
-    const uint pos = min(step[p.step_index] + t, p.n_pos - 1u);
+    const uint pos = min(step[p.step_index + 2u * t], p.n_pos - 1u);
     for (uint i = gl_LocalInvocationID.x; i < half_rot; i += WG) {
 #if defined(ROPE_NEOX)
         const uint a = i, b = i + half_rot;
@@ -86,7 +89,7 @@ void main() {
         return;
     }
     barrier();
-    const uint at = step[p.step_index] + t;
+    const uint at = step[p.step_index + 2u * t + 1u] + step[p.step_index + 2u * t];
     if (at >= p.capacity) {
         return;
     }

@@ -127,7 +127,7 @@ impl SequenceModel for Engine {
     }
 }
 
-/// Prompts in chunks of tokens for dense models, token by token for MoE models
+/// The selected sequence's prompts in chunks of tokens where the model batches them
 /// ([`GpuModel::eval_prompt`]).
 impl SequenceModel for GpuModel {
     fn n_vocab(&self) -> usize {

@@ -23,6 +23,14 @@ impl DeviceBytes {
     pub fn total(&self) -> u64 {
         self.weights + self.kv_cache + self.activations
     }
+
+    /// With a KV cache for each of `n` sequences instead of one.
+    pub fn with_sequences(self, n: usize) -> DeviceBytes {
+        DeviceBytes {
+            kv_cache: self.kv_cache * n as u64,
+            ..self
+        }
+    }
 }
 
 /// A buffer of `bytes`, as `Buffer::new_in` rounds it.

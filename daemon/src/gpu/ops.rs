@@ -368,6 +368,11 @@ pub struct Fused<'b> {
 /// A `u32` the device reads when a dispatch runs, not when it is recorded: word `index` of
 /// `buffer` (a token id, a position), so that one recording serves every step of a sequence
 /// ([`super::replay`]).
+///
+/// Where it gives positions (RoPE, the KV-cache append, attention) it starts a pair of words
+/// per token: token `t`'s position is word `index + 2t` and the KV cache row where its
+/// sequence's position 0 lives is word `index + 2t + 1`. A cache holds several sequences one
+/// after another ([`crate::gpu::forward::GpuModel::sequences`]); a single sequence's row is 0.
 #[derive(Clone, Copy)]
 pub struct StepWord<'b> {
     pub buffer: &'b Buffer,
@@ -377,6 +382,19 @@ pub struct StepWord<'b> {
 impl<'b> StepWord<'b> {
     pub(crate) fn binding(self) -> Binding<'b> {
         Binding::read(self.buffer)
+    }
+
+    /// Checks that the buffer holds the position and first row of `n_tok` tokens from here.
+    pub(crate) fn check_positions(self, n_tok: u32) -> Result<()> {
+        let words = u64::from(self.index) + 2 * u64::from(n_tok);
+        if self.buffer.size() < words * 4 {
+            return Err(GpuError::Unsupported(format!(
+                "positions of {n_tok} tokens from word {} of a {}-byte step buffer",
+                self.index,
+                self.buffer.size()
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -642,7 +660,8 @@ impl Recorder<'_> {
     }
 
     /// RoPE of `n_tok` tokens' heads, one token's after another's, token `t` at the position
-    /// `pos` holds plus `t`; with `store`, (V, K cache, V cache) as in [`Recorder::rope_store`].
+    /// of its pair of words from `pos` ([`StepWord`]); with `store`, (V, K cache, V cache) as
+    /// in [`Recorder::rope_store`], each at its sequence's rows.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn rope_into(
         &mut self,
@@ -665,6 +684,7 @@ impl Recorder<'_> {
                 x.size()
             )));
         }
+        pos.check_positions(n_tok)?;
         let id = self.variant(
             match args.layout {
                 RopeLayout::Normal => Op::RopeNorm,
@@ -769,7 +789,8 @@ impl Recorder<'_> {
     }
 
     /// Stores `k` and `v` (f32, `kv_width` each) at the position `pos` holds when the
-    /// dispatch runs, in the f16 caches (nothing past their last row).
+    /// dispatch runs, past its sequence's first row, in the f16 caches (nothing past their
+    /// last row).
     pub fn kv_store(
         &mut self,
         (k, v): (&Buffer, &Buffer),
@@ -785,6 +806,7 @@ impl Recorder<'_> {
                 v_cache.size()
             )));
         }
+        pos.check_positions(1)?;
         let push = KvStoreParams {
             kv_width,
             capacity: (k_cache.size() / row).min(u64::from(u32::MAX)) as u32,
@@ -822,9 +844,10 @@ impl Recorder<'_> {
         self.attention_n(q, (k_cache, v_cache), scratch, out, a, pos, (1, a.capacity))
     }
 
-    /// [`Recorder::attention`] of `tokens.0` tokens, token `t` at the position `pos` holds plus
-    /// `t` (causal: it attends to `0..=pos + t`), queries and outputs one token's after
-    /// another's, `scratch.0` [`attention_scratch_floats`] of `tokens.1` positions per token
+    /// [`Recorder::attention`] of `tokens.0` tokens, token `t` at the position of its pair of
+    /// words from `pos` ([`StepWord`]; it attends to its sequence's positions up to its own: a
+    /// prompt's tokens or one token of each of several sequences), queries and outputs one
+    /// token's after another's, `scratch.0` [`attention_scratch_floats`] of `tokens.1` positions per token
     /// and `scratch.1` counters for `tokens.0` tokens ([`attention_counters`]). No
     /// token's position reaches `tokens.1`: the grid and the scratch cover the runs of positions
     /// below it.
@@ -883,6 +906,7 @@ pub(crate) fn attention_params(
         * attention_scratch_floats(a.n_heads as usize, a.head_dim as usize, bound as usize);
     let io_bytes = u64::from(n_tok) * u64::from(a.n_heads * a.head_dim) * 4;
     let n_splits = a.capacity.div_ceil(ATTENTION_SPLIT);
+    pos.check_positions(n_tok)?;
     if q.size() < io_bytes || out.size() < io_bytes || n_tok > 65535 {
         return Err(GpuError::Unsupported(format!(
             "attention of {n_tok} tokens of {a:?} in {} and {} bytes",

@@ -98,8 +98,9 @@ impl Recorder<'_> {
     }
 
     /// [`Recorder::attention_n`] of a prompt chunk's `n_tok` tokens (causal: token `t`, at the
-    /// position `pos` holds plus `t`, attends to `0..=pos + t`), a workgroup per query head and
-    /// tile of 16 tokens reading each key and value once for the tile: no scratch, no counters.
+    /// position of its pair of words from `pos`, attends to its sequence's positions up to it),
+    /// a workgroup per query head and tile of 16 tokens reading each key and value once for the
+    /// tile: no scratch, no counters. The tokens must be consecutive positions of one sequence.
     /// Heads of 8 to 128 dimensions, a power of two ([`flash_attention_fits`]).
     pub fn attention_prefill(
         &mut self,
@@ -122,6 +123,7 @@ impl Recorder<'_> {
                 "prompt attention of {n_tok} tokens of {a:?}"
             )));
         }
+        pos.check_positions(n_tok)?;
         let push = AttentionPrefillParams {
             head_dim: a.head_dim,
             kv_width: a.n_kv_heads * a.head_dim,

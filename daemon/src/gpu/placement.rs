@@ -284,6 +284,14 @@ impl Placement {
         self.slots < self.n_expert
     }
 
+    /// Whether a decode step can take one token of several sequences in one pass with this
+    /// placement ([`crate::gpu::forward::GpuModel::eval_batch`]): every layer on the GPU, and
+    /// every routed expert in VRAM or read by the GPU from system RAM (`miss`
+    /// [`MoeMiss::Pcie`]).
+    pub fn batches_steps(&self, miss: MoeMiss) -> bool {
+        self.cpu_layers == 0 && (!self.is_partial() || miss == MoeMiss::Pcie)
+    }
+
     /// Slots of every MoE layer, in the order of [`Placement::moe_layers`].
     pub fn per_layer(&self) -> Vec<usize> {
         let (l, n, s) = (self.moe_layers.len(), self.n_expert, self.slots);

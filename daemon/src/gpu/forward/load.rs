@@ -35,6 +35,7 @@ impl GpuModel {
     /// Device memory `model` would take with `options`, before any upload.
     pub fn device_bytes(model: &Model, options: &GpuModelOptions) -> DeviceBytes {
         device_bytes(model, Self::capacity_for(&model.config, options))
+            .with_sequences(options.sequences.max(1))
     }
 
     fn stream_for(options: &GpuModelOptions) -> Option<usize> {
@@ -117,21 +118,38 @@ impl GpuModel {
         options: &GpuModelOptions,
     ) -> Result<GpuModel> {
         let capacity = Self::capacity_for(&model.config, options);
-        let needed = device_bytes(model, capacity);
         let allocator = Allocator::new(device, options.vram_budget);
         let counts = allocator.budget_counts(MemoryUse::Staging);
         // Without a budget the plan keeps to what the driver says is free for this process
         // (VK_EXT_memory_budget): a MoE model larger than that is placed in part, not refused by
         // an allocation halfway through its upload.
         let plan_budget = options.vram_budget.or_else(|| device.memory_budget());
-        let mut placement = plan(
-            model,
-            (&needed, capacity, Self::stream_for(options)),
-            plan_budget,
-            (counts, allocator.mapped_reserve()),
-            options.moe_miss,
-            &options.expert_layout,
-        )?;
+        let plan_with = |options: &GpuModelOptions| {
+            plan(
+                model,
+                (
+                    &Self::device_bytes(model, options),
+                    capacity,
+                    Self::stream_for(options),
+                ),
+                plan_budget,
+                (counts, allocator.mapped_reserve()),
+                options.moe_miss,
+                &options.expert_layout,
+            )
+        };
+        let mut options = options.clone();
+        let mut placement = match plan_with(&options) {
+            Ok(p) if options.sequences <= 1 || p.batches_steps(options.moe_miss) => p,
+            // The caches of more sequences than pay: a step that cannot take their tokens
+            // together (layers on the CPU, misses on the CPU or fetched) takes them one by one,
+            // and the VRAM is worth more as weights. Or they do not fit at all.
+            _ => {
+                options.sequences = 1;
+                plan_with(&options)?
+            }
+        };
+        let options = &options;
         let dense = model.config.moe.is_none();
         loop {
             match Self::load_split(&allocator, model, options, &placement, capacity) {
@@ -265,7 +283,22 @@ impl GpuModel {
             Some(matrix(model, al, &mut up, &model.output)?)
         };
         let output_norm = upload_f32(al, &mut up, &model.output_norm)?;
-        let kv_bytes = (capacity * c.kv_width() * 2) as u64;
+        // The first layers on the CPU hold one sequence's cache: so does the rest.
+        let sequences = match placement.cpu_layers {
+            0 => options.sequences.max(1),
+            _ => 1,
+        };
+        let kv_bytes = (sequences * capacity * c.kv_width() * 2) as u64;
+        let max_range = allocator.device().max_storage_buffer_range();
+        if kv_bytes > max_range {
+            return Err(GpuError::Unsupported(format!(
+                "a KV cache of {sequences} sequences of {capacity} positions takes {:.1} MiB a \
+                 layer, more than the device binds at once ({:.1} MiB): fewer sequences or a \
+                 shorter context",
+                kv_bytes as f64 / (1u64 << 20) as f64,
+                max_range as f64 / (1u64 << 20) as f64,
+            )));
+        }
         let mut layers = Vec::with_capacity(c.n_layer);
         for (il, layer) in model.layers.iter().enumerate() {
             let ffn = match &layer.ffn {
@@ -327,7 +360,7 @@ impl GpuModel {
             up: f32s(dense_ff)?,
             scores: f32s(attention_scratch_floats(c.n_head, c.head_dim, capacity))?,
             attn_done: attention_counters(al, c.n_head, 1)?,
-            step: Buffer::new_in(al, 8, MemoryUse::DeviceMapped)?,
+            step: Buffer::new_in(al, 12, MemoryUse::DeviceMapped)?,
             logits: Buffer::new_in(al, c.n_vocab as u64 * 4, MemoryUse::Staging)?,
             moe,
         };
@@ -382,7 +415,6 @@ impl GpuModel {
                 map_stale: host_experts,
             }
         });
-        let max_range = allocator.device().max_storage_buffer_range();
         let routes_on_device = match &c.moe {
             Some(cfg) => {
                 !options.host_routing
@@ -446,7 +478,9 @@ impl GpuModel {
             rope,
             act,
             capacity,
-            pos: 0,
+            positions: vec![0; sequences],
+            seq: 0,
+            batched_steps: 0,
             last_stats: RecordStats::default(),
             last_routing: Vec::new(),
             placement: placement.clone(),

@@ -20,14 +20,16 @@
 //! With profiling on ([`GpuModel::set_profiling`], [`profile`]) the step writes GPU timestamps
 //! around each op group of each layer; off, it writes none.
 //!
-//! A dense model's prompt runs in chunks of tokens ([`prefill`]); a MoE model's goes token by
-//! token.
+//! A prompt runs in chunks of tokens ([`prefill`]). The KV cache may hold several sequences
+//! ([`GpuModelOptions::sequences`]), and a decode step may take one token of each in one pass
+//! of the chunk path ([`batch`], [`GpuModel::eval_batch`]).
 //!
 //! A dense model larger than the VRAM budget runs its first layers on the CPU
 //! ([`super::cpu_layers`]) and the rest here: the step then starts from the hidden state the
 //! CPU wrote to a host-visible buffer instead of the embedding, and is otherwise the same
 //! recording, replayed. Partial: no weights are streamed through VRAM.
 
+mod batch;
 mod chained;
 mod gate_up;
 mod load;
@@ -37,6 +39,7 @@ mod promote;
 mod stream;
 mod stream_experts;
 
+pub use batch::MAX_STEP_TOKENS;
 pub use prefill::PREFILL_CHUNK;
 pub(crate) use prefill::{batch_bytes, logits_bytes, moe_rows};
 pub use profile::{GpuProfileRow, GpuStepProfile};
@@ -136,6 +139,10 @@ pub struct GpuModelOptions {
     /// The prompts' cooperative-matrix product tile; `None`: the tuned one
     /// ([`crate::gpu::MatMulTile::TUNED`], or shallower where shared memory is short).
     pub matmul_tile: Option<crate::gpu::MatMulTile>,
+    /// Sequences the KV cache holds, each of `context` positions, for decode steps that take
+    /// one token of several at once ([`GpuModel::eval_batch`]); 0 or 1: one. A dense model
+    /// with its first layers on the CPU holds one whatever this says.
+    pub sequences: usize,
 }
 
 impl Default for GpuModelOptions {
@@ -159,6 +166,7 @@ impl Default for GpuModelOptions {
             prompt_expert_slots: 0,
             promote_experts: true,
             matmul_tile: None,
+            sequences: 1,
         }
     }
 }
@@ -231,8 +239,9 @@ struct Activations {
     scores: Buffer,
     /// The attention's counters ([`attention_counters`]).
     attn_done: Buffer,
-    /// Host-visible, written before each step: the token id (word 0) and its position (word 1),
-    /// which the kernels read when they run ([`StepWord`]).
+    /// Host-visible, written before each step: the token id (word 0), its position (word 1)
+    /// and its sequence's first KV-cache row (word 2), which the kernels read when they run
+    /// ([`StepWord`]).
     step: Buffer,
     /// Host-visible, read back after each step.
     logits: Buffer,
@@ -296,7 +305,9 @@ pub struct HostTime {
     pub cpu_layers_ns: u64,
 }
 
-/// A model on one GPU, with one sequence's KV cache.
+/// A model on one GPU, with the KV cache of one sequence or of several
+/// ([`GpuModelOptions::sequences`]): the calls that take no sequence act on the selected one
+/// ([`GpuModel::select`]).
 pub struct GpuModel {
     model: Arc<Model>,
     kernels: Arc<Kernels>,
@@ -323,7 +334,12 @@ pub struct GpuModel {
     rope: Buffer,
     act: Activations,
     capacity: usize,
-    pos: usize,
+    /// Tokens evaluated in each sequence; its KV cache rows start at `seq * capacity`.
+    positions: Vec<usize>,
+    /// The sequence that [`GpuModel::eval`] and [`GpuModel::eval_prompt`] extend.
+    seq: usize,
+    /// Decode steps that took several sequences' tokens in one pass ([`GpuModel::eval_batch`]).
+    batched_steps: u64,
     last_stats: RecordStats,
     last_routing: Vec<LayerRouting>,
     placement: Placement,
@@ -378,13 +394,59 @@ impl GpuModel {
         self.capacity
     }
 
+    /// Tokens evaluated in the selected sequence.
     pub fn position(&self) -> usize {
-        self.pos
+        self.positions[self.seq]
     }
 
-    /// Forgets the sequence (the cache is overwritten from position 0).
+    /// Forgets the selected sequence (its cache is overwritten from position 0).
     pub fn reset(&mut self) {
-        self.pos = 0;
+        self.positions[self.seq] = 0;
+    }
+
+    /// How many sequences the KV cache holds ([`GpuModelOptions::sequences`]).
+    pub fn sequences(&self) -> usize {
+        self.positions.len()
+    }
+
+    /// The sequence that [`GpuModel::eval`], [`GpuModel::eval_prompt`], [`GpuModel::position`]
+    /// and [`GpuModel::reset`] act on from now on; each keeps its own position.
+    ///
+    /// # Panics
+    /// If `seq` is not below [`GpuModel::sequences`].
+    pub fn select(&mut self, seq: usize) {
+        assert!(
+            seq < self.positions.len(),
+            "sequence {seq} of {}",
+            self.positions.len()
+        );
+        self.seq = seq;
+    }
+
+    /// Decode steps since loading that took several sequences' tokens in one pass
+    /// ([`GpuModel::eval_batch`]), not one after another.
+    pub fn batched_steps(&self) -> u64 {
+        self.batched_steps
+    }
+
+    /// The selected sequence.
+    pub fn selected(&self) -> usize {
+        self.seq
+    }
+
+    /// Tokens evaluated in sequence `seq`.
+    pub fn position_of(&self, seq: usize) -> usize {
+        self.positions[seq]
+    }
+
+    /// The selected sequence's position.
+    fn pos(&self) -> usize {
+        self.positions[self.seq]
+    }
+
+    /// The KV-cache row of position 0 of sequence `seq`.
+    fn seq_row(&self, seq: usize) -> u32 {
+        (seq * self.capacity) as u32
     }
 
     /// How many of the model's first layers run on the CPU (a dense model over the VRAM
@@ -502,7 +564,7 @@ impl GpuModel {
             }
             (Some(front), None) => {
                 let t = Instant::now();
-                let x = front.run(&[token], self.pos)?;
+                let x = front.run(&[token], self.positions[self.seq])?;
                 self.input_rows.buffer.write_f32(&x);
                 self.front_time = t.elapsed();
                 0
@@ -510,7 +572,8 @@ impl GpuModel {
             (None, _) => token,
         };
         let mut step = row.to_le_bytes().to_vec();
-        step.extend_from_slice(&(self.pos as u32).to_le_bytes());
+        step.extend_from_slice(&(self.pos() as u32).to_le_bytes());
+        step.extend_from_slice(&self.seq_row(self.seq).to_le_bytes());
         self.act.step.write(&step);
         let profiling = self.profiler.is_some();
         if profiling {
@@ -543,7 +606,7 @@ impl GpuModel {
         if profiling {
             self.profile_after(host)?;
         }
-        self.pos += 1;
+        self.positions[self.seq] += 1;
         self.promote_experts(started.elapsed())?;
         Ok(logits)
     }
@@ -914,7 +977,7 @@ impl GpuModel {
                 c.n_vocab
             )));
         }
-        if self.pos + tokens.len() > self.capacity {
+        if self.pos() + tokens.len() > self.capacity {
             return Err(GpuError::Unsupported(format!(
                 "the context of {} positions is full",
                 self.capacity
@@ -949,7 +1012,8 @@ impl GpuModel {
         }
     }
 
-    /// Word `index` of the step buffer: 0 the token id, 1 its position.
+    /// Word `index` of the step buffer: 0 the token id, 1 its position (2 its sequence's first
+    /// KV-cache row).
     fn step_word(&self, index: u32) -> StepWord<'_> {
         StepWord {
             buffer: &self.act.step,

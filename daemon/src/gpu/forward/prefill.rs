@@ -49,7 +49,7 @@ pub const PREFILL_CHUNK: usize = 512;
 
 /// Tokens per chunk when every token's logits are wanted: the logits of a chunk are read back
 /// at once, `n_vocab` floats a token.
-const LOGITS_CHUNK: usize = 64;
+pub(super) const LOGITS_CHUNK: usize = 64;
 
 /// Most bytes of attention scratch a chunk takes; later chunks of a long prompt are shorter so
 /// that their runs of positions fit.
@@ -86,7 +86,7 @@ pub(crate) fn batch_bytes(c: &crate::model::Config, tokens: usize, capacity: usi
     let floats = n * (3 * c.n_embd + 2 * c.q_width() + 2 * c.kv_width() + 2 * c.n_ff);
     let scratch = (scratch_per_token(c, capacity) * n).min(SCRATCH_BYTES);
     let counters = c.n_head * n * 4;
-    (floats * 4 + scratch + counters + (n + 1) * 4) as u64
+    (floats * 4 + scratch + counters + 3 * n * 4) as u64
 }
 
 /// Host-visible memory a [`Batch`] takes for chunks that want every token's logits, made at
@@ -112,9 +112,16 @@ pub(super) struct Batch {
     scores: Buffer,
     /// The attention's counters, a token's after another's.
     attn_done: Buffer,
-    /// Host-visible: the chunk's first position (word 0), then its token ids (or, with the
-    /// first layers on the CPU, the rows of `input`: 0, 1, ...).
+    /// Host-visible: the chunk's token ids (or, with the first layers on the CPU, the rows of
+    /// `input`: 0, 1, ...), then each token's position and its sequence's first KV-cache row
+    /// ([`StepWord`]).
     step: Buffer,
+    /// One past the last position of the chunk's tokens: the runs of positions its attention
+    /// covers.
+    end: usize,
+    /// The chunk's tokens are one of each of several sequences (a batched decode step), not
+    /// consecutive positions of one: no flash attention, whose tiles share their keys.
+    ragged: bool,
     /// Host-visible, with the first layers on the CPU: the chunk's hidden states from them (or
     /// its embeddings, when those layers run here too: [`super::stream`]).
     input: Option<GpuMatrix>,
@@ -165,7 +172,7 @@ struct BatchShared {
 }
 
 impl Batch {
-    fn new(m: &GpuModel, tokens: usize) -> Result<Batch> {
+    pub(super) fn new(m: &GpuModel, tokens: usize) -> Result<Batch> {
         let c = &m.config;
         let al = &m.allocator;
         let n = tokens;
@@ -196,7 +203,9 @@ impl Batch {
                 MemoryUse::DeviceLocal,
             )?,
             attn_done: attention_counters(al, c.n_head, n)?,
-            step: Buffer::new_in(al, (n as u64 + 1) * 4, MemoryUse::DeviceMapped)?,
+            step: Buffer::new_in(al, 3 * n as u64 * 4, MemoryUse::DeviceMapped)?,
+            end: 0,
+            ragged: false,
             input: match m.front {
                 Some(_) => Some(GpuMatrix {
                     buffer: Buffer::new_in(al, (n * c.n_embd) as u64 * 4, MemoryUse::DeviceMapped)?,
@@ -278,6 +287,18 @@ impl Batch {
         &self.step
     }
 
+    /// Most tokens a chunk may have.
+    pub(super) fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// Whether the attention scratch holds `n` tokens at any positions of `m`'s sequences
+    /// (the decode kernel's runs, which a batched step takes).
+    pub(super) fn holds_attention(&self, m: &GpuModel, n: usize) -> bool {
+        n <= self.tokens
+            && n * scratch_per_token(&m.config, m.capacity) <= self.scores.size() as usize
+    }
+
     pub(super) fn x(&self) -> &Buffer {
         &self.x
     }
@@ -296,7 +317,7 @@ impl Batch {
     }
 
     /// Makes the host-visible buffer for every token's logits, if not made yet.
-    fn logits_buffer(&mut self, m: &GpuModel) -> Result<()> {
+    pub(super) fn logits_buffer(&mut self, m: &GpuModel) -> Result<()> {
         if self.logits.is_none() {
             let bytes = (LOGITS_CHUNK * m.config.n_vocab * 4) as u64;
             self.logits = Some(Buffer::new_in(&m.allocator, bytes, MemoryUse::Staging)?);
@@ -400,7 +421,7 @@ impl GpuModel {
         let (mut hidden, mut share) = (None, std::time::Duration::ZERO);
         if let Some(front) = self.front.as_mut().filter(|_| tokens.len() > 1) {
             let t = std::time::Instant::now();
-            hidden = Some(front.run(tokens, self.pos)?);
+            hidden = Some(front.run(tokens, self.positions[self.seq])?);
             share = t.elapsed() / tokens.len() as u32;
         }
         let e = self.config.n_embd;
@@ -443,14 +464,14 @@ impl GpuModel {
             };
             // Scratch per token grows with the runs of positions below the chunk's end; the
             // flash-attention kernel takes none.
-            let end = (self.pos + most).min(self.capacity);
+            let end = (self.pos() + most).min(self.capacity);
             let fits = match self.flash_prompts() {
                 true => most,
                 false => (scratch / scratch_per_token(&self.config, end)).max(1),
             };
             let n = rest.len().min(most).min(fits);
             let (chunk, later) = rest.split_at(n);
-            let logits = self.eval_chunk(chunk, all_logits)?;
+            let logits = self.eval_chunk(chunk, all_logits, None)?;
             if all_logits || later.is_empty() {
                 out.extend(logits);
             }
@@ -461,8 +482,14 @@ impl GpuModel {
 
     /// One chunk of a prompt: one submission, or with MoE layers one per MoE layer plus one
     /// (each MoE layer's router logits are read back and routed on the host); its last token's
-    /// logits, or all of them.
-    fn eval_chunk(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
+    /// logits, or all of them. With `seqs`, token `i` is the next of sequence `seqs[i]` (a
+    /// batched decode step, [`super::batch`]) instead of the selected sequence's next.
+    pub(super) fn eval_chunk(
+        &mut self,
+        tokens: &[u32],
+        all_logits: bool,
+        seqs: Option<&[usize]>,
+    ) -> Result<Vec<f32>> {
         let (n, n_vocab) = (tokens.len(), self.config.n_vocab);
         // The device-loss injection counts tokens evaluated, a chunk's each.
         for _ in 0..n {
@@ -471,22 +498,30 @@ impl GpuModel {
             }
         }
         let mut batch = self.batch.take().expect("made by eval_prompt");
-        let ran = self.run_chunk(&mut batch, tokens, all_logits);
+        let ran = self.run_chunk(&mut batch, tokens, all_logits, seqs);
         let logits = ran.map(|()| match (&batch.logits, all_logits) {
             (Some(l), true) => l.read_f32(n * n_vocab),
             _ => self.act.logits.read_f32(n_vocab),
         });
         self.batch = Some(batch);
         if logits.is_ok() {
-            self.pos += n;
+            match seqs {
+                None => self.positions[self.seq] += n,
+                Some(seqs) => seqs.iter().for_each(|&s| self.positions[s] += 1),
+            }
         }
         logits
     }
 
-    fn run_chunk(&mut self, batch: &mut Batch, tokens: &[u32], all_logits: bool) -> Result<()> {
+    fn run_chunk(
+        &mut self,
+        batch: &mut Batch,
+        tokens: &[u32],
+        all_logits: bool,
+        seqs: Option<&[usize]>,
+    ) -> Result<()> {
         let n = tokens.len();
-        let mut words = Vec::with_capacity((n + 1) * 4);
-        words.extend_from_slice(&(self.pos as u32).to_le_bytes());
+        let mut words = Vec::with_capacity(3 * n * 4);
         let streams = self.streams_chunk(n);
         match (self.front.as_mut(), batch.input.as_mut()) {
             (Some(front), Some(input)) => {
@@ -495,7 +530,8 @@ impl GpuModel {
                 }
                 let t = std::time::Instant::now();
                 if !streams {
-                    input.buffer.write_f32(&front.run(tokens, self.pos)?);
+                    let pos = self.positions[self.seq];
+                    input.buffer.write_f32(&front.run(tokens, pos)?);
                 }
                 self.front_time = t.elapsed();
             }
@@ -505,6 +541,17 @@ impl GpuModel {
                 }
             }
         }
+        // Each token's position and its sequence's first row.
+        let at: Vec<(usize, usize)> = match seqs {
+            None => (0..n).map(|t| (self.pos() + t, self.seq)).collect(),
+            Some(seqs) => seqs.iter().map(|&s| (self.positions[s], s)).collect(),
+        };
+        for &(pos, seq) in &at {
+            words.extend_from_slice(&(pos as u32).to_le_bytes());
+            words.extend_from_slice(&self.seq_row(seq).to_le_bytes());
+        }
+        batch.end = at.iter().map(|&(pos, _)| pos + 1).max().unwrap_or(0);
+        batch.ragged = seqs.is_some();
         batch.step.write(&words);
         batch.x_ready = false;
         let profiling = self.profiler.is_some();
@@ -618,7 +665,7 @@ impl GpuModel {
             None => {
                 let ids = StepWord {
                     buffer: &b.step,
-                    index: 1,
+                    index: 0,
                 };
                 let rows = b.input.as_ref().unwrap_or(&self.input_rows);
                 rec.get_rows_n(rows, ids, nt, &b.x)?;
@@ -808,13 +855,14 @@ impl GpuModel {
         let c = &self.config;
         let (e, eps, nt) = (c.n_embd as u32, c.rms_eps, n as u32);
         let (qw, kvw) = (c.q_width() as u32, c.kv_width() as u32);
+        // Each token's position and first row, after the chunk's token ids.
         let pos = StepWord {
             buffer: &b.step,
-            index: 0,
+            index: n as u32,
         };
         let rope = |n_heads| self.rope_args(n_heads);
         let attn_args = self.attention_args();
-        let end = (self.pos + n) as u32;
+        let end = b.end as u32;
         rec.rms_norm(&b.x, &l.attn_norm, &b.xn, e, nt, eps)?;
         rec.matvec_batch(&l.wq, &b.xn, &b.q, n)?;
         rec.matvec_batch(&l.wk, &b.xn, &b.k, n)?;
@@ -829,7 +877,7 @@ impl GpuModel {
         let store = Some((&b.v, &l.k_cache, &l.v_cache));
         rec.rope_into(&b.k, kn, &self.rope, rope(c.n_head_kv), pos, nt, store)?;
         let caches = (&l.k_cache, &l.v_cache);
-        if self.flash_prompts() {
+        if self.flash_prompts() && !b.ragged {
             rec.attention_prefill(&b.q, caches, &b.attn, attn_args, pos, nt)?;
         } else {
             let scratch = (&b.scores, &b.attn_done);

@@ -228,7 +228,7 @@ impl GpuModel {
         batch: &mut Batch,
         tokens: &[u32],
     ) -> Result<()> {
-        let (n, pos) = (tokens.len(), self.pos);
+        let (n, pos) = (tokens.len(), self.pos());
         let kvw = self.config.kv_width();
         let front = self.front.as_ref().expect("streams_chunk");
         let model = front.model().clone();
@@ -247,7 +247,7 @@ impl GpuModel {
                 if il == 0 {
                     let ids = StepWord {
                         buffer: b.step(),
-                        index: 1,
+                        index: 0,
                     };
                     rec.get_rows_n(b.input(), ids, n as u32, b.x())?;
                 }

@@ -1,0 +1,210 @@
+//! Decode steps of several sequences at once (`GpuModel::eval_batch`, continuous batching on the
+//! GPU) against each sequence alone on a model of its own (`GpuModel::eval`, itself checked
+//! against the CPU engine in `vulkan_forward.rs`): sequences at different positions, steps that
+//! take some of them in another order, a sequence forgotten and started again beside the others
+//! (its cache rows are its own), prompts into a selected sequence, dense and MoE models (routed
+//! on the device, on the host, and with misses read over the bus), and the checks that refuse a
+//! step before anything moves. On whatever Vulkan device the machine has (lavapipe in CI);
+//! without one these tests skip, unless `SPILLWAY_REQUIRE_VULKAN` is set.
+
+#[path = "../../daemon/tests/common/logits.rs"]
+mod logits;
+use logits::assert_logits_close;
+
+use std::sync::Arc;
+
+use spillway_bench::synth::{SynthModel, WeightType};
+use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
+use spillway_daemon::gpu::placement::MoeMiss;
+use spillway_daemon::gpu::{footprint, Device};
+use spillway_daemon::model::Model;
+
+fn device() -> Option<Arc<Device>> {
+    spillway_daemon::gpu::device_or_skip()
+}
+
+/// The batched step multiplies in the prompts' tiled products (their sums in another order, the
+/// activations in f16 where the device has cooperative matrices); a token at the wrong position
+/// or reading another sequence's rows moves the logits by their whole range.
+const TOLERANCE: f32 = 0.01;
+
+fn synth_model(preset: &str, weights: &str) -> Arc<Model> {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("m.gguf");
+    SynthModel::from_name(preset, weights.parse::<WeightType>().unwrap(), 5)
+        .unwrap()
+        .write(&path, false, |_, _| {})
+        .unwrap();
+    Arc::new(Model::open(&path).unwrap())
+}
+
+fn token(seq: usize, i: usize, n_vocab: usize) -> u32 {
+    ((seq as u64 * 7919 + i as u64 * 2_654_435_761 + 17) % n_vocab as u64) as u32
+}
+
+/// Options of the models compared: f32 dots in the one-token steps, as the chunks' products
+/// take (integer dots quantize a step's inputs, a difference checked in `vulkan_forward.rs`).
+fn options(sequences: usize) -> GpuModelOptions {
+    GpuModelOptions {
+        context: 96,
+        int_dot: false,
+        sequences,
+        ..GpuModelOptions::default()
+    }
+}
+
+/// Three sequences on `gpu`, each beside a model of its own: prompts of different lengths,
+/// steps of all three and of two (in another order), one forgotten and started again.
+fn check_against_alone(dev: &Arc<Device>, model: &Arc<Model>, gpu: &mut GpuModel, what: &str) {
+    let n_vocab = gpu.config().n_vocab;
+    let mut alone: Vec<GpuModel> = (0..3)
+        .map(|_| GpuModel::new(dev, model, &options(1)).unwrap())
+        .collect();
+    assert_eq!(gpu.sequences(), 3, "{what}");
+    // Prompts of 5, 17 and 1 tokens, each into its selected sequence.
+    for (seq, n) in [(0, 5), (1, 17), (2, 1)] {
+        let prompt: Vec<u32> = (0..n).map(|i| token(seq, i, n_vocab)).collect();
+        gpu.select(seq);
+        let got = gpu.eval_prompt(&prompt, false).unwrap();
+        let want = alone[seq].eval_prompt(&prompt, false).unwrap();
+        assert_logits_close(&got, &want, TOLERANCE, &format!("{what}: prompt {seq}"));
+    }
+    let mut next = [5, 17, 1];
+    let steps: [&[usize]; 5] = [&[0, 1, 2], &[2, 0], &[1, 2, 0], &[0, 1, 2], &[1]];
+    for (step, seqs) in steps.iter().enumerate() {
+        if step == 3 {
+            // Sequence 1 forgotten and started again while the others go on.
+            gpu.select(1);
+            gpu.reset();
+            alone[1].reset();
+            next[1] = 0;
+        }
+        let inputs: Vec<(usize, u32)> = seqs
+            .iter()
+            .map(|&s| (s, token(s, next[s] + 100, n_vocab)))
+            .collect();
+        let got = gpu.eval_batch(&inputs).unwrap();
+        assert_eq!(got.len(), inputs.len() * n_vocab, "{what}");
+        for (i, &(s, t)) in inputs.iter().enumerate() {
+            let want = alone[s].eval(t).unwrap();
+            let g = &got[i * n_vocab..(i + 1) * n_vocab];
+            assert_logits_close(
+                g,
+                &want,
+                TOLERANCE,
+                &format!("{what}: step {step}, seq {s}"),
+            );
+            next[s] += 1;
+            assert_eq!(gpu.position_of(s), alone[s].position(), "{what}: seq {s}");
+        }
+    }
+    // A decode step of the selected sequence alone, after the batches: its cache holds them.
+    gpu.select(2);
+    let t = token(2, 999, n_vocab);
+    let got = gpu.eval(t).unwrap();
+    let want = alone[2].eval(t).unwrap();
+    assert_logits_close(&got, &want, TOLERANCE, &format!("{what}: a step after"));
+}
+
+fn check(preset: &str, weights: &str) {
+    let Some(dev) = device() else { return };
+    let model = synth_model(preset, weights);
+    let mut gpu = GpuModel::new(&dev, &model, &options(3)).unwrap();
+    check_against_alone(&dev, &model, &mut gpu, &format!("{preset} {weights}"));
+    // The steps of several sequences went in one pass each, not a step per sequence.
+    assert_eq!(gpu.batched_steps(), 4, "{preset} {weights}");
+}
+
+#[test]
+fn batched_steps_match_each_sequence_alone_tiny_llama_q4_0() {
+    check("tiny-llama", "Q4_0");
+}
+
+#[test]
+fn batched_steps_match_each_sequence_alone_tiny_qwen3_q8_0() {
+    check("tiny-qwen3", "Q8_0");
+}
+
+#[test]
+fn batched_steps_match_each_sequence_alone_tiny_qwen3moe_q4_0() {
+    check("tiny-qwen3moe", "Q4_0");
+}
+
+/// Qwen2-MoE's shared expert: its MoE layers are routed on the host, a submission each.
+#[test]
+fn batched_steps_match_each_sequence_alone_tiny_qwen2moe_q8_0() {
+    check("tiny-qwen2moe", "Q8_0");
+}
+
+/// Under a VRAM budget with misses read from system RAM, a batched step is still one pass: its
+/// missing experts are read over the bus once for every sequence's tokens.
+#[test]
+fn batched_steps_over_the_vram_budget_read_misses_over_the_bus() {
+    let Some(dev) = device() else { return };
+    let model = synth_model("tiny-qwen3moe", "Q4_0");
+    let pcie = GpuModelOptions {
+        moe_miss: MoeMiss::Pcie,
+        ..options(3)
+    };
+    let minimum = GpuModel::minimum_budget(&dev, &model, &pcie).unwrap();
+    let staging = if minimum.staging > 0 { 1 << 20 } else { 0 };
+    let chunk = footprint::moe_chunk_bytes(&model, 96);
+    let budget = minimum.total() + 4 * chunk + staging + 2 * minimum.one_slot_per_layer;
+    let options = GpuModelOptions {
+        vram_budget: Some(budget),
+        ..pcie
+    };
+    let mut gpu = GpuModel::new(&dev, &model, &options).unwrap();
+    if !gpu.placement().is_partial() {
+        eprintln!("the whole model fits {budget} bytes on this device");
+        return;
+    }
+    assert_eq!(gpu.sequences(), 3);
+    check_against_alone(&dev, &model, &mut gpu, "tiny-qwen3moe over the budget");
+    assert_eq!(gpu.batched_steps(), 4);
+    let t = gpu.expert_stats().unwrap().total();
+    assert!(t.pcie > 0 && t.pcie == t.misses, "{t:?}");
+}
+
+#[test]
+fn a_bad_step_is_refused_and_nothing_moves() {
+    let Some(dev) = device() else { return };
+    let model = synth_model("tiny-llama", "Q8_0");
+    let mut gpu = GpuModel::new(&dev, &model, &options(2)).unwrap();
+    let n_vocab = gpu.config().n_vocab as u32;
+    gpu.eval_batch(&[(0, 1), (1, 2)]).unwrap();
+    for bad in [
+        vec![(0, 1), (0, 2)],       // a sequence twice
+        vec![(0, 1), (2, 2)],       // no sequence 2
+        vec![(1, n_vocab), (0, 1)], // outside the vocabulary
+    ] {
+        assert!(gpu.eval_batch(&bad).is_err(), "{bad:?}");
+        assert_eq!((gpu.position_of(0), gpu.position_of(1)), (1, 1), "{bad:?}");
+    }
+    // A full sequence refuses the step; the other's context is its own.
+    gpu.select(1);
+    let fill: Vec<u32> = (0..95).map(|i| i % n_vocab).collect();
+    gpu.eval_prompt(&fill, false).unwrap();
+    assert!(gpu.eval_batch(&[(0, 3), (1, 4)]).is_err());
+    assert_eq!((gpu.position_of(0), gpu.position_of(1)), (1, 96));
+    gpu.eval_batch(&[(0, 3)]).unwrap();
+    assert_eq!(gpu.position_of(0), 2);
+}
+
+/// A dense model over its VRAM budget runs its first layers on the CPU, whose cache holds one
+/// sequence: the model holds one, and says so.
+#[test]
+fn more_sequences_than_a_step_can_take_together_are_not_kept() {
+    let Some(dev) = device() else { return };
+    let model = synth_model("tiny-llama", "Q8_0");
+    let minimum = GpuModel::minimum_budget(&dev, &model, &options(1))
+        .expect("a dense model of several layers has a minimum budget")
+        .total();
+    let options = GpuModelOptions {
+        vram_budget: Some(minimum),
+        ..options(4)
+    };
+    let gpu = GpuModel::new(&dev, &model, &options).unwrap();
+    assert!(gpu.cpu_layers() > 0);
+    assert_eq!(gpu.sequences(), 1);
+}
