@@ -47,10 +47,15 @@ fn load_request(path: &Path, name: &str, device: &str) -> pb::LoadModelRequest {
 
 /// Eight greedy tokens after a fixed prompt.
 async fn greedy(client: &mut Client, model: &str) -> Vec<u32> {
+    greedy_after(client, model, vec![1, 17, 300, 5, 1000]).await
+}
+
+/// Eight greedy tokens after `prompt`.
+async fn greedy_after(client: &mut Client, model: &str, prompt: Vec<u32>) -> Vec<u32> {
     let req = pb::GenerateRequest {
         model: model.into(),
         input: Some(pb::generate_request::Input::Tokens(pb::TokenIds {
-            ids: vec![1, 17, 300, 5, 1000],
+            ids: prompt,
         })),
         max_tokens: 8,
         ignore_eos: true,
@@ -99,15 +104,44 @@ async fn models_on_vulkan_generate_the_tokens_of_their_cpu_served_copies() {
         assert_eq!(want.len(), 8);
         assert_eq!(greedy(&mut client, gpu).await, want, "{gpu} against {cpu}");
     }
+    // Four requests at once on a GPU model: its KV cache holds --max-batch sequences, and its
+    // decode steps take one token of each running request together. Each gets the tokens it
+    // gets alone on the CPU.
+    let prompts = [
+        vec![1, 17, 300],
+        vec![2, 40, 7, 9],
+        vec![5],
+        vec![600, 3, 3, 8, 1],
+    ];
+    for (gpu, cpu) in [("moe", "moe-cpu"), ("dense", "dense-cpu")] {
+        let mut want = Vec::new();
+        for p in &prompts {
+            want.push(greedy_after(&mut client, cpu, p.clone()).await);
+        }
+        let mut running = tokio::task::JoinSet::new();
+        for (i, p) in prompts.iter().enumerate() {
+            let (mut c, p) = (client.clone(), p.clone());
+            running.spawn(async move { (i, greedy_after(&mut c, gpu, p).await) });
+        }
+        let mut got = vec![Vec::new(); prompts.len()];
+        while let Some(r) = running.join_next().await {
+            let (i, tokens) = r.unwrap();
+            got[i] = tokens;
+        }
+        assert_eq!(got, want, "{gpu} against {cpu}, four at once");
+        let shared = status_of(&mut client, gpu).await.shared_steps;
+        assert!(shared > 0, "{gpu}: the requests shared no decode step");
+    }
 
     let moe = status_of(&mut client, "moe").await;
     assert!(moe.device.starts_with("vulkan:0 ("), "{}", moe.device);
-    assert_eq!(moe.max_batch, 1);
+    // The daemon's --max-batch (4): every expert in VRAM, so steps take sequences together.
+    assert_eq!(moe.max_batch, 4);
     assert!(moe.vram_bytes > 0 && moe.kv_cache_bytes > 0);
     assert_eq!(moe.vram_budget_bytes, 0);
     assert_eq!(moe.tiers.len(), 1, "every expert in VRAM: {:?}", moe.tiers);
     assert_eq!(moe.tiers[0].tier, "vram");
-    assert_eq!(moe.generated_tokens, 8);
+    assert_eq!(moe.generated_tokens, 8 + 4 * 8);
     let e = moe.experts.expect("a MoE model's expert counters");
     assert_eq!(e.slots_per_layer, e.n_expert);
     assert!(e.hits > 0 && e.misses == 0, "{e:?}");
@@ -117,6 +151,7 @@ async fn models_on_vulkan_generate_the_tokens_of_their_cpu_served_copies() {
     assert!(dense.device.starts_with("vulkan:"));
     assert!(dense.vram_bytes > 0);
     assert!(dense.experts.is_none());
+    assert_eq!(dense.max_batch, 4);
     let cpu = status_of(&mut client, "dense-cpu").await;
     assert_eq!((cpu.device.as_str(), cpu.vram_bytes), ("cpu", 0));
     assert!(cpu.max_batch > 1);

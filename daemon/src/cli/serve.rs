@@ -49,12 +49,13 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 8)]
     pub queue_depth: usize,
     /// Requests per model decoded together, sharing each decode step (each has its own KV
-    /// cache of --ctx positions).
+    /// cache of --ctx positions). On a Vulkan device, where a step can take them together
+    /// (every layer on the GPU; experts not in VRAM read over the bus); otherwise one.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub max_batch: u16,
     /// Where models run: `cpu`, `vulkan` (the preferred Vulkan device) or `vulkan:N` (device N
-    /// of `spillwayd devices`). On a Vulkan device a model serves one request at a time. Without
-    /// a usable Vulkan driver or device the daemon says so and serves on the CPU.
+    /// of `spillwayd devices`). Without a usable Vulkan driver or device the daemon says so and
+    /// serves on the CPU.
     #[arg(long, default_value = "cpu")]
     pub device: DeviceChoice,
     /// Ceiling on the device memory each model may take with `--device vulkan` (e.g. 512MiB,

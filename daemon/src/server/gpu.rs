@@ -1,9 +1,13 @@
 //! A model served on a Vulkan device: its worker drives one [`GpuModel`] through the same
 //! [`SequenceModel`] calls `spillwayd run --device vulkan` makes, so requests get the CPU
-//! worker's queue, sampling, stop strings, streaming, cancellation and deadlines. The GPU holds
-//! one sequence, so requests run one at a time (the worker's batch is 1); prompts go token by
-//! token, with cancellation and deadlines checked between tokens. When the device is lost, the
-//! worker has [`GpuSequence::recover`] open it again and reload the model there.
+//! worker's queue, sampling, stop strings, streaming, cancellation and deadlines. The model's KV
+//! cache holds `--max-batch` sequences ([`GpuModelOptions::sequences`]) where a decode step can
+//! take their tokens together, so that many requests run at once and each decode step reads the
+//! weights once for all of them ([`GpuModel::eval_batch`]); otherwise (a dense model with layers
+//! on the CPU, MoE misses computed on the CPU or fetched) it holds one and requests run one at
+//! a time. Prompts go in chunks where the model batches them, with cancellation and deadlines
+//! checked between chunks. When the device is lost, the worker has [`GpuSequence::recover`] open
+//! it again and reload the model there.
 
 use std::sync::Arc;
 
@@ -48,15 +52,16 @@ impl GpuStatus {
     }
 }
 
-/// The worker's view of a [`GpuModel`]: one sequence.
+/// The worker's view of a [`GpuModel`]: its sequences.
 pub struct GpuSequence {
     model: Arc<Model>,
     /// `None` between dropping the model of a lost device and loading it on a new one.
     gpu: Option<GpuModel>,
     /// The device index asked for and the options of the load, to load again after a loss.
     reload: (Option<usize>, GpuModelOptions),
-    /// Positions a sequence holds (the same after a reload).
+    /// Positions a sequence holds, and sequences (the same after a reload).
     capacity: usize,
+    sequences: usize,
     status: Arc<GpuStatus>,
 }
 
@@ -101,6 +106,7 @@ impl GpuSequence {
             GpuSequence {
                 model,
                 capacity: SequenceModel::capacity(&gpu),
+                sequences: gpu.sequences(),
                 gpu: Some(gpu),
                 reload,
                 status: status.clone(),
@@ -136,6 +142,14 @@ impl GpuSequence {
         self.loaded()
     }
 
+    /// Makes `seq` the sequence that [`GpuSequence::eval_one`] and the model's own calls act
+    /// on (while the model is loaded).
+    pub fn select(&mut self, seq: usize) {
+        if let Some(gpu) = &mut self.gpu {
+            gpu.select(seq);
+        }
+    }
+
     /// One token at the next position, the expert counters in the status updated.
     pub fn eval_one(&mut self, token: u32) -> Result<Vec<f32>, GpuError> {
         let gpu = self.loaded()?;
@@ -146,8 +160,14 @@ impl GpuSequence {
         out
     }
 
-    fn eval(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>, GenerateError> {
+    fn eval(
+        &mut self,
+        seq: usize,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<Vec<f32>, GenerateError> {
         let gpu = self.loaded()?;
+        gpu.select(seq);
         let out = gpu.eval_tokens(tokens, all_logits);
         if let Some(stats) = gpu.expert_stats() {
             *self.status.experts.lock() = Some(stats);
@@ -162,7 +182,7 @@ impl Sequences for GpuSequence {
     }
 
     fn sequences(&self) -> usize {
-        1
+        self.sequences
     }
 
     fn capacity(&self) -> usize {
@@ -170,13 +190,12 @@ impl Sequences for GpuSequence {
     }
 
     fn position(&self, seq: usize) -> usize {
-        debug_assert_eq!(seq, 0);
-        self.gpu.as_ref().map_or(0, SequenceModel::position)
+        self.gpu.as_ref().map_or(0, |g| g.position_of(seq))
     }
 
     fn reset(&mut self, seq: usize) {
-        debug_assert_eq!(seq, 0);
         if let Some(gpu) = &mut self.gpu {
+            gpu.select(seq);
             SequenceModel::reset(gpu);
         }
     }
@@ -196,16 +215,20 @@ impl Sequences for GpuSequence {
         tokens: &[u32],
         all_logits: bool,
     ) -> Result<Vec<f32>, GenerateError> {
-        debug_assert_eq!(seq, 0);
-        self.eval(tokens, all_logits)
+        self.eval(seq, tokens, all_logits)
     }
 
+    /// One token of each listed sequence, in one pass where the model batches steps.
     fn step(&mut self, inputs: &[(usize, u32)]) -> Result<Vec<f32>, GenerateError> {
-        match inputs {
-            [] => Ok(Vec::new()),
-            [(0, token)] => self.eval(&[*token], false),
-            _ => unreachable!("the GPU worker runs one sequence"),
+        if inputs.is_empty() {
+            return Ok(Vec::new());
         }
+        let gpu = self.loaded()?;
+        let out = gpu.eval_batch(inputs);
+        if let Some(stats) = gpu.expert_stats() {
+            *self.status.experts.lock() = Some(stats);
+        }
+        Ok(out?)
     }
 
     fn gpu_profiler(&mut self) -> Option<&mut GpuSequence> {

@@ -8,7 +8,8 @@
 //!   owning its engine, with a bounded queue; [`stats`]: what `Status` reports; [`profile`]:
 //!   the `Profile` RPC's steps on the worker.
 //! - [`device`]: `cpu`, `vulkan` or `vulkan:N`, and opening the Vulkan device; [`gpu`]: a
-//!   model's worker on a Vulkan device (one request at a time) and what `Status` reads of it.
+//!   model's worker on a Vulkan device (up to `--max-batch` requests sharing each decode step
+//!   where the model's placement allows) and what `Status` reads of it.
 //! - [`chat`]: chat messages to prompt text (the model's template, or ChatML); [`default_model`]: the model served when none is
 //!   configured.
 //!
@@ -263,7 +264,7 @@ fn resolve_device(choice: DeviceChoice) -> Result<DeviceChoice, ServeError> {
     };
     match device::open_vulkan(index) {
         Ok(d) => {
-            tracing::info!(device = %device::describe(&d), "models run on the GPU, one request at a time");
+            tracing::info!(device = %device::describe(&d), "models run on the GPU");
             Ok(choice)
         }
         Err(e @ device::OpenError::NoSuchDevice { .. }) => Err(ServeError::Device {

@@ -338,6 +338,7 @@ pub fn load(
                 context: options.context,
                 threads: options.threads,
                 expert_layout: expert_layout(options, &device, &model)?,
+                sequences: options.max_batch,
                 ..GpuModelOptions::default()
             };
             let gpu = device::load_gpu_model(&device, &model, &gpu_options).map_err(
@@ -349,7 +350,15 @@ pub fn load(
             )?;
             let context = gpu.capacity();
             let cpu_layers = gpu.cpu_layers();
-            let footprint = GpuModel::device_bytes(&model, &gpu_options);
+            // The footprint of the sequences the model holds (fewer where steps cannot batch).
+            let footprint = GpuModel::device_bytes(
+                &model,
+                &GpuModelOptions {
+                    sequences: gpu.sequences(),
+                    ..gpu_options.clone()
+                },
+            );
+            let sequences = gpu.sequences();
             let (sequence, status) = GpuSequence::new(
                 model.clone(),
                 gpu,
@@ -363,7 +372,8 @@ pub fn load(
                 device = %name,
                 vram_bytes = status.vram_bytes(),
                 cpu_layers,
-                "on the GPU, one request at a time"
+                sequences,
+                "on the GPU, up to {sequences} requests at a time"
             );
             let worker = Worker::spawn(
                 &options.name,

@@ -559,6 +559,7 @@ impl Spillway for SpillwayService {
                     queue_capacity: m.worker.queue_capacity() as u32,
                     generated_tokens: stats.generated.load(Ordering::Relaxed),
                     max_batch: m.worker.max_batch() as u32,
+                    shared_steps: stats.shared_steps.load(Ordering::Relaxed),
                     ..Default::default()
                 };
                 if let Some(gpu) = &m.gpu {

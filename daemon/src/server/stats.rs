@@ -15,6 +15,8 @@ pub struct ModelStats {
     /// Accepted requests not yet finished: waiting ones and the running one.
     pub in_queue: AtomicUsize,
     pub generated: AtomicU64,
+    /// Decode steps that took the tokens of several requests together.
+    pub shared_steps: AtomicU64,
     /// Set while the worker reopens a lost GPU device and reloads the model: new requests are
     /// refused with UNAVAILABLE, and health reports NOT_SERVING.
     pub recovering: AtomicBool,

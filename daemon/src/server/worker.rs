@@ -406,6 +406,10 @@ impl<E: Sequences> WorkerContext<E> {
                 .map(|a| (a.seq, *a.decoder.tokens().last().expect("a sampled token")))
                 .collect();
             let logits = match self.engine.step(&inputs) {
+                Ok(l) if inputs.len() > 1 => {
+                    self.stats.shared_steps.fetch_add(1, Ordering::Relaxed);
+                    l
+                }
                 Ok(l) => l,
                 Err(e) => {
                     let status = self.engine_failed(&e);
@@ -567,6 +571,7 @@ impl<E: Sequences> WorkerContext<E> {
             "profile"
         );
         if let Some(gpu) = self.engine.gpu_profiler() {
+            gpu.select(seq);
             return super::profile::gpu::run(gpu, job, &check);
         }
         let Some(engine) = self.engine.profiler() else {
