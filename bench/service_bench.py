@@ -14,11 +14,16 @@ spillway-client`) and a model file. Both tests generate from the same pseudo-ran
               tokens over the wall time from the first start to the last exit
 
     python3 bench/service_bench.py --model models/small-qwen3moe-q4_k_m.gguf --threads 2
+
+`--device-args` go to both `spillwayd serve` and `spillwayd run` (e.g. `"--device vulkan
+--vram-budget 8GiB --moe-miss pcie"`); `--streams-only` skips the overhead test (each
+`spillwayd run` loads the model again).
 """
 
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -52,7 +57,10 @@ def main():
     ap.add_argument("--tokens", type=int, default=64, help="generated tokens")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--bin", default=os.path.join(ROOT, "target", "release"))
+    ap.add_argument("--device-args", default="", help="more arguments of serve and run")
+    ap.add_argument("--streams-only", action="store_true")
     args = ap.parse_args()
+    device_args = shlex.split(args.device_args)
 
     spillwayd = os.path.join(args.bin, "spillwayd")
     spillway = os.path.join(args.bin, "spillway")
@@ -63,7 +71,7 @@ def main():
     daemon = subprocess.Popen(
         [spillwayd, "serve", "--model", f"bench={args.model}", "--socket", sock,
          "--threads", str(args.threads), "--max-batch", str(max_batch),
-         "--queue-depth", str(2 * max_batch), "--log-level", "warn"],
+         "--queue-depth", str(2 * max_batch), "--log-level", "warn"] + device_args,
         stderr=subprocess.DEVNULL,
     )
     client = [spillway, "--addr", sock, "--no-autostart"]
@@ -81,10 +89,10 @@ def main():
                         "--max-tokens", str(args.tokens), "--ignore-eos", "--json"]
         run = [spillwayd, "run", "--model", args.model, "--prompt-tokens", prompt,
                "--max-tokens", str(args.tokens + 1), "--ignore-eos", "--threads",
-               str(args.threads), "--json"]
+               str(args.threads), "--json"] + device_args
         run_json(gen)  # warm-up: page cache, first allocations
         served, direct = [], []
-        for rep in range(args.reps):
+        for rep in range(0 if args.streams_only else args.reps):
             r = run_json(run)["timings"]
             direct.append((r["tokens_per_s"], r["prompt_ms"]))
             g = run_json(gen)["timings"]
@@ -94,13 +102,16 @@ def main():
                   file=sys.stderr)
         med = lambda xs, i: statistics.median(x[i] for x in xs)
         print(f"model {os.path.basename(args.model)}, {args.threads} threads, "
-              f"{args.prompt}-token prompt, {args.tokens} tokens, medians of {args.reps}\n")
-        print("| path | decode tok/s | time to first token ms |")
-        print("| --- | --- | --- |")
-        print(f"| spillwayd run | {med(direct, 0):.2f} | {med(direct, 1):.1f} |")
-        print(f"| spillwayd serve + spillway generate | {med(served, 0):.2f} | {med(served, 1):.1f} |")
-        print(f"\ndecode overhead {100 * (1 - med(served, 0) / med(direct, 0)):.1f}%, "
-              f"first token {med(served, 1) - med(direct, 1):+.1f} ms\n")
+              f"{args.prompt}-token prompt, {args.tokens} tokens, medians of {args.reps}, "
+              f"{' '.join(device_args) or 'cpu'}\n")
+        if served:
+            print("| path | decode tok/s | time to first token ms |")
+            print("| --- | --- | --- |")
+            print(f"| spillwayd run | {med(direct, 0):.2f} | {med(direct, 1):.1f} |")
+            print(f"| spillwayd serve + spillway generate | {med(served, 0):.2f} | "
+                  f"{med(served, 1):.1f} |")
+            print(f"\ndecode overhead {100 * (1 - med(served, 0) / med(direct, 0)):.1f}%, "
+                  f"first token {med(served, 1) - med(direct, 1):+.1f} ms\n")
 
         print("| streams | generated tokens | wall s | aggregate tok/s |")
         print("| --- | --- | --- | --- |")

@@ -477,3 +477,77 @@ fn gathered_sums_add_each_tokens_entries_in_order() {
         assert!((g - w).abs() <= 1e-6 * w.abs().max(1.0), "[{i}] {g} vs {w}");
     }
 }
+
+/// Products over a few tokens (2 to 8) take the several-column matrix-vector kernel
+/// (`matvec.comp` with COLS): each token's results are its one-token product's bit for bit
+/// (the same sums in the same order), for every weight type, with f32 and with integer dot
+/// products, every column count (rows a workgroup shrink as columns grow), added to what the
+/// output held, over a row range and over rows split between bindings.
+#[test]
+fn a_few_tokens_products_are_each_tokens_own_bit_for_bit() {
+    let Some(dev) = device() else { return };
+    let (n_in, n_out) = (512, 67);
+    for ty in [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q4K,
+        GgmlType::Q6K,
+    ] {
+        for int_dot in [false, true] {
+            let mut s = setup(&dev, ty, n_in, n_out);
+            s.kernels = Kernels::with_int_dot(&dev, (true, true), int_dot);
+            assert_eq!(s.kernels.matvec_cols(), 8);
+            for n_tok in [2, 3, 5, 8] {
+                let what = format!("{ty} × {n_tok} tokens, integer dots {int_dot}");
+                let xs = inputs(n_tok * n_in, n_tok as u32 + 40);
+                let want = one_by_one(&s, &xs, n_tok);
+                let x = host(&s, &xs);
+                let y = host(&s, &vec![f32::NAN; n_tok * n_out]);
+                s.kernels
+                    .record(|r| r.matvec_batch(&s.w, &x, &y, n_tok))
+                    .unwrap();
+                assert_eq!(y.read_f32(n_tok * n_out), want, "{what}");
+
+                let before = inputs(n_tok * n_out, 3);
+                let y = host(&s, &before);
+                s.kernels
+                    .record(|r| r.matvec_batch_add(&s.w, &x, &y, n_tok))
+                    .unwrap();
+                let added: Vec<f32> = before.iter().zip(&want).map(|(b, p)| b + p).collect();
+                assert_eq!(y.read_f32(n_tok * n_out), added, "{what}, added");
+            }
+        }
+    }
+    // A row range, and rows split between bindings.
+    let (n_in, n_out, n_tok) = (256, 96, 6);
+    let s = setup(&dev, GgmlType::Q8_0, n_in, n_out);
+    let xs = inputs(n_tok * n_in, 5);
+    let whole = one_by_one(&s, &xs, n_tok);
+    let x = host(&s, &xs);
+    let (first, n) = (40, 32);
+    let y = host(&s, &vec![f32::NAN; n_tok * n]);
+    s.kernels
+        .record(|r| r.matvec_batch_rows(&s.w, first, n, &x, &y, n_tok))
+        .unwrap();
+    let want: Vec<f32> = (0..n_tok)
+        .flat_map(|t| whole[t * n_out + first..t * n_out + first + n].to_vec())
+        .collect();
+    assert_eq!(y.read_f32(n_tok * n), want, "rows 40..72");
+    let limit = 12_000;
+    assert!(limit < 96 * s.w.row_bytes / 2 && limit > x.size());
+    let y = host(&s, &vec![f32::NAN; n_tok * n_out]);
+    s.kernels
+        .record_with_max_range(limit, |r| r.matvec_batch(&s.w, &x, &y, n_tok))
+        .unwrap();
+    assert_eq!(y.read_f32(n_tok * n_out), whole, "split binding");
+    // With the kernel off, the same tokens take the tiled kernel: the same products up to the
+    // order of their sums.
+    s.kernels.set_matvec_cols(0);
+    let y = host(&s, &vec![f32::NAN; n_tok * n_out]);
+    s.kernels
+        .record(|r| r.matvec_batch(&s.w, &x, &y, n_tok))
+        .unwrap();
+    assert_close(&s, &y.read_f32(n_tok * n_out), &whole, "tiled");
+}

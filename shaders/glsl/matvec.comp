@@ -31,6 +31,14 @@
 // that short rows still give every invocation work, and writes Σ_z w_z (W_z · x_z), w_z being
 // the float at `ids[weights_at + z]` (a MoE layer's down products, summed with the routing's
 // weights, with ACCUMULATE straight into the residual).
+//
+// With COLS (ggml's mul_mat_vec with several columns: a decode step of several sequences, a
+// prompt of a few tokens): x holds `n_cols` vectors `x_stride` floats apart and y gets each one's
+// results `y_stride` floats apart. A workgroup takes NROWS rows of all NCOLS columns, so each
+// weight is read from memory once for every column; columns past `n_cols` repeat the last one so
+// that every column's dot of an item runs the same straight-line code (the compiler can share an
+// item's loads and decoding between them), and are not written. NROWS * NCOLS <= MAX_ROWS; no
+// NORM or GLU.
 
 layout(local_size_x_id = 0) in;
 layout(constant_id = 1) const uint NROWS = 4u;
@@ -41,6 +49,13 @@ layout(constant_id = 5) const uint ID_SUM = 0u;
 // The host keeps WG <= MAX_WG and NROWS <= MAX_ROWS (ops.rs, `MatVecShape`), NROWS even with GLU.
 #define MAX_WG 256u
 #define MAX_ROWS 8u
+#if defined(COLS)
+layout(constant_id = 6) const uint NCOLS = 1u;
+// Sums a workgroup keeps: a row's for each column.
+#define SLOTS (NROWS * NCOLS)
+#else
+#define SLOTS NROWS
+#endif
 
 // One binding, two views: words for blocks that start on any even byte, 16-byte vectors for rows
 // that the host keeps 16-byte aligned (F32, F16, Q4_K).
@@ -68,6 +83,11 @@ layout(push_constant) uniform Params {
     uint up_offset;  // bytes from an expert's gate row to its up row (GLU)
     uint n_ids;      // experts summed (ID_SUM)
     uint weights_at; // index in `ids` of expert 0's weight (ID_SUM)
+#endif
+#if defined(COLS)
+    uint n_cols;   // columns of x (and of y) to compute, at most NCOLS
+    uint x_stride; // floats from one column of x to the next (a multiple of 4)
+    uint y_stride; // floats from one column's results to the next
 #endif
     float eps;     // RMSNorm's, with NORM
 } p;
@@ -107,6 +127,16 @@ void emit(uint i, float g, float u, float ss) {
     y[i] = ACCUMULATE != 0u ? y[i] + v : v;
 }
 
+#if defined(COLS)
+// Writes sum slot `s` (row r0 + s / NCOLS of column s % NCOLS) where both exist.
+void emit_col(uint s, uint r0, uint nr, float v) {
+    const uint j = s / NCOLS, c = s % NCOLS;
+    if (j < nr && c < p.n_cols) {
+        emit(p.y_offset + c * p.y_stride + r0 + j, v, 0.0, 0.0);
+    }
+}
+#endif
+
 void main() {
     const uint WG = gl_WorkGroupSize.x;
     const uint tid = gl_LocalInvocationID.x;
@@ -122,7 +152,7 @@ void main() {
     // Rows past the last (a partial last workgroup) repeat it, so every row slot runs the same
     // straight-line code; their sums are not written. With GLU, slots OUT.. are the up rows.
     uint row[NROWS];
-    float acc[NROWS + 1u];
+    float acc[SLOTS + 1u];
 #if defined(INDEXED)
     const uint up_bytes = p.up_offset;
     uint y0 = p.y_offset;
@@ -167,39 +197,66 @@ void main() {
         [[unroll]] for (uint j = 0u; j < NROWS; ++j) {
             const uint up = j >= OUT ? up_bytes : 0u;
             row[j] = w0 + up + min(r0 + j % OUT, p.n_rows - 1u) * rb;
-            acc[j] = 0.0;
+        }
+        [[unroll]] for (uint s = 0u; s < SLOTS; ++s) {
+            acc[s] = 0.0;
         }
         for (uint i = tid; i < n_items; i += WG) {
+#if defined(COLS)
+            [[unroll]] for (uint c = 0u; c < NCOLS; ++c) {
+                Inputs xi = load_inputs(x0 + min(c, p.n_cols - 1u) * p.x_stride, i);
+                [[unroll]] for (uint j = 0u; j < NROWS; ++j) {
+                    acc[j * NCOLS + c] += dot_item(row[j], i, xi);
+                }
+            }
+#else
             Inputs xi = load_inputs(x0, i);
             [[unroll]] for (uint j = 0u; j < NROWS; ++j) {
                 acc[j] += dot_item(row[j], i, xi);
             }
+#endif
         }
     }
-    acc[NROWS] = sumsq;
+    acc[SLOTS] = sumsq;
     const uint up = min(OUT, NROWS); // slot of result 0's up row (GLU)
 
 #if defined(USE_SUBGROUP)
-    [[unroll]] for (uint j = 0u; j <= NROWS; ++j) {
+    [[unroll]] for (uint j = 0u; j <= SLOTS; ++j) {
         acc[j] = subgroupAdd(acc[j]);
     }
     if (gl_NumSubgroups == 1u) {
         if (tid == 0u) {
+#if defined(COLS)
+            [[unroll]] for (uint s = 0u; s < SLOTS; ++s) {
+                emit_col(s, r0, nr, acc[s]);
+            }
+#else
             [[unroll]] for (uint j = 0u; j < OUT; ++j) {
                 if (j < nr) {
                     emit(y0 + r0 + j, acc[j], acc[min(j + up, NROWS)], acc[NROWS]);
                 }
             }
+#endif
         }
         return;
     }
     const uint ns = gl_NumSubgroups;
     if (subgroupElect()) {
-        [[unroll]] for (uint j = 0u; j <= NROWS; ++j) {
+        [[unroll]] for (uint j = 0u; j <= SLOTS; ++j) {
             red[j * ns + gl_SubgroupID] = acc[j];
         }
     }
     barrier();
+#if defined(COLS)
+    if (tid < SLOTS) {
+        float sum = 0.0;
+        for (uint k = 0u; k < ns; ++k) {
+            sum += red[tid * ns + k];
+        }
+        emit_col(tid, r0, nr, sum);
+    }
+    return;
+#endif
     if (tid < nr) {
         float s[3] = float[3](0.0, 0.0, 0.0);
         const uint at[3] = uint[3](tid, min(tid + up, NROWS), NROWS);
@@ -211,18 +268,24 @@ void main() {
         emit(y0 + r0 + tid, s[0], s[1], s[2]);
     }
 #else
-    [[unroll]] for (uint j = 0u; j <= NROWS; ++j) {
+    [[unroll]] for (uint j = 0u; j <= SLOTS; ++j) {
         red[j * WG + tid] = acc[j];
     }
     barrier();
     for (uint s = WG / 2u; s > 0u; s >>= 1) {
         if (tid < s) {
-            [[unroll]] for (uint j = 0u; j <= NROWS; ++j) {
+            [[unroll]] for (uint j = 0u; j <= SLOTS; ++j) {
                 red[j * WG + tid] += red[j * WG + tid + s];
             }
         }
         barrier();
     }
+#if defined(COLS)
+    if (tid < SLOTS) {
+        emit_col(tid, r0, nr, red[tid * WG]);
+    }
+    return;
+#endif
     if (tid < nr) {
         emit(y0 + r0 + tid, red[tid * WG], red[min(tid + up, NROWS) * WG], red[NROWS * WG]);
     }

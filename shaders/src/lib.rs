@@ -11,9 +11,10 @@ include!(concat!(env!("OUT_DIR"), "/shaders.rs"));
 
 pub use push::{
     AttentionParams, AttentionPrefillParams, AttentionRopeParams, DequantParams, EltwiseParams,
-    GatherAddParams, GetRowsParams, KvStoreParams, MatVecBatchParams, MatVecGroupedParams,
-    MatVecIdParams, MatVecParams, MoeRouteParams, MoeRouterParams, MoeSortParams, PushConstants,
-    RmsNormParams, RopeParams, ScaleAddParams, ScaleAddRoutedParams, ScatterAddParams,
+    GatherAddParams, GetRowsParams, KvStoreParams, MatVecBatchParams, MatVecColsParams,
+    MatVecGroupedParams, MatVecIdParams, MatVecParams, MoeRouteParams, MoeRouterParams,
+    MoeSortParams, PushConstants, RmsNormParams, RopeParams, ScaleAddParams, ScaleAddRoutedParams,
+    ScatterAddParams,
 };
 
 /// One compiled variant.

@@ -31,6 +31,26 @@ pub struct MatVecParams {
     pub eps: f32,
 }
 
+/// `matvec.comp`'s `Params` with `COLS` (several input vectors).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct MatVecColsParams {
+    pub n_in: u32,
+    pub n_rows: u32,
+    /// Byte offset of row 0 in the bound weight range.
+    pub w_offset: u32,
+    /// Element offset of row 0's result of column 0 in the output.
+    pub y_offset: u32,
+    /// Columns computed (at most the `NCOLS` constant).
+    pub n_cols: u32,
+    /// Floats from one input column to the next (a multiple of 4).
+    pub x_stride: u32,
+    /// Floats from one column's results to the next.
+    pub y_stride: u32,
+    /// Unused (RMSNorm's eps in the kernel's other variants).
+    pub eps: f32,
+}
+
 /// `matvec.comp`'s `Params` with `INDEXED` (experts chosen on the device).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -340,6 +360,16 @@ push_constants!(MatVecParams {
     n_rows,
     w_offset,
     y_offset,
+    eps
+});
+push_constants!(MatVecColsParams {
+    n_in,
+    n_rows,
+    w_offset,
+    y_offset,
+    n_cols,
+    x_stride,
+    y_stride,
     eps
 });
 push_constants!(MatVecBatchParams {

@@ -79,10 +79,10 @@ mod tests {
     use crate::push::PushConstants;
     use crate::{
         AttentionParams, AttentionPrefillParams, AttentionRopeParams, DequantParams, EltwiseParams,
-        GatherAddParams, GetRowsParams, KvStoreParams, MatVecBatchParams, MatVecGroupedParams,
-        MatVecIdParams, MatVecParams, MoeRouteParams, MoeRouterParams, MoeSortParams, Op,
-        RmsNormParams, RopeParams, ScaleAddParams, ScaleAddRoutedParams, ScatterAddParams,
-        ShaderId, SHADERS,
+        GatherAddParams, GetRowsParams, KvStoreParams, MatVecBatchParams, MatVecColsParams,
+        MatVecGroupedParams, MatVecIdParams, MatVecParams, MoeRouteParams, MoeRouterParams,
+        MoeSortParams, Op, RmsNormParams, RopeParams, ScaleAddParams, ScaleAddRoutedParams,
+        ScatterAddParams, ShaderId, SHADERS,
     };
 
     #[test]
@@ -102,6 +102,7 @@ mod tests {
                 Op::Matmul => MatVecBatchParams::layout(),
                 Op::MatVec => MatVecParams::layout(),
                 Op::MatVecId => MatVecIdParams::layout(),
+                Op::MatVecCols => MatVecColsParams::layout(),
                 Op::MoeRoute | Op::MoeRouteChunk => MoeRouteParams::layout(),
                 Op::MoeSort => MoeSortParams::layout(),
                 Op::MoeRouter => MoeRouterParams::layout(),
@@ -137,6 +138,7 @@ mod tests {
             Op::DequantF16,
             Op::MatVec,
             Op::MatVecId,
+            Op::MatVecCols,
             Op::MatVecBatch,
             Op::GetRows,
         ] {

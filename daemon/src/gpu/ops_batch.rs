@@ -4,18 +4,22 @@
 //! cooperative matrices).
 
 use spillway_shaders::{
-    DequantParams, Feature, GatherAddParams, MatVecBatchParams, MatVecGroupedParams, Op,
-    ScatterAddParams, ShaderId,
+    DequantParams, Feature, GatherAddParams, MatVecBatchParams, MatVecColsParams,
+    MatVecGroupedParams, Op, ScatterAddParams, ShaderId,
 };
 
 use super::buffer::Buffer;
 use super::error::{GpuError, Result};
-use super::ops::{grid, GpuMatrix};
+use super::ops::{grid, GpuMatrix, MatVecShape};
 use super::record::{Binding, Recorder};
 
 /// Rows and tokens of the tile one workgroup of the f32 `matvec_batch.comp` computes.
 const TILE_ROWS: u32 = 64;
 const TILE_TOKENS: u32 = 64;
+
+/// Most input vectors one dispatch of `matvec.comp` with `COLS` takes (its sums, rows times
+/// columns, are at most `MAX_ROWS`).
+pub const MAX_MATVEC_COLS: u32 = MatVecShape::MAX_ROWS;
 
 impl Recorder<'_> {
     /// `Y[t] = W · X[t]` for `n_tok` tokens; `x` holds them token-major (`n_tok × n_in`), `y`
@@ -309,6 +313,56 @@ impl Recorder<'_> {
         self.batch_product(w, (0, w.n_out), x, (y, w.n_out), n_tok, true, None)
     }
 
+    /// [`Recorder::batch_product`] of a few tokens (at most [`MAX_MATVEC_COLS`]) in one
+    /// dispatch of `matvec.comp` with `COLS` per binding of rows: each workgroup takes a few
+    /// rows of every token, so each weight is read once for all of them.
+    fn cols_product(
+        &mut self,
+        w: &GpuMatrix,
+        chunks: Vec<super::ops::RowChunk<'_>>,
+        x: &Buffer,
+        (y, y_stride): (&Buffer, usize),
+        n_tok: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let cols = n_tok as u32;
+        if cols > MAX_MATVEC_COLS || !w.n_in.is_multiple_of(4) {
+            return Err(GpuError::Unsupported(format!(
+                "{cols} columns of {} inputs in one matrix-vector product",
+                w.n_in
+            )));
+        }
+        let id = self.variant(Op::MatVecCols, Some(w.wtype))?;
+        let n: usize = chunks.iter().map(|c| c.rows as usize).sum();
+        let shape = self.matvec_shape_for((Op::MatVecCols, w.wtype), (n, 1), false, w.n_in);
+        // Rows a workgroup: the shape's, fewer so that its sums fit, a power of two.
+        let rows = (MAX_MATVEC_COLS / cols).min(shape.rows).max(1);
+        let rows = 1 << rows.ilog2();
+        let threads = shape.threads.max(MAX_MATVEC_COLS);
+        let spec = [threads, rows, u32::from(accumulate), 0, 0, 0, cols];
+        for chunk in chunks {
+            let push = MatVecColsParams {
+                n_in: w.n_in as u32,
+                n_rows: chunk.rows,
+                w_offset: chunk.w_offset,
+                y_offset: chunk.y_offset,
+                n_cols: cols,
+                x_stride: w.n_in as u32,
+                y_stride: y_stride as u32,
+                eps: 0.0,
+            };
+            let bindings = [
+                chunk.weights,
+                Binding::read(x),
+                Binding::write(y),
+                Binding::read(x),
+            ];
+            let groups = grid(chunk.rows.div_ceil(rows));
+            self.dispatch_spec(id, &spec, &bindings, &push, groups)?;
+        }
+        Ok(())
+    }
+
     /// The specialization constants (workgroup size, accumulate, depth, subgroups along rows
     /// and tokens), tile rows and tile tokens of `matvec_batch.comp`'s variant `id`: the
     /// cooperative-matrix tile, or the f32 kernel's fixed one.
@@ -362,6 +416,9 @@ impl Recorder<'_> {
         let chunks = self.row_chunks(w, first, n)?;
         if n_tok == 0 {
             return Ok(());
+        }
+        if n_tok > 1 && n_tok <= self.matvec_cols() {
+            return self.cols_product(w, chunks, x, (y, y_stride), n_tok, accumulate);
         }
         let id = self.variant(Op::MatVecBatch, Some(w.wtype))?;
         let (spec, tile_rows, tile_tokens) = self.batch_tile(id, accumulate);

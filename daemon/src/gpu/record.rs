@@ -16,6 +16,7 @@ use super::device::Device;
 use super::error::{map_vk, GpuError, Result};
 use super::matmul_tile::MatMulTile;
 use super::ops::MatVecShape;
+use super::ops_batch::MAX_MATVEC_COLS;
 use super::pipeline::ComputePipeline;
 use super::replay::Replay;
 
@@ -37,6 +38,9 @@ pub struct Kernels {
     matvec_shape: Mutex<Option<MatVecShape>>,
     /// The cooperative-matrix product's tile instead of the tuned one.
     matmul_tile: Mutex<Option<MatMulTile>>,
+    /// Products over at most this many tokens take the several-column matrix-vector kernel
+    /// rather than the tiled one ([`Kernels::set_matvec_cols`]).
+    matvec_cols: std::sync::atomic::AtomicUsize,
 }
 
 impl Kernels {
@@ -73,7 +77,25 @@ impl Kernels {
             cache: Mutex::new(HashMap::new()),
             matvec_shape: Mutex::new(None),
             matmul_tile: Mutex::new(None),
+            matvec_cols: (MAX_MATVEC_COLS as usize).into(),
         })
+    }
+
+    /// Products over at most `n` tokens (up to [`MAX_MATVEC_COLS`]) run in the several-column
+    /// matrix-vector kernel (a decode step of a few sequences, a prompt of a few tokens), which
+    /// reads each weight once for all of them as a decode step does for one; more go to the
+    /// tiled kernel, whose tiles of 64 tokens waste most of their work on a few. 0 or 1: every
+    /// product over several tokens tiled, for comparisons.
+    pub fn set_matvec_cols(&self, n: usize) {
+        let n = n.min(MAX_MATVEC_COLS as usize);
+        self.matvec_cols
+            .store(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The most tokens a product takes in the several-column kernel (see
+    /// [`Kernels::set_matvec_cols`]).
+    pub fn matvec_cols(&self) -> usize {
+        self.matvec_cols.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Uses `shape` for the matrix-vector products of every weight type (benchmarks compare
@@ -618,6 +640,11 @@ impl Recorder<'_> {
     /// The matrix-vector workgroup shape for `wtype` (see [`Kernels::matvec_shape`]).
     pub fn matvec_shape(&self, wtype: WeightType) -> MatVecShape {
         self.kernels.matvec_shape(wtype)
+    }
+
+    /// See [`Kernels::matvec_cols`].
+    pub(crate) fn matvec_cols(&self) -> usize {
+        self.kernels.matvec_cols()
     }
 
     /// The shape for a product's results (see [`Kernels::matvec_shape_for`]).

@@ -143,6 +143,10 @@ pub struct GpuModelOptions {
     /// one token of several at once ([`GpuModel::eval_batch`]); 0 or 1: one. A dense model
     /// with its first layers on the CPU holds one whatever this says.
     pub sequences: usize,
+    /// Products over at most this many tokens (a batched decode step, a short prompt) take the
+    /// several-column matrix-vector kernel, which reads each weight once for all of them
+    /// ([`crate::gpu::Kernels::set_matvec_cols`]); 0: the tiled kernel, for comparisons.
+    pub matvec_cols: usize,
 }
 
 impl Default for GpuModelOptions {
@@ -167,6 +171,7 @@ impl Default for GpuModelOptions {
             promote_experts: true,
             matmul_tile: None,
             sequences: 1,
+            matvec_cols: crate::gpu::ops_batch::MAX_MATVEC_COLS as usize,
         }
     }
 }

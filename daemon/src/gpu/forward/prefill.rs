@@ -1,7 +1,9 @@
 //! A prompt on the GPU in chunks of tokens: each chunk is one submission in which every weight
 //! matrix is multiplied with all of the chunk's tokens at once (`matvec_batch.comp`, tiled), so
 //! a weight is read once per tile of tokens instead of once per token. Where the device has
-//! cooperative matrices the tiles are multiplied in its matrix units, in f16 with f32 sums.
+//! cooperative matrices the tiles are multiplied in its matrix units, in f16 with f32 sums. A
+//! chunk of at most 8 tokens (a batched decode step, [`super::batch`]) multiplies in the
+//! several-column matrix-vector kernel instead (`matvec.comp` with COLS).
 //! (Dequantizing each matrix to f16 first, `Recorder::matvec_batch_rows_staged`, was slower on
 //! the H200: `bench/RESULTS.md`.) Norms, RoPE with the KV-cache append, attention and
 //! SwiGLU take the chunk's tokens as one more grid dimension; token `t` of a chunk at position
