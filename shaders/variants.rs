@@ -20,6 +20,9 @@ pub enum Op {
     /// Quantized matrix × a few f32 vectors (at most 8: a decode step of several sequences),
     /// each weight read once for all of them, as [`Op::MatVec`] reads it for one.
     MatVecCols,
+    /// [`Op::MatVecCols`] for several experts of a stack at once, each over its own few rows of
+    /// inputs (at most 8), the runs read from a buffer as [`Op::MatVecBatchGrouped`] reads them.
+    MatVecRuns,
     /// Quantized matrix × a batch of f32 vectors, token-major (prompts).
     MatVecBatch,
     /// [`Op::MatVecBatch`] for several experts of a stack at once, each over its own rows of
@@ -89,7 +92,7 @@ impl Op {
             Op::MoeRoute | Op::MoeRouteChunk => 5,
             Op::MoeSort => 4,
             Op::MoeRouter => 9,
-            Op::MatVecId => 5,
+            Op::MatVecId | Op::MatVecRuns => 5,
             Op::RopeNorm | Op::RopeNeox => 7,
             Op::KvStore => 5,
             Op::Attention => 7,
@@ -183,6 +186,9 @@ const ID: (&str, &str) = ("INDEXED", "1");
 /// The define that makes `matvec.comp` multiply several input vectors at once.
 const COLS: (&str, &str) = ("COLS", "1");
 
+/// With [`COLS`], the define that makes `matvec.comp` take a table of experts' runs of rows.
+const RUNS: (&str, &str) = ("RUNS", "1");
+
 #[rustfmt::skip]
 pub const VARIANTS: &[Variant] = &[
     v("dequant_f32", "dequant.comp", Op::Dequant, Some(WeightType::F32), Feature::Base, &[("WTYPE_F32", "1")]),
@@ -222,17 +228,29 @@ pub const VARIANTS: &[Variant] = &[
     v("matvec_q4_k_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::Q4K), Feature::Subgroup, &[("WTYPE_Q4_K", "1"), SG]),
     v("matvec_q6_k_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::Q6K), Feature::Subgroup, &[("WTYPE_Q6_K", "1"), SG]),
     v("matvec_cols_f32", "matvec.comp", Op::MatVecCols, Some(WeightType::F32), Feature::Base, &[("WTYPE_F32", "1"), COLS]),
+    v("matvec_runs_f32", "matvec.comp", Op::MatVecRuns, Some(WeightType::F32), Feature::Base, &[("WTYPE_F32", "1"), COLS, RUNS]),
     v("matvec_cols_f16", "matvec.comp", Op::MatVecCols, Some(WeightType::F16), Feature::Base, &[("WTYPE_F16", "1"), COLS]),
+    v("matvec_runs_f16", "matvec.comp", Op::MatVecRuns, Some(WeightType::F16), Feature::Base, &[("WTYPE_F16", "1"), COLS, RUNS]),
     v("matvec_cols_q8_0", "matvec.comp", Op::MatVecCols, Some(WeightType::Q8_0), Feature::Base, &[("WTYPE_Q8_0", "1"), COLS]),
+    v("matvec_runs_q8_0", "matvec.comp", Op::MatVecRuns, Some(WeightType::Q8_0), Feature::Base, &[("WTYPE_Q8_0", "1"), COLS, RUNS]),
     v("matvec_cols_q4_0", "matvec.comp", Op::MatVecCols, Some(WeightType::Q4_0), Feature::Base, &[("WTYPE_Q4_0", "1"), COLS]),
+    v("matvec_runs_q4_0", "matvec.comp", Op::MatVecRuns, Some(WeightType::Q4_0), Feature::Base, &[("WTYPE_Q4_0", "1"), COLS, RUNS]),
     v("matvec_cols_q4_k", "matvec.comp", Op::MatVecCols, Some(WeightType::Q4K), Feature::Base, &[("WTYPE_Q4_K", "1"), COLS]),
+    v("matvec_runs_q4_k", "matvec.comp", Op::MatVecRuns, Some(WeightType::Q4K), Feature::Base, &[("WTYPE_Q4_K", "1"), COLS, RUNS]),
     v("matvec_cols_q6_k", "matvec.comp", Op::MatVecCols, Some(WeightType::Q6K), Feature::Base, &[("WTYPE_Q6_K", "1"), COLS]),
+    v("matvec_runs_q6_k", "matvec.comp", Op::MatVecRuns, Some(WeightType::Q6K), Feature::Base, &[("WTYPE_Q6_K", "1"), COLS, RUNS]),
     v("matvec_cols_f32_subgroup", "matvec.comp", Op::MatVecCols, Some(WeightType::F32), Feature::Subgroup, &[("WTYPE_F32", "1"), COLS, SG]),
+    v("matvec_runs_f32_subgroup", "matvec.comp", Op::MatVecRuns, Some(WeightType::F32), Feature::Subgroup, &[("WTYPE_F32", "1"), COLS, RUNS, SG]),
     v("matvec_cols_f16_subgroup", "matvec.comp", Op::MatVecCols, Some(WeightType::F16), Feature::Subgroup, &[("WTYPE_F16", "1"), COLS, SG]),
+    v("matvec_runs_f16_subgroup", "matvec.comp", Op::MatVecRuns, Some(WeightType::F16), Feature::Subgroup, &[("WTYPE_F16", "1"), COLS, RUNS, SG]),
     v("matvec_cols_q8_0_subgroup", "matvec.comp", Op::MatVecCols, Some(WeightType::Q8_0), Feature::Subgroup, &[("WTYPE_Q8_0", "1"), COLS, SG]),
+    v("matvec_runs_q8_0_subgroup", "matvec.comp", Op::MatVecRuns, Some(WeightType::Q8_0), Feature::Subgroup, &[("WTYPE_Q8_0", "1"), COLS, RUNS, SG]),
     v("matvec_cols_q4_0_subgroup", "matvec.comp", Op::MatVecCols, Some(WeightType::Q4_0), Feature::Subgroup, &[("WTYPE_Q4_0", "1"), COLS, SG]),
+    v("matvec_runs_q4_0_subgroup", "matvec.comp", Op::MatVecRuns, Some(WeightType::Q4_0), Feature::Subgroup, &[("WTYPE_Q4_0", "1"), COLS, RUNS, SG]),
     v("matvec_cols_q4_k_subgroup", "matvec.comp", Op::MatVecCols, Some(WeightType::Q4K), Feature::Subgroup, &[("WTYPE_Q4_K", "1"), COLS, SG]),
+    v("matvec_runs_q4_k_subgroup", "matvec.comp", Op::MatVecRuns, Some(WeightType::Q4K), Feature::Subgroup, &[("WTYPE_Q4_K", "1"), COLS, RUNS, SG]),
     v("matvec_cols_q6_k_subgroup", "matvec.comp", Op::MatVecCols, Some(WeightType::Q6K), Feature::Subgroup, &[("WTYPE_Q6_K", "1"), COLS, SG]),
+    v("matvec_runs_q6_k_subgroup", "matvec.comp", Op::MatVecRuns, Some(WeightType::Q6K), Feature::Subgroup, &[("WTYPE_Q6_K", "1"), COLS, RUNS, SG]),
     v("rms_norm_subgroup", "rms_norm.comp", Op::RmsNorm, None, Feature::Subgroup, &[SG]),
     v("rope_norm_subgroup", "rope.comp", Op::RopeNorm, None, Feature::Subgroup, &[SG]),
     v("rope_neox_subgroup", "rope.comp", Op::RopeNeox, None, Feature::Subgroup, &[("ROPE_NEOX", "1"), SG]),
@@ -259,9 +277,13 @@ pub const VARIANTS: &[Variant] = &[
     v("matvec_q8_0_intdot", "matvec.comp", Op::MatVec, Some(WeightType::Q8_0), Feature::IntDot, &[("WTYPE_Q8_0", "1"), INT_DOT]),
     v("matvec_q8_0_intdot_subgroup", "matvec.comp", Op::MatVec, Some(WeightType::Q8_0), Feature::IntDotSubgroup, &[("WTYPE_Q8_0", "1"), INT_DOT, SG]),
     v("matvec_cols_q4_0_intdot", "matvec.comp", Op::MatVecCols, Some(WeightType::Q4_0), Feature::IntDot, &[("WTYPE_Q4_0", "1"), COLS, INT_DOT]),
+    v("matvec_runs_q4_0_intdot", "matvec.comp", Op::MatVecRuns, Some(WeightType::Q4_0), Feature::IntDot, &[("WTYPE_Q4_0", "1"), COLS, RUNS, INT_DOT]),
     v("matvec_cols_q4_0_intdot_subgroup", "matvec.comp", Op::MatVecCols, Some(WeightType::Q4_0), Feature::IntDotSubgroup, &[("WTYPE_Q4_0", "1"), COLS, INT_DOT, SG]),
+    v("matvec_runs_q4_0_intdot_subgroup", "matvec.comp", Op::MatVecRuns, Some(WeightType::Q4_0), Feature::IntDotSubgroup, &[("WTYPE_Q4_0", "1"), COLS, RUNS, INT_DOT, SG]),
     v("matvec_cols_q8_0_intdot", "matvec.comp", Op::MatVecCols, Some(WeightType::Q8_0), Feature::IntDot, &[("WTYPE_Q8_0", "1"), COLS, INT_DOT]),
+    v("matvec_runs_q8_0_intdot", "matvec.comp", Op::MatVecRuns, Some(WeightType::Q8_0), Feature::IntDot, &[("WTYPE_Q8_0", "1"), COLS, RUNS, INT_DOT]),
     v("matvec_cols_q8_0_intdot_subgroup", "matvec.comp", Op::MatVecCols, Some(WeightType::Q8_0), Feature::IntDotSubgroup, &[("WTYPE_Q8_0", "1"), COLS, INT_DOT, SG]),
+    v("matvec_runs_q8_0_intdot_subgroup", "matvec.comp", Op::MatVecRuns, Some(WeightType::Q8_0), Feature::IntDotSubgroup, &[("WTYPE_Q8_0", "1"), COLS, RUNS, INT_DOT, SG]),
     v("matvec_id_q8_0_intdot", "matvec.comp", Op::MatVecId, Some(WeightType::Q8_0), Feature::IntDot, &[("WTYPE_Q8_0", "1"), ID, INT_DOT]),
     v("matvec_id_q8_0_intdot_subgroup", "matvec.comp", Op::MatVecId, Some(WeightType::Q8_0), Feature::IntDotSubgroup, &[("WTYPE_Q8_0", "1"), ID, INT_DOT, SG]),
     v("matvec_id_f32", "matvec.comp", Op::MatVecId, Some(WeightType::F32), Feature::Base, &[("WTYPE_F32", "1"), ID]),

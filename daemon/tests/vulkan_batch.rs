@@ -551,3 +551,59 @@ fn a_few_tokens_products_are_each_tokens_own_bit_for_bit() {
         .unwrap();
     assert_close(&s, &y.read_f32(n_tok * n_out), &whole, "tiled");
 }
+
+/// Experts' runs of at most 8 rows (a batched decode step's MoE layer) take the several-column
+/// matrix-vector kernel (`matvec.comp` with COLS and RUNS): each row's results are its
+/// one-token product with its expert's rows bit for bit, for every weight type, with f32 and
+/// integer dots; a run of no rows and the rows between runs are left alone.
+#[test]
+fn a_few_rows_an_expert_are_each_rows_own_product_bit_for_bit() {
+    let Some(dev) = device() else { return };
+    let (n_in, rows, span) = (256, 40, 16);
+    // Slot, first row, rows: one of 8 rows (the most), one of 1, one of none, rows 9..12 in
+    // no run.
+    let runs = [(2u32, 0u32, 8u32), (0, 8, 1), (1, 9, 0), (1, 12, 4)];
+    let max_count = 8;
+    for ty in [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q4K,
+        GgmlType::Q6K,
+    ] {
+        for int_dot in [false, true] {
+            let mut s = setup(&dev, ty, n_in, 3 * rows);
+            s.kernels = Kernels::with_int_dot(&dev, (true, true), int_dot);
+            let xs = inputs(span * n_in, 17);
+            let whole = one_by_one(&s, &xs, span);
+            let x = host(&s, &xs);
+            let mut ws = vec![0u32; 3];
+            for &(slot, first, count) in &runs {
+                ws.extend([slot, first, count]);
+            }
+            let runs_buf = words(&s, &ws);
+            let y = host(&s, &vec![f32::NAN; span * rows]);
+            let table = (&runs_buf, 3, runs.len() as u32);
+            s.kernels
+                .record(|r| {
+                    r.matvec_batch_grouped(&s.w, (0, rows), &x, &y, table, (span, max_count))
+                })
+                .unwrap();
+            let got = y.read_f32(span * rows);
+            let what = format!("{ty}, integer dots {int_dot}");
+            for &(slot, first, count) in &runs {
+                let (slot, first, count) = (slot as usize, first as usize, count as usize);
+                for t in first..first + count {
+                    let at = t * 3 * rows + slot * rows;
+                    let part = &got[t * rows..(t + 1) * rows];
+                    assert_eq!(part, &whole[at..at + rows], "{what}: slot {slot} row {t}");
+                }
+            }
+            assert!(
+                got[9 * rows..12 * rows].iter().all(|v| v.is_nan()),
+                "{what}: rows in no run"
+            );
+        }
+    }
+}

@@ -38,7 +38,10 @@
 // weight is read from memory once for every column; columns past `n_cols` repeat the last one so
 // that every column's dot of an item runs the same straight-line code (the compiler can share an
 // item's loads and decoding between them), and are not written. NROWS * NCOLS <= MAX_ROWS; no
-// NORM or GLU.
+// NORM or GLU. With RUNS as well (a prompt chunk's or batched step's MoE layer, a few tokens an
+// expert): `weights` is a stack of experts of `n_rows` rows and workgroup layer z takes run z of
+// the table at word `runs_at` of `runs`, (slot, first row, rows): the expert in that slot over
+// rows first.. of x into the same rows of y, at most NCOLS of them; a run of no rows leaves.
 
 layout(local_size_x_id = 0) in;
 layout(constant_id = 1) const uint NROWS = 4u;
@@ -64,7 +67,10 @@ layout(std430, binding = 0) readonly buffer Weights4 { uvec4 weights4[]; };
 layout(std430, binding = 1) readonly buffer X { vec4 x4[]; };
 layout(std430, binding = 2) buffer Y { float y[]; };
 // With NORM, the RMSNorm weights; otherwise unused (the host binds x in its place).
-#if defined(INDEXED)
+#if defined(RUNS)
+layout(std430, binding = 3) readonly buffer Runs { uint runs[]; };
+layout(std430, binding = 4) readonly buffer NormW { vec4 norm_w4[]; };
+#elif defined(INDEXED)
 layout(std430, binding = 3) readonly buffer Ids { uint ids[]; };
 layout(std430, binding = 4) readonly buffer NormW { vec4 norm_w4[]; };
 #else
@@ -84,7 +90,11 @@ layout(push_constant) uniform Params {
     uint n_ids;      // experts summed (ID_SUM)
     uint weights_at; // index in `ids` of expert 0's weight (ID_SUM)
 #endif
-#if defined(COLS)
+#if defined(RUNS)
+    uint runs_at;  // word of `runs` where the table starts
+    uint x_stride; // floats from one row of x to the next (a multiple of 4)
+    uint y_stride; // floats from one row of y to the next
+#elif defined(COLS)
     uint n_cols;   // columns of x (and of y) to compute, at most NCOLS
     uint x_stride; // floats from one column of x to the next (a multiple of 4)
     uint y_stride; // floats from one column's results to the next
@@ -128,11 +138,12 @@ void emit(uint i, float g, float u, float ss) {
 }
 
 #if defined(COLS)
-// Writes sum slot `s` (row r0 + s / NCOLS of column s % NCOLS) where both exist.
-void emit_col(uint s, uint r0, uint nr, float v) {
+// Writes sum slot `s` (row r0 + s / NCOLS of column s % NCOLS, column 0's results from y0)
+// where both exist.
+void emit_col(uint s, uint y0, uint r0, uint nr, uint n_cols, float v) {
     const uint j = s / NCOLS, c = s % NCOLS;
-    if (j < nr && c < p.n_cols) {
-        emit(p.y_offset + c * p.y_stride + r0 + j, v, 0.0, 0.0);
+    if (j < nr && c < n_cols) {
+        emit(y0 + c * p.y_stride + r0 + j, v, 0.0, 0.0);
     }
 }
 #endif
@@ -187,9 +198,24 @@ void main() {
         const uint w0 = p.w_offset + id * p.n_rows * rb;
         const uint x0 = z * p.x_stride;
         y0 += z * p.y_stride;
+#elif defined(RUNS)
+    const uint up_bytes = 0u;
+    const uint run = p.runs_at + 3u * gl_WorkGroupID.z;
+    const uint n_cols = min(runs[run + 2u], NCOLS);
+    if (n_cols == 0u) {
+        return; // the whole workgroup: its expert has no rows
+    }
+    const uint first = runs[run + 1u];
+    const uint y0 = p.y_offset + first * p.y_stride;
+    {
+        const uint w0 = p.w_offset + runs[run] * p.n_rows * rb;
+        const uint x0 = first * p.x_stride;
 #else
     const uint up_bytes = p.n_rows * rb;
     const uint y0 = p.y_offset;
+#if defined(COLS)
+    const uint n_cols = p.n_cols;
+#endif
     {
         const uint w0 = p.w_offset;
         const uint x0 = 0u;
@@ -204,7 +230,7 @@ void main() {
         for (uint i = tid; i < n_items; i += WG) {
 #if defined(COLS)
             [[unroll]] for (uint c = 0u; c < NCOLS; ++c) {
-                Inputs xi = load_inputs(x0 + min(c, p.n_cols - 1u) * p.x_stride, i);
+                Inputs xi = load_inputs(x0 + min(c, n_cols - 1u) * p.x_stride, i);
                 [[unroll]] for (uint j = 0u; j < NROWS; ++j) {
                     acc[j * NCOLS + c] += dot_item(row[j], i, xi);
                 }
@@ -228,7 +254,7 @@ void main() {
         if (tid == 0u) {
 #if defined(COLS)
             [[unroll]] for (uint s = 0u; s < SLOTS; ++s) {
-                emit_col(s, r0, nr, acc[s]);
+                emit_col(s, y0, r0, nr, n_cols, acc[s]);
             }
 #else
             [[unroll]] for (uint j = 0u; j < OUT; ++j) {
@@ -253,7 +279,7 @@ void main() {
         for (uint k = 0u; k < ns; ++k) {
             sum += red[tid * ns + k];
         }
-        emit_col(tid, r0, nr, sum);
+        emit_col(tid, y0, r0, nr, n_cols, sum);
     }
     return;
 #endif
@@ -282,7 +308,7 @@ void main() {
     }
 #if defined(COLS)
     if (tid < SLOTS) {
-        emit_col(tid, r0, nr, red[tid * WG]);
+        emit_col(tid, y0, r0, nr, n_cols, red[tid * WG]);
     }
     return;
 #endif

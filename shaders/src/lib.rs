@@ -12,9 +12,9 @@ include!(concat!(env!("OUT_DIR"), "/shaders.rs"));
 pub use push::{
     AttentionParams, AttentionPrefillParams, AttentionRopeParams, DequantParams, EltwiseParams,
     GatherAddParams, GetRowsParams, KvStoreParams, MatVecBatchParams, MatVecColsParams,
-    MatVecGroupedParams, MatVecIdParams, MatVecParams, MoeRouteParams, MoeRouterParams,
-    MoeSortParams, PushConstants, RmsNormParams, RopeParams, ScaleAddParams, ScaleAddRoutedParams,
-    ScatterAddParams,
+    MatVecGroupedParams, MatVecIdParams, MatVecParams, MatVecRunsParams, MoeRouteParams,
+    MoeRouterParams, MoeSortParams, PushConstants, RmsNormParams, RopeParams, ScaleAddParams,
+    ScaleAddRoutedParams, ScatterAddParams,
 };
 
 /// One compiled variant.

@@ -51,6 +51,26 @@ pub struct MatVecColsParams {
     pub eps: f32,
 }
 
+/// `matvec.comp`'s `Params` with `COLS` and `RUNS` (experts' runs of rows from a table).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct MatVecRunsParams {
+    pub n_in: u32,
+    /// Rows of one expert (and of each result row).
+    pub n_rows: u32,
+    /// Byte offset of expert 0's row 0 in the bound weight range.
+    pub w_offset: u32,
+    pub y_offset: u32,
+    /// Word of the runs buffer where the table of (slot, first row, rows) starts.
+    pub runs_at: u32,
+    /// Floats from one row of inputs to the next (a multiple of 4).
+    pub x_stride: u32,
+    /// Floats from one row of results to the next.
+    pub y_stride: u32,
+    /// Unused.
+    pub eps: f32,
+}
+
 /// `matvec.comp`'s `Params` with `INDEXED` (experts chosen on the device).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -368,6 +388,16 @@ push_constants!(MatVecColsParams {
     w_offset,
     y_offset,
     n_cols,
+    x_stride,
+    y_stride,
+    eps
+});
+push_constants!(MatVecRunsParams {
+    n_in,
+    n_rows,
+    w_offset,
+    y_offset,
+    runs_at,
     x_stride,
     y_stride,
     eps

@@ -80,9 +80,9 @@ mod tests {
     use crate::{
         AttentionParams, AttentionPrefillParams, AttentionRopeParams, DequantParams, EltwiseParams,
         GatherAddParams, GetRowsParams, KvStoreParams, MatVecBatchParams, MatVecColsParams,
-        MatVecGroupedParams, MatVecIdParams, MatVecParams, MoeRouteParams, MoeRouterParams,
-        MoeSortParams, Op, RmsNormParams, RopeParams, ScaleAddParams, ScaleAddRoutedParams,
-        ScatterAddParams, ShaderId, SHADERS,
+        MatVecGroupedParams, MatVecIdParams, MatVecParams, MatVecRunsParams, MoeRouteParams,
+        MoeRouterParams, MoeSortParams, Op, RmsNormParams, RopeParams, ScaleAddParams,
+        ScaleAddRoutedParams, ScatterAddParams, ShaderId, SHADERS,
     };
 
     #[test]
@@ -103,6 +103,7 @@ mod tests {
                 Op::MatVec => MatVecParams::layout(),
                 Op::MatVecId => MatVecIdParams::layout(),
                 Op::MatVecCols => MatVecColsParams::layout(),
+                Op::MatVecRuns => MatVecRunsParams::layout(),
                 Op::MoeRoute | Op::MoeRouteChunk => MoeRouteParams::layout(),
                 Op::MoeSort => MoeSortParams::layout(),
                 Op::MoeRouter => MoeRouterParams::layout(),
@@ -139,6 +140,7 @@ mod tests {
             Op::MatVec,
             Op::MatVecId,
             Op::MatVecCols,
+            Op::MatVecRuns,
             Op::MatVecBatch,
             Op::GetRows,
         ] {

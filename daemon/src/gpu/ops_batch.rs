@@ -5,7 +5,7 @@
 
 use spillway_shaders::{
     DequantParams, Feature, GatherAddParams, MatVecBatchParams, MatVecColsParams,
-    MatVecGroupedParams, Op, ScatterAddParams, ShaderId,
+    MatVecGroupedParams, MatVecRunsParams, Op, ScatterAddParams, ShaderId,
 };
 
 use super::buffer::Buffer;
@@ -130,7 +130,9 @@ impl Recorder<'_> {
     /// its own rows of `x` into the same rows of `y` (`rows` floats a row): the runs are words
     /// `runs.1..` of `runs.0`, `runs.2` of them, each (slot, first row, rows); `span` rows of
     /// `x` and `y` in all, a run at most `max_count` of them. The stack from `row0` must be in
-    /// one binding ([`Recorder::in_one_binding`]).
+    /// one binding ([`Recorder::in_one_binding`]). Runs of at most [`crate::gpu::Kernels::matvec_cols`]
+    /// rows take the several-column matrix-vector kernel (`matvec.comp` with COLS and RUNS)
+    /// instead of tiles of 64.
     pub fn matvec_batch_grouped(
         &mut self,
         w: &GpuMatrix,
@@ -162,6 +164,36 @@ impl Recorder<'_> {
             return Ok(());
         }
         let chunk = &chunks[0];
+        if max_count <= self.matvec_cols() && w.n_in.is_multiple_of(4) {
+            // A few rows an expert (a batched decode step): each expert's rows in one
+            // workgroup's columns of the matrix-vector kernel, not in tiles of 64 tokens.
+            let cols = max_count as u32;
+            let id = self.variant(Op::MatVecRuns, Some(w.wtype))?;
+            let shape = self.matvec_shape_for((Op::MatVecRuns, w.wtype), (rows, 1), false, w.n_in);
+            let per_group = (MAX_MATVEC_COLS / cols).min(shape.rows).max(1);
+            let per_group = 1 << per_group.ilog2();
+            let threads = shape.threads.max(MAX_MATVEC_COLS);
+            let spec = [threads, per_group, 0, 0, 0, 0, cols];
+            let push = MatVecRunsParams {
+                n_in: w.n_in as u32,
+                n_rows: rows as u32,
+                w_offset: chunk.w_offset,
+                y_offset: 0,
+                runs_at,
+                x_stride: w.n_in as u32,
+                y_stride: rows as u32,
+                eps: 0.0,
+            };
+            let bindings = [
+                chunk.weights,
+                Binding::read(x),
+                Binding::write(y),
+                Binding::read(runs),
+                Binding::read(x),
+            ];
+            let [gx, gy, _] = grid((rows as u32).div_ceil(per_group));
+            return self.dispatch_spec(id, &spec, &bindings, &push, [gx, gy, n_runs]);
+        }
         let id = self.variant(Op::MatVecBatchGrouped, Some(w.wtype))?;
         let (spec, tile_rows, tile_tokens) = self.batch_tile(id, false);
         let push = MatVecGroupedParams {
