@@ -5,10 +5,9 @@
 //! decode kernel over the chunk's tokens, each over its own sequence's positions) take each
 //! token where its sequence is; the products, norms and MoE layers do not care whose a token
 //! is. Up to 8 tokens, the products run in the several-column matrix-vector kernel (each
-//! weight read once, as a decode step reads it for one token); more take the prompts' tiles.
-//! A MoE layer's experts take the prompts' grouped products whatever the count (partial: for a
-//! few tokens an expert-indexed matrix-vector product per entry, as decode runs, would waste
-//! less of each tile).
+//! weight read once, as a decode step reads it for one token), and so do a MoE layer's
+//! experts, each over the few tokens that chose it (`matvec.comp` with COLS and RUNS); more
+//! tokens take the prompts' tiles.
 //!
 //! Where a step cannot take the tokens together (a dense model's first layers on the CPU, whose
 //! cache holds one sequence; routed experts computed on the CPU or fetched, which the chunk path
