@@ -232,11 +232,17 @@ fn gpu_line(m: &pb::ModelStatus) -> Option<String> {
         0 => String::new(),
         b => format!(" of a {} budget", human_bytes(b)),
     };
+    let at_a_time = match m.max_batch {
+        1 => "1 request at a time".to_string(),
+        n => format!(
+            "up to {n} requests at a time, {} decode steps shared",
+            m.shared_steps
+        ),
+    };
     let mut line = format!(
-        "{}: VRAM {} held{budget}; {} request at a time",
+        "{}: VRAM {} held{budget}; {at_a_time}",
         m.device,
         human_bytes(m.vram_bytes),
-        m.max_batch
     );
     if let Some(e) = &m.experts {
         let routed = e.hits + e.misses;
@@ -306,6 +312,13 @@ mod tests {
             gpu_line(&m).unwrap(),
             "vulkan:0 (llvmpipe): VRAM 3.0 MiB held; 1 request at a time; experts 2 of 8 per layer in VRAM, 4 \
              routed, 75.0% hits, 1 on the CPU, 0 fetched, 0 over PCIe, 2 promoted (misses cpu)"
+        );
+        m.experts = None;
+        (m.max_batch, m.shared_steps) = (4, 17);
+        assert_eq!(
+            gpu_line(&m).unwrap(),
+            "vulkan:0 (llvmpipe): VRAM 3.0 MiB held; up to 4 requests at a time, 17 decode steps \
+             shared"
         );
     }
 
