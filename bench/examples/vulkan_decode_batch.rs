@@ -8,7 +8,8 @@
 //! step in the tiled kernels instead of the several-column one
 //! (`GpuModelOptions::matvec_cols`). Each sequence first takes a prompt of 16 tokens;
 //! then `steps` steps are timed, three times, and the median is printed. One sequence steps
-//! through the replayed decode step (`GpuModel::eval`); several through one chunk a step.
+//! through the replayed decode step (`GpuModel::eval`); several through one chunk a step. Then
+//! one step of the most sequences is profiled (GPU time by op group, and the host's).
 //! Without `model=` the synthetic model is written to /tmp from seed 7.
 
 use std::sync::Arc;
@@ -116,6 +117,23 @@ fn main() {
                 .map(|r| (r * 1e3).round() / 1e3)
                 .collect::<Vec<_>>()
         );
+    }
+    // One more step of the most sequences, profiled: where a batched step's time goes.
+    let b = most.min(gpu.sequences());
+    if b > 1 {
+        gpu.set_profiling(true).unwrap();
+        let inputs: Vec<(usize, u32)> = (0..b).map(|s| (s, token(s, 7))).collect();
+        gpu.eval_batch(&inputs).unwrap();
+        let st = gpu.last_stats();
+        let p = gpu.last_profile().expect("profiling");
+        println!(
+            "a step of {b} sequences, profiled ({} dispatches, {} barriers, {} submissions): {}",
+            st.dispatches,
+            st.barriers,
+            st.submits,
+            spillway_bench::prompt_profile::summary(p)
+        );
+        gpu.set_profiling(false).unwrap();
     }
     println!("\n| sequences | ms a step | aggregate tok/s | against one |");
     println!("| ---: | ---: | ---: | ---: |");
