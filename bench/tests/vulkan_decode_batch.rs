@@ -115,6 +115,55 @@ fn check(preset: &str, weights: &str) {
     assert_eq!(gpu.batched_steps(), 4, "{preset} {weights}");
 }
 
+/// A batched step that is one submission (a dense model, MoE layers routed on the device) is
+/// recorded once per count of sequences and replayed: the same logits, bit for bit, and the
+/// same experts counted, as recording every step anew (`replay: false`).
+fn check_replayed(preset: &str, weights: &str) {
+    let Some(dev) = device() else { return };
+    let model = synth_model(preset, weights);
+    let mut replayed = GpuModel::new(&dev, &model, &options(3)).unwrap();
+    let recorded = GpuModelOptions {
+        replay: false,
+        ..options(3)
+    };
+    let mut recorded = GpuModel::new(&dev, &model, &recorded).unwrap();
+    let n_vocab = model.config.n_vocab;
+    for gpu in [&mut replayed, &mut recorded] {
+        for (seq, n) in [(0, 4), (1, 9), (2, 2)] {
+            let prompt: Vec<u32> = (0..n).map(|i| token(seq, i, n_vocab)).collect();
+            gpu.select(seq);
+            gpu.eval_prompt(&prompt, false).unwrap();
+        }
+    }
+    let steps: [&[usize]; 5] = [&[0, 1, 2], &[2, 0], &[1, 2, 0], &[0, 2], &[2, 1, 0]];
+    for (i, seqs) in steps.iter().enumerate() {
+        let inputs: Vec<(usize, u32)> = seqs
+            .iter()
+            .map(|&s| (s, token(s, 50 + i, n_vocab)))
+            .collect();
+        let got = replayed.eval_batch(&inputs).unwrap();
+        let want = recorded.eval_batch(&inputs).unwrap();
+        assert_eq!(got, want, "{preset} {weights}: step {i}");
+    }
+    assert_eq!(replayed.replayed_batches(), 5, "{preset} {weights}");
+    assert_eq!(recorded.replayed_batches(), 0, "{preset} {weights}");
+    assert_eq!(
+        replayed.expert_stats().map(|e| e.layers),
+        recorded.expert_stats().map(|e| e.layers),
+        "{preset} {weights}"
+    );
+}
+
+#[test]
+fn replayed_batched_steps_equal_recorded_ones_tiny_llama() {
+    check_replayed("tiny-llama", "Q4_0");
+}
+
+#[test]
+fn replayed_batched_steps_equal_recorded_ones_tiny_qwen3moe() {
+    check_replayed("tiny-qwen3moe", "Q8_0");
+}
+
 #[test]
 fn batched_steps_match_each_sequence_alone_tiny_llama_q4_0() {
     check("tiny-llama", "Q4_0");

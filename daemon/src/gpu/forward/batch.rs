@@ -9,6 +9,14 @@
 //! experts, each over the few tokens that chose it (`matvec.comp` with COLS and RUNS); more
 //! tokens take the prompts' tiles.
 //!
+//! A step that is one submission (a dense model, or MoE layers routed on the device) is recorded
+//! once per count of sequences and replayed ([`super::GpuModelOptions::replay`], as a decode
+//! step is):
+//! the tokens, positions and first rows are words of the step buffer the kernels read when they
+//! run, and the attention's grid covers every run of positions of the cache, those past a
+//! token's position leaving at once. Recording a step of a 32-layer model costs the host about
+//! 2 ms (`bench/RESULTS.md`, 2026-12-03), as long as a step of a few sequences may take.
+//!
 //! Where a step cannot take the tokens together (a dense model's first layers on the CPU, whose
 //! cache holds one sequence; routed experts computed on the CPU or fetched, which the chunk path
 //! would stream through VRAM for every step; a chunk's memory refused) the tokens go one after
@@ -16,7 +24,7 @@
 //! the sharing.
 
 use super::prefill::{LOGITS_CHUNK, PREFILL_CHUNK};
-use super::{GpuModel, MoeMiss};
+use super::{GpuFfn, GpuModel, MoeMiss};
 use crate::gpu::error::{GpuError, Result};
 
 /// Most tokens a batched step takes (the host-visible logits of a chunk that wants them all).
@@ -34,7 +42,17 @@ impl GpuModel {
         if inputs.len() > 1 && self.batches_steps(inputs.len())? {
             self.flush_promotions()?;
             let started = std::time::Instant::now();
-            let logits = self.eval_chunk(&tokens, true, Some(&seqs))?;
+            let logits = match self.replays_steps(inputs.len()) {
+                true => self.replay_step(&tokens, &seqs)?,
+                false => None,
+            };
+            let logits = match logits {
+                Some(l) => {
+                    self.replayed_batches += 1;
+                    l
+                }
+                None => self.eval_chunk(&tokens, true, Some(&seqs))?,
+            };
             self.batched_steps += 1;
             // The step's routing counted in the experts' demand, as a decode step's.
             self.promote_experts(started.elapsed())?;
@@ -46,6 +64,80 @@ impl GpuModel {
             out.extend(self.eval(token)?);
         }
         Ok(out)
+    }
+
+    /// Whether a batched step of `n` tokens is replayed: steps replay
+    /// ([`super::GpuModelOptions::replay`]),
+    /// nothing is profiled, and the step is one submission (every MoE layer routed on the
+    /// device).
+    fn replays_steps(&self, n: usize) -> bool {
+        self.replays
+            && self.profiler.is_none()
+            && self.layers.iter().all(|l| match &l.ffn {
+                GpuFfn::Dense { .. } => true,
+                GpuFfn::Moe(_) => self.routes_chunks_on_device(n),
+            })
+    }
+
+    /// A batched step of `tokens`, token `i` the next of sequence `seqs[i]`, from its recording
+    /// (made now the first time for this many tokens); `None`, with nothing evaluated, where
+    /// the recording is not one submission (a MoE layer the device cannot route in it).
+    fn replay_step(&mut self, tokens: &[u32], seqs: &[usize]) -> Result<Option<Vec<f32>>> {
+        let n = tokens.len();
+        let mut batch = self.batch.take().expect("made by batches_steps");
+        let mut words: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        self.position_words(&mut batch, &mut words, n, Some(seqs));
+        let ran = self.replay_recorded(&mut batch, &words, n);
+        let logits = match ran {
+            Ok(true) => Ok(Some(batch.read_logits(n, self.config.n_vocab))),
+            Ok(false) => Ok(None),
+            Err(e) => Err(e),
+        };
+        self.batch = Some(batch);
+        if let Ok(Some(_)) = logits {
+            seqs.iter().for_each(|&s| self.positions[s] += 1);
+        }
+        logits
+    }
+
+    /// [`GpuModel::replay_step`] with the batch out of the model: records the step for `n`
+    /// tokens if it is not yet, writes the step buffer and runs it; `false` where the recording
+    /// is not one submission.
+    fn replay_recorded(
+        &mut self,
+        batch: &mut super::prefill::Batch,
+        words: &[u8],
+        n: usize,
+    ) -> Result<bool> {
+        if !batch.replays.contains_key(&n) {
+            // The attention's grid for every position a sequence holds.
+            batch.set_end(self.capacity);
+            let (mut paused, mut on_device) = (None, Vec::new());
+            let b = &*batch;
+            let replay = self.kernels.record_replay(|rec| {
+                self.record_chunk(rec, b, (n, true), None, (&mut paused, &mut on_device))
+            })?;
+            if paused.is_some() {
+                return Ok(false);
+            }
+            batch.replays.insert(n, (replay, on_device));
+        }
+        // The device-loss injection counts tokens evaluated, a step's each.
+        for _ in 0..n {
+            if let Some(point) = crate::gpu::lost::token_loses_device() {
+                self.allocator.device().arm_loss(point);
+            }
+        }
+        batch.write_step(words);
+        self.write_slot_map();
+        let (replay, on_device) = &batch.replays[&n];
+        replay.run_after(None)?;
+        self.last_stats = replay.stats();
+        let on_device = on_device.clone();
+        self.count_routed_on_device(batch, &on_device);
+        self.last_routing = Vec::new();
+        self.last_host_time = None;
+        Ok(true)
     }
 
     /// Checks `inputs` before anything of them is evaluated: known, distinct sequences with

@@ -482,6 +482,7 @@ impl GpuModel {
             positions: vec![0; sequences],
             seq: 0,
             batched_steps: 0,
+            replayed_batches: 0,
             last_stats: RecordStats::default(),
             last_routing: Vec::new(),
             placement: placement.clone(),

@@ -343,8 +343,10 @@ pub struct GpuModel {
     positions: Vec<usize>,
     /// The sequence that [`GpuModel::eval`] and [`GpuModel::eval_prompt`] extend.
     seq: usize,
-    /// Decode steps that took several sequences' tokens in one pass ([`GpuModel::eval_batch`]).
+    /// Decode steps that took several sequences' tokens in one pass ([`GpuModel::eval_batch`]),
+    /// and those of them replayed from a recording.
     batched_steps: u64,
+    replayed_batches: u64,
     last_stats: RecordStats,
     last_routing: Vec<LayerRouting>,
     placement: Placement,
@@ -432,6 +434,12 @@ impl GpuModel {
     /// ([`GpuModel::eval_batch`]), not one after another.
     pub fn batched_steps(&self) -> u64 {
         self.batched_steps
+    }
+
+    /// Of [`GpuModel::batched_steps`], those replayed from a recording of a step of as many
+    /// sequences ([`batch`]).
+    pub fn replayed_batches(&self) -> u64 {
+        self.replayed_batches
     }
 
     /// The selected sequence.

@@ -131,6 +131,10 @@ pub(super) struct Batch {
     x_ready: bool,
     /// Host-visible: every token's logits, for the chunks that want them all.
     logits: Option<Buffer>,
+    /// Batched decode steps recorded once and replayed ([`super::batch`]), by token count,
+    /// with the MoE layers each routes on the device. They bind this batch's buffers, so they
+    /// go with it.
+    pub(super) replays: std::collections::HashMap<usize, (crate::gpu::replay::Replay, Vec<usize>)>,
     /// Present for MoE models.
     pub(super) moe: Option<BatchMoe>,
 }
@@ -219,6 +223,7 @@ impl Batch {
                 None => None,
             },
             logits: None,
+            replays: std::collections::HashMap::new(),
             x_ready: false,
             moe: match &c.moe {
                 Some(cfg) => {
@@ -294,6 +299,24 @@ impl Batch {
         self.tokens
     }
 
+    /// Writes the step buffer: the chunk's token ids, then its positions ([`StepWord`]).
+    pub(super) fn write_step(&mut self, words: &[u8]) {
+        self.step.write(words);
+    }
+
+    /// Sets the chunk's end to `end` positions (the runs its attention covers).
+    pub(super) fn set_end(&mut self, end: usize) {
+        self.end = end;
+    }
+
+    /// Reads `n` tokens' logits from the host-visible buffer of every token's logits.
+    pub(super) fn read_logits(&self, n: usize, n_vocab: usize) -> Vec<f32> {
+        self.logits
+            .as_ref()
+            .expect("made for a batched step")
+            .read_f32(n * n_vocab)
+    }
+
     /// Whether the attention scratch holds `n` tokens at any positions of `m`'s sequences
     /// (the decode kernel's runs, which a batched step takes).
     pub(super) fn holds_attention(&self, m: &GpuModel, n: usize) -> bool {
@@ -335,7 +358,7 @@ impl Batch {
 /// and those runs in groups.
 type Paused = (usize, ChunkRouting, Vec<ExpertRun>, Option<Vec<RunGroup>>);
 
-struct ChunkResume<'a> {
+pub(super) struct ChunkResume<'a> {
     layer: usize,
     weights_at: usize,
     runs: &'a [ExpertRun],
@@ -364,7 +387,7 @@ impl GpuModel {
     /// ([`GpuModel::routes_on_device`]), no shared expert, and scratch rows for every token's
     /// entries ([`moe_rows`]). Otherwise each MoE layer's router logits are read back and routed
     /// on the host, a submission per layer.
-    fn routes_chunks_on_device(&self, n: usize) -> bool {
+    pub(super) fn routes_chunks_on_device(&self, n: usize) -> bool {
         let Some(cfg) = &self.config.moe else {
             return false;
         };
@@ -543,17 +566,7 @@ impl GpuModel {
                 }
             }
         }
-        // Each token's position and its sequence's first row.
-        let at: Vec<(usize, usize)> = match seqs {
-            None => (0..n).map(|t| (self.pos() + t, self.seq)).collect(),
-            Some(seqs) => seqs.iter().map(|&s| (self.positions[s], s)).collect(),
-        };
-        for &(pos, seq) in &at {
-            words.extend_from_slice(&(pos as u32).to_le_bytes());
-            words.extend_from_slice(&self.seq_row(seq).to_le_bytes());
-        }
-        batch.end = at.iter().map(|&(pos, _)| pos + 1).max().unwrap_or(0);
-        batch.ragged = seqs.is_some();
+        self.position_words(batch, &mut words, n, seqs);
         batch.step.write(&words);
         batch.x_ready = false;
         let profiling = self.profiler.is_some();
@@ -642,10 +655,33 @@ impl GpuModel {
         Ok(())
     }
 
+    /// Appends each of a chunk's `n` tokens' position and its sequence's first KV-cache row to
+    /// `words` (after its token ids, [`StepWord`]): the selected sequence's next positions, or
+    /// with `seqs` each listed sequence's next one; sets the chunk's end and whether it is
+    /// ragged.
+    pub(super) fn position_words(
+        &self,
+        batch: &mut Batch,
+        words: &mut Vec<u8>,
+        n: usize,
+        seqs: Option<&[usize]>,
+    ) {
+        let at: Vec<(usize, usize)> = match seqs {
+            None => (0..n).map(|t| (self.pos() + t, self.seq)).collect(),
+            Some(seqs) => seqs.iter().map(|&s| (self.positions[s], s)).collect(),
+        };
+        for &(pos, seq) in &at {
+            words.extend_from_slice(&(pos as u32).to_le_bytes());
+            words.extend_from_slice(&self.seq_row(seq).to_le_bytes());
+        }
+        batch.end = at.iter().map(|&(pos, _)| pos + 1).max().unwrap_or(0);
+        batch.ragged = seqs.is_some();
+    }
+
     /// Records a chunk's command buffer: from the embedding, or from a paused MoE layer's
     /// resident experts and shared expert ([`ChunkResume`]), to the next MoE layer's router
     /// (setting `paused` to its layer) or to the logits.
-    fn record_chunk(
+    pub(super) fn record_chunk(
         &self,
         rec: &mut Recorder<'_>,
         b: &Batch,
@@ -785,7 +821,7 @@ impl GpuModel {
 
     /// After a chunk: the experts its device-routed MoE layers ran (their counts), in the
     /// layers' counters and demand, as the host's routing counts them.
-    fn count_routed_on_device(&mut self, batch: &Batch, layers: &[usize]) {
+    pub(super) fn count_routed_on_device(&mut self, batch: &Batch, layers: &[usize]) {
         let (Some(cfg), Some(m)) = (self.config.moe, batch.moe.as_ref()) else {
             return;
         };
