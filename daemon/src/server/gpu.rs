@@ -122,6 +122,15 @@ impl GpuSequence {
         let (index, options) = &self.reload;
         let device = open_vulkan(*index).map_err(|e| e.to_string())?;
         let gpu = load_gpu_model(&device, &self.model, options).map_err(|(_, message)| message)?;
+        // The worker hands out the sequences the first load held (a plan without a VRAM budget
+        // follows the memory the driver reports free, which may have shrunk since).
+        if gpu.sequences() < self.sequences {
+            return Err(format!(
+                "the model reloads with room for {} sequences, fewer than the {} it serves",
+                gpu.sequences(),
+                self.sequences
+            ));
+        }
         *self.status.allocator.lock() = gpu.allocator().clone();
         self.gpu = Some(gpu);
         Ok(())
