@@ -194,14 +194,21 @@ fn batched_q6_k_products_equal_one_token_products() {
 
 #[test]
 fn a_row_range_and_a_split_binding_give_the_same_rows() {
+    // 11 tokens: the tiled kernel.
+    check_row_range_and_split(11, assert_close);
+}
+
+/// Rows 40..72 of a Q8_0 matrix only (as one expert of a stack), then the whole matrix split
+/// over several bindings, for `n_tok` tokens, each compared with the one-token products by
+/// `compare`; and buffers too small for the tokens refused.
+fn check_row_range_and_split(n_tok: usize, compare: impl Fn(&Setup, &[f32], &[f32], &str)) {
     let Some(dev) = device() else { return };
-    let (n_in, n_out, n_tok) = (256, 96, 11);
+    let (n_in, n_out) = (256, 96);
     let s = setup(&dev, GgmlType::Q8_0, n_in, n_out);
     let xs = inputs(n_tok * n_in, 5);
     let whole = one_by_one(&s, &xs, n_tok);
     let x = host(&s, &xs);
 
-    // Rows 40..72 only, as one expert of a stack would be.
     let (first, n) = (40, 32);
     let y = host(&s, &vec![f32::NAN; n_tok * n]);
     s.kernels
@@ -210,7 +217,7 @@ fn a_row_range_and_a_split_binding_give_the_same_rows() {
     let want: Vec<f32> = (0..n_tok)
         .flat_map(|t| whole[t * n_out + first..t * n_out + first + n].to_vec())
         .collect();
-    assert_close(&s, &y.read_f32(n_tok * n), &want, "rows 40..72");
+    compare(&s, &y.read_f32(n_tok * n), &want, "rows 40..72");
 
     // A binding limit of a third of the matrix (still above the input's size) splits it into
     // several dispatches.
@@ -220,7 +227,7 @@ fn a_row_range_and_a_split_binding_give_the_same_rows() {
     s.kernels
         .record_with_max_range(limit, |r| r.matvec_batch(&s.w, &x, &y, n_tok))
         .unwrap();
-    assert_close(&s, &y.read_f32(n_tok * n_out), &whole, "split binding");
+    compare(&s, &y.read_f32(n_tok * n_out), &whole, "split binding");
 
     // Buffers too small for the tokens are refused, not overrun.
     let small = host(&s, &vec![0.0; n_out]);
@@ -228,6 +235,15 @@ fn a_row_range_and_a_split_binding_give_the_same_rows() {
         .kernels
         .record(|r| r.matvec_batch(&s.w, &x, &small, n_tok))
         .is_err());
+
+    // With the several-column kernel off, the same tokens take the tiled kernel: the same
+    // products up to the order of their sums.
+    s.kernels.set_matvec_cols(0);
+    let y = host(&s, &vec![f32::NAN; n_tok * n_out]);
+    s.kernels
+        .record(|r| r.matvec_batch(&s.w, &x, &y, n_tok))
+        .unwrap();
+    assert_close(&s, &y.read_f32(n_tok * n_out), &whole, "tiled");
 }
 
 #[test]
@@ -520,36 +536,8 @@ fn a_few_tokens_products_are_each_tokens_own_bit_for_bit() {
             }
         }
     }
-    // A row range, and rows split between bindings.
-    let (n_in, n_out, n_tok) = (256, 96, 6);
-    let s = setup(&dev, GgmlType::Q8_0, n_in, n_out);
-    let xs = inputs(n_tok * n_in, 5);
-    let whole = one_by_one(&s, &xs, n_tok);
-    let x = host(&s, &xs);
-    let (first, n) = (40, 32);
-    let y = host(&s, &vec![f32::NAN; n_tok * n]);
-    s.kernels
-        .record(|r| r.matvec_batch_rows(&s.w, first, n, &x, &y, n_tok))
-        .unwrap();
-    let want: Vec<f32> = (0..n_tok)
-        .flat_map(|t| whole[t * n_out + first..t * n_out + first + n].to_vec())
-        .collect();
-    assert_eq!(y.read_f32(n_tok * n), want, "rows 40..72");
-    let limit = 12_000;
-    assert!(limit < 96 * s.w.row_bytes / 2 && limit > x.size());
-    let y = host(&s, &vec![f32::NAN; n_tok * n_out]);
-    s.kernels
-        .record_with_max_range(limit, |r| r.matvec_batch(&s.w, &x, &y, n_tok))
-        .unwrap();
-    assert_eq!(y.read_f32(n_tok * n_out), whole, "split binding");
-    // With the kernel off, the same tokens take the tiled kernel: the same products up to the
-    // order of their sums.
-    s.kernels.set_matvec_cols(0);
-    let y = host(&s, &vec![f32::NAN; n_tok * n_out]);
-    s.kernels
-        .record(|r| r.matvec_batch(&s.w, &x, &y, n_tok))
-        .unwrap();
-    assert_close(&s, &y.read_f32(n_tok * n_out), &whole, "tiled");
+    // A row range, and rows split between bindings: 6 tokens, exactly.
+    check_row_range_and_split(6, |_, got, want, what| assert_eq!(got, want, "{what}"));
 }
 
 /// Experts' runs of at most 8 rows (a batched decode step's MoE layer) take the several-column
