@@ -15,6 +15,8 @@ spillway-client`) and a model file. Both tests generate from the same pseudo-ran
 
     python3 bench/service_bench.py --model models/small-qwen3moe-q4_k_m.gguf --threads 2
 
+`--vocab N` keeps the prompt ids below N (default 100,000) for models with a small vocabulary.
+
 `--device-args` go to both `spillwayd serve` and `spillwayd run` (e.g. `"--device vulkan
 --vram-budget 8GiB --moe-miss pcie"`); `--streams-only` skips the overhead test (each
 `spillwayd run` loads the model again).
@@ -59,12 +61,15 @@ def main():
     ap.add_argument("--bin", default=os.path.join(ROOT, "target", "release"))
     ap.add_argument("--device-args", default="", help="more arguments of serve and run")
     ap.add_argument("--streams-only", action="store_true")
+    ap.add_argument("--vocab", type=int, default=100_000,
+                    help="prompt ids are drawn below this (at most the model's vocabulary)")
     args = ap.parse_args()
     device_args = shlex.split(args.device_args)
 
     spillwayd = os.path.join(args.bin, "spillwayd")
     spillway = os.path.join(args.bin, "spillway")
-    prompt = ",".join(map(str, token_ids(args.prompt, 7)))
+    ids = lambda seed: token_ids(args.prompt, seed, min(args.vocab, 100_000))
+    prompt = ",".join(map(str, ids(7)))
     tmp = tempfile.mkdtemp(prefix="spillway-bench-")
     sock = os.path.join(tmp, "spillway.sock")
     max_batch = max(args.streams)
@@ -121,7 +126,7 @@ def main():
                 start = time.time()
                 procs = []
                 for i in range(n):
-                    p = ",".join(map(str, token_ids(args.prompt, 100 + i)))
+                    p = ",".join(map(str, ids(100 + i)))
                     cmd = gen[:]
                     cmd[cmd.index("--prompt-tokens") + 1] = p
                     procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
