@@ -18,8 +18,8 @@ spillway-client`) and a model file. Both tests generate from the same pseudo-ran
 `--vocab N` keeps the prompt ids below N (default 100,000) for models with a small vocabulary.
 
 `--device-args` go to both `spillwayd serve` and `spillwayd run` (e.g. `"--device vulkan
---vram-budget 8GiB --moe-miss pcie"`); `--streams-only` skips the overhead test (each
-`spillwayd run` loads the model again).
+--vram-budget 8GiB"`); `--streams-only` skips the overhead test (each `spillwayd run` loads
+the model again).
 """
 
 import argparse
