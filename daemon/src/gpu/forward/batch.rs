@@ -30,6 +30,70 @@ use crate::gpu::error::{GpuError, Result};
 /// Most tokens a batched step takes (the host-visible logits of a chunk that wants them all).
 pub const MAX_STEP_TOKENS: usize = LOGITS_CHUNK;
 
+/// The sequences the KV cache holds, and the selected one.
+impl GpuModel {
+    /// Tokens evaluated in the selected sequence.
+    pub fn position(&self) -> usize {
+        self.positions[self.seq]
+    }
+
+    /// Forgets the selected sequence (its cache is overwritten from position 0).
+    pub fn reset(&mut self) {
+        self.positions[self.seq] = 0;
+    }
+
+    /// How many sequences the KV cache holds ([`super::GpuModelOptions::sequences`]).
+    pub fn sequences(&self) -> usize {
+        self.positions.len()
+    }
+
+    /// The sequence that [`GpuModel::eval`], [`GpuModel::eval_prompt`], [`GpuModel::position`]
+    /// and [`GpuModel::reset`] act on from now on; each keeps its own position.
+    ///
+    /// # Panics
+    /// If `seq` is not below [`GpuModel::sequences`].
+    pub fn select(&mut self, seq: usize) {
+        assert!(
+            seq < self.positions.len(),
+            "sequence {seq} of {}",
+            self.positions.len()
+        );
+        self.seq = seq;
+    }
+
+    /// Decode steps since loading that took several sequences' tokens in one pass
+    /// ([`GpuModel::eval_batch`]), not one after another.
+    pub fn batched_steps(&self) -> u64 {
+        self.batched_steps
+    }
+
+    /// Of [`GpuModel::batched_steps`], those replayed from a recording of a step of as many
+    /// sequences ((this module)).
+    pub fn replayed_batches(&self) -> u64 {
+        self.replayed_batches
+    }
+
+    /// The selected sequence.
+    pub fn selected(&self) -> usize {
+        self.seq
+    }
+
+    /// Tokens evaluated in sequence `seq`.
+    pub fn position_of(&self, seq: usize) -> usize {
+        self.positions[seq]
+    }
+
+    /// The selected sequence's position.
+    pub(super) fn pos(&self) -> usize {
+        self.positions[self.seq]
+    }
+
+    /// The KV-cache row of position 0 of sequence `seq`.
+    pub(super) fn seq_row(&self, seq: usize) -> u32 {
+        (seq * self.capacity) as u32
+    }
+}
+
 impl GpuModel {
     /// One decode step of several sequences: `inputs` holds, for each, the sequence and its
     /// next token; the logits after each, `n_vocab` floats each, in the order of `inputs`. Every

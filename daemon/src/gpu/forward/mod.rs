@@ -401,67 +401,6 @@ impl GpuModel {
         self.capacity
     }
 
-    /// Tokens evaluated in the selected sequence.
-    pub fn position(&self) -> usize {
-        self.positions[self.seq]
-    }
-
-    /// Forgets the selected sequence (its cache is overwritten from position 0).
-    pub fn reset(&mut self) {
-        self.positions[self.seq] = 0;
-    }
-
-    /// How many sequences the KV cache holds ([`GpuModelOptions::sequences`]).
-    pub fn sequences(&self) -> usize {
-        self.positions.len()
-    }
-
-    /// The sequence that [`GpuModel::eval`], [`GpuModel::eval_prompt`], [`GpuModel::position`]
-    /// and [`GpuModel::reset`] act on from now on; each keeps its own position.
-    ///
-    /// # Panics
-    /// If `seq` is not below [`GpuModel::sequences`].
-    pub fn select(&mut self, seq: usize) {
-        assert!(
-            seq < self.positions.len(),
-            "sequence {seq} of {}",
-            self.positions.len()
-        );
-        self.seq = seq;
-    }
-
-    /// Decode steps since loading that took several sequences' tokens in one pass
-    /// ([`GpuModel::eval_batch`]), not one after another.
-    pub fn batched_steps(&self) -> u64 {
-        self.batched_steps
-    }
-
-    /// Of [`GpuModel::batched_steps`], those replayed from a recording of a step of as many
-    /// sequences ([`batch`]).
-    pub fn replayed_batches(&self) -> u64 {
-        self.replayed_batches
-    }
-
-    /// The selected sequence.
-    pub fn selected(&self) -> usize {
-        self.seq
-    }
-
-    /// Tokens evaluated in sequence `seq`.
-    pub fn position_of(&self, seq: usize) -> usize {
-        self.positions[seq]
-    }
-
-    /// The selected sequence's position.
-    fn pos(&self) -> usize {
-        self.positions[self.seq]
-    }
-
-    /// The KV-cache row of position 0 of sequence `seq`.
-    fn seq_row(&self, seq: usize) -> u32 {
-        (seq * self.capacity) as u32
-    }
-
     /// How many of the model's first layers run on the CPU (a dense model over the VRAM
     /// budget); 0 when every layer is on the GPU. [`GpuModel::config`] then describes the rest.
     pub fn cpu_layers(&self) -> usize {
