@@ -357,50 +357,32 @@ fn attention_over_a_cache_of_several_sequences_takes_each_tokens_own_rows() {
             .collect::<Vec<_>>(),
     );
     let end = tokens.iter().map(|&(_, p)| p + 1).max().unwrap();
-    let scratch_floats = attention_scratch_floats(n_heads as usize, hd as usize, end as usize);
-    let scratch = host(&alloc, &vec![0.0; tokens.len() * scratch_floats]);
-    let done = attention_counters(&alloc, n_heads as usize, tokens.len()).unwrap();
-    let out = host(&alloc, &vec![f32::NAN; width * tokens.len()]);
-    let pos = StepWord {
-        buffer: &step,
-        index: 0,
+    // The decode kernel over `n` tokens whose positions `step` holds: their outputs.
+    let attend = |q: &Buffer, (k, v): (&Buffer, &Buffer), step: &Buffer, n: u32| -> Vec<f32> {
+        let floats = attention_scratch_floats(n_heads as usize, hd as usize, end as usize);
+        let scratch = host(&alloc, &vec![0.0; n as usize * floats]);
+        let done = attention_counters(&alloc, n_heads as usize, n as usize).unwrap();
+        let out = host(&alloc, &vec![f32::NAN; width * n as usize]);
+        let pos = StepWord {
+            buffer: step,
+            index: 0,
+        };
+        let scratch = (&scratch, &done);
+        kernels
+            .record(|r| r.attention_n(q, (k, v), scratch, &out, args, pos, (n, end)))
+            .unwrap();
+        out.read_f32(width * n as usize)
     };
-    kernels
-        .record(|r| {
-            r.attention_n(
-                &qb,
-                (&kc, &vc),
-                (&scratch, &done),
-                &out,
-                args,
-                pos,
-                (n_tok, end),
-            )
-        })
-        .unwrap();
-    let got = out.read_f32(width * tokens.len());
+    let got = attend(&qb, (&kc, &vc), &step, n_tok);
     let floats_a_seq = capacity as usize * kvw / 2;
     for (i, &(seq, p)) in tokens.iter().enumerate() {
         let own = |all: &[f32]| host(&alloc, &all[seq * floats_a_seq..(seq + 1) * floats_a_seq]);
         let (k1, v1) = (own(&k_all), own(&v_all));
         let q1 = host(&alloc, &q[i * width..(i + 1) * width]);
-        let step1 = words(&[(p, 0)]);
-        let scratch1 = host(&alloc, &vec![0.0; scratch_floats]);
-        let done1 = attention_counters(&alloc, n_heads as usize, 1).unwrap();
-        let out1 = host(&alloc, &vec![f32::NAN; width]);
-        let pos1 = StepWord {
-            buffer: &step1,
-            index: 0,
-        };
-        kernels
-            .record(|r| {
-                let scratch = (&scratch1, &done1);
-                r.attention_n(&q1, (&k1, &v1), scratch, &out1, args, pos1, (1, end))
-            })
-            .unwrap();
+        let alone = attend(&q1, (&k1, &v1), &words(&[(p, 0)]), 1);
         assert_eq!(
             got[i * width..(i + 1) * width],
-            out1.read_f32(width)[..],
+            alone[..],
             "sequence {seq} at {p}"
         );
     }
@@ -410,36 +392,17 @@ fn attention_over_a_cache_of_several_sequences_takes_each_tokens_own_rows() {
     let chunk: Vec<(u32, u32)> = (0..n_chunk).map(|t| (pos0 + t, capacity)).collect();
     let step = words(&chunk);
     let qc = host(&alloc, &noise(width * n_chunk as usize, 24));
-    let end = pos0 + n_chunk;
-    let scratch_floats = attention_scratch_floats(n_heads as usize, hd as usize, end as usize);
-    let scratch = host(&alloc, &vec![0.0; n_chunk as usize * scratch_floats]);
-    let done = attention_counters(&alloc, n_heads as usize, n_chunk as usize).unwrap();
     let n = width * n_chunk as usize;
-    let (want, got) = (
-        host(&alloc, &vec![0.0; n]),
-        host(&alloc, &vec![f32::NAN; n]),
-    );
+    let want = attend(&qc, (&kc, &vc), &step, n_chunk);
+    let got = host(&alloc, &vec![f32::NAN; n]);
     let pos = StepWord {
         buffer: &step,
         index: 0,
     };
     kernels
-        .record(|r| {
-            r.attention_n(
-                &qc,
-                (&kc, &vc),
-                (&scratch, &done),
-                &want,
-                args,
-                pos,
-                (n_chunk, end),
-            )
-        })
-        .unwrap();
-    kernels
         .record(|r| r.attention_prefill(&qc, (&kc, &vc), &got, args, pos, n_chunk))
         .unwrap();
-    let (want, got) = (want.read_f32(n), got.read_f32(n));
+    let got = got.read_f32(n);
     let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         assert!((g - w).abs() <= 1e-4 * scale, "out[{i}] {g} vs {w}");

@@ -13,6 +13,16 @@ use spillway_daemon::gguf::GgmlType;
 use spillway_daemon::gpu::ops::GpuMatrix;
 use spillway_daemon::gpu::{Allocator, Buffer, Device, Kernels, MatMulTile, MemoryUse, Uploader};
 
+/// Every weight type the kernels read.
+const TYPES: [GgmlType; 6] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q4K,
+    GgmlType::Q6K,
+];
+
 fn device() -> Option<Arc<Device>> {
     spillway_daemon::gpu::device_or_skip()
 }
@@ -503,14 +513,7 @@ fn gathered_sums_add_each_tokens_entries_in_order() {
 fn a_few_tokens_products_are_each_tokens_own_bit_for_bit() {
     let Some(dev) = device() else { return };
     let (n_in, n_out) = (512, 67);
-    for ty in [
-        GgmlType::F32,
-        GgmlType::F16,
-        GgmlType::Q8_0,
-        GgmlType::Q4_0,
-        GgmlType::Q4K,
-        GgmlType::Q6K,
-    ] {
+    for ty in TYPES {
         for int_dot in [false, true] {
             let mut s = setup(&dev, ty, n_in, n_out);
             s.kernels = Kernels::with_int_dot(&dev, (true, true), int_dot);
@@ -552,14 +555,7 @@ fn a_few_rows_an_expert_are_each_rows_own_product_bit_for_bit() {
     // no run.
     let runs = [(2u32, 0u32, 8u32), (0, 8, 1), (1, 9, 0), (1, 12, 4)];
     let max_count = 8;
-    for ty in [
-        GgmlType::F32,
-        GgmlType::F16,
-        GgmlType::Q8_0,
-        GgmlType::Q4_0,
-        GgmlType::Q4K,
-        GgmlType::Q6K,
-    ] {
+    for ty in TYPES {
         for int_dot in [false, true] {
             let mut s = setup(&dev, ty, n_in, 3 * rows);
             s.kernels = Kernels::with_int_dot(&dev, (true, true), int_dot);
