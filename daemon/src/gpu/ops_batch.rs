@@ -167,32 +167,7 @@ impl Recorder<'_> {
         if max_count <= self.matvec_cols() && w.n_in.is_multiple_of(4) {
             // A few rows an expert (a batched decode step): each expert's rows in one
             // workgroup's columns of the matrix-vector kernel, not in tiles of 64 tokens.
-            let cols = max_count as u32;
-            let id = self.variant(Op::MatVecRuns, Some(w.wtype))?;
-            let shape = self.matvec_shape_for((Op::MatVecRuns, w.wtype), (rows, 1), false, w.n_in);
-            let per_group = (MAX_MATVEC_COLS / cols).min(shape.rows).max(1);
-            let per_group = 1 << per_group.ilog2();
-            let threads = shape.threads.max(MAX_MATVEC_COLS);
-            let spec = [threads, per_group, 0, 0, 0, 0, cols];
-            let push = MatVecRunsParams {
-                n_in: w.n_in as u32,
-                n_rows: rows as u32,
-                w_offset: chunk.w_offset,
-                y_offset: 0,
-                runs_at,
-                x_stride: w.n_in as u32,
-                y_stride: rows as u32,
-                eps: 0.0,
-            };
-            let bindings = [
-                chunk.weights,
-                Binding::read(x),
-                Binding::write(y),
-                Binding::read(runs),
-                Binding::read(x),
-            ];
-            let [gx, gy, _] = grid((rows as u32).div_ceil(per_group));
-            return self.dispatch_spec(id, &spec, &bindings, &push, [gx, gy, n_runs]);
+            return self.runs_product(w, chunk, (x, y), (runs, runs_at, n_runs), (rows, max_count));
         }
         let id = self.variant(Op::MatVecBatchGrouped, Some(w.wtype))?;
         let (spec, tile_rows, tile_tokens) = self.batch_tile(id, false);
@@ -366,12 +341,7 @@ impl Recorder<'_> {
         }
         let id = self.variant(Op::MatVecCols, Some(w.wtype))?;
         let n: usize = chunks.iter().map(|c| c.rows as usize).sum();
-        let shape = self.matvec_shape_for((Op::MatVecCols, w.wtype), (n, 1), false, w.n_in);
-        // Rows a workgroup: the shape's, fewer so that its sums fit, a power of two.
-        let rows = (MAX_MATVEC_COLS / cols).min(shape.rows).max(1);
-        let rows = 1 << rows.ilog2();
-        let threads = shape.threads.max(MAX_MATVEC_COLS);
-        let spec = [threads, rows, u32::from(accumulate), 0, 0, 0, cols];
+        let (spec, rows) = self.cols_shape((Op::MatVecCols, w), n, cols, accumulate);
         for chunk in chunks {
             let push = MatVecColsParams {
                 n_in: w.n_in as u32,
@@ -393,6 +363,58 @@ impl Recorder<'_> {
             self.dispatch_spec(id, &spec, &bindings, &push, groups)?;
         }
         Ok(())
+    }
+
+    /// [`Recorder::matvec_batch_grouped`] of runs of at most [`MAX_MATVEC_COLS`] rows
+    /// (`max_count`) in one dispatch of `matvec.comp` with `COLS` and `RUNS`: workgroup layer z
+    /// takes run z, each workgroup a few rows of its expert times every row of the run.
+    fn runs_product(
+        &mut self,
+        w: &GpuMatrix,
+        chunk: &super::ops::RowChunk<'_>,
+        (x, y): (&Buffer, &Buffer),
+        (runs, runs_at, n_runs): (&Buffer, u32, u32),
+        (rows, max_count): (usize, usize),
+    ) -> Result<()> {
+        let id = self.variant(Op::MatVecRuns, Some(w.wtype))?;
+        let (spec, per_group) = self.cols_shape((Op::MatVecRuns, w), rows, max_count as u32, false);
+        let push = MatVecRunsParams {
+            n_in: w.n_in as u32,
+            n_rows: rows as u32,
+            w_offset: chunk.w_offset,
+            y_offset: 0,
+            runs_at,
+            x_stride: w.n_in as u32,
+            y_stride: rows as u32,
+            eps: 0.0,
+        };
+        let bindings = [
+            chunk.weights,
+            Binding::read(x),
+            Binding::write(y),
+            Binding::read(runs),
+            Binding::read(x),
+        ];
+        let [gx, gy, _] = grid((rows as u32).div_ceil(per_group));
+        self.dispatch_spec(id, &spec, &bindings, &push, [gx, gy, n_runs])
+    }
+
+    /// The specialization constants of `matvec.comp` with `COLS` for `cols` columns of
+    /// `results` rows of `w` (`op` [`Op::MatVecCols`] or [`Op::MatVecRuns`]), and the rows a
+    /// workgroup takes: the tuned shape's, fewer so that its rows times columns sums fit, a
+    /// power of two.
+    fn cols_shape(
+        &self,
+        (op, w): (Op, &GpuMatrix),
+        results: usize,
+        cols: u32,
+        accumulate: bool,
+    ) -> ([u32; 7], u32) {
+        let shape = self.matvec_shape_for((op, w.wtype), (results, 1), false, w.n_in);
+        let rows = (MAX_MATVEC_COLS / cols).min(shape.rows).max(1);
+        let rows = 1 << rows.ilog2();
+        let threads = shape.threads.max(MAX_MATVEC_COLS);
+        ([threads, rows, u32::from(accumulate), 0, 0, 0, cols], rows)
     }
 
     /// The specialization constants (workgroup size, accumulate, depth, subgroups along rows
