@@ -23,7 +23,7 @@
 //! another through [`GpuModel::eval`], each sequence selected in turn: the same logits, without
 //! the sharing.
 
-use super::prefill::{LOGITS_CHUNK, PREFILL_CHUNK};
+use super::prefill::LOGITS_CHUNK;
 use super::{GpuFfn, GpuModel, MoeMiss};
 use crate::gpu::error::{GpuError, Result};
 
@@ -187,11 +187,7 @@ impl GpuModel {
             batch.replays.insert(n, (replay, on_device));
         }
         // The device-loss injection counts tokens evaluated, a step's each.
-        for _ in 0..n {
-            if let Some(point) = crate::gpu::lost::token_loses_device() {
-                self.allocator.device().arm_loss(point);
-            }
-        }
+        self.count_for_loss(n);
         batch.write_step(words);
         self.write_slot_map();
         let (replay, on_device) = &batch.replays[&n];
@@ -244,32 +240,15 @@ impl GpuModel {
     /// chunk's activations and its host-visible logits now if they are not made yet.
     fn batches_steps(&mut self, n: usize) -> Result<bool> {
         let miss = self.experts.as_ref().map_or(MoeMiss::Cpu, |e| e.miss);
-        if !self.placement.batches_steps(miss) || !self.batches_prompts() || self.front.is_some() {
+        // (Layers on the CPU make the placement's answer no.)
+        if !self.placement.batches_steps(miss) || !self.batches_prompts() {
             return Ok(false);
         }
-        if self.batch.as_ref().is_none_or(|b| b.tokens() < n) {
-            // A prompt's chunk is made as large; the smaller one's memory is given back first.
-            self.batch = None;
-            let tokens = n.next_multiple_of(64).min(PREFILL_CHUNK);
-            match super::prefill::Batch::new(self, tokens) {
-                Ok(b) => self.batch = Some(b),
-                Err(e) if e.is_out_of_memory() => {
-                    tracing::warn!("decode steps go one sequence at a time: {e}");
-                    self.batch_refused = true;
-                    return Ok(false);
-                }
-                Err(e) => return Err(e),
-            }
+        if !self.make_batch(n)? || !self.make_batch_logits()? {
+            return Ok(false);
         }
-        let mut b = self.batch.take().expect("made above");
-        let made = b.logits_buffer(self);
         // The attention's scratch for every token at the last positions.
-        let fits = b.holds_attention(self, n);
-        self.batch = Some(b);
-        match made {
-            Ok(()) => Ok(fits),
-            Err(e) if e.is_out_of_memory() => Ok(false),
-            Err(e) => Err(e),
-        }
+        let b = self.batch.as_ref().expect("made above");
+        Ok(b.holds_attention(self, n))
     }
 }

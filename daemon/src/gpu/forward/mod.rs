@@ -505,10 +505,7 @@ impl GpuModel {
     fn eval_from(&mut self, token: u32, hidden: Option<&[f32]>) -> Result<Vec<f32>> {
         self.check_tokens(&[token])?;
         let started = Instant::now();
-        let device = self.allocator.device();
-        if let Some(point) = super::lost::token_loses_device() {
-            device.arm_loss(point);
-        }
+        self.count_for_loss(1);
         let row = match (self.front.as_mut(), hidden) {
             (Some(_), Some(x)) => {
                 self.input_rows.buffer.write_f32(x);
@@ -939,6 +936,16 @@ impl GpuModel {
             return Err(GpuError::DeviceLost);
         }
         Ok(())
+    }
+
+    /// Counts `n` tokens about to be evaluated for the device-loss injection
+    /// ([`super::lost`]), arming the loss where one of them is the chosen token.
+    fn count_for_loss(&self, n: usize) {
+        for _ in 0..n {
+            if let Some(point) = super::lost::token_loses_device() {
+                self.allocator.device().arm_loss(point);
+            }
+        }
     }
 
     /// RoPE of `n_heads` heads of this model (QK-norm with its eps).

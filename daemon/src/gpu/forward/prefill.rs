@@ -178,7 +178,7 @@ struct BatchShared {
 }
 
 impl Batch {
-    pub(super) fn new(m: &GpuModel, tokens: usize) -> Result<Batch> {
+    fn new(m: &GpuModel, tokens: usize) -> Result<Batch> {
         let c = &m.config;
         let al = &m.allocator;
         let n = tokens;
@@ -294,11 +294,6 @@ impl Batch {
         &self.step
     }
 
-    /// Most tokens a chunk may have.
-    pub(super) fn tokens(&self) -> usize {
-        self.tokens
-    }
-
     /// Writes the step buffer: the chunk's token ids, then its positions ([`StepWord`]).
     pub(super) fn write_step(&mut self, words: &[u8]) {
         self.step.write(words);
@@ -342,7 +337,7 @@ impl Batch {
     }
 
     /// Makes the host-visible buffer for every token's logits, if not made yet.
-    pub(super) fn logits_buffer(&mut self, m: &GpuModel) -> Result<()> {
+    fn logits_buffer(&mut self, m: &GpuModel) -> Result<()> {
         if self.logits.is_none() {
             let bytes = (LOGITS_CHUNK * m.config.n_vocab * 4) as u64;
             self.logits = Some(Buffer::new_in(&m.allocator, bytes, MemoryUse::Staging)?);
@@ -413,19 +408,8 @@ impl GpuModel {
     pub fn eval_prompt(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
         self.check_tokens(tokens)?;
         self.flush_promotions()?;
-        let wanted = tokens.len().next_multiple_of(64).min(PREFILL_CHUNK);
-        let small = self.batch.as_ref().is_none_or(|b| b.tokens < wanted);
-        if self.batches_prompts() && tokens.len() > 1 && small {
-            // The smaller one's memory is given back first.
-            self.batch = None;
-            match Batch::new(self, wanted) {
-                Ok(b) => self.batch = Some(b),
-                Err(e) if e.is_out_of_memory() => {
-                    tracing::warn!("prompts go token by token: {e}");
-                    self.batch_refused = true;
-                }
-                Err(e) => return Err(e),
-            }
+        if self.batches_prompts() && tokens.len() > 1 {
+            self.make_batch(tokens.len())?;
         }
         if !self.batches_prompts() || self.batch.is_none() || tokens.len() == 1 {
             return self.eval_each(tokens, all_logits);
@@ -435,6 +419,45 @@ impl GpuModel {
         // The prompt's routing counted in the experts' demand: the hot ones come in now.
         self.promote_experts(started.elapsed())?;
         Ok(logits)
+    }
+
+    /// Makes a chunk's activations for `n` tokens (rounded up to 64, at most
+    /// [`PREFILL_CHUNK`]) unless the ones made hold them (the smaller one's memory is given
+    /// back first); `false` where the device memory was refused, which is remembered: prompts
+    /// then go token by token, and batched steps one sequence at a time.
+    pub(super) fn make_batch(&mut self, n: usize) -> Result<bool> {
+        let wanted = n.next_multiple_of(64).min(PREFILL_CHUNK);
+        if self.batch.as_ref().is_some_and(|b| b.tokens >= wanted) {
+            return Ok(true);
+        }
+        self.batch = None;
+        match Batch::new(self, wanted) {
+            Ok(b) => {
+                self.batch = Some(b);
+                Ok(true)
+            }
+            Err(e) if e.is_out_of_memory() => {
+                tracing::warn!(
+                    "prompts go token by token, batched steps a sequence at a time: {e}"
+                );
+                self.batch_refused = true;
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Makes the made chunk's host-visible buffer for every token's logits, if not made yet;
+    /// `false` where the memory was refused.
+    pub(super) fn make_batch_logits(&mut self) -> Result<bool> {
+        let mut b = self.batch.take().expect("made by make_batch");
+        let made = b.logits_buffer(self);
+        self.batch = Some(b);
+        match made {
+            Ok(()) => Ok(true),
+            Err(e) if e.is_out_of_memory() => Ok(false),
+            Err(e) => Err(e),
+        }
     }
 
     /// [`GpuModel::eval_prompt`] token by token; with the first layers on the CPU those take
@@ -466,17 +489,9 @@ impl GpuModel {
 
     /// [`GpuModel::eval_prompt`] in chunks, the batch made.
     fn eval_chunks(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
-        if all_logits {
-            let mut b = self.batch.take().expect("made by eval_prompt");
-            let made = b.logits_buffer(self);
-            self.batch = Some(b);
-            if let Err(e) = made {
-                if e.is_out_of_memory() {
-                    // Host-visible memory for every token's logits: these go one by one.
-                    return self.eval_each(tokens, all_logits);
-                }
-                return Err(e);
-            }
+        if all_logits && !self.make_batch_logits()? {
+            // Host-visible memory for every token's logits: these go one by one.
+            return self.eval_each(tokens, all_logits);
         }
         let scratch = self.batch.as_ref().expect("made").scores.size() as usize;
         let mut out = Vec::new();
@@ -517,11 +532,7 @@ impl GpuModel {
     ) -> Result<Vec<f32>> {
         let (n, n_vocab) = (tokens.len(), self.config.n_vocab);
         // The device-loss injection counts tokens evaluated, a chunk's each.
-        for _ in 0..n {
-            if let Some(point) = crate::gpu::lost::token_loses_device() {
-                self.allocator.device().arm_loss(point);
-            }
-        }
+        self.count_for_loss(n);
         let mut batch = self.batch.take().expect("made by eval_prompt");
         let ran = self.run_chunk(&mut batch, tokens, all_logits, seqs);
         let logits = ran.map(|()| match (&batch.logits, all_logits) {
