@@ -10,13 +10,16 @@
 #[path = "../../daemon/tests/common/logits.rs"]
 mod logits;
 use logits::assert_logits_close;
+#[path = "common/pcie_budget.rs"]
+mod pcie_budget;
+use pcie_budget::partial_pcie;
 
 use std::sync::Arc;
 
 use spillway_bench::synth::{SynthModel, WeightType};
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
 use spillway_daemon::gpu::placement::MoeMiss;
-use spillway_daemon::gpu::{footprint, Device};
+use spillway_daemon::gpu::Device;
 use spillway_daemon::model::Model;
 
 fn device() -> Option<Arc<Device>> {
@@ -195,16 +198,10 @@ fn batched_steps_over_the_vram_budget_read_misses_over_the_bus() {
         moe_miss: MoeMiss::Pcie,
         ..options(3)
     };
-    let minimum = GpuModel::minimum_budget(&dev, &model, &pcie).unwrap();
-    let staging = if minimum.staging > 0 { 1 << 20 } else { 0 };
-    let chunk = footprint::moe_chunk_bytes(&model, 96);
-    let budget = minimum.total() + 4 * chunk + staging + 2 * minimum.one_slot_per_layer;
-    let options = GpuModelOptions {
-        vram_budget: Some(budget),
-        ..pcie
-    };
+    let options = partial_pcie(&dev, &model, &pcie);
     let mut gpu = GpuModel::new(&dev, &model, &options).unwrap();
     if !gpu.placement().is_partial() {
+        let budget = options.vram_budget.unwrap();
         eprintln!("the whole model fits {budget} bytes on this device");
         return;
     }

@@ -9,13 +9,16 @@
 #[path = "../../daemon/tests/common/logits.rs"]
 mod logits;
 use logits::assert_logits_close;
+#[path = "common/pcie_budget.rs"]
+mod pcie_budget;
+use pcie_budget::partial_pcie;
 
 use std::sync::Arc;
 
 use spillway_bench::synth::{SynthModel, WeightType};
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
 use spillway_daemon::gpu::placement::MoeMiss;
-use spillway_daemon::gpu::{footprint, Device};
+use spillway_daemon::gpu::Device;
 use spillway_daemon::model::Model;
 
 fn device() -> Option<Arc<Device>> {
@@ -212,14 +215,8 @@ fn check_pcie_chunks(preset: &str, weights: &str) {
         ..GpuModelOptions::default()
     };
     let mut whole = GpuModel::new(&dev, &model, &pcie).unwrap();
-    let minimum = GpuModel::minimum_budget(&dev, &model, &pcie).unwrap();
-    let staging = if minimum.staging > 0 { 1 << 20 } else { 0 };
-    let chunk = footprint::moe_chunk_bytes(&model, 64);
-    let budget = minimum.total() + 4 * chunk + staging + 2 * minimum.one_slot_per_layer;
-    let options = GpuModelOptions {
-        vram_budget: Some(budget),
-        ..pcie
-    };
+    let options = partial_pcie(&dev, &model, &pcie);
+    let budget = options.vram_budget.unwrap();
     let mut gpu = GpuModel::new(&dev, &model, &options).unwrap();
     let p = gpu.placement().clone();
     if !p.is_partial() {
