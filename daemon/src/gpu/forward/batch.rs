@@ -181,16 +181,17 @@ impl GpuModel {
             let replay = self.kernels.record_replay(|rec| {
                 self.record_chunk(rec, b, (n, true), None, (&mut paused, &mut on_device))
             })?;
-            if paused.is_some() {
-                return Ok(false);
-            }
-            batch.replays.insert(n, (replay, on_device));
+            let one_submission = paused.is_none().then_some((replay, on_device));
+            batch.replays.insert(n, one_submission);
+        }
+        if batch.replays[&n].is_none() {
+            return Ok(false);
         }
         // The device-loss injection counts tokens evaluated, a step's each.
         self.count_for_loss(n);
         batch.write_step(words);
         self.write_slot_map();
-        let (replay, on_device) = &batch.replays[&n];
+        let (replay, on_device) = batch.replays[&n].as_ref().expect("one submission");
         replay.run_after(None)?;
         self.last_stats = replay.stats();
         let on_device = on_device.clone();

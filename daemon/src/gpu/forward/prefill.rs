@@ -132,9 +132,11 @@ pub(super) struct Batch {
     /// Host-visible: every token's logits, for the chunks that want them all.
     logits: Option<Buffer>,
     /// Batched decode steps recorded once and replayed ([`super::batch`]), by token count,
-    /// with the MoE layers each routes on the device. They bind this batch's buffers, so they
-    /// go with it.
-    pub(super) replays: std::collections::HashMap<usize, (crate::gpu::replay::Replay, Vec<usize>)>,
+    /// with the MoE layers each routes on the device; `None` for a count whose recording was
+    /// not one submission, which is not recorded again. They bind this batch's buffers, so
+    /// they go with it.
+    pub(super) replays:
+        std::collections::HashMap<usize, Option<(crate::gpu::replay::Replay, Vec<usize>)>>,
     /// Present for MoE models.
     pub(super) moe: Option<BatchMoe>,
 }
