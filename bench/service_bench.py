@@ -91,7 +91,8 @@ def main():
             time.sleep(0.2)
 
         gen = client + ["generate", "--model", "bench", "--prompt-tokens", prompt,
-                        "--max-tokens", str(args.tokens), "--ignore-eos", "--json"]
+                        "--max-tokens", str(args.tokens), "--ignore-eos", "--temperature", "0",
+                        "--json"]
         run = [spillwayd, "run", "--model", args.model, "--prompt-tokens", prompt,
                "--max-tokens", str(args.tokens + 1), "--ignore-eos", "--threads",
                str(args.threads), "--json"] + device_args

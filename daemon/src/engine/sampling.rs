@@ -77,10 +77,15 @@ impl Sampler {
             .enumerate()
             .map(|(i, &l)| (i as u32, l / c.temperature))
             .collect();
-        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        if c.top_k > 0 {
+        // Most likely first, ties by token id: a total order, so selecting the top k and
+        // sorting them gives the first k of the whole vocabulary sorted, in O(vocabulary)
+        // rather than a sort of every logit (about 6 ms a token for 128K on one core).
+        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if c.top_k > 0 && c.top_k < cand.len() {
+            cand.select_nth_unstable_by(c.top_k - 1, order);
             cand.truncate(c.top_k);
         }
+        cand.sort_by(order);
         // Probabilities of the remaining candidates.
         let max = cand[0].1;
         let mut probs: Vec<f32> = cand.iter().map(|&(_, l)| (l - max).exp()).collect();
@@ -183,5 +188,59 @@ mod tests {
         // min-p keeps only tokens within 5% of the best: all sampled tokens have high logits.
         let best = logits[argmax(&logits)];
         assert!(run(&cfg).iter().all(|&t| logits[t as usize] > best - 3.0));
+    }
+
+    /// The tokens of the whole vocabulary sorted, then cut to `top_k`: those that selecting
+    /// the top k must keep.
+    fn sorted_then_cut(logits: &[f32], c: &SamplerConfig) -> Vec<u32> {
+        let mut cand: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, l / c.temperature))
+            .collect();
+        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if c.top_k > 0 {
+            cand.truncate(c.top_k);
+        }
+        cand.iter().map(|&(t, _)| t).collect()
+    }
+
+    #[test]
+    fn top_k_by_selection_samples_what_a_full_sort_would() {
+        // Many ties (values from a small set) so the token-id tie break matters.
+        let logits: Vec<f32> = (0..5000u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) % 17) as f32 * 0.25)
+            .collect();
+        for &top_k in &[1usize, 2, 40, 999, 4999, 5000, 6000] {
+            let c = SamplerConfig {
+                temperature: 0.7,
+                top_k,
+                top_p: 0.9,
+                min_p: 0.01,
+                seed: 3,
+                ..SamplerConfig::default()
+            };
+            let kept = sorted_then_cut(&logits, &c);
+            // The same draws as a sampler over the sorted, cut candidates.
+            let mut s = Sampler::new(c.clone());
+            let mut reference = Sampler::new(SamplerConfig {
+                top_k: 0,
+                ..c.clone()
+            });
+            let cut: Vec<f32> = (0..logits.len())
+                .map(|i| match kept.contains(&(i as u32)) {
+                    true => logits[i],
+                    false => f32::NEG_INFINITY,
+                })
+                .collect();
+            for _ in 0..50 {
+                let t = s.sample(&logits, &[]);
+                assert!(
+                    kept.contains(&t),
+                    "top_k {top_k}: token {t} not among the top"
+                );
+                assert_eq!(t, reference.sample(&cut, &[]), "top_k {top_k}");
+            }
+        }
     }
 }
