@@ -23,6 +23,16 @@ pub enum Op {
     /// [`Op::MatVecCols`] for several experts of a stack at once, each over its own few rows of
     /// inputs (at most 8), the runs read from a buffer as [`Op::MatVecBatchGrouped`] reads them.
     MatVecRuns,
+    /// f32 vectors quantized to blocks of 8-bit integers once, for the `*Q8` products.
+    QuantizeQ8,
+    /// [`Op::MatVec`] in integer dot products over inputs [`Op::QuantizeQ8`] quantized.
+    MatVecQ8,
+    /// [`Op::MatVecId`] over inputs [`Op::QuantizeQ8`] quantized.
+    MatVecIdQ8,
+    /// [`Op::MatVecCols`] over inputs [`Op::QuantizeQ8`] quantized.
+    MatVecColsQ8,
+    /// [`Op::MatVecRuns`] over inputs [`Op::QuantizeQ8`] quantized.
+    MatVecRunsQ8,
     /// Quantized matrix × a batch of f32 vectors, token-major (prompts).
     MatVecBatch,
     /// [`Op::MatVecBatch`] for several experts of a stack at once, each over its own rows of
@@ -86,13 +96,14 @@ impl Op {
             Op::Softmax => 1,
             Op::Dequant | Op::DequantF16 | Op::Add | Op::Swiglu | Op::ScaleAdd => 2,
             Op::Matmul | Op::MatVecBatch | Op::RmsNorm | Op::GetRows => 3,
-            Op::MatVec | Op::MatVecCols => 4,
+            Op::MatVec | Op::MatVecCols | Op::MatVecQ8 | Op::MatVecColsQ8 => 4,
+            Op::QuantizeQ8 => 3,
             Op::ScaleAddRouted | Op::ScatterAdd | Op::GatherAdd => 3,
             Op::MatVecBatchGrouped => 4,
             Op::MoeRoute | Op::MoeRouteChunk => 5,
             Op::MoeSort => 4,
             Op::MoeRouter => 9,
-            Op::MatVecId | Op::MatVecRuns => 5,
+            Op::MatVecId | Op::MatVecRuns | Op::MatVecIdQ8 | Op::MatVecRunsQ8 => 5,
             Op::RopeNorm | Op::RopeNeox => 7,
             Op::KvStore => 5,
             Op::Attention => 7,
@@ -179,6 +190,9 @@ const F16_OUT: (&str, &str) = ("F16_OUT", "1");
 
 /// The define that makes `matvec.comp` multiply Q4_0 and Q8_0 weights with integer dot products.
 const INT_DOT: (&str, &str) = ("INT_DOT", "1");
+
+/// With [`INT_DOT`], the define that makes `matvec.comp` read inputs `quantize_q8.comp` quantized.
+const Q8: (&str, &str) = ("Q8_IN", "1");
 
 /// The define that makes `matvec.comp` read its expert from the device's routing.
 const ID: (&str, &str) = ("INDEXED", "1");
@@ -286,6 +300,23 @@ pub const VARIANTS: &[Variant] = &[
     v("matvec_runs_q8_0_intdot_subgroup", "matvec.comp", Op::MatVecRuns, Some(WeightType::Q8_0), Feature::IntDotSubgroup, &[("WTYPE_Q8_0", "1"), COLS, RUNS, INT_DOT, SG]),
     v("matvec_id_q8_0_intdot", "matvec.comp", Op::MatVecId, Some(WeightType::Q8_0), Feature::IntDot, &[("WTYPE_Q8_0", "1"), ID, INT_DOT]),
     v("matvec_id_q8_0_intdot_subgroup", "matvec.comp", Op::MatVecId, Some(WeightType::Q8_0), Feature::IntDotSubgroup, &[("WTYPE_Q8_0", "1"), ID, INT_DOT, SG]),
+    v("quantize_q8", "quantize_q8.comp", Op::QuantizeQ8, None, Feature::Base, &[]),
+    v("matvec_q4_0_q8in", "matvec.comp", Op::MatVecQ8, Some(WeightType::Q4_0), Feature::IntDot, &[("WTYPE_Q4_0", "1"), INT_DOT, Q8]),
+    v("matvec_q4_0_q8in_subgroup", "matvec.comp", Op::MatVecQ8, Some(WeightType::Q4_0), Feature::IntDotSubgroup, &[("WTYPE_Q4_0", "1"), INT_DOT, Q8, SG]),
+    v("matvec_id_q4_0_q8in", "matvec.comp", Op::MatVecIdQ8, Some(WeightType::Q4_0), Feature::IntDot, &[("WTYPE_Q4_0", "1"), ID, INT_DOT, Q8]),
+    v("matvec_id_q4_0_q8in_subgroup", "matvec.comp", Op::MatVecIdQ8, Some(WeightType::Q4_0), Feature::IntDotSubgroup, &[("WTYPE_Q4_0", "1"), ID, INT_DOT, Q8, SG]),
+    v("matvec_cols_q4_0_q8in", "matvec.comp", Op::MatVecColsQ8, Some(WeightType::Q4_0), Feature::IntDot, &[("WTYPE_Q4_0", "1"), COLS, INT_DOT, Q8]),
+    v("matvec_cols_q4_0_q8in_subgroup", "matvec.comp", Op::MatVecColsQ8, Some(WeightType::Q4_0), Feature::IntDotSubgroup, &[("WTYPE_Q4_0", "1"), COLS, INT_DOT, Q8, SG]),
+    v("matvec_runs_q4_0_q8in", "matvec.comp", Op::MatVecRunsQ8, Some(WeightType::Q4_0), Feature::IntDot, &[("WTYPE_Q4_0", "1"), COLS, RUNS, INT_DOT, Q8]),
+    v("matvec_runs_q4_0_q8in_subgroup", "matvec.comp", Op::MatVecRunsQ8, Some(WeightType::Q4_0), Feature::IntDotSubgroup, &[("WTYPE_Q4_0", "1"), COLS, RUNS, INT_DOT, Q8, SG]),
+    v("matvec_q8_0_q8in", "matvec.comp", Op::MatVecQ8, Some(WeightType::Q8_0), Feature::IntDot, &[("WTYPE_Q8_0", "1"), INT_DOT, Q8]),
+    v("matvec_q8_0_q8in_subgroup", "matvec.comp", Op::MatVecQ8, Some(WeightType::Q8_0), Feature::IntDotSubgroup, &[("WTYPE_Q8_0", "1"), INT_DOT, Q8, SG]),
+    v("matvec_id_q8_0_q8in", "matvec.comp", Op::MatVecIdQ8, Some(WeightType::Q8_0), Feature::IntDot, &[("WTYPE_Q8_0", "1"), ID, INT_DOT, Q8]),
+    v("matvec_id_q8_0_q8in_subgroup", "matvec.comp", Op::MatVecIdQ8, Some(WeightType::Q8_0), Feature::IntDotSubgroup, &[("WTYPE_Q8_0", "1"), ID, INT_DOT, Q8, SG]),
+    v("matvec_cols_q8_0_q8in", "matvec.comp", Op::MatVecColsQ8, Some(WeightType::Q8_0), Feature::IntDot, &[("WTYPE_Q8_0", "1"), COLS, INT_DOT, Q8]),
+    v("matvec_cols_q8_0_q8in_subgroup", "matvec.comp", Op::MatVecColsQ8, Some(WeightType::Q8_0), Feature::IntDotSubgroup, &[("WTYPE_Q8_0", "1"), COLS, INT_DOT, Q8, SG]),
+    v("matvec_runs_q8_0_q8in", "matvec.comp", Op::MatVecRunsQ8, Some(WeightType::Q8_0), Feature::IntDot, &[("WTYPE_Q8_0", "1"), COLS, RUNS, INT_DOT, Q8]),
+    v("matvec_runs_q8_0_q8in_subgroup", "matvec.comp", Op::MatVecRunsQ8, Some(WeightType::Q8_0), Feature::IntDotSubgroup, &[("WTYPE_Q8_0", "1"), COLS, RUNS, INT_DOT, Q8, SG]),
     v("matvec_id_f32", "matvec.comp", Op::MatVecId, Some(WeightType::F32), Feature::Base, &[("WTYPE_F32", "1"), ID]),
     v("matvec_id_f16", "matvec.comp", Op::MatVecId, Some(WeightType::F16), Feature::Base, &[("WTYPE_F16", "1"), ID]),
     v("matvec_id_q8_0", "matvec.comp", Op::MatVecId, Some(WeightType::Q8_0), Feature::Base, &[("WTYPE_Q8_0", "1"), ID]),

@@ -7,8 +7,8 @@
 //! routing. Decode is timed three times each way, alternating: steps replayed from one recording,
 //! steps recorded anew (`GpuModelOptions::replay`), and steps replayed with f32 dots for every
 //! weight type (`GpuModelOptions::int_dot` off: Q4_0 and Q8_0 products without integer dot products),
-//! and steps replayed with RoPE in a dispatch before the attention's
-//! (`GpuModelOptions::rope_in_attention` off); the medians are printed.
+//! and steps replayed with the integer-dot products quantizing their inputs in each workgroup
+//! (`GpuModelOptions::q8_inputs` off) instead of once before them; the medians are printed.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -62,11 +62,11 @@ fn main() {
         },
     )
     .unwrap();
-    let mut rope_apart = GpuModel::new(
+    let mut in_product = GpuModel::new(
         &device,
         &model,
         &GpuModelOptions {
-            rope_in_attention: false,
+            q8_inputs: false,
             ..options.clone()
         },
     )
@@ -122,7 +122,7 @@ fn main() {
         replayed.push(time(&mut gpu));
         anew.push(time(&mut recorded));
         floats.push(time(&mut float_dots));
-        apart.push(time(&mut rope_apart));
+        apart.push(time(&mut in_product));
     }
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
@@ -130,7 +130,7 @@ fn main() {
     };
     let st = gpu.last_stats();
     println!(
-        "decode: {n_tokens} tokens, median of 3: replayed {:.1} tok/s, recorded each step {:.1} tok/s, replayed with f32 dots {:.1} tok/s, replayed with RoPE in its own dispatch {:.1} tok/s ({} dispatches, {} barriers, {} submits per token)",
+        "decode: {n_tokens} tokens, median of 3: replayed {:.1} tok/s, recorded each step {:.1} tok/s, replayed with f32 dots {:.1} tok/s, replayed with inputs quantized in each product {:.1} tok/s ({} dispatches, {} barriers, {} submits per token)",
         median(&mut replayed),
         median(&mut anew),
         median(&mut floats),

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use spillway_daemon::calibrate::random_matrix;
 use spillway_daemon::gguf::GgmlType;
 use spillway_daemon::gpu::ops::GpuMatrix;
+use spillway_daemon::gpu::ops_q8::q8_bytes;
 use spillway_daemon::gpu::{Allocator, Buffer, Device, Kernels, MatMulTile, MemoryUse, Uploader};
 
 /// Every weight type the kernels read.
@@ -51,6 +52,21 @@ fn setup(dev: &Arc<Device>, ty: GgmlType, n_in: usize, n_out: usize) -> Setup {
         w,
     }
 }
+
+/// Kernels with integer dots or not, and with `q8` (inputs, vectors) a scratch where the
+/// integer-dot products' inputs are quantized before them (`Kernels::set_q8_scratch`).
+fn kernels(s: &Setup, int_dot: bool, q8: Option<(usize, usize)>) -> Arc<Kernels> {
+    let k = Kernels::with_int_dot(s.allocator.device(), (true, true), int_dot);
+    if let Some((n_in, n_vec)) = q8 {
+        let bytes = q8_bytes(n_in, n_vec);
+        let b = Buffer::new_in(&s.allocator, bytes, MemoryUse::DeviceLocal).unwrap();
+        k.set_q8_scratch(Some(Arc::new(b)));
+    }
+    k
+}
+
+/// f32 dots, integer dots quantizing in the product, integer dots over inputs quantized first.
+const DOTS: [(bool, bool); 3] = [(false, false), (true, false), (true, true)];
 
 fn host(s: &Setup, values: &[f32]) -> Buffer {
     let mut b =
@@ -507,31 +523,35 @@ fn gathered_sums_add_each_tokens_entries_in_order() {
 /// Products over a few tokens (2 to 8) take the several-column matrix-vector kernel
 /// (`matvec.comp` with COLS): each token's results are its one-token product's bit for bit
 /// (the same sums in the same order), for every weight type, with f32 and with integer dot
-/// products, every column count (rows a workgroup shrink as columns grow), added to what the
+/// products (quantizing the inputs in the product, or reading them quantized first), every
+/// column count (rows a workgroup shrink as columns grow), added to what the
 /// output held, over a row range and over rows split between bindings.
 #[test]
 fn a_few_tokens_products_are_each_tokens_own_bit_for_bit() {
     let Some(dev) = device() else { return };
     let (n_in, n_out) = (512, 67);
     for ty in TYPES {
-        for int_dot in [false, true] {
+        for (int_dot, q8) in DOTS {
             let mut s = setup(&dev, ty, n_in, n_out);
-            s.kernels = Kernels::with_int_dot(&dev, (true, true), int_dot);
-            assert_eq!(s.kernels.matvec_cols(), 8);
+            // The one-token products quantize their inputs themselves: with `q8` the columns'
+            // inputs quantized first must give the same bits.
+            s.kernels = kernels(&s, int_dot, None);
+            let batched = kernels(&s, int_dot, q8.then_some((n_in, 8)));
+            assert_eq!(batched.matvec_cols(), 8);
             for n_tok in [2, 3, 5, 8] {
-                let what = format!("{ty} × {n_tok} tokens, integer dots {int_dot}");
+                let what = format!("{ty} × {n_tok} tokens, integer dots {int_dot}, q8 {q8}");
                 let xs = inputs(n_tok * n_in, n_tok as u32 + 40);
                 let want = one_by_one(&s, &xs, n_tok);
                 let x = host(&s, &xs);
                 let y = host(&s, &vec![f32::NAN; n_tok * n_out]);
-                s.kernels
+                batched
                     .record(|r| r.matvec_batch(&s.w, &x, &y, n_tok))
                     .unwrap();
                 assert_eq!(y.read_f32(n_tok * n_out), want, "{what}");
 
                 let before = inputs(n_tok * n_out, 3);
                 let y = host(&s, &before);
-                s.kernels
+                batched
                     .record(|r| r.matvec_batch_add(&s.w, &x, &y, n_tok))
                     .unwrap();
                 let added: Vec<f32> = before.iter().zip(&want).map(|(b, p)| b + p).collect();
@@ -546,7 +566,7 @@ fn a_few_tokens_products_are_each_tokens_own_bit_for_bit() {
 /// Experts' runs of at most 8 rows (a batched decode step's MoE layer) take the several-column
 /// matrix-vector kernel (`matvec.comp` with COLS and RUNS): each row's results are its
 /// one-token product with its expert's rows bit for bit, for every weight type, with f32 and
-/// integer dots; a run of no rows and the rows between runs are left alone.
+/// integer dots (over inputs quantized in the product or first); a run of no rows and the rows between runs are left alone.
 #[test]
 fn a_few_rows_an_expert_are_each_rows_own_product_bit_for_bit() {
     let Some(dev) = device() else { return };
@@ -556,11 +576,12 @@ fn a_few_rows_an_expert_are_each_rows_own_product_bit_for_bit() {
     let runs = [(2u32, 0u32, 8u32), (0, 8, 1), (1, 9, 0), (1, 12, 4)];
     let max_count = 8;
     for ty in TYPES {
-        for int_dot in [false, true] {
+        for (int_dot, q8) in DOTS {
             let mut s = setup(&dev, ty, n_in, 3 * rows);
-            s.kernels = Kernels::with_int_dot(&dev, (true, true), int_dot);
+            s.kernels = kernels(&s, int_dot, None);
             let xs = inputs(span * n_in, 17);
             let whole = one_by_one(&s, &xs, span);
+            s.kernels = kernels(&s, int_dot, q8.then_some((n_in, span)));
             let x = host(&s, &xs);
             let mut ws = vec![0u32; 3];
             for &(slot, first, count) in &runs {
@@ -575,7 +596,7 @@ fn a_few_rows_an_expert_are_each_rows_own_product_bit_for_bit() {
                 })
                 .unwrap();
             let got = y.read_f32(span * rows);
-            let what = format!("{ty}, integer dots {int_dot}");
+            let what = format!("{ty}, integer dots {int_dot}, q8 {q8}");
             for &(slot, first, count) in &runs {
                 let (slot, first, count) = (slot as usize, first as usize, count as usize);
                 for t in first..first + count {

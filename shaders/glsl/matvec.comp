@@ -32,6 +32,10 @@
 // the float at `ids[weights_at + z]` (a MoE layer's down products, summed with the routing's
 // weights, with ACCUMULATE straight into the residual).
 //
+// With Q8_IN (and INT_DOT), binding 1 holds the inputs quantized by `quantize_q8.comp` rather
+// than floats: x offsets and strides are in its 16-byte units, and NORM reads Σ x² from the
+// vector's header; otherwise the kernel is unchanged, and its results are the same bits.
+//
 // With COLS (ggml's mul_mat_vec with several columns: a decode step of several sequences, a
 // prompt of a few tokens): x holds `n_cols` vectors `x_stride` floats apart and y gets each one's
 // results `y_stride` floats apart. A workgroup takes NROWS rows of all NCOLS columns, so each
@@ -64,7 +68,13 @@ layout(constant_id = 6) const uint NCOLS = 1u;
 // that the host keeps 16-byte aligned (F32, F16, Q4_K).
 layout(std430, binding = 0) readonly buffer Weights { uint weights[]; };
 layout(std430, binding = 0) readonly buffer Weights4 { uvec4 weights4[]; };
+#if defined(Q8_IN)
+// The inputs already quantized (quantize_q8.comp; with INT_DOT): offsets and strides of x are
+// in 16-byte units of this layout, a vector's header first.
+layout(std430, binding = 1) readonly buffer XQ { uvec4 xq[]; };
+#else
 layout(std430, binding = 1) readonly buffer X { vec4 x4[]; };
+#endif
 layout(std430, binding = 2) buffer Y { float y[]; };
 // With NORM, the RMSNorm weights; otherwise unused (the host binds x in its place).
 #if defined(RUNS)
@@ -104,7 +114,10 @@ layout(push_constant) uniform Params {
 
 // Σ x² of the inputs this invocation loaded (NORM).
 float sumsq = 0.0;
+// With Q8_IN, the 16-byte unit of the header of the vector a NORM product reads.
+uint x_base = 0u;
 
+#if !defined(Q8_IN)
 // Four inputs of the product: x, or with NORM x times the norm weights.
 vec4 xin(uint i) {
     vec4 v = x4[i];
@@ -114,6 +127,7 @@ vec4 xin(uint i) {
     }
     return v;
 }
+#endif
 
 #include "matvec_dot.glsl"
 
@@ -197,6 +211,7 @@ void main() {
         }
         const uint w0 = p.w_offset + id * p.n_rows * rb;
         const uint x0 = z * p.x_stride;
+        x_base = x0;
         y0 += z * p.y_stride;
 #elif defined(RUNS)
     const uint up_bytes = 0u;
@@ -243,6 +258,10 @@ void main() {
 #endif
         }
     }
+#if defined(Q8_IN)
+    // The header's Σ x², counted once in the workgroup's sum.
+    sumsq = NORM != 0u && tid == 0u ? uintBitsToFloat(xq[x_base].x) : 0.0;
+#endif
     acc[SLOTS] = sumsq;
     const uint up = min(OUT, NROWS); // slot of result 0's up row (GLU)
 

@@ -75,38 +75,34 @@ float vsum(vec4 v) {
 
 #if defined(INT_DOT)
 // Integer dot products (Q4_0 and Q8_0 rows): an item is a block of 32 weights, and its inputs are
-// quantized as ggml's block_q8_0, which is what the CPU engine (and ggml's CPU backend) multiplies
-// these rows with: d_x = max|x| / 127 rounded to f16, q_j = x_j * 127 / max|x| rounded half away
-// from zero, four to a word; once per item for all rows. A block's dot is then d_w d_x times an
-// integer sum, exact, four products an instruction.
+// quantized as ggml's block_q8_0 (quant_q8.glsl); once per item for all rows, or, with Q8_IN, once
+// per vector by `quantize_q8.comp` before the product, which then reads the blocks (the vector's
+// header at 16-byte unit x0). A block's dot is then d_w d_x times an integer sum, exact, four
+// products an instruction.
 #define ITEM_WEIGHTS 32u
-struct Inputs { int q[8]; float d; int sum; };
-int pack_bytes(ivec4 v) {
-    return (v.x & 0xFF) | ((v.y & 0xFF) << 8) | ((v.z & 0xFF) << 16) | (v.w << 24);
+#include "quant_q8.glsl"
+#define Inputs Q8Block
+#if defined(Q8_IN)
+Inputs load_inputs(uint x0, uint i) {
+    const uint at = x0 + 1u + 3u * i;
+    const uvec4 a = xq[at], b = xq[at + 1u];
+    const uvec2 c = xq[at + 2u].xy;
+    Inputs xi;
+    xi.q = int[8](int(a.x), int(a.y), int(a.z), int(a.w), int(b.x), int(b.y), int(b.z), int(b.w));
+    xi.d = uintBitsToFloat(c.x);
+    xi.sum = int(c.y);
+    return xi;
 }
+#else
 Inputs load_inputs(uint x0, uint i) {
     const uint at = (x0 >> 2) + 8u * i;
     vec4 v[8];
-    float amax = 0.0;
     [[unroll]] for (uint k = 0u; k < 8u; ++k) {
         v[k] = xin(at + k);
-        const vec4 a = abs(v[k]);
-        amax = max(amax, max(max(a.x, a.y), max(a.z, a.w)));
     }
-    const float d = amax / 127.0;
-    const float id = d != 0.0 ? 1.0 / d : 0.0;
-    Inputs xi;
-    xi.d = unpackHalf2x16(packHalf2x16(vec2(d, 0.0))).x;
-    ivec4 s = ivec4(0);
-    [[unroll]] for (uint k = 0u; k < 8u; ++k) {
-        const vec4 p = v[k] * id;
-        const ivec4 q = ivec4(sign(p) * floor(abs(p) + 0.5));
-        s += q;
-        xi.q[k] = pack_bytes(q);
-    }
-    xi.sum = (s.x + s.y) + (s.z + s.w);
-    return xi;
+    return quantize_block(v);
 }
+#endif
 #endif
 
 #if defined(WTYPE_F32)

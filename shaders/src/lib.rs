@@ -13,8 +13,8 @@ pub use push::{
     AttentionParams, AttentionPrefillParams, AttentionRopeParams, DequantParams, EltwiseParams,
     GatherAddParams, GetRowsParams, KvStoreParams, MatVecBatchParams, MatVecColsParams,
     MatVecGroupedParams, MatVecIdParams, MatVecParams, MatVecRunsParams, MoeRouteParams,
-    MoeRouterParams, MoeSortParams, PushConstants, RmsNormParams, RopeParams, ScaleAddParams,
-    ScaleAddRoutedParams, ScatterAddParams,
+    MoeRouterParams, MoeSortParams, PushConstants, QuantizeQ8Params, RmsNormParams, RopeParams,
+    ScaleAddParams, ScaleAddRoutedParams, ScatterAddParams,
 };
 
 /// One compiled variant.

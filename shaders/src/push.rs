@@ -31,6 +31,19 @@ pub struct MatVecParams {
     pub eps: f32,
 }
 
+/// `quantize_q8.comp`'s `Params`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct QuantizeQ8Params {
+    /// Inputs a vector (a multiple of 32).
+    pub n_in: u32,
+    pub n_vec: u32,
+    /// Floats from one input vector to the next (a multiple of 4).
+    pub x_stride: u32,
+    /// 16-byte units from one quantized vector to the next.
+    pub q_stride: u32,
+}
+
 /// `matvec.comp`'s `Params` with `COLS` (several input vectors).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -381,6 +394,12 @@ push_constants!(MatVecParams {
     w_offset,
     y_offset,
     eps
+});
+push_constants!(QuantizeQ8Params {
+    n_in,
+    n_vec,
+    x_stride,
+    q_stride
 });
 push_constants!(MatVecColsParams {
     n_in,

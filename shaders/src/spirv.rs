@@ -81,8 +81,8 @@ mod tests {
         AttentionParams, AttentionPrefillParams, AttentionRopeParams, DequantParams, EltwiseParams,
         GatherAddParams, GetRowsParams, KvStoreParams, MatVecBatchParams, MatVecColsParams,
         MatVecGroupedParams, MatVecIdParams, MatVecParams, MatVecRunsParams, MoeRouteParams,
-        MoeRouterParams, MoeSortParams, Op, RmsNormParams, RopeParams, ScaleAddParams,
-        ScaleAddRoutedParams, ScatterAddParams, ShaderId, SHADERS,
+        MoeRouterParams, MoeSortParams, Op, QuantizeQ8Params, RmsNormParams, RopeParams,
+        ScaleAddParams, ScaleAddRoutedParams, ScatterAddParams, ShaderId, SHADERS,
     };
 
     #[test]
@@ -100,10 +100,11 @@ mod tests {
             let expected = match s.op {
                 Op::Dequant | Op::DequantF16 => DequantParams::layout(),
                 Op::Matmul => MatVecBatchParams::layout(),
-                Op::MatVec => MatVecParams::layout(),
-                Op::MatVecId => MatVecIdParams::layout(),
-                Op::MatVecCols => MatVecColsParams::layout(),
-                Op::MatVecRuns => MatVecRunsParams::layout(),
+                Op::MatVec | Op::MatVecQ8 => MatVecParams::layout(),
+                Op::MatVecId | Op::MatVecIdQ8 => MatVecIdParams::layout(),
+                Op::MatVecCols | Op::MatVecColsQ8 => MatVecColsParams::layout(),
+                Op::MatVecRuns | Op::MatVecRunsQ8 => MatVecRunsParams::layout(),
+                Op::QuantizeQ8 => QuantizeQ8Params::layout(),
                 Op::MoeRoute | Op::MoeRouteChunk => MoeRouteParams::layout(),
                 Op::MoeSort => MoeSortParams::layout(),
                 Op::MoeRouter => MoeRouterParams::layout(),

@@ -35,6 +35,7 @@ pub mod ops;
 pub mod ops_attention;
 pub mod ops_batch;
 pub mod ops_moe;
+pub mod ops_q8;
 mod pipeline;
 pub mod placement;
 pub mod record;

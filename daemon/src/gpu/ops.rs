@@ -469,12 +469,20 @@ impl Recorder<'_> {
                 chunks.len()
             )));
         }
-        let id = self.variant(Op::MatVec, Some(w.wtype))?;
+        let norm = fused.norm.map(|(b, _)| b);
+        let inputs = self.product_inputs(
+            (Op::MatVec, w.wtype),
+            x,
+            fused.x_offset,
+            (w.n_in, 1, w.n_in),
+            norm,
+        )?;
         // With GLU a workgroup's rows are half gate rows, half up rows.
         let glu_rows = if fused.glu { 2 } else { 1 };
         let results = (n / glu_rows as usize, glu_rows);
-        let shape =
-            self.matvec_shape_for((Op::MatVec, w.wtype), results, fused.norm.is_some(), w.n_in);
+        // Quantized inputs carry their norm's Σ x²: no workgroup rereads the norm weights.
+        let rereads_norm = norm.is_some() && !inputs.quantized();
+        let shape = self.matvec_shape_for((Op::MatVec, w.wtype), results, rereads_norm, w.n_in);
         let rows = shape.rows.max(glu_rows) & !(glu_rows - 1);
         let per_group = rows / glu_rows;
         let spec = [
@@ -501,11 +509,11 @@ impl Recorder<'_> {
                 y_offset: chunk.y_offset,
                 eps,
             };
-            let x_binding = Binding {
+            let x_binding = inputs.binding(Binding {
                 offset: fused.x_offset,
                 range: (w.n_in as u64 * 4).min(x.size().saturating_sub(fused.x_offset)),
                 ..Binding::read(x)
-            };
+            });
             let bindings = [
                 chunk.weights,
                 x_binding,
@@ -513,7 +521,7 @@ impl Recorder<'_> {
                 Binding::read(norm_w),
             ];
             let groups = grid(n_rows.div_ceil(per_group));
-            self.dispatch_spec(id, &spec, &bindings, &push, groups)?;
+            self.dispatch_spec(inputs.id, &spec, &bindings, &push, groups)?;
         }
         Ok(())
     }

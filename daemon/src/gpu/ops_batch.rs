@@ -167,7 +167,8 @@ impl Recorder<'_> {
         if max_count <= self.matvec_cols() && w.n_in.is_multiple_of(4) {
             // A few rows an expert (a batched decode step): each expert's rows in one
             // workgroup's columns of the matrix-vector kernel, not in tiles of 64 tokens.
-            return self.runs_product(w, chunk, (x, y), (runs, runs_at, n_runs), (rows, max_count));
+            let shape = (rows, span, max_count);
+            return self.runs_product(w, chunk, (x, y), (runs, runs_at, n_runs), shape);
         }
         let id = self.variant(Op::MatVecBatchGrouped, Some(w.wtype))?;
         let (spec, tile_rows, tile_tokens) = self.batch_tile(id, false);
@@ -339,7 +340,9 @@ impl Recorder<'_> {
                 w.n_in
             )));
         }
-        let id = self.variant(Op::MatVecCols, Some(w.wtype))?;
+        let vectors = (w.n_in, n_tok, w.n_in);
+        let inputs = self.product_inputs((Op::MatVecCols, w.wtype), x, 0, vectors, None)?;
+        let (id, x_stride) = (inputs.id, inputs.x_stride);
         let n: usize = chunks.iter().map(|c| c.rows as usize).sum();
         let (spec, rows) = self.cols_shape((Op::MatVecCols, w), n, cols, accumulate);
         for chunk in chunks {
@@ -349,13 +352,13 @@ impl Recorder<'_> {
                 w_offset: chunk.w_offset,
                 y_offset: chunk.y_offset,
                 n_cols: cols,
-                x_stride: w.n_in as u32,
+                x_stride,
                 y_stride: y_stride as u32,
                 eps: 0.0,
             };
             let bindings = [
                 chunk.weights,
-                Binding::read(x),
+                inputs.binding(Binding::read(x)),
                 Binding::write(y),
                 Binding::read(x),
             ];
@@ -374,9 +377,11 @@ impl Recorder<'_> {
         chunk: &super::ops::RowChunk<'_>,
         (x, y): (&Buffer, &Buffer),
         (runs, runs_at, n_runs): (&Buffer, u32, u32),
-        (rows, max_count): (usize, usize),
+        (rows, span, max_count): (usize, usize, usize),
     ) -> Result<()> {
-        let id = self.variant(Op::MatVecRuns, Some(w.wtype))?;
+        let vectors = (w.n_in, span, w.n_in);
+        let inputs = self.product_inputs((Op::MatVecRuns, w.wtype), x, 0, vectors, None)?;
+        let (id, x_stride) = (inputs.id, inputs.x_stride);
         let (spec, per_group) = self.cols_shape((Op::MatVecRuns, w), rows, max_count as u32, false);
         let push = MatVecRunsParams {
             n_in: w.n_in as u32,
@@ -384,13 +389,13 @@ impl Recorder<'_> {
             w_offset: chunk.w_offset,
             y_offset: 0,
             runs_at,
-            x_stride: w.n_in as u32,
+            x_stride,
             y_stride: rows as u32,
             eps: 0.0,
         };
         let bindings = [
             chunk.weights,
-            Binding::read(x),
+            inputs.binding(Binding::read(x)),
             Binding::write(y),
             Binding::read(runs),
             Binding::read(x),

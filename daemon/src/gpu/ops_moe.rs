@@ -179,7 +179,17 @@ impl Recorder<'_> {
         if fused.norm.is_some() && x_stride != 0 {
             return refuse("RMSNorm of expert inputs that differ".into());
         }
-        let id = self.variant(Op::MatVecId, Some(w.wtype))?;
+        // One vector for every expert, or each expert's own.
+        let n_vec = if x_stride == 0 { 1 } else { count as usize };
+        let norm = fused.norm.map(|(b, _)| b);
+        let inputs = self.product_inputs(
+            (Op::MatVecId, w.wtype),
+            x,
+            0,
+            (w.n_in, n_vec, x_stride as usize),
+            norm,
+        )?;
+        let (id, x_stride) = (inputs.id, inputs.x_stride);
         let glu_rows = if fused.glu_up_rows.is_some() { 2 } else { 1 };
         let summed = fused.sum_weights_at.is_some();
         let results = if summed { rows } else { rows * count as usize };
@@ -188,7 +198,7 @@ impl Recorder<'_> {
         let shape = self.matvec_shape_for(
             (Op::MatVecId, w.wtype),
             (results, glu_rows),
-            fused.norm.is_some(),
+            norm.is_some() && !inputs.quantized(),
             walked,
         );
         let n_rows = shape.rows.max(glu_rows) & !(glu_rows - 1);
@@ -218,7 +228,7 @@ impl Recorder<'_> {
         };
         let bindings = [
             Binding::read(&w.buffer),
-            Binding::read(x),
+            inputs.binding(Binding::read(x)),
             Binding::write(y),
             Binding::read(ids),
             Binding::read(norm_w),

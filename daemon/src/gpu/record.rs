@@ -17,6 +17,7 @@ use super::error::{map_vk, GpuError, Result};
 use super::matmul_tile::MatMulTile;
 use super::ops::MatVecShape;
 use super::ops_batch::MAX_MATVEC_COLS;
+use super::ops_q8::Q8Scratch;
 use super::pipeline::ComputePipeline;
 use super::replay::Replay;
 
@@ -41,6 +42,11 @@ pub struct Kernels {
     /// Products over at most this many tokens take the several-column matrix-vector kernel
     /// rather than the tiled one ([`Kernels::set_matvec_cols`]).
     matvec_cols: std::sync::atomic::AtomicUsize,
+    /// Where the integer-dot products' inputs are quantized once before them
+    /// ([`Kernels::set_q8_scratch`]); without it each product quantizes the blocks it reads.
+    q8_scratch: Mutex<Option<Arc<Buffer>>>,
+    /// Scratches replaced since: recordings made with them may still be replayed.
+    q8_retired: Mutex<Vec<Arc<Buffer>>>,
 }
 
 impl Kernels {
@@ -78,7 +84,21 @@ impl Kernels {
             matvec_shape: Mutex::new(None),
             matmul_tile: Mutex::new(None),
             matvec_cols: (MAX_MATVEC_COLS as usize).into(),
+            q8_scratch: Mutex::new(None),
+            q8_retired: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Device memory where the integer-dot-product kernels' inputs are quantized, once for
+    /// every product that reads them ([`Op::QuantizeQ8`]), in recordings made from now on: a
+    /// product then reads a block of 32 inputs as 48 bytes of bytes, scale and sum instead of
+    /// quantizing 128 bytes of floats again in every workgroup (on the H200 a 4096 × 14336
+    /// SwiGLU stack took 23.3 µs instead of 38.5 in a chain, `bench/RESULTS.md`). Products
+    /// whose inputs do not fit it ([`q8_bytes`](super::ops_q8::q8_bytes)) quantize in place, as without one. A scratch replaced stays alive as long
+    /// as the kernels, since replayed recordings bind it.
+    pub fn set_q8_scratch(&self, scratch: Option<Arc<Buffer>>) {
+        let old = std::mem::replace(&mut *self.q8_scratch.lock(), scratch);
+        self.q8_retired.lock().extend(old);
     }
 
     /// Products over at most `n` tokens (up to [`MAX_MATVEC_COLS`]) run in the several-column
@@ -392,6 +412,10 @@ impl Kernels {
             pipelines: Vec::new(),
             max_range: max_range.min(self.device.max_storage_buffer_range()),
             align: self.device.storage_offset_alignment(),
+            q8: self.q8_scratch.lock().clone().map(|buffer| Q8Scratch {
+                buffer,
+                holds: None,
+            }),
         };
         if let Some(t) = timer {
             t.begin(cmd);
@@ -615,6 +639,8 @@ pub struct Recorder<'k> {
     pipelines: Vec<Arc<ComputePipeline>>,
     pub(crate) max_range: u64,
     pub(crate) align: u64,
+    /// The kernels' [`Kernels::set_q8_scratch`], and what it holds now.
+    pub(crate) q8: Option<Q8Scratch>,
 }
 
 impl Recorder<'_> {
@@ -711,6 +737,9 @@ impl Recorder<'_> {
         if bindings.iter().any(|b| self.hazards.conflicts(b)) {
             self.barrier();
         }
+        if let Some(q8) = &mut self.q8 {
+            q8.forget_written(bindings);
+        }
         bindings.iter().for_each(|b| self.hazards.note(b));
 
         let set = self.arena.set(pipeline.set_layout)?;
@@ -796,11 +825,13 @@ impl Recorder<'_> {
     /// buffers included; a fence wait alone does not make device writes visible to the device.
     pub fn after_earlier_submissions(&mut self) {
         self.barrier();
+        self.forget_q8();
     }
 
     /// As [`Recorder::after_earlier_submissions`], and the host's writes to mapped memory
     /// before this part was released (by a semaphore signal) are visible to it too.
     pub fn after_host_writes(&mut self) {
+        self.forget_q8();
         self.barrier_after(vk::PipelineStageFlags::HOST, vk::AccessFlags::HOST_WRITE);
     }
 
@@ -819,6 +850,7 @@ impl Recorder<'_> {
     /// [`Recorder::copy`] of each `(src, src_offset, dst, dst_offset, size)`, all between one
     /// barrier before and one after.
     pub fn copies(&mut self, copies: &[(&Buffer, u64, &Buffer, u64, u64)]) -> Result<()> {
+        self.forget_q8();
         for &(src, src_offset, dst, dst_offset, size) in copies {
             if src_offset + size > src.size() || dst_offset + size > dst.size() {
                 return Err(GpuError::Unsupported(format!(
@@ -884,6 +916,7 @@ impl Recorder<'_> {
         if !up.has_pending() {
             return;
         }
+        self.forget_q8();
         // SAFETY: `cmd` is recording; the caller's contract covers the staging.
         unsafe { up.record_pending(self.cmd) };
         self.hazards = Hazards::default();

@@ -462,6 +462,10 @@ impl GpuModel {
             )?),
             _ => None,
         };
+        // Last, so that it takes what the weights leave of the budget (a few hundred KiB).
+        if options.int_dot && options.q8_inputs && kernels.uses_int_dot() {
+            kernels.set_q8_scratch(q8_scratch(allocator, &c)?);
+        }
         Ok(GpuModel {
             model: model.clone(),
             kernels,
@@ -499,5 +503,31 @@ impl GpuModel {
             rope_in_attention: options.rope_in_attention,
             flash_attention: options.flash_attention,
         })
+    }
+}
+
+/// The scratch where products' inputs are quantized once ([`Kernels::set_q8_scratch`]): room
+/// for the widest input of any product, times as many vectors as a batched step's several
+/// columns, each expert's rows of them in a MoE layer. `None`, with a warning, where the VRAM
+/// budget leaves no room: the products then quantize in place.
+fn q8_scratch(allocator: &Arc<Allocator>, c: &crate::model::Config) -> Result<Option<Arc<Buffer>>> {
+    let (experts_ff, k) = c
+        .moe
+        .as_ref()
+        .map_or((0, 1), |m| (m.n_ff_expert, m.n_expert_used));
+    // Wider inputs (a shared expert's, if any is) quantize in the product.
+    let widest = [c.n_embd, c.n_ff, experts_ff * k, c.n_head * c.head_dim]
+        .into_iter()
+        .max()
+        .unwrap_or(0);
+    let vectors = crate::gpu::ops_batch::MAX_MATVEC_COLS as usize * k.max(1);
+    let bytes = crate::gpu::ops_q8::q8_bytes(widest, vectors);
+    match Buffer::new_in(allocator, bytes, MemoryUse::DeviceLocal) {
+        Ok(b) => Ok(Some(Arc::new(b))),
+        Err(e) if e.is_out_of_memory() => {
+            tracing::warn!("no room for {bytes} bytes of quantized inputs: {e}");
+            Ok(None)
+        }
+        Err(e) => Err(e),
     }
 }

@@ -114,6 +114,10 @@ pub struct GpuModelOptions {
     /// device emulates them ([`Device::integer_dot_product_accelerated`]: lavapipe) they are
     /// slower than f32 dots, and still used.
     pub int_dot: bool,
+    /// With `int_dot`, quantize a product's inputs once into a scratch buffer that every
+    /// product reading them shares ([`crate::gpu::Kernels::set_q8_scratch`]) rather than in
+    /// each of its workgroups; `false`: in the product, for comparisons.
+    pub q8_inputs: bool,
     /// Do a decode step's QK-norm, RoPE and KV-cache append in the attention's dispatch
     /// ([`Recorder::attention_rope`]): one dependent dispatch fewer a layer; `false`: a RoPE
     /// dispatch, then attention, for comparisons.
@@ -164,6 +168,7 @@ impl Default for GpuModelOptions {
             replay: true,
             coopmat: true,
             int_dot: true,
+            q8_inputs: true,
             rope_in_attention: true,
             flash_attention: true,
             stream_prompts: true,
