@@ -3,8 +3,10 @@
 //! malformed file and never panics.
 
 pub mod error;
+pub(crate) mod identity;
 pub mod inspect;
 pub mod reader;
+mod sigbus;
 pub mod types;
 pub mod validate;
 pub mod value;

@@ -13,6 +13,8 @@ use std::path::{Path, PathBuf};
 use memmap2::{Mmap, MmapMut};
 
 use super::error::GgufError;
+use super::identity::FileIdentity;
+use super::sigbus::MapGuard;
 use super::types::{GgmlType, ValueType};
 use super::validate::validate_architecture;
 use super::value::{Array, Value};
@@ -88,6 +90,11 @@ impl TensorInfo {
 
 /// A model file, memory-mapped, with its header parsed and validated.
 pub struct GgufFile {
+    /// Catches reads past the end of a file truncated while mapped (declared before `map`, so
+    /// that it is dropped before the map is unmapped); `None` for a file made from bytes.
+    guard: Option<MapGuard>,
+    /// The open file and what identified it at open, to tell whether it changed since.
+    opened: Option<(File, FileIdentity)>,
     map: Mmap,
     header: Header,
     tensor_index: HashMap<String, usize>,
@@ -117,11 +124,38 @@ impl GgufFile {
             source,
         };
         let file = File::open(path).map_err(io)?;
-        // SAFETY: the map is read-only, and nothing here writes the file. Another process
-        // truncating or rewriting it while mapped would be undefined behaviour; model files are
-        // treated as immutable while loaded, as llama.cpp and every other mmap loader do.
+        let seen = FileIdentity::of(&file.metadata().map_err(io)?);
+        // SAFETY: the map is read-only, and nothing here writes the file. Another process may
+        // still rewrite or truncate it while mapped: pages past a new end are caught by the
+        // guard (see `sigbus`), and [`GgufFile::intact`] reports either change, which the
+        // engine's callers check after every step so that nothing read from a changed file
+        // reaches anyone.
         let map = unsafe { Mmap::map(&file) }.map_err(io)?;
-        Self::from_map(map, parse, Some(path.to_path_buf()))
+        let guard = MapGuard::new(map.as_ptr(), map.len());
+        let mut f = Self::from_map(map, parse, Some(path.to_path_buf()))?;
+        f.guard = Some(guard);
+        f.opened = Some((file, seen));
+        Ok(f)
+    }
+
+    /// `Ok` while the file is as it was when opened; otherwise what changed (truncated,
+    /// rewritten, replaced, or pages of the map read past a new end and now zeros), in a
+    /// message that names the file. Two `stat` calls: cheap next to a decode step.
+    pub fn intact(&self) -> Result<(), String> {
+        let (Some((file, seen)), Some(path)) = (&self.opened, &self.path) else {
+            return Ok(());
+        };
+        let faulted = self.guard.as_ref().is_some_and(MapGuard::faulted);
+        let what = match (seen.changed(file, path), faulted) {
+            (None, false) => return Ok(()),
+            (Some(w), false) => w,
+            (Some(w), true) => format!("{w}; pages past its new end were read"),
+            (None, true) => "pages past its end were read".to_string(),
+        };
+        Err(format!(
+            "the model file {} changed on disk while loaded ({what}): load it again",
+            path.display()
+        ))
     }
 
     /// A file held in memory, copied into an anonymous map, with the checks of
@@ -149,6 +183,8 @@ impl GgufFile {
             .map(|(i, t)| (t.name.clone(), i))
             .collect();
         Ok(GgufFile {
+            guard: None,
+            opened: None,
             map,
             header,
             tensor_index,

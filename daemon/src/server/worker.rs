@@ -405,14 +405,19 @@ impl<E: Sequences> WorkerContext<E> {
                 .iter()
                 .map(|a| (a.seq, *a.decoder.tokens().last().expect("a sampled token")))
                 .collect();
-            let logits = match self.engine.step(&inputs) {
+            let stepped = self
+                .engine
+                .step(&inputs)
+                .map_err(|e| self.engine_failed(&e));
+            // Logits computed from a model file changed underneath reach no one.
+            let stepped = stepped.and_then(|l| self.file_intact().map(|()| l));
+            let logits = match stepped {
                 Ok(l) if inputs.len() > 1 => {
                     self.stats.shared_steps.fetch_add(1, Ordering::Relaxed);
                     l
                 }
                 Ok(l) => l,
-                Err(e) => {
-                    let status = self.engine_failed(&e);
+                Err(status) => {
                     for a in active.drain(..) {
                         free.push(a.seq);
                         self.done(&a.job.tx, Err(Interrupt::Fail(status.clone())));
@@ -487,6 +492,18 @@ impl<E: Sequences> WorkerContext<E> {
         }
     }
 
+    /// FAILED_PRECONDITION once the model's file changed on disk since it was loaded
+    /// (truncated, rewritten or replaced: `GgufFile::intact`), checked before a request's
+    /// prompt and after every forward pass, so that a request never gets tokens computed from
+    /// a changed file; the model serves again once loaded again.
+    fn file_intact(&self) -> Result<(), Status> {
+        self.engine
+            .model()
+            .file()
+            .intact()
+            .map_err(Status::failed_precondition)
+    }
+
     /// Checked before every forward pass.
     fn interrupted(&self, job: &GenerateJob) -> Result<(), Interrupt> {
         self.check(job.tx.is_closed(), job.deadline)
@@ -507,6 +524,7 @@ impl<E: Sequences> WorkerContext<E> {
         eos: Option<u32>,
     ) -> Result<Option<Active<'t>>, Interrupt> {
         self.interrupted(&job)?;
+        self.file_intact().map_err(Interrupt::Fail)?;
         tracing::debug!(
             prompt_tokens = job.prompt.len(),
             max_tokens = job.options.max_tokens,
@@ -539,6 +557,7 @@ impl<E: Sequences> WorkerContext<E> {
             logits.clear();
             logits.extend_from_slice(&out[out.len() - n_vocab..]);
         }
+        self.file_intact().map_err(Interrupt::Fail)?;
         let decoder = Decoder::new(tokenizer, eos, &job.prompt, job.options.clone());
         let mut a = Active {
             job,

@@ -2,36 +2,16 @@
 //! it) and the identity seen at open, so a file truncated, rewritten or replaced underneath a
 //! running model is noticed instead of feeding the GPU mixed weights.
 
-use std::fs::{File, Metadata};
+use std::fs::File;
 use std::io;
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::os::unix::io::{AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::buffer::{AlignedRegion, HostRegion, ALIGN};
 use super::error::StreamError;
-
-/// What identifies the file's contents: a replaced file has another inode, a rewritten one
-/// another mtime, a truncated one another size.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Identity {
-    dev: u64,
-    ino: u64,
-    size: u64,
-    mtime: (i64, i64),
-}
-
-impl Identity {
-    fn of(m: &Metadata) -> Identity {
-        Identity {
-            dev: m.dev(),
-            ino: m.ino(),
-            size: m.size(),
-            mtime: (m.mtime(), m.mtime_nsec()),
-        }
-    }
-}
+use crate::gguf::identity::FileIdentity;
 
 pub(crate) struct ModelFile {
     path: PathBuf,
@@ -39,7 +19,7 @@ pub(crate) struct ModelFile {
     direct: bool,
     /// Why O_DIRECT is not used, when it is not.
     direct_refused: Option<String>,
-    seen: Identity,
+    seen: FileIdentity,
     /// Bytes of the tiles delivered from this file (the requested lengths, not the aligned
     /// spans an O_DIRECT read covers), and how many tiles.
     delivered: AtomicU64,
@@ -65,7 +45,7 @@ impl ModelFile {
             }
             Err(e) => return Err(open_err(e)),
         };
-        let seen = Identity::of(&file.metadata().map_err(open_err)?);
+        let seen = FileIdentity::of(&file.metadata().map_err(open_err)?);
         Ok(ModelFile {
             path: path.to_path_buf(),
             file,
@@ -114,28 +94,12 @@ impl ModelFile {
 
     /// The size seen at open.
     pub(crate) fn len(&self) -> u64 {
-        self.seen.size
+        self.seen.size()
     }
 
     /// What changed since open, if anything: two `stat` calls, cheap next to a tile read.
     pub(crate) fn changed(&self) -> Option<String> {
-        let now = match self.file.metadata() {
-            Ok(m) => Identity::of(&m),
-            Err(e) => return Some(format!("fstat failed: {e}")),
-        };
-        if now.size != self.seen.size {
-            return Some(format!("size {} -> {}", self.seen.size, now.size));
-        }
-        if now.mtime != self.seen.mtime {
-            return Some("modified".to_string());
-        }
-        match std::fs::metadata(&self.path) {
-            Ok(m) if (m.dev(), m.ino()) != (self.seen.dev, self.seen.ino) => {
-                Some("replaced by another file".to_string())
-            }
-            Ok(_) => None,
-            Err(e) => Some(format!("the path no longer opens: {e}")),
-        }
+        self.seen.changed(&self.file, &self.path)
     }
 }
 
