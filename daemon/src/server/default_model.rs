@@ -38,8 +38,8 @@ pub enum DefaultModelError {
 }
 
 /// The default model's path under `dir`, writing it first when it is not there yet (or has
-/// another size than the embedded file). The file is written under a temporary name and renamed,
-/// so a crash never leaves half a model behind.
+/// another size than the embedded file). The file is written under a temporary name and linked
+/// into place, so a crash never leaves half a model behind.
 pub fn ensure(dir: &Path) -> Result<PathBuf, DefaultModelError> {
     let path = dir.join(FILE_NAME);
     if std::fs::metadata(&path).is_ok_and(|m| m.is_file() && m.len() == MODEL_BYTES.len() as u64) {
@@ -49,13 +49,32 @@ pub fn ensure(dir: &Path) -> Result<PathBuf, DefaultModelError> {
         dir: dir.to_path_buf(),
         source,
     })?;
+    write_into(dir, path)
+}
+
+/// Writes the default model to `path` in `dir` under a temporary name, then puts it in place.
+fn write_into(dir: &Path, path: PathBuf) -> Result<PathBuf, DefaultModelError> {
     let tmp = dir.join(format!("{FILE_NAME}.{}.tmp", std::process::id()));
     tracing::info!(path = %path.display(), "writing the default model (first start)");
     if let Err(source) = std::fs::write(&tmp, MODEL_BYTES) {
         let _ = std::fs::remove_file(&tmp);
         return Err(DefaultModelError::Write { path: tmp, source });
     }
-    std::fs::rename(&tmp, &path).map_err(DefaultModelError::Rename)?;
+    // Linked rather than renamed into place, so that a daemon starting beside another never
+    // replaces the file the other has mapped (it would see its model file replaced and stop
+    // serving it, `GgufFile::intact`); a file that is there but incomplete is replaced.
+    let complete =
+        |p: &Path| std::fs::metadata(p).is_ok_and(|m| m.len() == MODEL_BYTES.len() as u64);
+    match std::fs::hard_link(&tmp, &path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && complete(&path) => {}
+        Err(_) => {
+            return std::fs::rename(&tmp, &path)
+                .map(|()| path)
+                .map_err(DefaultModelError::Rename)
+        }
+    }
+    let _ = std::fs::remove_file(&tmp);
     Ok(path)
 }
 
@@ -88,5 +107,24 @@ mod tests {
             modified
         );
         crate::model::Model::open(&pa).expect("the default model loads");
+    }
+
+    #[test]
+    fn a_second_writer_leaves_the_first_ones_file_in_place() {
+        use std::os::unix::fs::MetadataExt;
+        let a = tempfile::tempdir().unwrap();
+        let path = ensure(a.path()).unwrap();
+        let ino = std::fs::metadata(&path).unwrap().ino();
+        // A daemon that found no file before this one linked its own (the race of two first
+        // starts): the file another process has mapped stays.
+        assert_eq!(write_into(a.path(), path.clone()).unwrap(), path);
+        assert_eq!(std::fs::metadata(&path).unwrap().ino(), ino);
+        assert_eq!(std::fs::read(&path).unwrap(), MODEL_BYTES);
+        // An incomplete file is replaced.
+        std::fs::write(&path, b"GGUF").unwrap();
+        write_into(a.path(), path.clone()).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), MODEL_BYTES);
+        let left: Vec<_> = std::fs::read_dir(a.path()).unwrap().collect();
+        assert_eq!(left.len(), 1, "no temporary file is left");
     }
 }
