@@ -22,8 +22,8 @@ use std::time::Instant;
 use anyhow::Context;
 use clap::Parser;
 use spillway_daemon::stream::{
-    AlignedRegion, BackendChoice, HostRegion, Priority, ReadHandle, ReaderOptions, TileReader,
-    TileRequest,
+    AlignedRegion, BackendChoice, HostRegion, Priority, ReadHandle, ReaderOptions, StorageFaults,
+    TileReader, TileRequest,
 };
 
 #[derive(Parser)]
@@ -143,6 +143,7 @@ fn read_tiles(
         chunk_size: args.chunk as usize,
         buffers: in_flight + 1,
         max_tile: args.tile as usize,
+        faults: StorageFaults::default(),
     };
     let reader = TileReader::open(&args.file, &options)?;
     let what = format!(

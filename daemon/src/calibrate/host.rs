@@ -11,7 +11,7 @@ use crate::cpu::matvec::matvec;
 use crate::cpu::pool::ThreadPool;
 use crate::engine::experts::routed_experts_with;
 use crate::model::MatRef;
-use crate::stream::{Priority, ReaderOptions, TileReader, TileRequest};
+use crate::stream::{Priority, ReaderOptions, StorageFaults, TileReader, TileRequest};
 
 /// Tiles kept in flight by the disk measurement (the reader's default queue depth).
 const IN_FLIGHT: usize = 32;
@@ -186,6 +186,8 @@ impl HostBench {
         let options = ReaderOptions {
             max_tile: tile as usize,
             buffers: IN_FLIGHT,
+            // A measurement of the disk, not of injected faults.
+            faults: StorageFaults::default(),
             ..ReaderOptions::default()
         };
         let reader = TileReader::open(&self.file, &options)?;

@@ -18,6 +18,7 @@
 
 pub mod auth;
 pub mod chat;
+pub mod deadline;
 pub mod default_model;
 pub mod device;
 pub mod gpu;

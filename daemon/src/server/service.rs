@@ -15,6 +15,7 @@ use tonic::{Request, Response, Status};
 use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
 
+use super::deadline::Deadlined;
 use super::device::{DeviceChoice, OpenError};
 use super::gpu::GpuStatus;
 use super::models::{self, LoadError, LoadOptions, LoadedModel, Registry};
@@ -331,9 +332,9 @@ type ResponseStream<T> = ReceiverStream<Result<T, Status>>;
 
 #[tonic::async_trait]
 impl Spillway for SpillwayService {
-    type GenerateStream = ResponseStream<pb::GenerateResponse>;
+    type GenerateStream = Deadlined<pb::GenerateResponse>;
     type LoadModelStream = ResponseStream<pb::LoadModelProgress>;
-    type ProfileStream = ResponseStream<pb::ProfileStep>;
+    type ProfileStream = Deadlined<pb::ProfileStep>;
 
     async fn generate(
         &self,
@@ -354,7 +355,7 @@ impl Spillway for SpillwayService {
             arrived,
             tx,
         })?;
-        Ok(Response::new(ReceiverStream::new(rx)))
+        Ok(Response::new(Deadlined::new(rx, deadline)))
     }
 
     async fn profile(
@@ -375,7 +376,7 @@ impl Spillway for SpillwayService {
             tx,
             hardware: self.state.defaults.hardware.clone(),
         })?;
-        Ok(Response::new(ReceiverStream::new(rx)))
+        Ok(Response::new(Deadlined::new(rx, deadline)))
     }
 
     async fn tokenize(

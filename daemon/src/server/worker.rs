@@ -24,6 +24,7 @@ use super::stats::ModelStats;
 use crate::engine::decode::{DecodeOptions, Decoder, TokenStep};
 use crate::engine::generate::{top_logprobs, FinishReason, GenerateError};
 use crate::engine::{argmax, BatchEngine, StepProfile, MAX_BATCH};
+use crate::gpu::GpuError;
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
 
@@ -63,11 +64,6 @@ pub trait Sequences: Send + 'static {
     fn recover(&mut self) -> Result<(), String> {
         Err("this engine has no device to recover".into())
     }
-}
-
-/// Whether an engine error means the GPU device was lost (the model must be reloaded).
-fn device_lost(e: &GenerateError) -> bool {
-    matches!(e, GenerateError::Gpu(crate::gpu::GpuError::DeviceLost))
 }
 
 /// Pause between two failed attempts to recover a lost device.
@@ -449,13 +445,33 @@ impl<E: Sequences> WorkerContext<E> {
     }
 
     /// The status the requests an engine error ended get: UNAVAILABLE when the device was
-    /// lost (the model is reloaded before the next request), INTERNAL otherwise.
+    /// lost (the model is reloaded before the next request) or a read of the model file
+    /// failed (the next request reads again), RESOURCE_EXHAUSTED when memory ran out,
+    /// FAILED_PRECONDITION when the file changed underneath, INTERNAL otherwise.
     fn engine_failed(&mut self, e: &GenerateError) -> Status {
-        if device_lost(e) {
-            self.lost = true;
-            Status::unavailable(format!("{e}: the model is being reloaded; retry shortly"))
-        } else {
-            Status::internal(e.to_string())
+        use crate::stream::StreamError;
+        let GenerateError::Gpu(gpu) = e else {
+            return Status::internal(e.to_string());
+        };
+        match gpu {
+            GpuError::DeviceLost => {
+                self.lost = true;
+                Status::unavailable(format!("{e}: the model is being reloaded; retry shortly"))
+            }
+            GpuError::Storage(StreamError::FileChanged { .. }) => {
+                Status::failed_precondition(format!("{e}: load the model again"))
+            }
+            GpuError::Storage(StreamError::Io { .. } | StreamError::ShortRead { .. }) => {
+                Status::unavailable(format!(
+                    "{e}: the request was stopped, nothing computed from the failed read was \
+                     sent; the model serves on, so retry (and check the disk if this repeats)"
+                ))
+            }
+            g if g.is_out_of_memory() => Status::resource_exhausted(format!(
+                "{e}: the request was stopped; retry when fewer requests run, or load the \
+                 model with a smaller context or budget"
+            )),
+            _ => Status::internal(e.to_string()),
         }
     }
 

@@ -361,7 +361,7 @@ impl ExpertCache {
 mod tests {
     use super::*;
     use crate::stream::tests::{pattern, test_dir, write_file};
-    use crate::stream::{BackendChoice, ReaderOptions};
+    use crate::stream::{BackendChoice, ReaderOptions, StorageFaults};
 
     /// Each expert: two extents (6000 and 4000 bytes) at offsets off alignment.
     const EXPERT: usize = 10_000;
@@ -384,6 +384,7 @@ mod tests {
             chunk_size: 64 << 10,
             buffers,
             max_tile: 6000,
+            faults: StorageFaults::default(),
         };
         let reader = Arc::new(TileReader::open(&path, &options).unwrap());
         let locator = |k: ExpertKey| {

@@ -13,7 +13,8 @@
 //! - Faults are [`StreamError`]s naming file, offset and length: a short read, an I/O error,
 //!   the file truncated, rewritten or replaced since open (checked with `fstat` and `stat` on
 //!   every request), cancellation. A failed read's buffer goes back to the pool, never out as a
-//!   partly filled tile; the reader keeps serving other requests.
+//!   partly filled tile; the reader keeps serving other requests. [`fault`] injects EIO,
+//!   short reads and late reads (`SPILLWAY_FAULT_STORAGE`) into that same path.
 //! - [`ExpertCache`] keeps experts keyed by (layer, expert) in those buffers under a byte
 //!   budget, with LRU or LFU-with-aging replacement, pins (a held `Arc<Expert>`), per-layer
 //!   hit, miss, eviction and prefetch counters, `get_or_load` (demand) and `prefetch`.
@@ -36,6 +37,7 @@
 mod buffer;
 mod cache;
 mod error;
+pub mod fault;
 mod file;
 mod model_experts;
 mod policy;
@@ -51,6 +53,7 @@ mod tests;
 pub use buffer::{buffer_size_for_tile, AlignedRegion, BufferPool, HostRegion, TileBuffer, ALIGN};
 pub use cache::{Expert, ExpertCache, ExpertLocator, ExpertRead, Extent};
 pub use error::StreamError;
+pub use fault::StorageFaults;
 pub use model_experts::{expert_bytes, minimum_ram_budget, open_expert_cache};
 pub(crate) use policy::Residency;
 pub use policy::{ExpertKey, LayerStats, ReplacementPolicy};

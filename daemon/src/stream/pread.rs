@@ -29,7 +29,9 @@ pub(crate) fn run(shared: Arc<Shared>) {
         // SAFETY: the chunk's bytes lie in a buffer the scheduler keeps for this request until
         // the chunk completes, and no one else touches them meanwhile.
         let buf = unsafe { std::slice::from_raw_parts_mut(chunk.ptr.0, chunk.len) };
-        let result = shared.file.file().read_at(buf, chunk.offset);
+        let result = shared
+            .faults
+            .apply(shared.file.file().read_at(buf, chunk.offset));
         let step = shared.sched.lock().complete(chunk, result);
         match step {
             Step::Pending => {}

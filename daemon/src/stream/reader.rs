@@ -10,6 +10,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::buffer::{aligned_span, buffer_size_for_tile, BufferPool, TileBuffer};
 use super::error::StreamError;
+use super::fault::{Injector, StorageFaults};
 use super::file::ModelFile;
 use super::request::{ReadHandle, Slot, TileRequest};
 use super::schedule::{Finished, Scheduler};
@@ -45,6 +46,8 @@ pub struct ReaderOptions {
     pub buffers: usize,
     /// The largest tile those buffers must hold, at any offset.
     pub max_tile: usize,
+    /// Faults to inject (`SPILLWAY_FAULT_STORAGE` by default; see [`super::fault`]).
+    pub faults: StorageFaults,
 }
 
 impl Default for ReaderOptions {
@@ -55,6 +58,7 @@ impl Default for ReaderOptions {
             chunk_size: 1 << 20,
             buffers: 32,
             max_tile: 4 << 20,
+            faults: StorageFaults::from_env(),
         }
     }
 }
@@ -65,6 +69,8 @@ pub(crate) struct Shared {
     /// pread threads wait here for work.
     pub(crate) work: Condvar,
     pub(crate) file: ModelFile,
+    /// What every chunk read's result passes through before the scheduler sees it.
+    pub(crate) faults: Injector,
     /// Wakes the io_uring thread, which sleeps in the kernel rather than on `work`.
     wake_fd: Option<OwnedFd>,
 }
@@ -146,6 +152,7 @@ impl TileReader {
             sched: Mutex::new(sched),
             work: Condvar::new(),
             file,
+            faults: Injector::new(options.faults.clone()),
             wake_fd,
         });
         let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {

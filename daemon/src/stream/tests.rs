@@ -49,6 +49,7 @@ fn options(backend: BackendChoice, depth: usize) -> ReaderOptions {
         chunk_size: 64 << 10,
         buffers: 16,
         max_tile: MAX_TILE,
+        faults: StorageFaults::default(),
     }
 }
 
@@ -217,6 +218,53 @@ fn requests_past_the_end_are_short_reads_and_the_reader_goes_on() {
             &data,
             &reader.read_tile(demand(5_000, 5_000)).wait().unwrap(),
         );
+        assert_eq!(reader.pool().available(), reader.pool().count());
+    });
+}
+
+/// Injected faults (`stream::fault`) take a real fault's path: the tile whose chunk failed is
+/// an error naming the file and offset, its buffer goes back to the pool, and the reader goes
+/// on serving the same bytes as before.
+#[test]
+fn injected_eio_and_short_reads_fail_their_tile_and_the_reader_goes_on() {
+    each_backend(|backend| {
+        let dir = test_dir();
+        let data = pattern(200_000, 5);
+        let path = write_file(dir.path(), "m.bin", &data);
+        let options = ReaderOptions {
+            // One chunk a tile below, so the second and fourth tiles are the faulty reads.
+            chunk_size: 1 << 20,
+            faults: StorageFaults::parse("eio:2,short:4").unwrap(),
+            ..options(backend, 2)
+        };
+        let reader = TileReader::open(&path, &options).unwrap();
+        let read = |offset: u64| reader.read_tile(demand(offset, 10_000)).wait();
+        check(&data, &read(1_000).unwrap());
+        match read(30_000) {
+            Err(
+                e @ StreamError::Io {
+                    offset: 30_000,
+                    len: 10_000,
+                    ..
+                },
+            ) => {
+                assert!(e.to_string().contains("m.bin"), "{e}");
+                assert!(e.to_string().contains("Input/output error"), "{e}");
+            }
+            other => panic!("{backend:?}: {other:?}"),
+        }
+        check(&data, &read(50_000).unwrap());
+        match read(70_000) {
+            Err(StreamError::ShortRead {
+                offset: 70_000,
+                available: 0,
+                ..
+            }) => {}
+            other => panic!("{backend:?}: {other:?}"),
+        }
+        for offset in [30_000, 70_000, 150_000] {
+            check(&data, &read(offset).unwrap());
+        }
         assert_eq!(reader.pool().available(), reader.pool().count());
     });
 }

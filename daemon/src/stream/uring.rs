@@ -138,11 +138,25 @@ pub(crate) fn run(ring: Ring, shared: Arc<Shared>, depth: usize) {
                 ) => {}
             Err(e) => panic!("io_uring_enter failed: {e}"),
         }
-        completions.extend(ring.completion().map(|c| (c.user_data(), c.result())));
+        // Results pass the fault injection here, where no lock is held (it may sleep).
+        completions.extend(ring.completion().map(|c| {
+            let res = c.result();
+            let result = if res < 0 {
+                Err(io::Error::from_raw_os_error(-res))
+            } else {
+                Ok(res as usize)
+            };
+            let result = if c.user_data() == WAKE {
+                result
+            } else {
+                shared.faults.apply(result)
+            };
+            (c.user_data(), result)
+        }));
         let mut finished = Vec::new();
         {
             let mut sched = shared.sched.lock();
-            for (user_data, res) in completions.drain(..) {
+            for (user_data, result) in completions.drain(..) {
                 if user_data == WAKE {
                     drain(efd);
                     poll_armed = false;
@@ -151,11 +165,6 @@ pub(crate) fn run(ring: Ring, shared: Arc<Shared>, depth: usize) {
                 let slot = user_data as usize;
                 let chunk = slots[slot].take().expect("completion of a chunk in flight");
                 free.push(slot);
-                let result = if res < 0 {
-                    Err(io::Error::from_raw_os_error(-res))
-                } else {
-                    Ok(res as usize)
-                };
                 match sched.complete(chunk, result) {
                     Step::Pending => {}
                     Step::Retry(chunk) => retries.push(chunk),
