@@ -66,6 +66,36 @@ pub trait Sequences: Send + 'static {
     }
 }
 
+/// The status of requests an engine error ended: UNAVAILABLE when the device was lost (the
+/// model is being reloaded) or a read of the model file failed (the next request reads
+/// again), RESOURCE_EXHAUSTED when memory ran out, FAILED_PRECONDITION when the file changed
+/// underneath, INTERNAL otherwise.
+fn engine_status(e: &GenerateError) -> Status {
+    use crate::stream::StreamError;
+    let GenerateError::Gpu(gpu) = e else {
+        return Status::internal(e.to_string());
+    };
+    match gpu {
+        GpuError::DeviceLost => {
+            Status::unavailable(format!("{e}: the model is being reloaded; retry shortly"))
+        }
+        GpuError::Storage(StreamError::FileChanged { .. }) => {
+            Status::failed_precondition(format!("{e}: load the model again"))
+        }
+        GpuError::Storage(StreamError::Io { .. } | StreamError::ShortRead { .. }) => {
+            Status::unavailable(format!(
+                "{e}: the request was stopped, nothing computed from the failed read was sent; \
+                 the model serves on, so retry (and check the disk if this repeats)"
+            ))
+        }
+        g if g.is_out_of_memory() => Status::resource_exhausted(format!(
+            "{e}: the request was stopped; retry when fewer requests run, or load the model \
+             with a smaller context or budget"
+        )),
+        _ => Status::internal(e.to_string()),
+    }
+}
+
 /// Pause between two failed attempts to recover a lost device.
 const RECOVERY_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
 
@@ -444,35 +474,13 @@ impl<E: Sequences> WorkerContext<E> {
         }
     }
 
-    /// The status the requests an engine error ended get: UNAVAILABLE when the device was
-    /// lost (the model is reloaded before the next request) or a read of the model file
-    /// failed (the next request reads again), RESOURCE_EXHAUSTED when memory ran out,
-    /// FAILED_PRECONDITION when the file changed underneath, INTERNAL otherwise.
+    /// The status the requests an engine error ended get ([`engine_status`]); a lost device
+    /// is reloaded before the next request.
     fn engine_failed(&mut self, e: &GenerateError) -> Status {
-        use crate::stream::StreamError;
-        let GenerateError::Gpu(gpu) = e else {
-            return Status::internal(e.to_string());
-        };
-        match gpu {
-            GpuError::DeviceLost => {
-                self.lost = true;
-                Status::unavailable(format!("{e}: the model is being reloaded; retry shortly"))
-            }
-            GpuError::Storage(StreamError::FileChanged { .. }) => {
-                Status::failed_precondition(format!("{e}: load the model again"))
-            }
-            GpuError::Storage(StreamError::Io { .. } | StreamError::ShortRead { .. }) => {
-                Status::unavailable(format!(
-                    "{e}: the request was stopped, nothing computed from the failed read was \
-                     sent; the model serves on, so retry (and check the disk if this repeats)"
-                ))
-            }
-            g if g.is_out_of_memory() => Status::resource_exhausted(format!(
-                "{e}: the request was stopped; retry when fewer requests run, or load the \
-                 model with a smaller context or budget"
-            )),
-            _ => Status::internal(e.to_string()),
+        if matches!(e, GenerateError::Gpu(GpuError::DeviceLost)) {
+            self.lost = true;
         }
+        engine_status(e)
     }
 
     /// Opens the lost device again and reloads the model, retrying until it works or the
@@ -727,5 +735,69 @@ fn per_s(n: usize, ms: f64) -> f64 {
         n as f64 * 1e3 / ms
     } else {
         0.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu::MemoryKind;
+    use crate::stream::StreamError;
+    use std::path::PathBuf;
+    use tonic::Code;
+
+    #[test]
+    fn engine_errors_map_to_codes_a_client_can_act_on() {
+        let path = PathBuf::from("/models/m.gguf");
+        let cases = [
+            (GpuError::DeviceLost, Code::Unavailable, "reloaded"),
+            (
+                GpuError::OutOfMemory(MemoryKind::Device),
+                Code::ResourceExhausted,
+                "retry",
+            ),
+            (
+                GpuError::Storage(StreamError::Io {
+                    path: path.clone(),
+                    offset: 4096,
+                    len: 10,
+                    source: std::io::Error::from_raw_os_error(libc::EIO),
+                }),
+                Code::Unavailable,
+                "m.gguf: read error at offset 4096",
+            ),
+            (
+                GpuError::Storage(StreamError::ShortRead {
+                    path: path.clone(),
+                    offset: 4096,
+                    len: 10,
+                    available: 0,
+                }),
+                Code::Unavailable,
+                "short read",
+            ),
+            (
+                GpuError::Storage(StreamError::FileChanged {
+                    path,
+                    offset: 0,
+                    len: 10,
+                    what: "truncated".into(),
+                }),
+                Code::FailedPrecondition,
+                "load the model again",
+            ),
+            (
+                GpuError::Unsupported("x".into()),
+                Code::Internal,
+                "unsupported",
+            ),
+        ];
+        for (e, code, says) in cases {
+            let s = engine_status(&GenerateError::Gpu(e));
+            assert_eq!(s.code(), code, "{}", s.message());
+            assert!(s.message().contains(says), "{}", s.message());
+        }
+        let s = engine_status(&GenerateError::EmptyPrompt);
+        assert_eq!(s.code(), Code::Internal);
     }
 }

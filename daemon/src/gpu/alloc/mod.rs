@@ -104,6 +104,8 @@ struct State {
     /// Per memory type index, its blocks (a freed block leaves `None` so ids stay put).
     blocks: Vec<Vec<Option<Block>>>,
     budget: Budget,
+    /// Bytes of the allocations alive, whatever blocks hold them.
+    allocated: u64,
 }
 
 /// The sub-allocator of one device.
@@ -151,6 +153,7 @@ impl Allocator {
             state: Mutex::new(State {
                 blocks: (0..n_types).map(|_| Vec::new()).collect(),
                 budget: Budget::new(vram_budget),
+                allocated: 0,
             }),
         })
     }
@@ -162,6 +165,11 @@ impl Allocator {
     /// The budget as it stands.
     pub fn budget(&self) -> Budget {
         self.state.lock().budget
+    }
+
+    /// Bytes of the allocations alive (what buffers hold, not the blocks around them).
+    pub fn allocated_bytes(&self) -> u64 {
+        self.state.lock().allocated
     }
 
     /// Number of device memory objects held (for tests and status).
@@ -218,6 +226,9 @@ impl Allocator {
             choose_memory_type(types, req.memory_type_bits, usage).ok_or_else(|| {
                 GpuError::Unsupported(format!("no memory type for {usage:?} buffers"))
             })?;
+        if fault::allocation_fails() {
+            return Err(GpuError::OutOfMemory(MemoryKind::Device));
+        }
         let align = req.alignment.max(1).next_power_of_two();
         let mut state = self.state.lock();
         let pool = &mut state.blocks[type_index as usize];
@@ -246,6 +257,7 @@ impl Allocator {
                 (i, off, b.memory, b.mapped)
             }
         };
+        state.allocated += req.size;
         // SAFETY: `offset + size` lies inside the block, which the mapping covers whole.
         let mapped = base.map(|p| unsafe { p.add(offset as usize) });
         Ok(Allocation {
@@ -361,6 +373,7 @@ impl Allocator {
 
     fn release(&self, a: &Allocation) {
         let mut state = self.state.lock();
+        state.allocated -= a.size;
         let slot = &mut state.blocks[a.type_index as usize][a.block];
         let b = slot.as_mut().expect("an allocation's block is alive");
         b.ranges.free(a.offset, a.size);

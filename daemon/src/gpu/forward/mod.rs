@@ -371,7 +371,7 @@ pub struct GpuModel {
     last_profile: Option<GpuStepProfile>,
     /// A prompt chunk's activations, made at the first prompt ([`prefill`]).
     batch: Option<prefill::Batch>,
-    /// The device memory for `batch` was refused: prompts go token by token.
+    /// The VRAM budget refused the memory for `batch`: prompts go token by token.
     batch_refused: bool,
     /// See [`GpuModelOptions::rope_in_attention`].
     rope_in_attention: bool,

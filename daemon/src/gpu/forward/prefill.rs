@@ -36,7 +36,7 @@ use spillway_shaders::WeightType;
 use super::{profile, GateUp, GpuFfn, GpuModel, HostTime};
 use crate::gpu::alloc::MemoryUse;
 use crate::gpu::buffer::Buffer;
-use crate::gpu::error::Result;
+use crate::gpu::error::{GpuError, Result};
 use crate::gpu::moe::{ChunkRouting, ExpertRun};
 use crate::gpu::moe_groups::{group_runs, route_words_for, RunGroup};
 use crate::gpu::ops::{
@@ -425,8 +425,10 @@ impl GpuModel {
 
     /// Makes a chunk's activations for `n` tokens (rounded up to 64, at most
     /// [`PREFILL_CHUNK`]) unless the ones made hold them (the smaller one's memory is given
-    /// back first); `false` where the device memory was refused, which is remembered: prompts
-    /// then go token by token, and batched steps one sequence at a time.
+    /// back first); `false` where the device memory was refused: prompts then go token by
+    /// token, and batched steps one sequence at a time. A refusal by the VRAM budget is
+    /// remembered (it would refuse again); one by the driver is not, and the next prompt tries
+    /// again.
     pub(super) fn make_batch(&mut self, n: usize) -> Result<bool> {
         let wanted = n.next_multiple_of(64).min(PREFILL_CHUNK);
         if self.batch.as_ref().is_some_and(|b| b.tokens >= wanted) {
@@ -437,6 +439,12 @@ impl GpuModel {
             Ok(b) => {
                 self.batch = Some(b);
                 Ok(true)
+            }
+            Err(e @ GpuError::OutOfMemory(_)) => {
+                tracing::warn!(
+                    "this prompt goes token by token, or this step a sequence at a time: {e}"
+                );
+                Ok(false)
             }
             Err(e) if e.is_out_of_memory() => {
                 tracing::warn!(
