@@ -17,7 +17,7 @@ use pcie_budget::partial_pcie;
 use std::sync::Arc;
 
 use spillway_bench::synth::{SynthModel, WeightType};
-use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
+use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions, StepBatching};
 use spillway_daemon::gpu::placement::MoeMiss;
 use spillway_daemon::gpu::Device;
 use spillway_daemon::model::Model;
@@ -46,12 +46,14 @@ fn token(seq: usize, i: usize, n_vocab: usize) -> u32 {
 }
 
 /// Options of the models compared: f32 dots in the one-token steps, as the chunks' products
-/// take (integer dots quantize a step's inputs, a difference checked in `vulkan_forward.rs`).
+/// take (integer dots quantize a step's inputs, a difference checked in `vulkan_forward.rs`);
+/// steps of several sequences batched wherever the model can (not by measured cost).
 fn options(sequences: usize) -> GpuModelOptions {
     GpuModelOptions {
         context: 96,
         int_dot: false,
         sequences,
+        step_batching: StepBatching::Always,
         ..GpuModelOptions::default()
     }
 }
@@ -210,6 +212,45 @@ fn batched_steps_over_the_vram_budget_read_misses_over_the_bus() {
     assert_eq!(gpu.batched_steps(), 4);
     let t = gpu.expert_stats().unwrap().total();
     assert!(t.pcie > 0 && t.pcie == t.misses, "{t:?}");
+}
+
+/// With steps batched by measured cost (the default), a model measures both ways before it
+/// chooses: its first two steps of several sequences batched (the first one records the step
+/// and is not counted), its next two a sequence at a time; every step gives each sequence the
+/// logits it gets alone, whichever way it ran.
+#[test]
+fn measured_steps_try_both_ways_and_give_the_same_logits() {
+    let Some(dev) = device() else { return };
+    let model = synth_model("tiny-llama", "Q8_0");
+    let measured = GpuModelOptions {
+        step_batching: StepBatching::Measured,
+        ..options(3)
+    };
+    let mut gpu = GpuModel::new(&dev, &model, &measured).unwrap();
+    let n_vocab = model.config.n_vocab;
+    let mut alone: Vec<GpuModel> = (0..3)
+        .map(|_| GpuModel::new(&dev, &model, &options(1)).unwrap())
+        .collect();
+    let mut batched = Vec::new();
+    for step in 0..8 {
+        let inputs: Vec<(usize, u32)> = (0..3).map(|s| (s, token(s, step, n_vocab))).collect();
+        let got = gpu.eval_batch(&inputs).unwrap();
+        for (i, &(s, t)) in inputs.iter().enumerate() {
+            let want = alone[s].eval(t).unwrap();
+            let g = &got[i * n_vocab..(i + 1) * n_vocab];
+            assert_logits_close(g, &want, TOLERANCE, &format!("step {step}, seq {s}"));
+        }
+        batched.push(gpu.batched_steps());
+    }
+    assert_eq!(
+        batched[..4],
+        [1, 2, 2, 2],
+        "batched twice, then single twice"
+    );
+    assert_eq!(
+        (0..3).map(|s| gpu.position_of(s)).collect::<Vec<_>>(),
+        [8, 8, 8]
+    );
 }
 
 #[test]

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Args;
+use spillway_daemon::gpu::forward::StepBatching;
 use spillway_daemon::server::auth::read_token_file;
 use spillway_daemon::server::default_model;
 use spillway_daemon::server::device::DeviceChoice;
@@ -74,6 +75,11 @@ pub struct ServeArgs {
     /// also use).
     #[arg(long, default_value = "even")]
     pub expert_layout: LayoutChoice,
+    /// How a decode step of several requests on a Vulkan device runs: `measured` (batched or a
+    /// request at a time, whichever has been measured cheaper for that model) or `always`
+    /// (batched wherever the model can take the requests together).
+    #[arg(long, default_value = "measured")]
+    pub step_batching: StepBatching,
     /// Seconds in-flight requests may run on after SIGTERM before they are cancelled.
     #[arg(long, default_value_t = 10.0)]
     pub grace_period: f64,
@@ -167,6 +173,7 @@ impl ServeArgs {
                 ram_budget: self.ram_budget.map(|b| b.0),
                 hardware,
                 expert_layout: self.expert_layout.clone(),
+                step_batching: self.step_batching,
             },
             grace: Duration::from_secs_f64(self.grace_period),
         })

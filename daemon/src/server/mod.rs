@@ -243,6 +243,7 @@ async fn load_startup_models(
             vram_budget: state.defaults.vram_budget,
             ram_budget: state.defaults.ram_budget,
             expert_layout: state.defaults.expert_layout.clone(),
+            step_batching: state.defaults.step_batching,
             pins: Vec::new(),
             hardware: state.defaults.hardware.get(),
         };

@@ -72,6 +72,8 @@ pub struct LoadOptions {
     pub ram_budget: Option<u64>,
     /// How a MoE model on a Vulkan device spreads its expert slots over the layers.
     pub expert_layout: LayoutChoice,
+    /// How a model on a Vulkan device runs steps of several requests.
+    pub step_batching: crate::gpu::forward::StepBatching,
     /// Placements of routed expert stacks (LoadModel's pins), planned around on `hardware`.
     pub pins: Vec<Pin>,
     /// The machine's profile, which plans are made on.
@@ -339,6 +341,7 @@ pub fn load(
                 threads: options.threads,
                 expert_layout: expert_layout(options, &device, &model)?,
                 sequences: options.max_batch,
+                step_batching: options.step_batching,
                 ..GpuModelOptions::default()
             };
             let gpu = device::load_gpu_model(&device, &model, &gpu_options).map_err(

@@ -51,6 +51,8 @@ pub struct ModelDefaults {
     pub hardware: Arc<super::hardware::HardwareCell>,
     /// How MoE models on a Vulkan device spread their expert slots (`--expert-layout`).
     pub expert_layout: super::models::LayoutChoice,
+    /// How steps of several requests run on a Vulkan device (`--step-batching`).
+    pub step_batching: crate::gpu::forward::StepBatching,
 }
 
 /// State shared by the service, the loader and shutdown.
@@ -322,6 +324,7 @@ impl SpillwayService {
             vram_budget,
             ram_budget,
             expert_layout: defaults.expert_layout.clone(),
+            step_batching: defaults.step_batching,
             pins,
             hardware: defaults.hardware.get(),
         })

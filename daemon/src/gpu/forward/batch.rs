@@ -97,13 +97,19 @@ impl GpuModel {
 impl GpuModel {
     /// One decode step of several sequences: `inputs` holds, for each, the sequence and its
     /// next token; the logits after each, `n_vocab` floats each, in the order of `inputs`. Every
-    /// sequence listed advances by one position. The selected sequence stays selected unless
-    /// the tokens go one by one (it is then the last one's).
+    /// sequence listed advances by one position. The step is batched where the model can batch
+    /// it and, with [`super::StepBatching::Measured`], batching has been measured cheaper than
+    /// single steps here ([`super::step_costs`]); otherwise the tokens go one by one. The
+    /// selected sequence stays selected unless they do (it is then the last one's).
     pub fn eval_batch(&mut self, inputs: &[(usize, u32)]) -> Result<Vec<f32>> {
         self.check_batch(inputs)?;
         let seqs: Vec<usize> = inputs.iter().map(|&(s, _)| s).collect();
         let tokens: Vec<u32> = inputs.iter().map(|&(_, t)| t).collect();
-        if inputs.len() > 1 && self.batches_steps(inputs.len())? {
+        let began = std::time::Instant::now();
+        if inputs.len() > 1
+            && self.batches_steps(inputs.len())?
+            && self.step_costs.batch(inputs.len(), self.step_batching)
+        {
             self.flush_promotions()?;
             let started = std::time::Instant::now();
             let logits = match self.replays_steps(inputs.len()) {
@@ -120,6 +126,8 @@ impl GpuModel {
             self.batched_steps += 1;
             // The step's routing counted in the experts' demand, as a decode step's.
             self.promote_experts(started.elapsed())?;
+            let secs = began.elapsed().as_secs_f64();
+            self.step_costs.record_batched(inputs.len(), secs);
             return Ok(logits);
         }
         let mut out = Vec::with_capacity(inputs.len() * self.config.n_vocab);
@@ -127,6 +135,8 @@ impl GpuModel {
             self.select(seq);
             out.extend(self.eval(token)?);
         }
+        let secs = began.elapsed().as_secs_f64();
+        self.step_costs.record_single(inputs.len(), secs);
         Ok(out)
     }
 

@@ -500,6 +500,8 @@ impl GpuModel {
             last_profile: None,
             batch: None,
             batch_refused: false,
+            step_batching: options.step_batching,
+            step_costs: Default::default(),
             rope_in_attention: options.rope_in_attention,
             flash_attention: options.flash_attention,
         })

@@ -36,6 +36,7 @@ mod load;
 mod prefill;
 mod profile;
 mod promote;
+mod step_costs;
 mod stream;
 mod stream_experts;
 
@@ -44,6 +45,7 @@ pub use prefill::PREFILL_CHUNK;
 pub(crate) use prefill::{batch_bytes, logits_bytes, moe_rows};
 pub use profile::{GpuProfileRow, GpuStepProfile};
 pub use promote::{PromotionTime, PROMOTE_SHARE};
+pub use step_costs::StepBatching;
 pub use stream::STREAM_MIN_TOKENS;
 pub(crate) use stream::{readback_bytes, streamable};
 pub(crate) use stream_experts::experts_streamable;
@@ -151,6 +153,9 @@ pub struct GpuModelOptions {
     /// several-column matrix-vector kernel, which reads each weight once for all of them
     /// ([`crate::gpu::Kernels::set_matvec_cols`]); 0: the tiled kernel, for comparisons.
     pub matvec_cols: usize,
+    /// Whether a decode step of several sequences runs batched or a sequence at a time,
+    /// whichever is measured cheaper ([`step_costs`]), or batched wherever the model can.
+    pub step_batching: StepBatching,
 }
 
 impl Default for GpuModelOptions {
@@ -177,6 +182,7 @@ impl Default for GpuModelOptions {
             matmul_tile: None,
             sequences: 1,
             matvec_cols: crate::gpu::ops_batch::MAX_MATVEC_COLS as usize,
+            step_batching: StepBatching::Measured,
         }
     }
 }
@@ -373,6 +379,10 @@ pub struct GpuModel {
     batch: Option<prefill::Batch>,
     /// The VRAM budget refused the memory for `batch`: prompts go token by token.
     batch_refused: bool,
+    /// See [`GpuModelOptions::step_batching`].
+    step_batching: StepBatching,
+    /// What batched and single steps of several sequences cost here ([`step_costs`]).
+    step_costs: step_costs::StepCosts,
     /// See [`GpuModelOptions::rope_in_attention`].
     rope_in_attention: bool,
     /// See [`GpuModelOptions::flash_attention`].
