@@ -29,6 +29,8 @@ pub mod forward;
 mod instance;
 pub mod lost;
 mod matmul_tile;
+pub mod matrix;
+pub mod matvec_shape;
 pub mod moe;
 mod moe_groups;
 pub mod ops;
