@@ -4,13 +4,15 @@
 //!
 //! `cargo run --release -p spillway-bench --example vulkan_decode_batch -- PRESET TYPE
 //! [budget=MiB] [miss=cpu|pcie|fetch|auto] [batches=1,2,4,8] [steps=32] [model=PATH]
-//! [cols=N] [replay=0|1] [q8=0|1] [batching=always|measured]`, e.g. `qwen3-30b-a3b Q4_0 budget=8192 miss=pcie`; `cols=0` multiplies
+//! [cols=N] [replay=0|1] [q8=0|1] [batching=always|measured] [moe=entry|grouped]`, e.g. `qwen3-30b-a3b Q4_0 budget=8192 miss=pcie`; `cols=0` multiplies
 //! a batched step in the tiled kernels instead of the several-column one
 //! (`GpuModelOptions::matvec_cols`); `replay=0` records every step anew
 //! (`GpuModelOptions::replay`); `q8=0` has the integer-dot products quantize their inputs in
 //! each workgroup (`GpuModelOptions::q8_inputs`); `batching=measured` runs each step batched or
 //! a sequence at a time, whichever the model has measured cheaper, as the daemon does
-//! (`GpuModelOptions::step_batching`; the default here is `always`). Each sequence first takes a prompt of 16 tokens;
+//! (`GpuModelOptions::step_batching`; the default here is `always`); `moe=grouped` runs a
+//! batched step's MoE layers laid out by expert as a prompt chunk's, not by entry
+//! (`GpuModelOptions::moe_by_entry`). Each sequence first takes a prompt of 16 tokens;
 //! then `steps` steps are timed, three times, and the median is printed. One sequence steps
 //! through the replayed decode step (`GpuModel::eval`); several through one chunk a step. Then
 //! one step of the most sequences is profiled (GPU time by op group, and the host's).
@@ -67,6 +69,7 @@ fn main() {
         replay: arg(&args, "replay") != Some("0"),
         q8_inputs: arg(&args, "q8") != Some("0"),
         step_batching: arg(&args, "batching").map_or(StepBatching::Always, |s| s.parse().unwrap()),
+        moe_by_entry: arg(&args, "moe") != Some("grouped"),
         ..GpuModelOptions::default()
     };
     let t0 = Instant::now();

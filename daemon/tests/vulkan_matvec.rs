@@ -12,6 +12,7 @@ use noise::noise;
 use half::f16;
 use spillway_daemon::gguf::GgmlType;
 use spillway_daemon::gpu::ops::{GpuMatrix, IdFused, MatVecShape};
+use spillway_daemon::gpu::ops_moe::IdTokens;
 use spillway_daemon::gpu::{Allocator, Buffer, Device, Kernels, MemoryUse, Uploader};
 use spillway_daemon::quant::{dequantize_row, quantize_row};
 
@@ -401,6 +402,130 @@ fn fused_expert_products_match_the_host_for_every_type_and_shape() {
                         want_y[r]
                     );
                 }
+            }
+        }
+    }
+}
+
+#[test]
+fn expert_products_of_several_tokens_in_one_dispatch_equal_each_token_alone() {
+    // A batched decode step's MoE layer by entry (`IdFused::tokens`): three tokens' entries
+    // (two each, one empty) in one gate/up/SwiGLU dispatch and one summed down dispatch, each
+    // token's ids and weights 2k words after the previous token's, against each token's
+    // entries run alone as a decode step runs them: the same bits.
+    let Some(dev) = spillway_daemon::gpu::device_or_skip() else {
+        return;
+    };
+    for gpu in Gpu::both(&dev) {
+        for ty in TYPES {
+            let (n_embd, ff, experts, k, n_out) = (256, 256, 4, 2, 64);
+            let mut stack_bytes = weight_rows(ty, n_embd, ff * experts, 31);
+            stack_bytes.extend_from_slice(&weight_rows(ty, n_embd, ff * experts, 32));
+            let stack = gpu.matrix(ty, n_embd, 2 * ff * experts, &stack_bytes);
+            let down = gpu.matrix(
+                ty,
+                ff,
+                n_out * experts,
+                &weight_rows(ty, ff, n_out * experts, 33),
+            );
+            let chosen = [
+                [(3usize, 0.7f32), (0, 0.3)],
+                [(usize::MAX, 0.0), (2, 1.0)],
+                [(1, 0.4), (3, 0.6)],
+            ];
+            let mut route = Vec::new();
+            for token in &chosen {
+                route.extend(token.iter().map(|c| f32::from_bits(c.0 as u32)));
+                route.extend(token.iter().map(|c| c.1));
+            }
+            let route = gpu.f32s(&route);
+            let xs = noise(chosen.len() * n_embd, 34);
+            let xb = gpu.f32s(&xs);
+            let n = chosen.len() as u32;
+            let (k32, ff32, e32) = (k as u32, ff as u32, n_embd as u32);
+            let glu = IdFused {
+                glu_up_rows: Some(ff * experts),
+                ..IdFused::default()
+            };
+            let summed = IdFused {
+                sum_weights_at: Some(k32),
+                ..IdFused::default()
+            };
+
+            let h = gpu.f32s(&vec![f32::NAN; chosen.len() * k * ff]);
+            let y = gpu.f32s(&vec![1.0; chosen.len() * n_out]);
+            let tokens = |x_stride, y_stride| IdTokens {
+                n,
+                ids_stride: 2 * k32,
+                x_stride,
+                y_stride,
+            };
+            gpu.kernels
+                .record(|r| {
+                    let each = IdFused {
+                        tokens: Some(tokens(e32, 0)),
+                        ..glu
+                    };
+                    r.matvec_id_fused(&stack, ff, (&route, 0), k32, (&xb, 0), (&h, ff32), each)?;
+                    let sum = IdFused {
+                        tokens: Some(tokens(0, n_out as u32)),
+                        ..summed
+                    };
+                    r.matvec_id_fused(&down, n_out, (&route, 0), k32, (&h, ff32), (&y, 0), sum)
+                })
+                .unwrap();
+            let (hs, ys) = (
+                h.read_f32(chosen.len() * k * ff),
+                y.read_f32(chosen.len() * n_out),
+            );
+
+            for t in 0..chosen.len() {
+                let x = gpu.f32s(&xs[t * n_embd..(t + 1) * n_embd]);
+                let h1 = gpu.f32s(&vec![f32::NAN; k * ff]);
+                let y1 = gpu.f32s(&vec![1.0; n_out]);
+                let rank = (t * 2 * k) as u32;
+                gpu.kernels
+                    .record(|r| {
+                        r.matvec_id_fused(
+                            &stack,
+                            ff,
+                            (&route, rank),
+                            k32,
+                            (&x, 0),
+                            (&h1, ff32),
+                            glu,
+                        )?;
+                        let sum = IdFused {
+                            sum_weights_at: Some(rank + k32),
+                            ..summed
+                        };
+                        r.matvec_id_fused(
+                            &down,
+                            n_out,
+                            (&route, rank),
+                            k32,
+                            (&h1, ff32),
+                            (&y1, 0),
+                            sum,
+                        )
+                    })
+                    .unwrap();
+                let what = format!("{ty} token {t}");
+                let alone = h1.read_f32(k * ff);
+                let together = &hs[t * k * ff..(t + 1) * k * ff];
+                assert!(
+                    alone
+                        .iter()
+                        .zip(together)
+                        .all(|(a, b)| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())),
+                    "{what}: gate and up"
+                );
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&y1.read_f32(n_out)),
+                    bits(&ys[t * n_out..(t + 1) * n_out]),
+                    "{what}: summed down products"
+                );
             }
         }
     }

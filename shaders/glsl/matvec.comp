@@ -26,11 +26,16 @@
 // come back to the host. Layer z reads x at `z * x_stride` and writes y at `y_offset + z *
 // y_stride`: the k experts of a token are one dispatch. An id of 0xFFFFFFFF is an empty entry:
 // nothing is computed or written for it. With GLU an expert's up rows lie `up_offset` bytes after
-// its gate rows (the up stack after the gate stack in one buffer). With ID_SUM there is one layer:
+// its gate rows (the up stack after the gate stack in one buffer). With ID_SUM there is one layer
+// (a token):
 // each workgroup runs its rows of all `n_ids` experts, taking the (expert, item) pairs in turn so
 // that short rows still give every invocation work, and writes Σ_z w_z (W_z · x_z), w_z being
 // the float at `ids[weights_at + z]` (a MoE layer's down products, summed with the routing's
-// weights, with ACCUMULATE straight into the residual).
+// weights, with ACCUMULATE straight into the residual). Several tokens' entries go in one
+// dispatch (a decode step of several sequences): entry z is entry `z % per_tok` of token
+// `z / per_tok`, whose ids (and weights) start `ids_tok` words after the previous token's and
+// whose inputs start `x_tok` after its; with ID_SUM workgroup layer z sums token z's `n_ids`
+// entries into `y_offset + z * y_tok`.
 //
 // With Q8_IN (and INT_DOT), binding 1 holds the inputs quantized by `quantize_q8.comp` rather
 // than floats: x offsets and strides are in its 16-byte units, and NORM reads Σ x² from the
@@ -99,6 +104,10 @@ layout(push_constant) uniform Params {
     uint up_offset;  // bytes from an expert's gate row to its up row (GLU)
     uint n_ids;      // experts summed (ID_SUM)
     uint weights_at; // index in `ids` of expert 0's weight (ID_SUM)
+    uint per_tok;    // entries of one token: entry z is entry z % per_tok of token z / per_tok
+    uint ids_tok;    // words of `ids` from one token's entries (and weights) to the next's
+    uint x_tok;      // from one token's first input to the next's (x_stride: entry to entry)
+    uint y_tok;      // ID_SUM: floats from one token's sum to the next's (layer z: token z)
 #endif
 #if defined(RUNS)
     uint runs_at;  // word of `runs` where the table starts
@@ -188,29 +197,35 @@ void main() {
             acc[j] = 0.0;
         }
         const uint expert_bytes = p.n_rows * rb;
+        const uint tok = gl_WorkGroupID.z;
+        const uint ids0 = tok * p.ids_tok;
+        const uint x_tok0 = tok * p.x_tok;
+        y0 += tok * p.y_tok;
         for (uint t = tid; t < n_items * p.n_ids; t += WG) {
             const uint z = t / n_items;
             const uint i = t - z * n_items;
-            const uint id = ids[p.rank + z];
+            const uint id = ids[p.rank + ids0 + z];
             if (id == 0xFFFFFFFFu) {
                 continue;
             }
-            const float wz = uintBitsToFloat(ids[p.weights_at + z]);
+            const float wz = uintBitsToFloat(ids[p.weights_at + ids0 + z]);
             const uint e0 = p.w_offset + id * expert_bytes;
-            Inputs xi = load_inputs(z * p.x_stride, i);
+            Inputs xi = load_inputs(x_tok0 + z * p.x_stride, i);
             [[unroll]] for (uint j = 0u; j < NROWS; ++j) {
                 acc[j] = fma(wz, dot_item(e0 + row[j], i, xi), acc[j]);
             }
         }
     } else {
         const uint z = gl_WorkGroupID.z;
-        const uint id = ids[p.rank + z];
+        const uint tok = z / p.per_tok;
+        const uint e = z - tok * p.per_tok;
+        const uint id = ids[p.rank + tok * p.ids_tok + e];
         // An entry the host left empty (its expert runs elsewhere): the whole workgroup leaves.
         if (id == 0xFFFFFFFFu) {
             return;
         }
         const uint w0 = p.w_offset + id * p.n_rows * rb;
-        const uint x0 = z * p.x_stride;
+        const uint x0 = tok * p.x_tok + e * p.x_stride;
         x_base = x0;
         y0 += z * p.y_stride;
 #elif defined(RUNS)

@@ -106,6 +106,17 @@ pub struct MatVecIdParams {
     pub n_ids: u32,
     /// Index in the ids buffer of expert 0's weight (the `ID_SUM` constant).
     pub weights_at: u32,
+    /// Entries of one token (the experts it chose): entry `z` is entry `z % per_tok` of token
+    /// `z / per_tok`. Without several tokens, the dispatch's count (one token).
+    pub per_tok: u32,
+    /// Words of the ids buffer from one token's entries (and weights) to the next's.
+    pub ids_tok: u32,
+    /// Input units (floats, or 16-byte units of quantized inputs) from one token's first
+    /// input to the next's; `x_stride` goes from one entry's to the next within a token.
+    pub x_tok: u32,
+    /// With `ID_SUM`, floats from one token's sum to the next's (workgroup layer `z` sums
+    /// token `z`'s entries).
+    pub y_tok: u32,
     /// RMSNorm's eps, with the `NORM` constant.
     pub eps: f32,
 }
@@ -518,6 +529,10 @@ push_constants!(MatVecIdParams {
     up_offset,
     n_ids,
     weights_at,
+    per_tok,
+    ids_tok,
+    x_tok,
+    y_tok,
     eps
 });
 push_constants!(MoeRouterParams {

@@ -111,6 +111,23 @@ pub struct IdFused<'b> {
     pub sum_weights_at: Option<u32>,
     /// Row of `w` where expert 0 starts (the up stack of a gate-then-up matrix read alone).
     pub first_row: usize,
+    /// The entries of several tokens in one dispatch (a decode step of several sequences).
+    pub tokens: Option<IdTokens>,
+}
+
+/// The entries of several tokens in one expert-indexed product ([`IdFused::tokens`]): `count`
+/// is the entries of one token, and token `t`'s ids (and weights) start `ids_stride` words
+/// after token `t - 1`'s. Without `sum_weights_at`, entry `j` of token `t` reads token `t`'s
+/// input, `x_stride` floats after token `t - 1`'s (the product's own `x_stride` must be 0),
+/// and writes `y` at `(t * count + j) * y_stride`. With it, entry `j` of token `t` reads
+/// `x` at `(t * count + j) * x_stride`, and token `t`'s sum goes to `y` at `t * y_stride`
+/// (the product's own `y_stride` unused).
+#[derive(Clone, Copy, Debug)]
+pub struct IdTokens {
+    pub n: u32,
+    pub ids_stride: u32,
+    pub x_stride: u32,
+    pub y_stride: u32,
 }
 
 impl Recorder<'_> {
@@ -179,20 +196,46 @@ impl Recorder<'_> {
         if fused.norm.is_some() && x_stride != 0 {
             return refuse("RMSNorm of expert inputs that differ".into());
         }
-        // One vector for every expert, or each expert's own.
-        let n_vec = if x_stride == 0 { 1 } else { count as usize };
+        let summed = fused.sum_weights_at.is_some();
+        if let Some(t) = fused.tokens {
+            if t.n == 0 || fused.norm.is_some() || (!summed && x_stride != 0) {
+                return refuse(format!(
+                    "{} tokens' entries with {} and entry inputs {x_stride} floats apart",
+                    t.n,
+                    if fused.norm.is_some() {
+                        "RMSNorm"
+                    } else {
+                        "no norm"
+                    }
+                ));
+            }
+        }
+        // One vector for every expert, or each expert's own; with several tokens, each token's
+        // (the entries of a token share it) or each of their entries' (summed).
+        let (n_vec, vec_stride) = match fused.tokens {
+            Some(t) if summed => ((t.n * count) as usize, x_stride as usize),
+            Some(t) => (t.n as usize, t.x_stride as usize),
+            None if x_stride == 0 => (1, 0),
+            None => (count as usize, x_stride as usize),
+        };
         let norm = fused.norm.map(|(b, _)| b);
         let inputs = self.product_inputs(
             (Op::MatVecId, w.wtype),
             x,
             0,
-            (w.n_in, n_vec, x_stride as usize),
+            (w.n_in, n_vec, vec_stride),
             norm,
         )?;
-        let (id, x_stride) = (inputs.id, inputs.x_stride);
+        // Strides in the units the variant reads (16-byte units of quantized inputs).
+        let id = inputs.id;
+        let (x_stride, x_tok) = match fused.tokens {
+            Some(_) if summed => (inputs.x_stride, inputs.x_stride * count),
+            Some(_) => (0, inputs.x_stride),
+            None => (inputs.x_stride, 0),
+        };
         let glu_rows = if fused.glu_up_rows.is_some() { 2 } else { 1 };
-        let summed = fused.sum_weights_at.is_some();
-        let results = if summed { rows } else { rows * count as usize };
+        let n_tok = fused.tokens.map_or(1, |t| t.n as usize);
+        let results = n_tok * if summed { rows } else { rows * count as usize };
         // A sum over experts walks the blocks of all of them.
         let walked = w.n_in * if summed { count as usize } else { 1 };
         let shape = self.matvec_shape_for(
@@ -224,6 +267,10 @@ impl Recorder<'_> {
                 .map_or(0, |up| (up as u64 * w.row_bytes) as u32),
             n_ids: count,
             weights_at: fused.sum_weights_at.unwrap_or(0),
+            per_tok: count.max(1),
+            ids_tok: fused.tokens.map_or(0, |t| t.ids_stride),
+            x_tok,
+            y_tok: fused.tokens.map_or(0, |t| t.y_stride),
             eps,
         };
         let bindings = [
@@ -234,7 +281,7 @@ impl Recorder<'_> {
             Binding::read(norm_w),
         ];
         let mut groups = grid((rows as u32).div_ceil(n_rows / glu_rows));
-        groups[2] = if summed { 1 } else { count };
+        groups[2] = n_tok as u32 * if summed { 1 } else { count };
         self.dispatch_spec(id, &spec, &bindings, &push, groups)
     }
 

@@ -501,6 +501,7 @@ impl GpuModel {
             batch: None,
             batch_refused: false,
             step_batching: options.step_batching,
+            moe_by_entry: options.moe_by_entry,
             step_costs: Default::default(),
             rope_in_attention: options.rope_in_attention,
             flash_attention: options.flash_attention,

@@ -275,6 +275,8 @@ pub struct GpuModel {
     batch_refused: bool,
     /// See [`GpuModelOptions::step_batching`].
     step_batching: StepBatching,
+    /// See [`GpuModelOptions::moe_by_entry`].
+    moe_by_entry: bool,
     /// What batched and single steps of several sequences cost here ([`step_costs`]).
     step_costs: step_costs::StepCosts,
     /// See [`GpuModelOptions::rope_in_attention`].

@@ -37,13 +37,14 @@ use super::{profile, GateUp, GpuFfn, GpuModel, HostTime};
 use crate::gpu::alloc::MemoryUse;
 use crate::gpu::buffer::Buffer;
 use crate::gpu::error::{GpuError, Result};
-use crate::gpu::moe::{ChunkRouting, ExpertRun};
+use crate::gpu::moe::{ChunkRouting, ExpertRun, GpuMoe};
 use crate::gpu::moe_groups::{group_runs, route_words_for, RunGroup};
 use crate::gpu::ops::{
     attention_counters, attention_scratch_floats, ChunkLayout, Fused, GpuMatrix, MoeRouteArgs,
     StepWord,
 };
 use crate::gpu::ops_attention::flash_attention_fits;
+use crate::gpu::ops_batch::MAX_MATVEC_COLS;
 use crate::gpu::record::{RecordStats, Recorder};
 
 /// Most tokens in one chunk (llama.cpp's default micro-batch).
@@ -765,6 +766,10 @@ impl GpuModel {
                     let m = b.moe.as_ref().expect("MoE scratch");
                     rec.rms_norm(&b.x, &l.ffn_norm, &m.xn.buffer, e, nt, eps)?;
                     if let Some(d) = m.device.as_ref().filter(|_| moe.groups_fit(rec)) {
+                        if self.moe_by_entry(n) {
+                            self.record_tokens_routed(rec, (m, d), moe, n, &b.x)?;
+                            continue;
+                        }
                         self.record_chunk_routed(rec, (m, d), moe, (il, n), &b.x)?;
                         on_device.push(il);
                         continue;
@@ -838,6 +843,47 @@ impl GpuModel {
         rec.moe_sort(&d.sel, (&m.route, &d.counts), sizes, (layout, slots))?;
         let bufs = (&m.xg, &m.eg, &m.eu, &m.ed);
         moe.record_chunk_sorted(rec, (&m.route, layout), (n, k), &m.xn, bufs, x)
+    }
+
+    /// Whether a chunk of `n` tokens routed on the device runs its MoE layers' experts by
+    /// entry, as decode steps run a token's ([`GpuMoe::record_tokens`]), rather than laid out
+    /// by expert: a few tokens ([`MAX_MATVEC_COLS`], a batched decode step), every expert
+    /// resident, no shared expert, and [`super::GpuModelOptions::moe_by_entry`].
+    fn moe_by_entry(&self, n: usize) -> bool {
+        let max_range = self.allocator.device().max_storage_buffer_range();
+        self.moe_by_entry
+            && n <= MAX_MATVEC_COLS as usize
+            && !self.placement.is_partial()
+            && self.layers.iter().all(|l| match &l.ffn {
+                GpuFfn::Moe(m) => m.shared_ff() == 0 && m.stacks_fit(max_range),
+                GpuFfn::Dense { .. } => true,
+            })
+    }
+
+    /// MoE layer `il`'s experts for a few tokens by entry ([`GpuModel::moe_by_entry`]), its
+    /// input normalised in `m.xn`: the router's product, each token's routing, then
+    /// [`GpuMoe::record_tokens`], added to `x`. The layer's counters are not kept for these
+    /// steps (nothing counts the experts by expert on the device).
+    fn record_tokens_routed(
+        &self,
+        rec: &mut Recorder<'_>,
+        (m, d): (&BatchMoe, &ChunkOnDevice),
+        moe: &GpuMoe,
+        n: usize,
+        x: &Buffer,
+    ) -> Result<()> {
+        let cfg = self.config.moe.expect("MoE layers have a MoE config");
+        let k = cfg.n_expert_used;
+        rec.matvec_batch(moe.router(), &m.xn.buffer, &d.logits, n)?;
+        let args = MoeRouteArgs {
+            n_expert: cfg.n_expert as u32,
+            k: k as u32,
+            norm_weights: cfg.norm_weights,
+            log_offset: 0,
+            slots: None,
+        };
+        rec.moe_route_chunk(&d.logits, &d.sel, n as u32, args)?;
+        moe.record_tokens(rec, &d.sel, (n, k), &m.xn.buffer, (&m.eg, &m.eu), x)
     }
 
     /// After a chunk: the experts its device-routed MoE layers ran (their counts), in the

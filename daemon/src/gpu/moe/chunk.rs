@@ -8,7 +8,8 @@ use crate::engine::routing::{route, shared_expert_gate, RoutedExpert};
 use crate::gpu::buffer::Buffer;
 use crate::gpu::error::Result;
 use crate::gpu::moe_groups::RunGroup;
-use crate::gpu::ops::{ChunkLayout, GpuMatrix, StepWord};
+use crate::gpu::ops::{ChunkLayout, GpuMatrix, IdFused, StepWord};
+use crate::gpu::ops_moe::IdTokens;
 use crate::gpu::record::Recorder;
 use crate::model::MoeConfig;
 
@@ -125,6 +126,71 @@ impl GpuMoe {
             rec.scatter_add(x, ed, route, run, n_embd as u32)?;
         }
         Ok(())
+    }
+
+    /// The k experts of each of `n` tokens by their entries, as a decode step runs one
+    /// token's ([`GpuMoe::record_routed`]), every expert resident (slot `e` holds expert `e`):
+    /// token `t`'s k ids and k weights at word `t * 2k` of `route` (`moe_route.comp` with
+    /// CHUNK), its input row `t` of `xn`. The gate, up and SwiGLU of all `n * k` entries in one
+    /// dispatch (two and a SwiGLU where the up stack is apart) into `eg` (and `eu`), then each
+    /// token's down products summed with its weights into its row of `x`, in one more. Unlike
+    /// the chunk's paths, nothing is laid out by expert and no dispatch covers experts no token
+    /// chose: for the few tokens of a decode step of several sequences.
+    pub(in crate::gpu) fn record_tokens(
+        &self,
+        rec: &mut Recorder<'_>,
+        route: &Buffer,
+        (n, k): (usize, usize),
+        xn: &Buffer,
+        (eg, eu): (&Buffer, &Buffer),
+        x: &Buffer,
+    ) -> Result<()> {
+        let (ff, n_embd) = (self.n_ff as u32, self.n_embd as u32);
+        let (n32, k32) = (n as u32, k as u32);
+        let ids = (route, 0);
+        let each_token = IdFused {
+            tokens: Some(IdTokens {
+                n: n32,
+                ids_stride: 2 * k32,
+                x_stride: n_embd,
+                y_stride: 0,
+            }),
+            ..IdFused::default()
+        };
+        let stacks = self.slot_stacks();
+        match stacks.up {
+            None => {
+                let glu = IdFused {
+                    glu_up_rows: Some(stacks.n * self.n_ff),
+                    ..each_token
+                };
+                rec.matvec_id_fused(stacks.gate, self.n_ff, ids, k32, (xn, 0), (eg, ff), glu)?;
+            }
+            Some(up) => {
+                rec.matvec_id_fused(
+                    stacks.gate,
+                    self.n_ff,
+                    ids,
+                    k32,
+                    (xn, 0),
+                    (eg, ff),
+                    each_token,
+                )?;
+                rec.matvec_id_fused(up, self.n_ff, ids, k32, (xn, 0), (eu, ff), each_token)?;
+                rec.swiglu(eg, eu, n32 * k32 * ff)?;
+            }
+        }
+        let summed = IdFused {
+            sum_weights_at: Some(k32),
+            tokens: Some(IdTokens {
+                n: n32,
+                ids_stride: 2 * k32,
+                x_stride: 0,
+                y_stride: n_embd,
+            }),
+            ..IdFused::default()
+        };
+        rec.matvec_id_fused(stacks.down, self.n_embd, ids, k32, (eg, ff), (x, 0), summed)
     }
 
     /// Whether [`GpuMoe::record_chunk_groups`] can run this layer: each stack in one binding.
