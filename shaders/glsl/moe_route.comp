@@ -33,7 +33,9 @@
 // With CHUNK, every token of a prompt chunk at once, one workgroup each (grid x): token t's
 // logits are `logits[t * n_expert..]`, its k ids and k weights go to `route[t * 2k..]`, and
 // nothing goes to the log (`moe_sort.comp` then lays the chunk's entries out by expert). No
-// shared expert and no slot map with it.
+// shared expert with it. With a slot map as well (a batched decode step's experts by entry),
+// `host_at` is 2k and counts from the token's block, which is 3k words: its slots, its weights,
+// then the experts without a slot.
 
 #define WG 256u
 layout(local_size_x = 256) in;
@@ -113,7 +115,7 @@ void main() {
 #endif
 #if defined(CHUNK)
     const uint lbase = gl_WorkGroupID.x * p.n_expert;
-    const uint rbase = gl_WorkGroupID.x * 2u * p.k;
+    const uint rbase = gl_WorkGroupID.x * (p.host_at != 0u ? p.host_at + p.k : 2u * p.k);
 #else
     const uint lbase = 0u, rbase = 0u;
 #endif
@@ -140,7 +142,8 @@ void main() {
             uint id = i;
             if (p.host_at != 0u) {
                 const uint slot = slot_of[p.map_offset + i];
-                route[p.host_at + rank] = uintBitsToFloat(slot == 0xFFFFFFFFu ? i : 0xFFFFFFFFu);
+                route[rbase + p.host_at + rank] =
+                    uintBitsToFloat(slot == 0xFFFFFFFFu ? i : 0xFFFFFFFFu);
                 id = slot;
             }
             route[rbase + rank] = uintBitsToFloat(id);

@@ -410,7 +410,9 @@ impl Recorder<'_> {
 impl Recorder<'_> {
     /// [`Recorder::moe_route`] of each of `n_tok` tokens (`logits`: `n_expert` a token, in
     /// order): token t's `k` ids and `k` weights to floats `t * 2k..` of `sel`. No shared
-    /// expert, no slot map and no log.
+    /// expert and no log. With `args.slots`, token t's block is `3k` floats from `t * 3k`: the
+    /// slots of its experts (`u32::MAX` for those without one), its weights, then the experts
+    /// without a slot (`u32::MAX` for those with one).
     pub fn moe_route_chunk(
         &mut self,
         logits: &Buffer,
@@ -420,10 +422,10 @@ impl Recorder<'_> {
     ) -> Result<()> {
         check_top_k(args)?;
         let (n, k) = (args.n_expert as u64, args.k as u64);
-        if args.slots.is_some()
-            || logits.size() < u64::from(n_tok) * n * 4
-            || sel.size() < u64::from(n_tok) * 2 * k * 4
-        {
+        // Each token's block: k ids and k weights, then with a slot map the k experts without
+        // a slot (the ids being slots then).
+        let block = if args.slots.is_some() { 3 * k } else { 2 * k };
+        if logits.size() < u64::from(n_tok) * n * 4 || sel.size() < u64::from(n_tok) * block * 4 {
             return Err(GpuError::Unsupported(format!(
                 "routing {n_tok} tokens to {k} of {n} experts in buffers of {} and {} bytes",
                 logits.size(),
@@ -437,15 +439,17 @@ impl Recorder<'_> {
             n_expert: args.n_expert,
             k: args.k,
             norm: u32::from(args.norm_weights),
+            host_at: if args.slots.is_some() { 2 * args.k } else { 0 },
+            map_offset: args.slots.map_or(0, |(_, at)| at),
             ..MoeRouteParams::default()
         };
-        // Bindings 1, 3 and 4 (shared logit, log, slot map) are unused with CHUNK.
+        // Bindings 1 and 3 (shared logit, log) are unused with CHUNK, 4 without a slot map.
         let bindings = [
             Binding::read(logits),
             Binding::read(logits),
             Binding::write(sel),
             Binding::write(sel),
-            Binding::read(logits),
+            Binding::read(args.slots.map_or(logits, |(map, _)| map)),
         ];
         let id = self.variant(Op::MoeRouteChunk, None)?;
         self.dispatch(id, &bindings, &push, [n_tok, 1, 1])

@@ -163,6 +163,17 @@ pub(super) struct BatchMoe {
     device: Option<ChunkOnDevice>,
 }
 
+impl BatchMoe {
+    /// Whether the scratch holds `n` tokens' entries by entry ([`GpuMoe::record_tokens`]):
+    /// their gate and up rows, and those of the stacks in system RAM in the gathered rows'
+    /// and outputs' room.
+    fn holds_entries(&self, n: usize, c: &crate::model::Config) -> bool {
+        let Some(m) = &c.moe else { return false };
+        let entries = n * m.n_expert_used;
+        self.rows >= entries && self.rows * c.n_embd >= entries * m.n_ff_expert
+    }
+}
+
 /// A chunk's routing on the device: the router logits, each token's experts and weights
 /// (`moe_route.comp` with CHUNK), and each MoE layer's count per expert, which the host reads
 /// after the chunk for its counters (host-visible).
@@ -170,6 +181,9 @@ struct ChunkOnDevice {
     logits: Buffer,
     sel: Buffer,
     counts: Buffer,
+    /// With experts in system RAM, a few tokens' routing split between slots and those
+    /// ([`GpuModel::moe_by_entry`]): 3k floats a token.
+    split: Option<Buffer>,
 }
 
 /// A chunk's shared-expert scratch: each token's gate logit read back, and the expert's gate
@@ -275,6 +289,10 @@ impl Batch {
                                     (c.n_layer * cfg.n_expert * 4) as u64,
                                     MemoryUse::Staging,
                                 )?,
+                                split: match m.placement.is_partial() {
+                                    true => Some(f32s(MAX_MATVEC_COLS as usize * 3 * k)?),
+                                    false => None,
+                                },
                             }),
                             false => None,
                         },
@@ -766,8 +784,9 @@ impl GpuModel {
                     let m = b.moe.as_ref().expect("MoE scratch");
                     rec.rms_norm(&b.x, &l.ffn_norm, &m.xn.buffer, e, nt, eps)?;
                     if let Some(d) = m.device.as_ref().filter(|_| moe.groups_fit(rec)) {
-                        if self.moe_by_entry(n) {
-                            self.record_tokens_routed(rec, (m, d), moe, n, &b.x)?;
+                        if self.moe_by_entry(n) && m.holds_entries(n, c) {
+                            self.record_tokens_routed(rec, (m, d), moe, (il, n), &b.x)?;
+                            on_device.push(il);
                             continue;
                         }
                         self.record_chunk_routed(rec, (m, d), moe, (il, n), &b.x)?;
@@ -847,43 +866,73 @@ impl GpuModel {
 
     /// Whether a chunk of `n` tokens routed on the device runs its MoE layers' experts by
     /// entry, as decode steps run a token's ([`GpuMoe::record_tokens`]), rather than laid out
-    /// by expert: a few tokens ([`MAX_MATVEC_COLS`], a batched decode step), every expert
-    /// resident, no shared expert, and [`super::GpuModelOptions::moe_by_entry`].
+    /// by expert: a few tokens ([`MAX_MATVEC_COLS`], a batched decode step), every MoE layer
+    /// routable as a decode step routes it (every expert resident, or in system RAM for the
+    /// GPU, each stack in one binding), no shared expert, and
+    /// [`super::GpuModelOptions::moe_by_entry`].
     fn moe_by_entry(&self, n: usize) -> bool {
         let max_range = self.allocator.device().max_storage_buffer_range();
+        let Some(cfg) = &self.config.moe else {
+            return false;
+        };
         self.moe_by_entry
             && n <= MAX_MATVEC_COLS as usize
-            && !self.placement.is_partial()
             && self.layers.iter().all(|l| match &l.ffn {
-                GpuFfn::Moe(m) => m.shared_ff() == 0 && m.stacks_fit(max_range),
+                GpuFfn::Moe(m) => m.shared_ff() == 0 && m.routes_on_device(cfg, max_range),
                 GpuFfn::Dense { .. } => true,
             })
     }
 
     /// MoE layer `il`'s experts for a few tokens by entry ([`GpuModel::moe_by_entry`]), its
-    /// input normalised in `m.xn`: the router's product, each token's routing, then
-    /// [`GpuMoe::record_tokens`], added to `x`. The layer's counters are not kept for these
-    /// steps (nothing counts the experts by expert on the device).
+    /// input normalised in `m.xn`: the router's product and each token's routing; the entries
+    /// laid out by expert as the chunk's path does, only for the layer's counts (nothing waits
+    /// for it); with experts in system RAM the routing again, split between slots and those,
+    /// into `d.split`; then [`GpuMoe::record_tokens`], added to `x`.
     fn record_tokens_routed(
         &self,
         rec: &mut Recorder<'_>,
         (m, d): (&BatchMoe, &ChunkOnDevice),
         moe: &GpuMoe,
-        n: usize,
+        (il, n): (usize, usize),
         x: &Buffer,
     ) -> Result<()> {
         let cfg = self.config.moe.expect("MoE layers have a MoE config");
-        let k = cfg.n_expert_used;
+        let (k, n_expert) = (cfg.n_expert_used, cfg.n_expert);
         rec.matvec_batch(moe.router(), &m.xn.buffer, &d.logits, n)?;
         let args = MoeRouteArgs {
-            n_expert: cfg.n_expert as u32,
+            n_expert: n_expert as u32,
             k: k as u32,
             norm_weights: cfg.norm_weights,
             log_offset: 0,
             slots: None,
         };
         rec.moe_route_chunk(&d.logits, &d.sel, n as u32, args)?;
-        moe.record_tokens(rec, &d.sel, (n, k), &m.xn.buffer, (&m.eg, &m.eu), x)
+        let host = moe.has_host_experts();
+        let slots = match host {
+            true => {
+                let map = self
+                    .moe_scratch()
+                    .slot_map()
+                    .expect("a slot map with host experts");
+                Some((map, (il * n_expert) as u32))
+            }
+            false => None,
+        };
+        let layout = ChunkLayout::new(n, k, n_expert, il * n_expert, host);
+        let sizes = (n as u32, k as u32, n_expert as u32);
+        rec.moe_sort(&d.sel, (&m.route, &d.counts), sizes, (layout, slots))?;
+        let route = match (slots, &d.split) {
+            (Some(_), Some(split)) => {
+                rec.moe_route_chunk(&d.logits, split, n as u32, MoeRouteArgs { slots, ..args })?;
+                (split, 3 * k)
+            }
+            (Some(_), None) => unreachable!("a split routing buffer where experts are in RAM"),
+            (None, _) => (&d.sel, 2 * k),
+        };
+        // The chunk's gathered rows and outputs are not used by entry: the scratch of the
+        // stacks in system RAM (n * k rows of the expert width, within theirs).
+        let scratch = (&m.eg, &m.eu, &m.xg, &m.ed);
+        moe.record_tokens(rec, route, (n, k), &m.xn.buffer, scratch, x)
     }
 
     /// After a chunk: the experts its device-routed MoE layers ran (their counts), in the

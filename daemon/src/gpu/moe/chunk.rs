@@ -129,68 +129,70 @@ impl GpuMoe {
     }
 
     /// The k experts of each of `n` tokens by their entries, as a decode step runs one
-    /// token's ([`GpuMoe::record_routed`]), every expert resident (slot `e` holds expert `e`):
-    /// token `t`'s k ids and k weights at word `t * 2k` of `route` (`moe_route.comp` with
-    /// CHUNK), its input row `t` of `xn`. The gate, up and SwiGLU of all `n * k` entries in one
-    /// dispatch (two and a SwiGLU where the up stack is apart) into `eg` (and `eu`), then each
-    /// token's down products summed with its weights into its row of `x`, in one more. Unlike
-    /// the chunk's paths, nothing is laid out by expert and no dispatch covers experts no token
-    /// chose: for the few tokens of a decode step of several sequences.
+    /// token's ([`GpuMoe::record_routed`]): token `t`'s block of `route` starts at word
+    /// `t * block` and holds its k slots (every expert resident: the experts themselves) and k
+    /// weights, then, with experts in system RAM, the k experts without a slot
+    /// (`moe_route.comp` with CHUNK); its input is row `t` of `xn`. The gate, up and SwiGLU of
+    /// all `n * k` entries in one dispatch per stack (two and a SwiGLU where the up stack is
+    /// apart) into `eg` (and `eu`; `hg` and `hu` for the stacks in system RAM), then each
+    /// token's down products summed with its weights into its row of `x`. Unlike the chunk's
+    /// paths nothing is laid out by expert and no dispatch covers experts no token chose: for
+    /// the few tokens of a decode step of several sequences.
+    #[allow(clippy::too_many_arguments)]
     pub(in crate::gpu) fn record_tokens(
         &self,
         rec: &mut Recorder<'_>,
-        route: &Buffer,
+        (route, block): (&Buffer, usize),
         (n, k): (usize, usize),
         xn: &Buffer,
-        (eg, eu): (&Buffer, &Buffer),
+        (eg, eu, hg, hu): (&Buffer, &Buffer, &Buffer, &Buffer),
         x: &Buffer,
     ) -> Result<()> {
         let (ff, n_embd) = (self.n_ff as u32, self.n_embd as u32);
         let (n32, k32) = (n as u32, k as u32);
-        let ids = (route, 0);
+        let tokens = |x_stride, y_stride| IdTokens {
+            n: n32,
+            ids_stride: block as u32,
+            x_stride,
+            y_stride,
+        };
         let each_token = IdFused {
-            tokens: Some(IdTokens {
-                n: n32,
-                ids_stride: 2 * k32,
-                x_stride: n_embd,
-                y_stride: 0,
-            }),
+            tokens: Some(tokens(n_embd, 0)),
             ..IdFused::default()
         };
-        let stacks = self.slot_stacks();
-        match stacks.up {
-            None => {
-                let glu = IdFused {
-                    glu_up_rows: Some(stacks.n * self.n_ff),
-                    ..each_token
-                };
-                rec.matvec_id_fused(stacks.gate, self.n_ff, ids, k32, (xn, 0), (eg, ff), glu)?;
-            }
-            Some(up) => {
-                rec.matvec_id_fused(
-                    stacks.gate,
-                    self.n_ff,
-                    ids,
-                    k32,
-                    (xn, 0),
-                    (eg, ff),
-                    each_token,
-                )?;
-                rec.matvec_id_fused(up, self.n_ff, ids, k32, (xn, 0), (eu, ff), each_token)?;
-                rec.swiglu(eg, eu, n32 * k32 * ff)?;
+        let mut halves = vec![(self.slot_stacks(), 0, (eg, eu))];
+        if let Some(stacks) = self.host_stacks() {
+            halves.push((stacks, 2 * k32, (hg, hu)));
+        }
+        for &(stacks, rank, (gate_out, up_out)) in &halves {
+            let ids = (route, rank);
+            match stacks.up {
+                None => {
+                    let glu = IdFused {
+                        glu_up_rows: Some(stacks.n * self.n_ff),
+                        ..each_token
+                    };
+                    let out = (gate_out, ff);
+                    rec.matvec_id_fused(stacks.gate, self.n_ff, ids, k32, (xn, 0), out, glu)?;
+                }
+                Some(up) => {
+                    let (g, u) = ((gate_out, ff), (up_out, ff));
+                    rec.matvec_id_fused(stacks.gate, self.n_ff, ids, k32, (xn, 0), g, each_token)?;
+                    rec.matvec_id_fused(up, self.n_ff, ids, k32, (xn, 0), u, each_token)?;
+                    rec.swiglu(gate_out, up_out, n32 * k32 * ff)?;
+                }
             }
         }
         let summed = IdFused {
             sum_weights_at: Some(k32),
-            tokens: Some(IdTokens {
-                n: n32,
-                ids_stride: 2 * k32,
-                x_stride: 0,
-                y_stride: n_embd,
-            }),
+            tokens: Some(tokens(0, n_embd)),
             ..IdFused::default()
         };
-        rec.matvec_id_fused(stacks.down, self.n_embd, ids, k32, (eg, ff), (x, 0), summed)
+        for &(stacks, rank, (gate_out, _)) in &halves {
+            let (ids, input) = ((route, rank), (gate_out, ff));
+            rec.matvec_id_fused(stacks.down, self.n_embd, ids, k32, input, (x, 0), summed)?;
+        }
+        Ok(())
     }
 
     /// Whether [`GpuMoe::record_chunk_groups`] can run this layer: each stack in one binding.
