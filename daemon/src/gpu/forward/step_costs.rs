@@ -6,17 +6,22 @@
 //! step pays for routing and sorting a chunk, for dispatches over every expert of a layer and,
 //! under a VRAM budget, for each sequence's misses: there it has cost more than the single
 //! steps it replaces (0.49× at 8 sequences, misses over PCIe). Rather than a rule per model
-//! shape, each way's wall time is measured as the steps run (an exponential moving average per
-//! number of sequences, and per sequence for single steps), and a step takes the way measured
-//! cheaper. The way not taken is tried again now and then, since costs move with the context
-//! length and with which experts are resident.
+//! shape, each way's wall time is measured as the steps run (per number of sequences, and per
+//! sequence for single steps), and a step takes the way measured cheaper. A measurement below
+//! the estimate replaces it and one above moves it a fifth of the way: a step slowed by
+//! something else on the machine (noise is only ever added time) does not decide for long. The
+//! way not taken is tried again after 4 steps, then 8, 16 ... up to every 128, since costs move
+//! with the context length and with which experts are resident.
 
-/// Weight of the newest measurement in the moving averages.
+/// Weight of a measurement above the estimate.
 const ALPHA: f64 = 0.2;
 
-/// Every this many steps of several sequences, one takes the way not preferred, to keep its
-/// cost current: at the 8B shape's figures about 1% of a step's time when batching wins.
+/// The most steps of several sequences between two that take the way not preferred, to keep
+/// its cost current: at the 8B shape's figures about 1% of a step's time when batching wins.
 pub const PROBE_EVERY: u64 = 128;
+
+/// Steps before the first such probe once both ways are measured; the gap doubles after each.
+const FIRST_PROBE: u64 = 4;
 
 /// How steps of several sequences run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -53,6 +58,10 @@ pub(super) struct StepCosts {
     batched_warm: Vec<bool>,
     /// Steps of several sequences decided.
     decided: u64,
+    /// The step (in `decided`) that takes the way not preferred next, and the gap after it;
+    /// 0 until both ways are measured.
+    next_probe: u64,
+    gap: u64,
 }
 
 impl StepCosts {
@@ -67,11 +76,16 @@ impl StepCosts {
             return self.batched_cost(n).is_none();
         };
         let batched_cheaper = b < n as f64 * s;
-        if self.decided.is_multiple_of(PROBE_EVERY) {
-            !batched_cheaper
-        } else {
-            batched_cheaper
+        if self.next_probe == 0 {
+            self.gap = FIRST_PROBE;
+            self.next_probe = self.decided + self.gap;
         }
+        if self.decided < self.next_probe {
+            return batched_cheaper;
+        }
+        self.gap = (2 * self.gap).min(PROBE_EVERY);
+        self.next_probe = self.decided + self.gap;
+        !batched_cheaper
     }
 
     /// A batched step of `n` sequences took `secs`.
@@ -99,8 +113,13 @@ impl StepCosts {
     }
 }
 
+/// The estimate after a measurement of `new` seconds: lower ones replace it, higher ones move
+/// it by [`ALPHA`] of the difference.
 fn average(old: Option<f64>, new: f64) -> f64 {
-    old.map_or(new, |o| o + ALPHA * (new - o))
+    match old {
+        Some(o) if new > o => o + ALPHA * (new - o),
+        _ => new,
+    }
 }
 
 #[cfg(test)]
@@ -138,23 +157,44 @@ mod tests {
             })
             .collect();
         assert_eq!(first, [true, true, false, false]);
+        // The first probe comes after 4 steps, then 8, 16 ... 128: 7 in the next 512 steps.
+        assert_eq!(run(&mut c, 8, 5, 0.0107, 0.0033), 4);
         let batched = run(&mut c, 8, 4 * PROBE_EVERY, 0.0107, 0.0033);
-        assert_eq!(batched, 4 * PROBE_EVERY - 4, "all but the probes");
+        assert_eq!(batched, 4 * PROBE_EVERY - 7, "all but the probes");
 
         // A MoE model under its budget: a batch of 8 in 66 ms against 4.1 ms a sequence.
         let mut c = StepCosts::default();
         let batched = run(&mut c, 8, 4 * PROBE_EVERY, 0.066, 0.0041);
-        assert!(batched <= 2 + 4, "measuring, then only probes: {batched}");
+        assert!(batched <= 2 + 9, "measuring, then only probes: {batched}");
+    }
+
+    #[test]
+    fn a_step_slowed_by_something_else_does_not_decide_for_long() {
+        let mut c = StepCosts::default();
+        // Batched steps that cost 8 ms, but the one measured first took 40 (the machine was
+        // busy): single steps (4 ms a sequence, 16 for 4) win until the first probe.
+        c.batch(4, StepBatching::Measured);
+        c.record_batched(4, 0.008);
+        c.batch(4, StepBatching::Measured);
+        c.record_batched(4, 0.040);
+        assert_eq!(run(&mut c, 4, 2, 0.008, 0.004), 0, "single steps measured");
+        assert_eq!(run(&mut c, 4, 5, 0.008, 0.004), 1, "the probe after four");
+        assert!(
+            run(&mut c, 4, 100, 0.008, 0.004) >= 96,
+            "batched from then on"
+        );
     }
 
     #[test]
     fn costs_that_change_change_the_choice_within_a_few_probes() {
         let mut c = StepCosts::default();
         run(&mut c, 4, PROBE_EVERY, 0.020, 0.004);
-        assert!(!c.batch(4, StepBatching::Measured) || c.decided.is_multiple_of(PROBE_EVERY));
-        // Batched steps become cheap (the hot experts came into VRAM): the probes see it.
-        run(&mut c, 4, 20 * PROBE_EVERY, 0.008, 0.004);
+        // Batched steps become cheap (the hot experts came into VRAM): the next probe sees it.
+        run(&mut c, 4, 2 * PROBE_EVERY, 0.008, 0.004);
         assert!(run(&mut c, 4, PROBE_EVERY, 0.008, 0.004) >= PROBE_EVERY - 1);
+        // And dear again: measured at every step, the estimate follows within a few.
+        run(&mut c, 4, 20, 0.030, 0.004);
+        assert!(run(&mut c, 4, 64, 0.030, 0.004) <= 1);
     }
 
     #[test]
