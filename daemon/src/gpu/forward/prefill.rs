@@ -823,18 +823,38 @@ impl GpuModel {
     }
 
     /// MoE layer `il`'s experts for the chunk's `n` tokens, routed on the device (its input
-    /// normalised in `m.xn`): the router's product, each token's routing, the entries laid out
-    /// by expert (each expert's slot from the slot map where some are read from system RAM),
-    /// then every expert's products in one dispatch a matrix and stack
-    /// ([`GpuMoe::record_chunk_sorted`]), added to `x`.
+    /// normalised in `m.xn`, [`GpuModel::route_on_device`]), then every expert's products in
+    /// one dispatch a matrix and stack ([`GpuMoe::record_chunk_sorted`]), added to `x`.
     fn record_chunk_routed(
         &self,
         rec: &mut Recorder<'_>,
         (m, d): (&BatchMoe, &ChunkOnDevice),
-        moe: &crate::gpu::moe::GpuMoe,
+        moe: &GpuMoe,
         (il, n): (usize, usize),
         x: &Buffer,
     ) -> Result<()> {
+        let k = self
+            .config
+            .moe
+            .expect("MoE layers have a MoE config")
+            .n_expert_used;
+        let (_, layout) = self.route_on_device(rec, (m, d), moe, (il, n))?;
+        let bufs = (&m.xg, &m.eg, &m.eu, &m.ed);
+        moe.record_chunk_sorted(rec, (&m.route, layout), (n, k), &m.xn, bufs, x)
+    }
+
+    /// MoE layer `il`'s routing of the chunk's `n` tokens on the device, its input normalised
+    /// in `m.xn`: the router's product, each token's routing into `d.sel`, and the entries laid
+    /// out by expert into `m.route` (each expert's slot from the slot map where some are read
+    /// from system RAM) with the layer's count per expert in `d.counts`. The routing's
+    /// arguments (with the slot map where there is one) and the layout.
+    fn route_on_device<'s>(
+        &'s self,
+        rec: &mut Recorder<'_>,
+        (m, d): (&BatchMoe, &ChunkOnDevice),
+        moe: &GpuMoe,
+        (il, n): (usize, usize),
+    ) -> Result<(MoeRouteArgs<'s>, ChunkLayout)> {
         let cfg = self.config.moe.expect("MoE layers have a MoE config");
         let (k, n_expert) = (cfg.n_expert_used, cfg.n_expert);
         rec.matvec_batch(moe.router(), &m.xn.buffer, &d.logits, n)?;
@@ -860,8 +880,7 @@ impl GpuModel {
         };
         let sizes = (n as u32, k as u32, n_expert as u32);
         rec.moe_sort(&d.sel, (&m.route, &d.counts), sizes, (layout, slots))?;
-        let bufs = (&m.xg, &m.eg, &m.eu, &m.ed);
-        moe.record_chunk_sorted(rec, (&m.route, layout), (n, k), &m.xn, bufs, x)
+        Ok((MoeRouteArgs { slots, ..args }, layout))
     }
 
     /// Whether a chunk of `n` tokens routed on the device runs its MoE layers' experts by
@@ -884,10 +903,10 @@ impl GpuModel {
     }
 
     /// MoE layer `il`'s experts for a few tokens by entry ([`GpuModel::moe_by_entry`]), its
-    /// input normalised in `m.xn`: the router's product and each token's routing; the entries
-    /// laid out by expert as the chunk's path does, only for the layer's counts (nothing waits
-    /// for it); with experts in system RAM the routing again, split between slots and those,
-    /// into `d.split`; then [`GpuMoe::record_tokens`], added to `x`.
+    /// input normalised in `m.xn`: the routing on the device as a chunk's
+    /// ([`GpuModel::route_on_device`]; its layout by expert only gives the layer's counts, and
+    /// nothing waits for it); with experts in system RAM the routing again, split between slots
+    /// and those, into `d.split`; then [`GpuMoe::record_tokens`], added to `x`.
     fn record_tokens_routed(
         &self,
         rec: &mut Recorder<'_>,
@@ -896,34 +915,15 @@ impl GpuModel {
         (il, n): (usize, usize),
         x: &Buffer,
     ) -> Result<()> {
-        let cfg = self.config.moe.expect("MoE layers have a MoE config");
-        let (k, n_expert) = (cfg.n_expert_used, cfg.n_expert);
-        rec.matvec_batch(moe.router(), &m.xn.buffer, &d.logits, n)?;
-        let args = MoeRouteArgs {
-            n_expert: n_expert as u32,
-            k: k as u32,
-            norm_weights: cfg.norm_weights,
-            log_offset: 0,
-            slots: None,
-        };
-        rec.moe_route_chunk(&d.logits, &d.sel, n as u32, args)?;
-        let host = moe.has_host_experts();
-        let slots = match host {
-            true => {
-                let map = self
-                    .moe_scratch()
-                    .slot_map()
-                    .expect("a slot map with host experts");
-                Some((map, (il * n_expert) as u32))
-            }
-            false => None,
-        };
-        let layout = ChunkLayout::new(n, k, n_expert, il * n_expert, host);
-        let sizes = (n as u32, k as u32, n_expert as u32);
-        rec.moe_sort(&d.sel, (&m.route, &d.counts), sizes, (layout, slots))?;
-        let route = match (slots, &d.split) {
+        let k = self
+            .config
+            .moe
+            .expect("MoE layers have a MoE config")
+            .n_expert_used;
+        let (args, _) = self.route_on_device(rec, (m, d), moe, (il, n))?;
+        let route = match (args.slots, &d.split) {
             (Some(_), Some(split)) => {
-                rec.moe_route_chunk(&d.logits, split, n as u32, MoeRouteArgs { slots, ..args })?;
+                rec.moe_route_chunk(&d.logits, split, n as u32, args)?;
                 (split, 3 * k)
             }
             (Some(_), None) => unreachable!("a split routing buffer where experts are in RAM"),
