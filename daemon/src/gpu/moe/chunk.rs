@@ -148,10 +148,10 @@ impl GpuMoe {
         (eg, eu, hg, hu): (&Buffer, &Buffer, &Buffer, &Buffer),
         x: &Buffer,
     ) -> Result<()> {
-        let (ff, n_embd) = (self.n_ff as u32, self.n_embd as u32);
-        let (n32, k32) = (n as u32, k as u32);
+        let n_embd = self.n_embd as u32;
+        let k32 = k as u32;
         let tokens = |x_stride, y_stride| IdTokens {
-            n: n32,
+            n: n as u32,
             ids_stride: block as u32,
             x_stride,
             y_stride,
@@ -160,39 +160,14 @@ impl GpuMoe {
             tokens: Some(tokens(n_embd, 0)),
             ..IdFused::default()
         };
-        let mut halves = vec![(self.slot_stacks(), 0, (eg, eu))];
-        if let Some(stacks) = self.host_stacks() {
-            halves.push((stacks, 2 * k32, (hg, hu)));
-        }
-        for &(stacks, rank, (gate_out, up_out)) in &halves {
-            let ids = (route, rank);
-            match stacks.up {
-                None => {
-                    let glu = IdFused {
-                        glu_up_rows: Some(stacks.n * self.n_ff),
-                        ..each_token
-                    };
-                    let out = (gate_out, ff);
-                    rec.matvec_id_fused(stacks.gate, self.n_ff, ids, k32, (xn, 0), out, glu)?;
-                }
-                Some(up) => {
-                    let (g, u) = ((gate_out, ff), (up_out, ff));
-                    rec.matvec_id_fused(stacks.gate, self.n_ff, ids, k32, (xn, 0), g, each_token)?;
-                    rec.matvec_id_fused(up, self.n_ff, ids, k32, (xn, 0), u, each_token)?;
-                    rec.swiglu(gate_out, up_out, n32 * k32 * ff)?;
-                }
-            }
-        }
         let summed = IdFused {
             sum_weights_at: Some(k32),
             tokens: Some(tokens(0, n_embd)),
             ..IdFused::default()
         };
-        for &(stacks, rank, (gate_out, _)) in &halves {
-            let (ids, input) = ((route, rank), (gate_out, ff));
-            rec.matvec_id_fused(stacks.down, self.n_embd, ids, k32, input, (x, 0), summed)?;
-        }
-        Ok(())
+        let outs = [(eg, eu), (hg, hu)];
+        let ids = (route, 2 * k32);
+        self.record_stacks(rec, ids, k32, xn, outs, (each_token, summed), x)
     }
 
     /// Whether [`GpuMoe::record_chunk_groups`] can run this layer: each stack in one binding.

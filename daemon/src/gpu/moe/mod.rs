@@ -514,32 +514,50 @@ impl GpuMoe {
         route: &Buffer,
         s: &MoeScratch,
     ) -> Result<()> {
-        let (k32, ff32) = (k as u32, self.n_ff as u32);
-        let mut halves = vec![(self.slot_stacks(), 0, (&s.gate_all, &s.up_all))];
-        if let Some(stacks) = self.host_stacks() {
-            let host_at = route_floats(k) as u32;
-            halves.push((stacks, host_at, (&s.gate_host, &s.up_host)));
-        }
-        for &(stacks, rank, (gate_out, up_out)) in &halves {
-            self.record_gate_up(
-                rec,
-                stacks,
-                (route, rank),
-                k32,
-                (x, norm),
-                (gate_out, up_out),
-            )?;
-        }
+        let k32 = k as u32;
+        let normed = IdFused {
+            norm: Some(norm),
+            ..IdFused::default()
+        };
         let summed = IdFused {
             sum_weights_at: Some(k32),
             ..IdFused::default()
         };
-        for &(stacks, rank, (gate_out, _)) in &halves {
-            let ids = (route, rank);
-            let input = (gate_out, ff32);
-            rec.matvec_id_fused(stacks.down, self.n_embd, ids, k32, input, (x, 0), summed)?;
-        }
+        let outs = [(&s.gate_all, &s.up_all), (&s.gate_host, &s.up_host)];
+        let ids = (route, route_floats(k) as u32);
+        self.record_stacks(rec, ids, k32, x, outs, (normed, summed), x)?;
         self.add_shared(rec, k32, x, route, s)
+    }
+
+    /// The `k` entries of the slot stacks whose ids `route` lists from word 0 and, with
+    /// experts in system RAM, of those stacks from word `host_rank`: their gate, up and SwiGLU
+    /// from `x` with `each` (RMSNorm fused, or several tokens' entries) into `outs[0]` for the
+    /// slots and `outs[1]` for system RAM (gate, then up where the up stack is apart), then
+    /// their down products summed with `summed` into `y`, the slots' first.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn record_stacks(
+        &self,
+        rec: &mut Recorder<'_>,
+        (route, host_rank): (&Buffer, u32),
+        k32: u32,
+        x: &Buffer,
+        outs: [(&Buffer, &Buffer); 2],
+        (each, summed): (IdFused<'_>, IdFused<'_>),
+        y: &Buffer,
+    ) -> Result<()> {
+        let mut halves = vec![(self.slot_stacks(), 0, outs[0])];
+        if let Some(stacks) = self.host_stacks() {
+            halves.push((stacks, host_rank, outs[1]));
+        }
+        for &(stacks, rank, out) in &halves {
+            self.record_gate_up(rec, stacks, (route, rank), k32, x, out, each)?;
+        }
+        let ff32 = self.n_ff as u32;
+        for &(stacks, rank, (gate_out, _)) in &halves {
+            let (ids, input) = ((route, rank), (gate_out, ff32));
+            rec.matvec_id_fused(stacks.down, self.n_embd, ids, k32, input, (y, 0), summed)?;
+        }
+        Ok(())
     }
 
     /// Experts in a gate stack (with the up stack after it where `with_up`).
@@ -547,9 +565,9 @@ impl GpuMoe {
         gate.n_out / self.n_ff / if with_up { 2 } else { 1 }
     }
 
-    /// The gate, up and SwiGLU of the k experts of `stacks` whose ids `ids` lists from the
-    /// residual `x` RMSNorm'd with `norm`, into `gate_out` (`up_out` holding the up products
-    /// where the up stack is apart).
+    /// The gate, up and SwiGLU of the k experts (of each token, with `each.tokens`) of `stacks`
+    /// whose ids `ids` lists, from `x` with what `each` fuses, into `gate_out` (`up_out` holding
+    /// the up products where the up stack is apart).
     #[allow(clippy::too_many_arguments)]
     fn record_gate_up(
         &self,
@@ -557,26 +575,24 @@ impl GpuMoe {
         stacks: Stacks<'_>,
         ids: (&Buffer, u32),
         k32: u32,
-        (x, norm): (&Buffer, (&Buffer, f32)),
+        x: &Buffer,
         (gate_out, up_out): (&Buffer, &Buffer),
+        each: IdFused<'_>,
     ) -> Result<()> {
         let (ff, ff32) = (self.n_ff, self.n_ff as u32);
-        let normed = IdFused {
-            norm: Some(norm),
-            ..IdFused::default()
-        };
         match stacks.up {
             None => {
                 let glu = IdFused {
                     glu_up_rows: Some(stacks.n * ff),
-                    ..normed
+                    ..each
                 };
                 rec.matvec_id_fused(stacks.gate, ff, ids, k32, (x, 0), (gate_out, ff32), glu)
             }
             Some(up) => {
-                rec.matvec_id_fused(stacks.gate, ff, ids, k32, (x, 0), (gate_out, ff32), normed)?;
-                rec.matvec_id_fused(up, ff, ids, k32, (x, 0), (up_out, ff32), normed)?;
-                rec.swiglu(gate_out, up_out, k32 * ff32)
+                rec.matvec_id_fused(stacks.gate, ff, ids, k32, (x, 0), (gate_out, ff32), each)?;
+                rec.matvec_id_fused(up, ff, ids, k32, (x, 0), (up_out, ff32), each)?;
+                let n_tok = each.tokens.map_or(1, |t| t.n);
+                rec.swiglu(gate_out, up_out, n_tok * k32 * ff32)
             }
         }
     }
