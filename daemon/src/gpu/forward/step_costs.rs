@@ -49,19 +49,47 @@ impl std::str::FromStr for StepBatching {
 #[derive(Debug, Default)]
 pub(super) struct StepCosts {
     /// One sequence's step of its own.
-    single: Option<f64>,
+    single: Estimate,
     /// A batched step, by its number of sequences.
-    batched: Vec<Option<f64>>,
-    /// Whether the first single step, and the first batched step of each size, was seen: it
-    /// records the step's commands (and compiles pipelines), so it is not counted.
-    single_warm: bool,
-    batched_warm: Vec<bool>,
+    batched: Vec<Estimate>,
     /// Steps of several sequences decided.
     decided: u64,
     /// The step (in `decided`) that takes the way not preferred next, and the gap after it;
     /// 0 until both ways are measured.
     next_probe: u64,
     gap: u64,
+}
+
+/// What one way is measured to cost.
+#[derive(Clone, Copy, Debug, Default)]
+enum Estimate {
+    /// Not run yet.
+    #[default]
+    Unseen,
+    /// Run once: that first step records the step's commands (and compiles pipelines), so it
+    /// is not counted.
+    Warm,
+    /// Seconds.
+    Measured(f64),
+}
+
+impl Estimate {
+    /// The estimate after a step of `secs`: lower ones replace it, higher ones move it by
+    /// [`ALPHA`] of the difference.
+    fn record(self, secs: f64) -> Estimate {
+        Estimate::Measured(match self {
+            Estimate::Unseen => return Estimate::Warm,
+            Estimate::Measured(o) if secs > o => o + ALPHA * (secs - o),
+            _ => secs,
+        })
+    }
+
+    fn secs(self) -> Option<f64> {
+        match self {
+            Estimate::Measured(s) => Some(s),
+            _ => None,
+        }
+    }
 }
 
 impl StepCosts {
@@ -71,7 +99,7 @@ impl StepCosts {
             return true;
         }
         self.decided += 1;
-        let (Some(b), Some(s)) = (self.batched_cost(n), self.single) else {
+        let (Some(b), Some(s)) = (self.batched_cost(n), self.single.secs()) else {
             // What is not measured yet is measured first, batched before single.
             return self.batched_cost(n).is_none();
         };
@@ -91,34 +119,20 @@ impl StepCosts {
     /// A batched step of `n` sequences took `secs`.
     pub(super) fn record_batched(&mut self, n: usize, secs: f64) {
         if self.batched.len() <= n {
-            self.batched.resize(n + 1, None);
-            self.batched_warm.resize(n + 1, false);
+            self.batched.resize(n + 1, Estimate::Unseen);
         }
-        if !std::mem::replace(&mut self.batched_warm[n], true) {
-            return;
-        }
-        self.batched[n] = Some(average(self.batched[n], secs));
+        self.batched[n] = self.batched[n].record(secs);
     }
 
     /// `n` sequences took single steps, one after another, in `secs` together.
     pub(super) fn record_single(&mut self, n: usize, secs: f64) {
-        if n == 0 || !std::mem::replace(&mut self.single_warm, true) {
-            return;
+        if n > 0 {
+            self.single = self.single.record(secs / n as f64);
         }
-        self.single = Some(average(self.single, secs / n as f64));
     }
 
     fn batched_cost(&self, n: usize) -> Option<f64> {
-        self.batched.get(n).copied().flatten()
-    }
-}
-
-/// The estimate after a measurement of `new` seconds: lower ones replace it, higher ones move
-/// it by [`ALPHA`] of the difference.
-fn average(old: Option<f64>, new: f64) -> f64 {
-    match old {
-        Some(o) if new > o => o + ALPHA * (new - o),
-        _ => new,
+        self.batched.get(n).and_then(|e| e.secs())
     }
 }
 
