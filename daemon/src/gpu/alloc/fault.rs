@@ -33,9 +33,7 @@ pub(super) fn block_fails() -> bool {
             COUNTDOWN.store(n, Ordering::SeqCst);
         }
     });
-    COUNTDOWN
-        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |c| c.checked_sub(1))
-        .is_ok_and(|before| before == 1)
+    fires(&COUNTDOWN)
 }
 
 /// Arms the failure of the `n`th next allocation of device memory (`n >= 1`), whichever
@@ -46,7 +44,12 @@ pub fn fail_allocation_after(n: u64) {
 
 /// Whether this allocation is the one to fail (counting it).
 pub(super) fn allocation_fails() -> bool {
-    ALLOCATIONS
+    fires(&ALLOCATIONS)
+}
+
+/// Counts one event down on `countdown`; whether it was the armed one.
+fn fires(countdown: &AtomicU64) -> bool {
+    countdown
         .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |c| c.checked_sub(1))
         .is_ok_and(|before| before == 1)
 }

@@ -772,6 +772,9 @@ impl GpuModel {
                 il + 1
             }
         };
+        // Whether the MoE layers run by entry: the same answer for every layer of the chunk.
+        let by_entry =
+            self.moe_by_entry(n) && b.moe.as_ref().is_some_and(|m| m.holds_entries(n, c));
         for (il, l) in self.layers.iter().enumerate().skip(start) {
             self.mark(rec, profile::attention(il));
             self.record_chunk_attention(rec, b, l, n)?;
@@ -784,7 +787,7 @@ impl GpuModel {
                     let m = b.moe.as_ref().expect("MoE scratch");
                     rec.rms_norm(&b.x, &l.ffn_norm, &m.xn.buffer, e, nt, eps)?;
                     if let Some(d) = m.device.as_ref().filter(|_| moe.groups_fit(rec)) {
-                        if self.moe_by_entry(n) && m.holds_entries(n, c) {
+                        if by_entry {
                             self.record_tokens_routed(rec, (m, d), moe, (il, n), &b.x)?;
                             on_device.push(il);
                             continue;
