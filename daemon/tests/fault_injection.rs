@@ -12,7 +12,7 @@ mod daemon;
 
 use std::path::Path;
 
-use daemon::{load_model, stream_tokens, test_model, Daemon};
+use daemon::{load_model, stream_tokens, stream_until_end, test_model, Daemon};
 use spillway_proto::v1 as pb;
 use tonic::Code;
 
@@ -186,12 +186,8 @@ async fn generate_or_status(
     client: &mut Client,
     req: pb::GenerateRequest,
 ) -> Result<Vec<u32>, tonic::Status> {
-    let mut stream = client.generate(req).await?.into_inner();
-    let mut tokens = Vec::new();
-    while let Some(m) = stream.message().await? {
-        tokens.push(m.token);
-    }
-    Ok(tokens)
+    let (tokens, end) = stream_until_end(client, tonic::Request::new(req)).await;
+    end.map(|()| tokens)
 }
 
 /// Device loss injected at a token's submission and at its wait

@@ -13,7 +13,7 @@ mod daemon;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use daemon::{load_model, Daemon};
+use daemon::{load_model, stream_until_end as generate, Daemon};
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
 use spillway_daemon::gpu::{Device, Instance};
 use spillway_daemon::model::Model;
@@ -75,25 +75,6 @@ fn request(model: &str, max_tokens: u32) -> pb::GenerateRequest {
         max_tokens,
         ignore_eos: true,
         ..Default::default()
-    }
-}
-
-/// The tokens streamed, and how the stream ended.
-async fn generate(
-    client: &mut Client,
-    req: tonic::Request<pb::GenerateRequest>,
-) -> (Vec<u32>, Result<(), tonic::Status>) {
-    let mut tokens = Vec::new();
-    let mut stream = match client.generate(req).await {
-        Ok(s) => s.into_inner(),
-        Err(e) => return (tokens, Err(e)),
-    };
-    loop {
-        match stream.message().await {
-            Ok(Some(m)) => tokens.push(m.token),
-            Ok(None) => return (tokens, Ok(())),
-            Err(e) => return (tokens, Err(e)),
-        }
     }
 }
 

@@ -204,6 +204,26 @@ pub async fn load_model(
     panic!("the load stream ended before the model was ready");
 }
 
+/// Streams `req` until it ends: the tokens streamed, and how the stream ended (a failed call
+/// is an error with no tokens).
+pub async fn stream_until_end(
+    client: &mut SpillwayClient<Channel>,
+    req: tonic::Request<pb::GenerateRequest>,
+) -> (Vec<u32>, Result<(), tonic::Status>) {
+    let mut tokens = Vec::new();
+    let mut stream = match client.generate(req).await {
+        Ok(s) => s.into_inner(),
+        Err(e) => return (tokens, Err(e)),
+    };
+    loop {
+        match stream.message().await {
+            Ok(Some(m)) => tokens.push(m.token),
+            Ok(None) => return (tokens, Ok(())),
+            Err(e) => return (tokens, Err(e)),
+        }
+    }
+}
+
 /// Streams `req` to its end: every message's token, and the last one's finish reason.
 pub async fn stream_tokens(
     client: &mut SpillwayClient<Channel>,
