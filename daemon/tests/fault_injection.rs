@@ -6,6 +6,9 @@
 //! three more load, serve and unload cycles keep the resident set near the first one's.
 //! `SPILLWAY_FAULT_DEVICE_LOST` (`gpu::lost`): a device lost at a submission or a wait fails
 //! the request in flight with UNAVAILABLE, and the model is reloaded on a new device.
+//! `SPILLWAY_FAULT_DRIVER_OOM` (`gpu::driver_fault`): the driver refusing a descriptor pool or
+//! command buffers in the middle of a request fails that request with RESOURCE_EXHAUSTED, and
+//! the model serves the next hundred as an unhurt daemon does, holding the same memory.
 
 #[path = "common/daemon.rs"]
 mod daemon;
@@ -268,5 +271,71 @@ async fn a_lost_device_fails_the_request_in_flight_and_the_model_serves_again() 
             .into_inner();
         let gpu = status.models.iter().find(|m| m.name == "gpu").unwrap();
         assert!(gpu.vram_bytes > 0, "{point}: {gpu:?}");
+    }
+}
+
+/// The driver refusing the descriptor pool, then the command buffers, of a request's first
+/// decode step (`SPILLWAY_FAULT_DRIVER_OOM`, `gpu::driver_fault`), and a descriptor pool of
+/// its prompt: token 5 is the first one a request of four prompt tokens decodes, and a
+/// model's first decode step records the step it replays after. The request ends with
+/// RESOURCE_EXHAUSTED after the tokens it had (one, or none for the prompt); the next
+/// hundred give the tokens a daemon without the fault gives, and the daemon's Vulkan memory
+/// is then what that daemon's is after as many requests.
+#[tokio::test]
+async fn driver_objects_refused_mid_request_fail_it_and_the_next_hundred_serve() {
+    if spillway_daemon::gpu::device_or_skip().is_none() {
+        return;
+    }
+    let model = test_model().display().to_string();
+    let args = ["--model", &model, "--device", "cpu"];
+    let (reference, reference_memory) = {
+        let d = Daemon::spawn(&args, &[]);
+        d.wait_serving().await;
+        let mut client = d.client().await;
+        load(&mut client, "gpu").await.unwrap();
+        let tokens = greedy(&mut client, "gpu").await;
+        assert_eq!(tokens.len(), 4);
+        for _ in 0..100 {
+            assert_eq!(greedy(&mut client, "gpu").await, tokens);
+        }
+        (tokens, memory(&mut client).await.0)
+    };
+    // Token 2 is in the prompt, taken in one recorded chunk: no token comes before the refusal.
+    for (what, before) in [("pool:5", 1), ("commands:5", 1), ("pool:2", 0)] {
+        let fault = what;
+        let d = Daemon::spawn(&args, &[("SPILLWAY_FAULT_DRIVER_OOM", Path::new(fault))]);
+        d.wait_serving().await;
+        let mut client = d.client().await;
+        load(&mut client, "gpu").await.unwrap();
+        let (tokens, end) =
+            stream_until_end(&mut client, tonic::Request::new(greedy_request("gpu"))).await;
+        let refused = end.unwrap_err();
+        assert_eq!(
+            refused.code(),
+            Code::ResourceExhausted,
+            "{what}: {}",
+            refused.message()
+        );
+        assert!(
+            refused.message().contains("out of device memory"),
+            "{what}: {}",
+            refused.message()
+        );
+        assert_eq!(
+            tokens,
+            reference[..before],
+            "{what}: the tokens before the refusal"
+        );
+        for i in 0..100 {
+            let again = generate_or_status(&mut client, greedy_request("gpu")).await;
+            assert_eq!(again.unwrap(), reference, "{what}: request {i} after");
+        }
+        assert_eq!(
+            memory(&mut client).await.0,
+            reference_memory,
+            "{what}: Vulkan memory after a hundred requests"
+        );
+        let log = d.log_text();
+        assert!(log.contains("the driver refuses"), "{what}: {log}");
     }
 }

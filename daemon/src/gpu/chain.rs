@@ -110,12 +110,7 @@ impl Chain {
         let dev = &device.raw;
         let cmds = {
             let pool = device.pool.lock();
-            let alloc = vk::CommandBufferAllocateInfo::default()
-                .command_pool(*pool)
-                .level(vk::CommandBufferLevel::PRIMARY)
-                .command_buffer_count(n_parts as u32);
-            // SAFETY: the pool is externally synchronised by its mutex.
-            unsafe { dev.allocate_command_buffers(&alloc) }.map_err(map_vk)?
+            device.allocate_commands(&pool, n_parts as u32)?
         };
         let mut type_info = vk::SemaphoreTypeCreateInfo::default()
             .semaphore_type(vk::SemaphoreType::TIMELINE)

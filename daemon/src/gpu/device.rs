@@ -7,9 +7,11 @@ use ash::vk;
 use parking_lot::Mutex;
 
 use super::capabilities::{device_local_budget, Capabilities};
+use super::driver_fault::DriverObject;
 use super::error::{map_vk, GpuError, Result};
 use super::instance::{DeviceInfo, Instance};
 use super::lost::{LossPoint, LossState};
+use super::token_fault::Armed;
 
 pub struct Device {
     pub(crate) raw: ash::Device,
@@ -30,6 +32,8 @@ pub struct Device {
     info: DeviceInfo,
     /// Lost (really, or by injection): every later submission fails with `DeviceLost`.
     loss: LossState,
+    /// An injected refusal of a driver object, waiting for its next request (`super::driver_fault`).
+    refusal: Armed,
     physical: vk::PhysicalDevice,
     // Dropped after `Drop::drop` destroyed the device: the instance must outlive it.
     instance: Arc<Instance>,
@@ -136,6 +140,7 @@ impl Device {
             int_dot_fast,
             info,
             loss: LossState::default(),
+            refusal: Armed::default(),
             physical,
             instance,
         }))
@@ -193,13 +198,9 @@ impl Device {
         &self,
         record: impl FnOnce(vk::CommandBuffer) -> Result<T>,
     ) -> Result<T> {
+        // Held for this whole call.
         let pool = self.pool.lock();
-        let alloc = vk::CommandBufferAllocateInfo::default()
-            .command_pool(*pool)
-            .level(vk::CommandBufferLevel::PRIMARY)
-            .command_buffer_count(1);
-        // SAFETY: the pool is externally synchronised by its mutex, held for this whole call.
-        let cmd = unsafe { self.raw.allocate_command_buffers(&alloc) }.map_err(map_vk)?[0];
+        let cmd = self.allocate_commands(&pool, 1)?[0];
         let result = self.record_submit_wait(cmd, record, || ());
         // SAFETY: the fence wait (or a failure before submit) means `cmd` is not pending.
         unsafe { self.raw.free_command_buffers(*pool, &[cmd]) };
@@ -214,13 +215,9 @@ impl Device {
         record: impl FnOnce(vk::CommandBuffer) -> Result<T>,
         meanwhile: impl FnOnce() -> R,
     ) -> Result<(T, R)> {
+        // Held for this whole call.
         let pool = self.pool.lock();
-        let alloc = vk::CommandBufferAllocateInfo::default()
-            .command_pool(*pool)
-            .level(vk::CommandBufferLevel::PRIMARY)
-            .command_buffer_count(1);
-        // SAFETY: the pool is externally synchronised by its mutex, held for this whole call.
-        let cmd = unsafe { self.raw.allocate_command_buffers(&alloc) }.map_err(map_vk)?[0];
+        let cmd = self.allocate_commands(&pool, 1)?[0];
         let result = self.record_submit_wait(cmd, record, meanwhile);
         // SAFETY: the fence wait (or a failure before submit) means `cmd` is not pending.
         unsafe { self.raw.free_command_buffers(*pool, &[cmd]) };
@@ -309,6 +306,37 @@ impl Device {
         } else {
             Ok(())
         }
+    }
+
+    /// Injects the driver's refusal of the next `what` this device is asked for
+    /// (`super::driver_fault`).
+    pub(crate) fn arm_refusal(&self, what: DriverObject) {
+        self.refusal.arm(what as u8);
+    }
+
+    /// Out of device memory when an injected refusal of `what` takes effect now.
+    pub(super) fn check_refusal(&self, what: DriverObject) -> Result<()> {
+        if self.refusal.take(what as u8) {
+            tracing::warn!("fault injection: the driver refuses {what:?}");
+            return Err(map_vk(vk::Result::ERROR_OUT_OF_DEVICE_MEMORY));
+        }
+        Ok(())
+    }
+
+    /// `count` primary command buffers from the device's command pool, whose lock the caller
+    /// holds (`pool`, for as long as it records into them).
+    pub(super) fn allocate_commands(
+        &self,
+        pool: &parking_lot::MutexGuard<'_, vk::CommandPool>,
+        count: u32,
+    ) -> Result<Vec<vk::CommandBuffer>> {
+        self.check_refusal(DriverObject::CommandBuffers)?;
+        let alloc = vk::CommandBufferAllocateInfo::default()
+            .command_pool(**pool)
+            .level(vk::CommandBufferLevel::PRIMARY)
+            .command_buffer_count(count);
+        // SAFETY: the pool is externally synchronised by its mutex, which the caller holds.
+        unsafe { self.raw.allocate_command_buffers(&alloc) }.map_err(|e| self.map_result(e))
     }
 
     /// Maps a Vulkan result, remembering a loss the driver reported.

@@ -103,9 +103,12 @@ impl std::fmt::Display for MemoryKind {
 pub fn map_vk(r: vk::Result) -> GpuError {
     match r {
         vk::Result::ERROR_OUT_OF_HOST_MEMORY => GpuError::OutOfMemory(MemoryKind::Host),
-        vk::Result::ERROR_OUT_OF_DEVICE_MEMORY | vk::Result::ERROR_TOO_MANY_OBJECTS => {
-            GpuError::OutOfMemory(MemoryKind::Device)
-        }
+        // A pool or heap too fragmented for the request is out of memory too.
+        vk::Result::ERROR_OUT_OF_DEVICE_MEMORY
+        | vk::Result::ERROR_TOO_MANY_OBJECTS
+        | vk::Result::ERROR_FRAGMENTATION
+        | vk::Result::ERROR_FRAGMENTED_POOL
+        | vk::Result::ERROR_OUT_OF_POOL_MEMORY => GpuError::OutOfMemory(MemoryKind::Device),
         vk::Result::ERROR_DEVICE_LOST => GpuError::DeviceLost,
         vk::Result::ERROR_FEATURE_NOT_PRESENT
         | vk::Result::ERROR_EXTENSION_NOT_PRESENT

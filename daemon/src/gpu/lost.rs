@@ -10,8 +10,9 @@
 //! did complete, so nothing in flight is freed early). Once, like the allocation fault;
 //! [`lose_device_after`] arms it from inside a process.
 
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
-use std::sync::Once;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::token_fault::{Armed, TokenFault};
 
 /// Where an injected loss shows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,68 +21,27 @@ pub enum LossPoint {
     Wait = 2,
 }
 
-impl LossPoint {
-    fn from_u8(v: u8) -> Option<LossPoint> {
-        match v {
-            1 => Some(LossPoint::Submit),
-            2 => Some(LossPoint::Wait),
-            _ => None,
-        }
-    }
-}
-
-/// Token evaluations still to go before the injected loss; 0: none armed.
-static COUNTDOWN: AtomicU64 = AtomicU64::new(0);
-static POINT: AtomicU8 = AtomicU8::new(0);
-static FROM_ENV: Once = Once::new();
+static LOSS: TokenFault = TokenFault::new("SPILLWAY_FAULT_DEVICE_LOST", &["submit", "wait"]);
 
 /// Arms the loss of the device of the `n`th next evaluated token (`n >= 1`); 0 disarms it.
 pub fn lose_device_after(n: u64, point: LossPoint) {
-    FROM_ENV.call_once(|| {});
-    POINT.store(point as u8, Ordering::SeqCst);
-    COUNTDOWN.store(n, Ordering::SeqCst);
+    LOSS.arm(n, point as u8);
 }
 
 /// Counts one token evaluation; where its device is to be lost, if this is the one.
 pub(super) fn token_loses_device() -> Option<LossPoint> {
-    FROM_ENV.call_once(|| {
-        let Ok(v) = std::env::var("SPILLWAY_FAULT_DEVICE_LOST") else {
-            return;
-        };
-        let parsed = v.split_once(':').and_then(|(point, n)| {
-            let point = match point {
-                "submit" => LossPoint::Submit,
-                "wait" => LossPoint::Wait,
-                _ => return None,
-            };
-            Some((point, n.parse::<u64>().ok()?))
-        });
-        match parsed {
-            Some((point, n)) => {
-                tracing::warn!(
-                    "fault injection: the device of token {n} will be lost at {point:?}"
-                );
-                POINT.store(point as u8, Ordering::SeqCst);
-                COUNTDOWN.store(n, Ordering::SeqCst);
-            }
-            None => tracing::warn!(
-                "SPILLWAY_FAULT_DEVICE_LOST={v} is not submit:N or wait:N; nothing injected"
-            ),
-        }
-    });
-    let fires = COUNTDOWN
-        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |c| c.checked_sub(1))
-        .is_ok_and(|before| before == 1);
-    fires
-        .then(|| LossPoint::from_u8(POINT.load(Ordering::SeqCst)))
-        .flatten()
+    match LOSS.count()? {
+        1 => Some(LossPoint::Submit),
+        2 => Some(LossPoint::Wait),
+        _ => None,
+    }
 }
 
 /// A device's loss state: lost for good, or an injected loss waiting for its point.
 #[derive(Debug, Default)]
 pub(super) struct LossState {
-    lost: std::sync::atomic::AtomicBool,
-    armed: AtomicU8,
+    lost: AtomicBool,
+    armed: Armed,
 }
 
 impl LossState {
@@ -90,17 +50,13 @@ impl LossState {
     }
 
     pub fn arm(&self, point: LossPoint) {
-        self.armed.store(point as u8, Ordering::SeqCst);
+        self.armed.arm(point as u8);
     }
 
     /// At `point`: whether the device is (now) lost, an armed loss for this point taking
     /// effect.
     pub fn lost_at(&self, point: LossPoint) -> bool {
-        if self
-            .armed
-            .compare_exchange(point as u8, 0, Ordering::SeqCst, Ordering::SeqCst)
-            .is_ok()
-        {
+        if self.armed.take(point as u8) {
             tracing::warn!("fault injection: the device is lost at {point:?}");
             self.lost.store(true, Ordering::SeqCst);
         }

@@ -22,6 +22,7 @@ pub mod chain;
 pub mod cpu_experts;
 pub mod cpu_layers;
 mod device;
+pub mod driver_fault;
 mod error;
 pub mod expert_cache;
 pub mod footprint;
@@ -42,6 +43,7 @@ mod pipeline;
 pub mod placement;
 pub mod record;
 pub mod replay;
+mod token_fault;
 pub mod upload;
 
 pub use alloc::{Allocator, Budget, MemoryUse};

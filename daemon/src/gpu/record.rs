@@ -13,6 +13,7 @@ use spillway_shaders::{Feature, Op, PushConstants, ShaderId, WeightType};
 use super::buffer::Buffer;
 use super::chain::Chain;
 use super::device::Device;
+use super::driver_fault::DriverObject;
 use super::error::{map_vk, GpuError, Result};
 use super::matmul_tile::MatMulTile;
 use super::ops::MatVecShape;
@@ -607,6 +608,7 @@ impl DescriptorArena {
         let info = vk::DescriptorPoolCreateInfo::default()
             .max_sets(SETS_PER_POOL)
             .pool_sizes(&sizes);
+        self.device.check_refusal(DriverObject::DescriptorPool)?;
         // SAFETY: a valid create info; the pool is destroyed in `Drop`.
         let pool = unsafe { dev.create_descriptor_pool(&info, None) }.map_err(map_vk)?;
         self.pools.push(pool);

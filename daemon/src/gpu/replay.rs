@@ -46,12 +46,7 @@ impl Replay {
         // Recording into a command buffer needs its pool synchronised too: the lock is held
         // until the recording ends (the recording itself never takes it).
         let pool = device.pool.lock();
-        let alloc = vk::CommandBufferAllocateInfo::default()
-            .command_pool(*pool)
-            .level(vk::CommandBufferLevel::PRIMARY)
-            .command_buffer_count(1);
-        // SAFETY: the pool is externally synchronised by its mutex, held here.
-        let cmd = unsafe { dev.allocate_command_buffers(&alloc) }.map_err(map_vk)?[0];
+        let cmd = device.allocate_commands(&pool, 1)?[0];
         let free = || {
             // SAFETY: `cmd` was never submitted; the pool's lock is held.
             unsafe { dev.free_command_buffers(*pool, &[cmd]) };

@@ -198,7 +198,7 @@ impl GpuModel {
             return Ok(false);
         }
         // The device-loss injection counts tokens evaluated, a step's each.
-        self.count_for_loss(n);
+        self.count_for_faults(n);
         batch.write_step(words);
         self.write_slot_map();
         let (replay, on_device) = batch.replays[&n].as_ref().expect("one submission");

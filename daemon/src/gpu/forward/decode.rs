@@ -15,7 +15,7 @@ impl GpuModel {
     pub(super) fn eval_from(&mut self, token: u32, hidden: Option<&[f32]>) -> Result<Vec<f32>> {
         self.check_tokens(&[token])?;
         let started = Instant::now();
-        self.count_for_loss(1);
+        self.count_for_faults(1);
         let row = match (self.front.as_mut(), hidden) {
             (Some(_), Some(x)) => {
                 self.input_rows.buffer.write_f32(x);

@@ -440,12 +440,16 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Counts `n` tokens about to be evaluated for the device-loss injection
-    /// ([`super::lost`]), arming the loss where one of them is the chosen token.
-    fn count_for_loss(&self, n: usize) {
+    /// Counts `n` tokens about to be evaluated for the faults injected at a token
+    /// ([`super::lost`], [`super::driver_fault`]), arming one where one of them is its token.
+    fn count_for_faults(&self, n: usize) {
+        let device = self.allocator.device();
         for _ in 0..n {
             if let Some(point) = super::lost::token_loses_device() {
-                self.allocator.device().arm_loss(point);
+                device.arm_loss(point);
+            }
+            if let Some(what) = super::driver_fault::token_refuses() {
+                device.arm_refusal(what);
             }
         }
     }

@@ -561,7 +561,7 @@ impl GpuModel {
     ) -> Result<Vec<f32>> {
         let (n, n_vocab) = (tokens.len(), self.config.n_vocab);
         // The device-loss injection counts tokens evaluated, a chunk's each.
-        self.count_for_loss(n);
+        self.count_for_faults(n);
         let mut batch = self.batch.take().expect("made by eval_prompt");
         let ran = self.run_chunk(&mut batch, tokens, all_logits, seqs);
         let logits = ran.map(|()| match (&batch.logits, all_logits) {
