@@ -414,6 +414,115 @@ async fn a_request_beyond_the_queue_is_refused_at_once() {
     wait_idle(&mut client).await;
 }
 
+/// With no queue, a request is taken while a sequence is free for it, also while others run
+/// (before, only while none ran), and refused once every sequence runs one.
+#[tokio::test]
+async fn without_a_queue_a_request_runs_beside_others_while_a_sequence_is_free() {
+    let d = Daemon::with_test_model(&[
+        "--queue-depth",
+        "0",
+        "--max-batch",
+        "2",
+        "--ctx",
+        LONG_CONTEXT,
+    ])
+    .await;
+    let mut client = d.client().await;
+    let mut first = client
+        .generate(endless(&[1, 2]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(first.message().await.unwrap().is_some());
+    let mut second = client
+        .generate(endless(&[3, 4]))
+        .await
+        .expect("a free sequence takes it")
+        .into_inner();
+    assert!(second.message().await.unwrap().is_some());
+    let refused = client.generate(endless(&[5, 6])).await.unwrap_err();
+    assert_eq!(
+        refused.code(),
+        Code::ResourceExhausted,
+        "{}",
+        refused.message()
+    );
+    let status = client
+        .status(pb::StatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(status.models[0].queue_depth, 2);
+    drop((first, second));
+    wait_idle(&mut client).await;
+}
+
+#[tokio::test]
+async fn a_request_predicted_to_wait_past_the_limit_is_refused_and_others_are_queued() {
+    let d = Daemon::with_test_model(&[
+        "--queue-depth",
+        "4",
+        "--max-batch",
+        "1",
+        "--max-queue-wait-ms",
+        "1000",
+        "--ctx",
+        LONG_CONTEXT,
+    ])
+    .await;
+    let mut client = d.client().await;
+    // The one sequence runs a request of 30,000 tokens; once a few steps are measured, a
+    // request behind it would wait far longer than a second.
+    let mut running = client
+        .generate(endless(&[1, 2]))
+        .await
+        .unwrap()
+        .into_inner();
+    for _ in 0..4 {
+        assert!(running.message().await.unwrap().is_some());
+    }
+    let refused = client.generate(endless(&[3, 4])).await.unwrap_err();
+    assert_eq!(
+        refused.code(),
+        Code::ResourceExhausted,
+        "{}",
+        refused.message()
+    );
+    assert!(
+        refused.message().contains("--max-queue-wait"),
+        "{}",
+        refused.message()
+    );
+    let status = client
+        .status(pb::StatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        status.models[0].queue_depth, 1,
+        "the refused one never queued"
+    );
+    drop(running);
+    wait_idle(&mut client).await;
+
+    // Short requests predict short waits: three sent together all run, one after another.
+    let short = |first: u32| pb::GenerateRequest {
+        input: tokens(&[first, first + 1]),
+        max_tokens: 4,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let (mut a, mut b, mut c) = (client.clone(), client.clone(), client.clone());
+    let (ra, rb, rc) = tokio::join!(
+        collect(&mut a, short(1)),
+        collect(&mut b, short(3)),
+        collect(&mut c, short(5)),
+    );
+    for r in [ra, rb, rc] {
+        assert_eq!(r.unwrap().len(), 4);
+    }
+}
+
 #[tokio::test]
 async fn concurrent_requests_share_decode_steps_and_get_their_results_alone() {
     let d = Daemon::with_test_model(&["--max-batch", "3"]).await;

@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Args;
 use spillway_daemon::gpu::forward::StepBatching;
+use spillway_daemon::server::admission::QueueLimits;
 use spillway_daemon::server::auth::read_token_file;
 use spillway_daemon::server::default_model;
 use spillway_daemon::server::device::DeviceChoice;
@@ -49,6 +50,13 @@ pub struct ServeArgs {
     /// RESOURCE_EXHAUSTED. 0 admits only requests that start at the next step.
     #[arg(long, default_value_t = 8)]
     pub queue_depth: usize,
+    /// Queue a request only when it is predicted to wait at most this many milliseconds for a
+    /// free sequence (from the measured step and prompt times and the most tokens each running
+    /// and waiting request may generate); others are refused at once with RESOURCE_EXHAUSTED.
+    /// Keeps the admitted requests' time to first token near an idle daemon's under load.
+    /// Default: no limit but --queue-depth.
+    #[arg(long, value_name = "MS")]
+    pub max_queue_wait_ms: Option<f64>,
     /// Requests per model decoded together, sharing each decode step (each has its own KV
     /// cache of --ctx positions). On a Vulkan device, where a step can take them together
     /// (every layer on the GPU; experts not in VRAM read over the bus); otherwise one. There
@@ -128,6 +136,12 @@ impl ServeArgs {
         if self.ram_budget.is_some() && self.device == DeviceChoice::Cpu {
             bail!("--ram-budget applies to --device vulkan (the CPU engine reads the memory map)");
         }
+        if self
+            .max_queue_wait_ms
+            .is_some_and(|ms| !(ms.is_finite() && ms >= 0.0))
+        {
+            bail!("--max-queue-wait-ms must be a number of milliseconds, 0 or more");
+        }
         if !(self.grace_period.is_finite() && self.grace_period >= 0.0) {
             bail!("--grace-period must be a number of seconds, 0 or more");
         }
@@ -165,7 +179,12 @@ impl ServeArgs {
                     .threads
                     .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
                     .max(1),
-                queue_capacity: self.queue_depth,
+                queue: QueueLimits {
+                    depth: self.queue_depth,
+                    max_wait: self
+                        .max_queue_wait_ms
+                        .map(|ms| Duration::from_secs_f64(ms / 1e3)),
+                },
                 max_batch: self.max_batch as usize,
                 context: self.ctx,
                 device: self.device,

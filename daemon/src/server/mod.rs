@@ -16,6 +16,7 @@
 //! Shutdown (SIGTERM or SIGINT): health turns NOT_SERVING, new calls are refused, in-flight
 //! calls get the grace period to finish and are then cancelled, and [`serve`] returns.
 
+pub mod admission;
 pub mod auth;
 pub mod chat;
 pub mod deadline;
@@ -237,7 +238,7 @@ async fn load_startup_models(
             path,
             context: state.defaults.context,
             threads: state.defaults.threads,
-            queue_capacity: state.defaults.queue_capacity,
+            queue: state.defaults.queue,
             max_batch: state.defaults.max_batch,
             device: state.defaults.device,
             vram_budget: state.defaults.vram_budget,

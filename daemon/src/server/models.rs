@@ -8,6 +8,7 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 use tokio_util::sync::CancellationToken;
 
+use super::admission::QueueLimits;
 use super::chat::ChatTemplate;
 use super::device::{self, DeviceChoice, OpenError};
 use super::gpu::{GpuSequence, GpuStatus};
@@ -61,7 +62,8 @@ pub struct LoadOptions {
     pub path: PathBuf,
     pub context: usize,
     pub threads: usize,
-    pub queue_capacity: usize,
+    /// How many requests may wait, and how long ([`QueueLimits`]).
+    pub queue: QueueLimits,
     /// Requests decoded together (sequences of the engine; 1 on a Vulkan device).
     pub max_batch: usize,
     pub device: DeviceChoice,
@@ -318,7 +320,7 @@ pub fn load(
                 &options.name,
                 engine,
                 tokenizer.clone(),
-                options.queue_capacity,
+                options.queue,
                 shutdown,
             )?;
             (worker, context, kv_cache_bytes, None)
@@ -382,7 +384,7 @@ pub fn load(
                 &options.name,
                 sequence,
                 tokenizer.clone(),
-                options.queue_capacity,
+                options.queue,
                 shutdown,
             )?;
             (worker, context, kv_cache_bytes, Some(status))

@@ -15,6 +15,7 @@ use tonic::{Request, Response, Status};
 use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
 
+use super::admission::QueueLimits;
 use super::deadline::Deadlined;
 use super::device::{DeviceChoice, OpenError};
 use super::gpu::GpuStatus;
@@ -34,7 +35,9 @@ pub const SERVICE_NAME: &str = "spillway.v1.Spillway";
 #[derive(Debug, Clone)]
 pub struct ModelDefaults {
     pub threads: usize,
-    pub queue_capacity: usize,
+    /// How many requests may wait per model, and how long (`--queue-depth`,
+    /// `--max-queue-wait`).
+    pub queue: QueueLimits,
     /// Requests decoded together per model.
     pub max_batch: usize,
     /// KV cache positions; 0: the model's context, at most 4096.
@@ -318,7 +321,7 @@ impl SpillwayService {
                 n => n as usize,
             },
             threads: defaults.threads,
-            queue_capacity: defaults.queue_capacity,
+            queue: defaults.queue,
             max_batch: defaults.max_batch,
             device,
             vram_budget,

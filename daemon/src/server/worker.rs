@@ -17,6 +17,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
+use super::admission::{Demand, Forecast, QueueLimits, Refused};
 use super::gpu::GpuSequence;
 use super::profile::costs::Costs;
 use super::profile::{step_message, totals_message, ProfileJob};
@@ -172,8 +173,12 @@ pub struct Worker {
     /// Cancelled when the model is unloaded: running and waiting jobs end with ABORTED.
     unload: CancellationToken,
     stats: Arc<ModelStats>,
-    queue_capacity: usize,
+    limits: QueueLimits,
+    /// Predicts how long a new request would wait ([`super::admission`]).
+    forecast: Arc<Forecast>,
     max_batch: usize,
+    /// Positions a sequence holds (bounds the tokens a request may generate).
+    capacity: usize,
 }
 
 /// Whether a job whose caller is gone (`closed`), with `deadline`, must stop, given the
@@ -213,24 +218,28 @@ pub(crate) enum Interrupt {
 }
 
 impl Worker {
-    /// Starts the worker thread. `queue_capacity` requests may wait while the engine's sequences
-    /// are all busy; `shutdown`
-    /// is the daemon's token for cancelling in-flight work once the grace period is over.
+    /// Starts the worker thread. Up to `limits.depth` requests may wait while the engine's
+    /// sequences are all busy (and with `limits.max_wait`, only those predicted to start
+    /// within it); `shutdown` is the daemon's token for cancelling in-flight work once the
+    /// grace period is over.
     pub fn spawn(
         name: &str,
         engine: impl Sequences,
         tokenizer: Option<Arc<Tokenizer>>,
-        queue_capacity: usize,
+        limits: QueueLimits,
         shutdown: CancellationToken,
     ) -> std::io::Result<Worker> {
-        let (jobs, rx) = sync_channel(queue_capacity);
         let max_batch = engine.sequences();
+        let (jobs, rx) = sync_channel(limits.depth + max_batch);
+        let capacity = engine.capacity();
         let stats = Arc::new(ModelStats::default());
+        let forecast = Arc::new(Forecast::new(max_batch));
         let unload = CancellationToken::new();
         let ctx = WorkerContext {
             engine,
             tokenizer,
             stats: stats.clone(),
+            forecast: forecast.clone(),
             unload: unload.clone(),
             shutdown,
             lost: false,
@@ -247,25 +256,36 @@ impl Worker {
             thread: Mutex::new(Some(thread)),
             unload,
             stats,
-            queue_capacity,
+            limits,
+            forecast,
             max_batch,
+            capacity,
         })
     }
 
     /// Queues a job, or refuses it at once with RESOURCE_EXHAUSTED when the queue is full.
     #[allow(clippy::result_large_err)] // the error is the gRPC status the caller returns
     pub fn submit(&self, job: GenerateJob) -> Result<(), Status> {
-        self.enqueue(Job::Generate(job))
+        let room = self.capacity.saturating_sub(job.prompt.len()).max(1);
+        let demand = Demand {
+            prompt: job.prompt.len(),
+            tokens: job.options.max_tokens.clamp(1, room),
+        };
+        self.enqueue(Job::Generate(job), demand)
     }
 
     /// Queues a profile job as [`Worker::submit`] does a generation.
     #[allow(clippy::result_large_err)]
     pub fn submit_profile(&self, job: ProfileJob) -> Result<(), Status> {
-        self.enqueue(Job::Profile(job))
+        let demand = Demand {
+            prompt: job.prompt.len(),
+            tokens: job.steps,
+        };
+        self.enqueue(Job::Profile(job), demand)
     }
 
     #[allow(clippy::result_large_err)]
-    fn enqueue(&self, job: Job) -> Result<(), Status> {
+    fn enqueue(&self, job: Job, demand: Demand) -> Result<(), Status> {
         if self.unload.is_cancelled() {
             return Err(Status::unavailable("the model is being unloaded"));
         }
@@ -274,27 +294,43 @@ impl Worker {
                 "the model's GPU device was lost and the model is being reloaded; retry shortly",
             ));
         }
-        self.stats.in_queue.fetch_add(1, Ordering::SeqCst);
-        let sent = match self.jobs.lock().as_ref() {
-            Some(jobs) => jobs.try_send(job),
-            None => Err(TrySendError::Disconnected(job)),
-        };
-        match sent {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                self.stats.in_queue.fetch_sub(1, Ordering::SeqCst);
-                Err(match e {
-                    TrySendError::Full(_) => Status::resource_exhausted(format!(
-                        "the model's queue is full ({} waiting, {} running); retry later or \
-                         start the daemon with a larger --queue-depth",
-                        self.queue_capacity, self.max_batch
-                    )),
-                    TrySendError::Disconnected(_) => {
-                        Status::unavailable("the model's worker has stopped")
-                    }
-                })
+        // Accepted and not finished: running and waiting. The queue's channel holds the waiting
+        // ones only, so it is sized for them all, and this count bounds them: with depth 0, a
+        // request is taken only while a sequence is free for it.
+        let accepted = self.stats.in_queue.fetch_add(1, Ordering::SeqCst);
+        let jobs = self.jobs.lock();
+        let sent = self
+            .forecast
+            .enqueue(demand, self.limits, || match jobs.as_ref() {
+                _ if accepted >= self.max_batch + self.limits.depth => Err(TrySendError::Full(job)),
+                Some(jobs) => jobs.try_send(job),
+                None => Err(TrySendError::Disconnected(job)),
+            });
+        drop(jobs);
+        sent.map_err(|e| {
+            self.stats.in_queue.fetch_sub(1, Ordering::SeqCst);
+            match e {
+                Refused::TooLong {
+                    wait,
+                    limit,
+                    running,
+                    waiting,
+                } => Status::resource_exhausted(format!(
+                    "this request would wait about {} ms for a free sequence ({running} \
+                     running, {waiting} waiting), more than --max-queue-wait-ms {}; retry later",
+                    wait.as_millis(),
+                    limit.as_millis()
+                )),
+                Refused::Queue(TrySendError::Full(_)) => Status::resource_exhausted(format!(
+                    "the model's queue is full ({} waiting, {} running); retry later or \
+                     start the daemon with a larger --queue-depth",
+                    self.limits.depth, self.max_batch
+                )),
+                Refused::Queue(TrySendError::Disconnected(_)) => {
+                    Status::unavailable("the model's worker has stopped")
+                }
             }
-        }
+        })
     }
 
     pub fn stats(&self) -> &ModelStats {
@@ -302,7 +338,7 @@ impl Worker {
     }
 
     pub fn queue_capacity(&self) -> usize {
-        self.queue_capacity
+        self.limits.depth
     }
 
     /// Requests that run together.
@@ -333,6 +369,8 @@ struct WorkerContext<E> {
     engine: E,
     tokenizer: Option<Arc<Tokenizer>>,
     stats: Arc<ModelStats>,
+    /// Told what runs and how long steps take, for predicting waits.
+    forecast: Arc<Forecast>,
     unload: CancellationToken,
     shutdown: CancellationToken,
     /// The device was lost: the next turn of the loop recovers before admitting anyone.
@@ -388,6 +426,7 @@ impl<E: Sequences> WorkerContext<E> {
                 let job = match job {
                     Job::Generate(job) => job,
                     Job::Profile(job) => {
+                        self.forecast.start(None);
                         let result = self.profile(&job, seq);
                         self.stats.in_queue.fetch_sub(1, Ordering::SeqCst);
                         if let Err(Interrupt::Fail(status)) = result {
@@ -400,13 +439,15 @@ impl<E: Sequences> WorkerContext<E> {
                     }
                 };
                 let tx = job.tx.clone();
+                let most = job.options.max_tokens.min(self.engine.capacity());
+                self.forecast.start(Some((seq, most)));
                 match self.start(job, seq, tokenizer, eos) {
                     Ok(Some(a)) => {
                         free.pop();
                         active.push(a);
                     }
-                    Ok(None) => self.done(&tx, Ok(())),
-                    Err(i) => self.done(&tx, Err(i)),
+                    Ok(None) => self.done(seq, &tx, Ok(())),
+                    Err(i) => self.done(seq, &tx, Err(i)),
                 }
             }
             if active.is_empty() {
@@ -419,7 +460,7 @@ impl<E: Sequences> WorkerContext<E> {
                 if let Err(why) = self.interrupted(&active[i].job) {
                     let a = active.swap_remove(i);
                     free.push(a.seq);
-                    self.done(&a.job.tx, Err(why));
+                    self.done(a.seq, &a.job.tx, Err(why));
                 } else {
                     i += 1;
                 }
@@ -431,6 +472,8 @@ impl<E: Sequences> WorkerContext<E> {
                 .iter()
                 .map(|a| (a.seq, *a.decoder.tokens().last().expect("a sampled token")))
                 .collect();
+            let step_began = Instant::now();
+            self.forecast.stepping();
             let stepped = self
                 .engine
                 .step(&inputs)
@@ -446,7 +489,7 @@ impl<E: Sequences> WorkerContext<E> {
                 Err(status) => {
                     for a in active.drain(..) {
                         free.push(a.seq);
-                        self.done(&a.job.tx, Err(Interrupt::Fail(status.clone())));
+                        self.done(a.seq, &a.job.tx, Err(Interrupt::Fail(status.clone())));
                     }
                     continue;
                 }
@@ -466,10 +509,14 @@ impl<E: Sequences> WorkerContext<E> {
                     Err(why) => finished.push((i, Err(why))),
                 }
             }
+            self.forecast.stepped(
+                step_began.elapsed(),
+                active.iter().map(|a| (a.seq, self.tokens_left(a))),
+            );
             for (i, result) in finished.into_iter().rev() {
                 let a = active.swap_remove(i);
                 free.push(a.seq);
-                self.done(&a.job.tx, result);
+                self.done(a.seq, &a.job.tx, result);
             }
         }
     }
@@ -507,8 +554,24 @@ impl<E: Sequences> WorkerContext<E> {
         self.stats.set_recovering(false);
     }
 
-    /// A job has ended: count it out of the queue and tell its caller why it failed.
-    fn done(&self, tx: &mpsc::Sender<GenerateItem>, result: Result<(), Interrupt>) {
+    /// The most tokens a running request may still generate.
+    fn tokens_left(&self, a: &Active<'_>) -> usize {
+        let room = self
+            .engine
+            .capacity()
+            .saturating_sub(self.engine.position(a.seq));
+        let left = a
+            .job
+            .options
+            .max_tokens
+            .saturating_sub(a.decoder.tokens().len());
+        left.min(room)
+    }
+
+    /// A job in sequence `seq` has ended: count it out of the queue, free its sequence and
+    /// tell its caller why it failed.
+    fn done(&self, seq: usize, tx: &mpsc::Sender<GenerateItem>, result: Result<(), Interrupt>) {
+        self.forecast.end(seq);
         self.stats.in_queue.fetch_sub(1, Ordering::SeqCst);
         if let Err(Interrupt::Fail(status)) = result {
             tracing::debug!(code = ?status.code(), "generation ended early: {}", status.message());
@@ -560,6 +623,7 @@ impl<E: Sequences> WorkerContext<E> {
         let want_all = job.prompt_logprobs > 0;
         self.engine.reset(seq);
 
+        self.forecast.prompting(job.prompt.len());
         // The prompt in chunks, so that a long one can be interrupted too.
         let mut prompt_logprobs = Vec::new();
         let mut logits = Vec::new();
@@ -581,6 +645,7 @@ impl<E: Sequences> WorkerContext<E> {
             logits.clear();
             logits.extend_from_slice(&out[out.len() - n_vocab..]);
         }
+        self.forecast.prompt(job.prompt.len(), started.elapsed());
         self.file_intact().map_err(Interrupt::Fail)?;
         let decoder = Decoder::new(tokenizer, eos, &job.prompt, job.options.clone());
         let mut a = Active {
