@@ -139,8 +139,9 @@ pub enum LoadError {
     /// What the load would allocate in host memory does not fit under the daemon's memory
     /// cgroup or the machine's available memory.
     #[error(
-        "the load needs {} of host memory besides the mapped weights (KV cache and buffers), \
-         and {bound} leaves {}: lower --ctx or --max-batch, or give the daemon more memory",
+        "the load needs {} of host memory besides the mapped weights (KV cache, buffers and \
+         any RAM tier of experts), and {bound} leaves {}: lower --ctx, --max-batch or \
+         --ram-budget, or give the daemon more memory",
         host_memory::mib(*needed),
         host_memory::mib(*available)
     )]
@@ -410,12 +411,29 @@ pub fn load(
 /// pool, the tokenizer.
 const HOST_MARGIN: u64 = 32 << 20;
 
-/// Refuses a load whose host allocations would not fit (`host_memory`): the CPU engine's KV
-/// caches, or a GPU model's staging buffers (its KV cache is in VRAM). The weights are mapped
-/// from the file, so they are not counted: the kernel can drop their pages and read them again.
+/// Refuses a load whose host allocations would not fit (`host_memory`): [`load_host_bytes`]
+/// and a margin.
 fn check_host_memory(options: &LoadOptions, model: &Model) -> Result<(), LoadError> {
+    let needed = load_host_bytes(options, model) + HOST_MARGIN;
+    match host_memory::headroom() {
+        Some(room) if needed > room.bytes => Err(LoadError::HostMemory {
+            needed,
+            available: room.bytes,
+            bound: room.bound,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// The host memory a load allocates itself: the CPU engine's KV caches, or a GPU model's
+/// staging buffers (its KV cache is in VRAM) and, for a MoE model under a RAM budget, the
+/// RAM tier of its experts, whose buffers are allocated when it loads. The weights are mapped
+/// from the file, so they are not counted: the kernel can drop their pages and read them
+/// again. A GPU model's copy of its experts for reading over the bus (`--moe-miss pcie`) is
+/// bounded by half the headroom where it is chosen, and counted there.
+fn load_host_bytes(options: &LoadOptions, model: &Model) -> u64 {
     let c = &model.config;
-    let own = match options.device {
+    match options.device {
         DeviceChoice::Cpu => {
             let engine = EngineOptions {
                 threads: options.threads,
@@ -425,16 +443,63 @@ fn check_host_memory(options: &LoadOptions, model: &Model) -> Result<(), LoadErr
             KvCache::bytes(c.n_layer, engine.positions(c), c.kv_width())
                 * options.max_batch.max(1) as u64
         }
-        DeviceChoice::Vulkan(_) => crate::gpu::upload::DEFAULT_STAGING_BYTES,
-    };
-    let needed = own + HOST_MARGIN;
-    match host_memory::headroom() {
-        Some(room) if needed > room.bytes => Err(LoadError::HostMemory {
-            needed,
-            available: room.bytes,
-            bound: room.bound,
-        }),
-        _ => Ok(()),
+        DeviceChoice::Vulkan(_) => {
+            let ram_tier = match (&c.moe, options.ram_budget) {
+                (Some(_), Some(budget)) => crate::stream::ram_tier_bytes(model, budget),
+                _ => 0,
+            };
+            crate::gpu::upload::DEFAULT_STAGING_BYTES + ram_tier
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::server::profile::costs::tests::tiny_moe;
+
+    #[test]
+    fn a_gpu_load_counts_the_ram_tier_its_budget_allocates_up_to_every_expert() {
+        let (_dir, model) = tiny_moe();
+        let mut options = LoadOptions {
+            name: "m".into(),
+            path: model.file().path().unwrap().to_path_buf(),
+            context: 64,
+            threads: 1,
+            queue: QueueLimits {
+                depth: 1,
+                max_wait: None,
+            },
+            max_batch: 1,
+            device: DeviceChoice::Vulkan(None),
+            vram_budget: None,
+            ram_budget: None,
+            expert_layout: LayoutChoice::Planned,
+            step_batching: Default::default(),
+            pins: Vec::new(),
+            hardware: None,
+        };
+        let staging = crate::gpu::upload::DEFAULT_STAGING_BYTES;
+        assert_eq!(load_host_bytes(&options, &model), staging);
+        let minimum = crate::stream::minimum_ram_budget(&model);
+        options.ram_budget = Some(minimum);
+        assert_eq!(load_host_bytes(&options, &model), staging + minimum);
+        // A budget past every expert allocates what every expert takes, no more.
+        options.ram_budget = Some(u64::MAX / 2);
+        let every = load_host_bytes(&options, &model) - staging;
+        let cfg = model.config.moe.unwrap();
+        let n_moe = model
+            .layers
+            .iter()
+            .filter(|l| matches!(l.ffn, crate::model::Ffn::Moe(_)))
+            .count() as u64;
+        let buffer = minimum / (cfg.n_expert_used as u64 * 3);
+        assert_eq!(every, n_moe * cfg.n_expert as u64 * 3 * buffer);
+        // The CPU engine has no RAM tier: the budget is not counted there.
+        options.device = DeviceChoice::Cpu;
+        let cpu = load_host_bytes(&options, &model);
+        options.ram_budget = None;
+        assert_eq!(load_host_bytes(&options, &model), cpu);
     }
 }
 

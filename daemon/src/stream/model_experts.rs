@@ -4,8 +4,9 @@
 //!
 //! An expert is three tiles, its gate, up and down matrices (one slice of each stack tensor).
 //! The reader's buffers are the cache's memory, allocated when it opens: as many as the budget
-//! holds, each as large as the largest tile at any alignment, so the RAM held never passes the
-//! budget. The cache evicts when its buffers run out.
+//! holds and no more than every expert takes, each as large as the largest tile at any
+//! alignment, so the RAM held never passes the budget ([`ram_tier_bytes`]). The cache evicts
+//! when its buffers run out.
 
 use std::sync::Arc;
 
@@ -55,6 +56,21 @@ fn buffer_bytes(layout: &Layout) -> u64 {
     buffer_size_for_tile(max_tile) as u64
 }
 
+/// Buffers of a cache under `budget`: as many as it holds, at most one for each tile of every
+/// routed expert.
+fn cache_buffers(model: &Model, layout: &Layout, budget: u64) -> usize {
+    let n_expert = model.config.moe.map_or(0, |m| m.n_expert) as u64;
+    let every_tile = layout.iter().flatten().count() as u64 * n_expert * TILES_PER_EXPERT as u64;
+    (budget / buffer_bytes(layout)).min(every_tile) as usize
+}
+
+/// The RAM a cache of `model`'s routed experts under `budget` takes when it opens
+/// ([`open_expert_cache`]): the host memory a load with that RAM budget must have room for.
+pub fn ram_tier_bytes(model: &Model, budget: u64) -> u64 {
+    let layout = layout(model);
+    cache_buffers(model, &layout, budget) as u64 * buffer_bytes(&layout)
+}
+
 /// The smallest RAM budget a token's CPU experts need: the `k` experts of one layer are held
 /// at once while they are computed, each in three buffers.
 pub fn minimum_ram_budget(model: &Model) -> u64 {
@@ -82,7 +98,7 @@ pub fn open_expert_cache(
         });
     }
     let buffer = buffer_bytes(&layout);
-    let buffers = (budget / buffer) as usize;
+    let buffers = cache_buffers(model, &layout, budget);
     let options = ReaderOptions {
         buffers,
         max_tile: buffer as usize - ALIGN,
