@@ -1,7 +1,8 @@
 //! Decode attention with its RoPE in the same dispatch (`Recorder::attention_rope`) against RoPE,
 //! the KV-cache append and attention as three ops (`Recorder::rope`, `rope_store`, `attention`;
 //! those are checked against the CPU in `vulkan_ops.rs`): both RoPE layouts, with and without a
-//! QK-norm, GQA, the new position inside a run, first in a run, and past the cache. And a prompt
+//! QK-norm, GQA, the new position inside a run, first in a run, and past the cache, its grid fixed
+//! to the capacity's runs or read when it runs (only the runs up to the position). And a prompt
 //! chunk's flash attention (`Recorder::attention_prefill`) against the decode kernel over the
 //! chunk's tokens (`attention_n`, checked against token-by-token decode in `vulkan_prefill.rs`):
 //! head sizes, chunks from position 0 and later, tiles cut short, positions past the cache. On whatever
@@ -17,7 +18,7 @@ use noise::noise;
 use spillway_daemon::gpu::ops::{
     attention_counters, attention_scratch_floats, rope_table, AttentionArgs, RopeArgs, StepWord,
 };
-use spillway_daemon::gpu::ops_attention::{flash_attention_fits, Unroped};
+use spillway_daemon::gpu::ops_attention::{attention_grid, flash_attention_fits, Unroped};
 use spillway_daemon::gpu::{Allocator, Buffer, Kernels, MemoryUse};
 use spillway_daemon::model::RopeLayout;
 
@@ -66,7 +67,7 @@ fn check(kernels: &Arc<Kernels>, alloc: &Arc<Allocator>, c: &Case) {
         })
         .collect();
     let caches = || (host(alloc, &earlier), host(alloc, &earlier));
-    let ((k3, v3), (k1, v1)) = (caches(), caches());
+    let (k3, v3) = caches();
     let table = host(
         alloc,
         &rope_table(c.capacity + 4, n_rot, 10_000.0, 1.0, None),
@@ -82,12 +83,6 @@ fn check(kernels: &Arc<Kernels>, alloc: &Arc<Allocator>, c: &Case) {
         ),
     );
     let (q, k, v) = (noise(n_heads * hd, 3), noise(kvw, 4), noise(kvw, 5));
-    // The position, then the sequence's first cache row.
-    let step = host(alloc, &[f32::from_bits(c.pos as u32), 0.0]);
-    let pos = || StepWord {
-        buffer: &step,
-        index: 0,
-    };
     let rope = |n: usize| RopeArgs {
         layout: c.layout,
         n_heads: n as u32,
@@ -100,6 +95,15 @@ fn check(kernels: &Arc<Kernels>, alloc: &Arc<Allocator>, c: &Case) {
         n_kv_heads: n_kv_heads as u32,
         head_dim: hd as u32,
         capacity: c.capacity as u32,
+    };
+    // The position, then the sequence's first cache row, then the grid of the position's runs.
+    let mut words = vec![c.pos as u32, 0];
+    words.extend(attention_grid(args, c.pos as u32));
+    let words: Vec<f32> = words.into_iter().map(f32::from_bits).collect();
+    let step = host(alloc, &words);
+    let pos = || StepWord {
+        buffer: &step,
+        index: 0,
     };
     let scratch = || {
         let s = host(
@@ -129,62 +133,73 @@ fn check(kernels: &Arc<Kernels>, alloc: &Arc<Allocator>, c: &Case) {
         })
         .unwrap();
 
-    // One dispatch, from the unroped values.
-    let (qb, kb, vb) = (host(alloc, &q), host(alloc, &k), host(alloc, &v));
-    let (s1, d1) = scratch();
-    let out1 = host(alloc, &vec![0.0; n_heads * hd]);
-    let new = Unroped {
-        q: &qb,
-        k: &kb,
-        v: &vb,
-        qk_norm: norm.map(|n| (&n.0, &n.1)),
-    };
-    kernels
-        .record(|r| {
-            r.attention_rope(
-                new,
-                (&table, rope(n_heads)),
-                (&k1, &v1),
-                (&s1, &d1),
-                &out1,
-                args,
-                pos(),
-            )
-        })
-        .unwrap();
-    assert_eq!(qb.read_f32(q.len()), q, "{what}: Q is left as it was");
+    // One dispatch, from the unroped values, its grid fixed or read from the step words.
+    for indirect in [false, true] {
+        let what = format!("{what}, grid read when it runs: {indirect}");
+        let (k1, v1) = caches();
+        let (qb, kb, vb) = (host(alloc, &q), host(alloc, &k), host(alloc, &v));
+        let (s1, d1) = scratch();
+        let out1 = host(alloc, &vec![0.0; n_heads * hd]);
+        let new = Unroped {
+            q: &qb,
+            k: &kb,
+            v: &vb,
+            qk_norm: norm.map(|n| (&n.0, &n.1)),
+        };
+        let grid = indirect.then_some(StepWord {
+            buffer: &step,
+            index: 2,
+        });
+        kernels
+            .record(|r| {
+                r.attention_rope(
+                    new,
+                    (&table, rope(n_heads)),
+                    (&k1, &v1),
+                    (&s1, &d1),
+                    &out1,
+                    args,
+                    (pos(), grid),
+                )
+            })
+            .unwrap();
+        assert_eq!(qb.read_f32(q.len()), q, "{what}: Q is left as it was");
 
-    let (got, want) = (out1.read_f32(n_heads * hd), out3.read_f32(n_heads * hd));
-    let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        // The QK-norm's sum in another order can move a value by one f16 step.
-        assert!((g - w).abs() <= 2e-3 * scale, "{what}: out[{i}] {g} vs {w}");
-    }
-    for (name, one, three) in [("K", &k1, &k3), ("V", &v1, &v3)] {
-        let (a, b) = (
-            halves(one, c.capacity * kvw),
-            halves(three, c.capacity * kvw),
-        );
-        for (i, (&x, &y)) in a.iter().zip(&b).enumerate() {
-            let row = i / kvw;
-            if row == c.pos {
-                // The same value but for the QK-norm's rounding: at most one f16 step apart.
-                assert!(
-                    x.abs_diff(y) <= 1,
-                    "{what}: {name} cache [{i}] {x:#x} vs {y:#x}"
-                );
-            } else {
-                assert_eq!(x, y, "{what}: {name} cache row {row} changed");
+        let (got, want) = (out1.read_f32(n_heads * hd), out3.read_f32(n_heads * hd));
+        let scale = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            // The QK-norm's sum in another order can move a value by one f16 step.
+            assert!((g - w).abs() <= 2e-3 * scale, "{what}: out[{i}] {g} vs {w}");
+        }
+        for (name, one, three) in [("K", &k1, &k3), ("V", &v1, &v3)] {
+            let (a, b) = (
+                halves(one, c.capacity * kvw),
+                halves(three, c.capacity * kvw),
+            );
+            for (i, (&x, &y)) in a.iter().zip(&b).enumerate() {
+                let row = i / kvw;
+                if row == c.pos {
+                    // The same value but for the QK-norm's rounding: at most one f16 step apart.
+                    assert!(
+                        x.abs_diff(y) <= 1,
+                        "{what}: {name} cache [{i}] {x:#x} vs {y:#x}"
+                    );
+                } else {
+                    assert_eq!(x, y, "{what}: {name} cache row {row} changed");
+                }
             }
         }
-    }
-    for d in [&d1, &d3] {
-        let counts = d.read_f32(n_heads);
+        let counts = d1.read_f32(n_heads);
         assert!(
             counts.iter().all(|c| c.to_bits() == 0),
             "{what}: {counts:?}"
         );
     }
+    let counts = d3.read_f32(n_heads);
+    assert!(
+        counts.iter().all(|c| c.to_bits() == 0),
+        "{what}: {counts:?}"
+    );
 }
 
 #[test]
@@ -200,9 +215,19 @@ fn attention_with_rope_in_its_dispatch_equals_rope_then_attention() {
     for kernels in &variants {
         for layout in [RopeLayout::Normal, RopeLayout::Neox] {
             for qk_norm in [false, true] {
-                // Inside the first run; first of the third run; last of a partial run; and past
-                // the cache, where nothing is stored and every cached position attends.
-                for (capacity, pos) in [(64, 50), (300, 256), (300, 290), (64, 64)] {
+                // Inside the first run; first of the third run; last of a partial run; past the
+                // cache, where nothing is stored and every cached position attends.
+                // And early positions of a long cache, whose runs past them are not launched
+                // with the grid read when it runs.
+                let cases = [
+                    (64, 50),
+                    (300, 256),
+                    (300, 290),
+                    (64, 64),
+                    (300, 100),
+                    (1000, 130),
+                ];
+                for (capacity, pos) in cases {
                     let case = Case {
                         layout,
                         qk_norm,

@@ -8,7 +8,7 @@ use spillway_shaders::{AttentionPrefillParams, AttentionRopeParams, Op};
 use super::buffer::Buffer;
 use super::error::{GpuError, Result};
 use super::ops::{attention_params, AttentionArgs, RopeArgs, StepWord, ATTENTION_SPLIT};
-use super::record::{Binding, Recorder};
+use super::record::{Binding, Grid, Recorder};
 use crate::model::RopeLayout;
 
 /// The new token's Q, K and V as the products wrote them, and the QK-norm weights of Q and K
@@ -25,7 +25,10 @@ impl Recorder<'_> {
     /// [`Recorder::rope`] of Q, [`Recorder::rope_store`] of K and V, then
     /// [`Recorder::attention`], in one dispatch: the same values up to the order of the QK-norm's
     /// sum (a workgroup of 128 sums the squares, not one of 64). `rope` describes the query heads
-    /// (`n_heads` is not used: `a` has the heads).
+    /// (`n_heads` is not used: `a` has the heads). With `grid`, the dispatch's grid is read from
+    /// those three words when it runs ([`attention_grid`] of the position, written with it):
+    /// only the runs up to the position are launched, not every run of the capacity, which
+    /// the grid must cover otherwise.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_rope(
         &mut self,
@@ -35,7 +38,7 @@ impl Recorder<'_> {
         (scratch, done): (&Buffer, &Buffer),
         out: &Buffer,
         a: AttentionArgs,
-        pos: StepWord<'_>,
+        (pos, grid): (StepWord<'_>, Option<StepWord<'_>>),
     ) -> Result<()> {
         let caches = (k_cache, v_cache);
         let base = attention_params(new.q, caches, (scratch, done), out, a, pos, (1, a.capacity))?;
@@ -93,8 +96,11 @@ impl Recorder<'_> {
             RopeLayout::Neox => Op::AttentionRopeNeox,
         };
         let id = self.variant(op, None)?;
-        let runs = base.capacity.div_ceil(ATTENTION_SPLIT);
-        self.dispatch_spec(id, &[a.head_dim], &bindings, &push, [a.n_heads, runs, 1])
+        let grid = match grid {
+            Some(words) => Grid::Indirect(words),
+            None => Grid::Fixed(attention_grid(a, base.capacity - 1)),
+        };
+        self.dispatch_grid(id, &[a.head_dim], &bindings, &push, grid)
     }
 
     /// [`Recorder::attention_n`] of a prompt chunk's `n_tok` tokens (causal: token `t`, at the
@@ -148,6 +154,13 @@ impl Recorder<'_> {
 
 /// Tokens per workgroup of [`Recorder::attention_prefill`] (`attention_prefill.comp`'s `BQ`).
 pub const PREFILL_TILE: u32 = 16;
+
+/// The grid of [`Recorder::attention_rope`] for a token at `pos`: a workgroup per head and run
+/// of [`ATTENTION_SPLIT`] positions up to it.
+pub fn attention_grid(a: AttentionArgs, pos: u32) -> [u32; 3] {
+    let n_kv = pos.saturating_add(1).min(a.capacity);
+    [a.n_heads, n_kv.div_ceil(ATTENTION_SPLIT).max(1), 1]
+}
 
 /// Whether [`Recorder::attention_prefill`] takes heads of this shape: a power of two from 8 to
 /// 128 dimensions (its tiles of keys and values fill shared memory at 128), GQA groups whole.

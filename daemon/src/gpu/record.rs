@@ -16,7 +16,7 @@ use super::device::Device;
 use super::driver_fault::DriverObject;
 use super::error::{map_vk, GpuError, Result};
 use super::matmul_tile::MatMulTile;
-use super::ops::MatVecShape;
+use super::ops::{MatVecShape, StepWord};
 use super::ops_batch::MAX_MATVEC_COLS;
 use super::ops_q8::Q8Scratch;
 use super::pipeline::ComputePipeline;
@@ -578,6 +578,17 @@ impl Hazards {
     }
 }
 
+/// A dispatch's grid of workgroups.
+#[derive(Clone, Copy)]
+pub(crate) enum Grid<'b> {
+    Fixed([u32; 3]),
+    /// Three words of a host-written buffer from this word on, read when the dispatch runs, so
+    /// that a recorded step replayed at another position launches only the workgroups it
+    /// needs. The host writes them before the submission (its writes are visible to it); no
+    /// shader writes them.
+    Indirect(StepWord<'b>),
+}
+
 /// Descriptor pools of one recording, destroyed with it.
 pub(super) struct DescriptorArena {
     pools: Vec<vk::DescriptorPool>,
@@ -706,6 +717,28 @@ impl Recorder<'_> {
         push: &P,
         groups: [u32; 3],
     ) -> Result<()> {
+        self.dispatch_grid(shader, spec, bindings, push, Grid::Fixed(groups))
+    }
+
+    /// [`Recorder::dispatch_spec`] with its grid fixed now or read when it runs
+    /// ([`Grid::Indirect`]).
+    pub(crate) fn dispatch_grid<P: PushConstants>(
+        &mut self,
+        shader: ShaderId,
+        spec: &[u32],
+        bindings: &[Binding<'_>],
+        push: &P,
+        grid: Grid<'_>,
+    ) -> Result<()> {
+        if let Grid::Indirect(words) = grid {
+            if u64::from(words.index) * 4 + 12 > words.buffer.size() {
+                return Err(GpuError::Unsupported(format!(
+                    "a grid at word {} of a {}-byte buffer",
+                    words.index,
+                    words.buffer.size()
+                )));
+            }
+        }
         let pipeline = self.kernels.pipeline_spec(shader, spec)?;
         let push = push.bytes();
         if bindings.len() != pipeline.n_buffers as usize
@@ -789,7 +822,14 @@ impl Recorder<'_> {
                     &push,
                 );
             }
-            dev.cmd_dispatch(self.cmd, groups[0], groups[1], groups[2]);
+            match grid {
+                Grid::Fixed([x, y, z]) => dev.cmd_dispatch(self.cmd, x, y, z),
+                Grid::Indirect(words) => dev.cmd_dispatch_indirect(
+                    self.cmd,
+                    words.buffer.raw,
+                    u64::from(words.index) * 4,
+                ),
+            }
         }
         self.pipelines.push(pipeline);
         self.stats.dispatches += 1;

@@ -30,9 +30,10 @@ impl GpuModel {
             }
             (None, _) => token,
         };
-        let mut step = row.to_le_bytes().to_vec();
-        step.extend_from_slice(&(self.pos() as u32).to_le_bytes());
-        step.extend_from_slice(&self.seq_row(self.seq).to_le_bytes());
+        let pos = self.pos() as u32;
+        let grid = attention_grid(self.attention_args(), pos);
+        let words = [row, pos, self.seq_row(self.seq)].into_iter().chain(grid);
+        let step: Vec<u8> = words.flat_map(u32::to_le_bytes).collect();
         self.act.step.write(&step);
         let profiling = self.profiler.is_some();
         if profiling {
@@ -403,7 +404,16 @@ impl GpuModel {
                 qk_norm: l.q_norm.as_ref().zip(l.k_norm.as_ref()),
             };
             let rope_q = (&self.rope, rope(c.n_head));
-            rec.attention_rope(new, rope_q, caches, scratch, &a.attn, attn_args, pos)?;
+            let grid = Some(self.step_word(ATTENTION_GRID_WORD));
+            rec.attention_rope(
+                new,
+                rope_q,
+                caches,
+                scratch,
+                &a.attn,
+                attn_args,
+                (pos, grid),
+            )?;
         } else {
             rec.rope(&a.q, l.q_norm.as_ref(), &self.rope, rope(c.n_head), pos)?;
             // K's RoPE goes straight into the cache, with V beside it.

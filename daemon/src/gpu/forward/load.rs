@@ -361,7 +361,7 @@ impl GpuModel {
             up: f32s(dense_ff)?,
             scores: f32s(attention_scratch_floats(c.n_head, c.head_dim, capacity))?,
             attn_done: attention_counters(al, c.n_head, 1)?,
-            step: Buffer::new_in(al, 12, MemoryUse::DeviceMapped)?,
+            step: Buffer::new_in(al, 24, MemoryUse::DeviceMapped)?,
             logits: Buffer::new_in(al, c.n_vocab as u64 * 4, MemoryUse::Staging)?,
             moe,
         };

@@ -72,7 +72,7 @@ use super::ops::{
     attention_counters, attention_scratch_floats, rope_table, upload_f32, AttentionArgs, Fused,
     GpuMatrix, RopeArgs, StepWord,
 };
-use super::ops_attention::Unroped;
+use super::ops_attention::{attention_grid, Unroped};
 use super::placement::{plan, MinimumBudget, MoeMiss, Placement};
 use super::record::{Kernels, RecordStats, Recorder};
 use super::replay::Replay;
@@ -80,6 +80,10 @@ use super::upload::Uploader;
 use crate::engine::routing::RoutedExpert;
 use crate::model::{Config, Ffn, Matrix, Model};
 use crate::stream::open_expert_cache;
+
+/// The first of the step buffer's three words holding the attention's grid at the step's
+/// position ([`attention_grid`]): a replayed step launches only the runs up to it.
+const ATTENTION_GRID_WORD: u32 = 3;
 
 struct GpuLayer {
     attn_norm: Buffer,
@@ -151,7 +155,8 @@ struct Activations {
     attn_done: Buffer,
     /// Host-visible, written before each step: the token id (word 0), its position (word 1)
     /// and its sequence's first KV-cache row (word 2), which the kernels read when they run
-    /// ([`StepWord`]).
+    /// ([`StepWord`]), then the attention's grid at that position (words 3 to 5,
+    /// [`ATTENTION_GRID_WORD`]).
     step: Buffer,
     /// Host-visible, read back after each step.
     logits: Buffer,
@@ -478,7 +483,7 @@ impl GpuModel {
     }
 
     /// Word `index` of the step buffer: 0 the token id, 1 its position (2 its sequence's first
-    /// KV-cache row).
+    /// KV-cache row, 3 to 5 the attention's grid).
     fn step_word(&self, index: u32) -> StepWord<'_> {
         StepWord {
             buffer: &self.act.step,
