@@ -4,7 +4,9 @@
 //!
 //! `cargo run --release -p spillway-bench --example vulkan_decode_batch -- PRESET TYPE
 //! [budget=MiB] [miss=cpu|pcie|fetch|auto] [batches=1,2,4,8] [steps=32] [model=PATH]
-//! [cols=N] [replay=0|1] [q8=0|1] [batching=always|measured] [moe=entry|grouped]`, e.g. `qwen3-30b-a3b Q4_0 budget=8192 miss=pcie`; `cols=0` multiplies
+//! [cols=N] [replay=0|1] [q8=0|1] [batching=always|measured] [moe=entry|grouped] [ctx=N]`, e.g.
+//! `qwen3-30b-a3b Q4_0 budget=8192 miss=pcie`; `ctx=N` gives each sequence N positions (the
+//! daemon's default is 4096; default here: just what the run takes); `cols=0` multiplies
 //! a batched step in the tiled kernels instead of the several-column one
 //! (`GpuModelOptions::matvec_cols`); `replay=0` records every step anew
 //! (`GpuModelOptions::replay`); `q8=0` has the integer-dot products quantize their inputs in
@@ -61,7 +63,7 @@ fn main() {
     let most = *batches.iter().max().unwrap();
     let prompt = 16;
     let options = GpuModelOptions {
-        context: prompt + 4 * steps + 8,
+        context: arg(&args, "ctx").map_or(prompt + 4 * steps + 8, |s| s.parse().unwrap()),
         vram_budget: budget,
         moe_miss: miss,
         sequences: most,

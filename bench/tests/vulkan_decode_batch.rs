@@ -47,10 +47,11 @@ fn token(seq: usize, i: usize, n_vocab: usize) -> u32 {
 
 /// Options of the models compared: f32 dots in the one-token steps, as the chunks' products
 /// take (integer dots quantize a step's inputs, a difference checked in `vulkan_forward.rs`);
-/// steps of several sequences batched wherever the model can (not by measured cost).
+/// steps of several sequences batched wherever the model can (not by measured cost). Three runs
+/// of the attention's 128 positions: a step launches only those up to its tokens' positions.
 fn options(sequences: usize) -> GpuModelOptions {
     GpuModelOptions {
-        context: 96,
+        context: 300,
         int_dot: false,
         sequences,
         step_batching: StepBatching::Always,
@@ -66,15 +67,16 @@ fn check_against_alone(dev: &Arc<Device>, model: &Arc<Model>, gpu: &mut GpuModel
         .map(|_| GpuModel::new(dev, model, &options(1)).unwrap())
         .collect();
     assert_eq!(gpu.sequences(), 3, "{what}");
-    // Prompts of 5, 17 and 1 tokens, each into its selected sequence.
-    for (seq, n) in [(0, 5), (1, 17), (2, 1)] {
+    // Prompts of 5, 140 and 1 tokens, each into its selected sequence: steps whose tokens take
+    // one run of positions and two.
+    for (seq, n) in [(0, 5), (1, 140), (2, 1)] {
         let prompt: Vec<u32> = (0..n).map(|i| token(seq, i, n_vocab)).collect();
         gpu.select(seq);
         let got = gpu.eval_prompt(&prompt, false).unwrap();
         let want = alone[seq].eval_prompt(&prompt, false).unwrap();
         assert_logits_close(&got, &want, TOLERANCE, &format!("{what}: prompt {seq}"));
     }
-    let mut next = [5, 17, 1];
+    let mut next = [5, 140, 1];
     let steps: [&[usize]; 5] = [&[0, 1, 2], &[2, 0], &[1, 2, 0], &[0, 1, 2], &[1]];
     for (step, seqs) in steps.iter().enumerate() {
         if step == 3 {
@@ -270,10 +272,10 @@ fn a_bad_step_is_refused_and_nothing_moves() {
     }
     // A full sequence refuses the step; the other's context is its own.
     gpu.select(1);
-    let fill: Vec<u32> = (0..95).map(|i| i % n_vocab).collect();
+    let fill: Vec<u32> = (0..299).map(|i| i % n_vocab).collect();
     gpu.eval_prompt(&fill, false).unwrap();
     assert!(gpu.eval_batch(&[(0, 3), (1, 4)]).is_err());
-    assert_eq!((gpu.position_of(0), gpu.position_of(1)), (1, 96));
+    assert_eq!((gpu.position_of(0), gpu.position_of(1)), (1, 300));
     gpu.eval_batch(&[(0, 3)]).unwrap();
     assert_eq!(gpu.position_of(0), 2);
 }

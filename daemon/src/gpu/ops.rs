@@ -12,7 +12,7 @@ use spillway_shaders::{
 use super::alloc::{Allocator, MemoryUse};
 use super::buffer::Buffer;
 use super::error::{GpuError, Result};
-use super::record::{Access, Binding, Recorder};
+use super::record::{Access, Binding, Grid, Recorder};
 use crate::model::RopeLayout;
 
 // Weights on the device and the products' shapes have files of their own; named here too.
@@ -612,6 +612,34 @@ impl Recorder<'_> {
         pos: StepWord<'_>,
         (n_tok, positions): (u32, u32),
     ) -> Result<()> {
+        let runs = positions.min(a.capacity).max(1).div_ceil(ATTENTION_SPLIT);
+        let grid = Grid::Fixed([a.n_heads, runs, n_tok]);
+        self.attention_n_grid(
+            q,
+            (k_cache, v_cache),
+            (scratch, done),
+            out,
+            a,
+            pos,
+            (n_tok, positions),
+            grid,
+        )
+    }
+
+    /// [`Recorder::attention_n`] with its grid read when it runs ([`Grid::Indirect`]), which must
+    /// cover each token's runs up to its position, or fixed.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attention_n_grid(
+        &mut self,
+        q: &Buffer,
+        (k_cache, v_cache): (&Buffer, &Buffer),
+        (scratch, done): (&Buffer, &Buffer),
+        out: &Buffer,
+        a: AttentionArgs,
+        pos: StepWord<'_>,
+        (n_tok, positions): (u32, u32),
+        grid: Grid<'_>,
+    ) -> Result<()> {
         let push = attention_params(
             q,
             (k_cache, v_cache),
@@ -631,9 +659,7 @@ impl Recorder<'_> {
             Binding::write(done),
         ];
         let id = self.variant(Op::Attention, None)?;
-        let spec = [a.head_dim];
-        let runs = push.capacity.div_ceil(ATTENTION_SPLIT);
-        self.dispatch_spec(id, &spec, &bindings, &push, [a.n_heads, runs, n_tok])
+        self.dispatch_grid(id, &[a.head_dim], &bindings, &push, grid)
     }
 }
 

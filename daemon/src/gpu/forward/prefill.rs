@@ -43,7 +43,7 @@ use crate::gpu::error::{GpuError, Result};
 use crate::gpu::moe::{ChunkRouting, ExpertRun};
 use crate::gpu::moe_groups::{group_runs, route_words_for, RunGroup};
 use crate::gpu::ops::{attention_counters, attention_scratch_floats, Fused, GpuMatrix, StepWord};
-use crate::gpu::ops_attention::flash_attention_fits;
+use crate::gpu::ops_attention::{attention_grid, flash_attention_fits};
 use crate::gpu::ops_batch::MAX_MATVEC_COLS;
 use crate::gpu::record::{RecordStats, Recorder};
 
@@ -226,7 +226,7 @@ impl Batch {
                 MemoryUse::DeviceLocal,
             )?,
             attn_done: attention_counters(al, c.n_head, n)?,
-            step: Buffer::new_in(al, 3 * n as u64 * 4, MemoryUse::DeviceMapped)?,
+            step: Buffer::new_in(al, (3 * n as u64 + 3) * 4, MemoryUse::DeviceMapped)?,
             end: 0,
             ragged: false,
             input: match m.front {
@@ -586,7 +586,7 @@ impl GpuModel {
         seqs: Option<&[usize]>,
     ) -> Result<()> {
         let n = tokens.len();
-        let mut words = Vec::with_capacity(3 * n * 4);
+        let mut words = Vec::with_capacity((3 * n + 3) * 4);
         let streams = self.streams_chunk(n);
         match (self.front.as_mut(), batch.input.as_mut()) {
             (Some(front), Some(input)) => {
@@ -697,8 +697,9 @@ impl GpuModel {
 
     /// Appends each of a chunk's `n` tokens' position and its sequence's first KV-cache row to
     /// `words` (after its token ids, [`StepWord`]): the selected sequence's next positions, or
-    /// with `seqs` each listed sequence's next one; sets the chunk's end and whether it is
-    /// ragged.
+    /// with `seqs` each listed sequence's next one; then the grid of the chunk's attention
+    /// (word `3n` on, [`Recorder::attention_n_grid`]: every token's runs up to its position);
+    /// sets the chunk's end and whether it is ragged.
     pub(super) fn position_words(
         &self,
         batch: &mut Batch,
@@ -716,6 +717,11 @@ impl GpuModel {
         }
         batch.end = at.iter().map(|&(pos, _)| pos + 1).max().unwrap_or(0);
         batch.ragged = seqs.is_some();
+        let last = batch.end.saturating_sub(1) as u32;
+        let [heads, runs, _] = attention_grid(self.attention_args(), last);
+        for w in [heads, runs, n as u32] {
+            words.extend_from_slice(&w.to_le_bytes());
+        }
     }
 
     /// Records a chunk's command buffer: from the embedding, or from a paused MoE layer's

@@ -4,7 +4,7 @@ use super::Batch;
 use crate::gpu::error::Result;
 use crate::gpu::forward::{GateUp, GpuLayer, GpuModel};
 use crate::gpu::ops::{GpuMatrix, StepWord};
-use crate::gpu::record::Recorder;
+use crate::gpu::record::{Grid, Recorder};
 
 impl GpuModel {
     /// A dense layer's FFN for the chunk's tokens, its output added to `x`.
@@ -71,7 +71,22 @@ impl GpuModel {
             rec.attention_prefill(&b.q, caches, &b.attn, attn_args, pos, nt)?;
         } else {
             let scratch = (&b.scores, &b.attn_done);
-            rec.attention_n(&b.q, caches, scratch, &b.attn, attn_args, pos, (nt, end))?;
+            // The grid the step words give: a replayed step, recorded for the capacity, launches
+            // only the runs up to its tokens' positions.
+            let grid = Grid::Indirect(StepWord {
+                buffer: &b.step,
+                index: 3 * nt,
+            });
+            rec.attention_n_grid(
+                &b.q,
+                caches,
+                scratch,
+                &b.attn,
+                attn_args,
+                pos,
+                (nt, end),
+                grid,
+            )?;
         }
         rec.matvec_batch_add(&l.wo, &b.attn, &b.x, n)
     }
