@@ -280,7 +280,7 @@ async fn a_lost_device_fails_the_request_in_flight_and_the_model_serves_again() 
 /// model's first decode step records the step it replays after. The request ends with
 /// RESOURCE_EXHAUSTED after the tokens it had (one, or none for the prompt); the next
 /// hundred give the tokens a daemon without the fault gives, and the daemon's Vulkan memory
-/// is then what that daemon's is after as many requests.
+/// is then what that daemon's is after as many requests, its resident set within 48 MiB of it.
 #[tokio::test]
 async fn driver_objects_refused_mid_request_fail_it_and_the_next_hundred_serve() {
     if spillway_daemon::gpu::device_or_skip().is_none() {
@@ -298,7 +298,7 @@ async fn driver_objects_refused_mid_request_fail_it_and_the_next_hundred_serve()
         for _ in 0..100 {
             assert_eq!(greedy(&mut client, "gpu").await, tokens);
         }
-        (tokens, memory(&mut client).await.0)
+        (tokens, memory(&mut client).await)
     };
     // Token 2 is in the prompt, taken in one recorded chunk: no token comes before the refusal.
     for (what, before) in [("pool:5", 1), ("commands:5", 1), ("pool:2", 0)] {
@@ -330,10 +330,23 @@ async fn driver_objects_refused_mid_request_fail_it_and_the_next_hundred_serve()
             let again = generate_or_status(&mut client, greedy_request("gpu")).await;
             assert_eq!(again.unwrap(), reference, "{what}: request {i} after");
         }
+        let after = memory(&mut client).await;
         assert_eq!(
-            memory(&mut client).await.0,
-            reference_memory,
+            after.0, reference_memory.0,
             "{what}: Vulkan memory after a hundred requests"
+        );
+        // The resident set near the unhurt daemon's after as many requests (within the 48 MiB
+        // that heap arenas vary by, as in `back_to`).
+        assert!(
+            after.1 <= reference_memory.1 + (48 << 20),
+            "{what}: resident set {} MiB against {} MiB",
+            after.1 >> 20,
+            reference_memory.1 >> 20
+        );
+        eprintln!(
+            "{what}: resident set {} MiB, the unhurt daemon's {} MiB",
+            after.1 >> 20,
+            reference_memory.1 >> 20
         );
         let log = d.log_text();
         assert!(log.contains("the driver refuses"), "{what}: {log}");
