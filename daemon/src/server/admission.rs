@@ -83,7 +83,7 @@ struct State {
 }
 
 /// Shared by a model's service side (which asks and queues) and its worker (which reports).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Forecast {
     state: Mutex<State>,
 }

@@ -296,17 +296,19 @@ impl Worker {
         }
         // Accepted and not finished: running and waiting. The queue's channel holds the waiting
         // ones only, so it is sized for them all, and this count bounds them: with depth 0, a
-        // request is taken only while a sequence is free for it.
+        // request is taken only while a sequence is free for it. A full queue refuses before
+        // any wait is predicted.
         let accepted = self.stats.in_queue.fetch_add(1, Ordering::SeqCst);
-        let jobs = self.jobs.lock();
-        let sent = self
-            .forecast
-            .enqueue(demand, self.limits, || match jobs.as_ref() {
-                _ if accepted >= self.max_batch + self.limits.depth => Err(TrySendError::Full(job)),
-                Some(jobs) => jobs.try_send(job),
-                None => Err(TrySendError::Disconnected(job)),
-            });
-        drop(jobs);
+        let sent = if accepted >= self.max_batch + self.limits.depth {
+            Err(Refused::Queue(TrySendError::Full(job)))
+        } else {
+            let jobs = self.jobs.lock();
+            self.forecast
+                .enqueue(demand, self.limits, || match jobs.as_ref() {
+                    Some(jobs) => jobs.try_send(job),
+                    None => Err(TrySendError::Disconnected(job)),
+                })
+        };
         sent.map_err(|e| {
             self.stats.in_queue.fetch_sub(1, Ordering::SeqCst);
             match e {
