@@ -126,7 +126,15 @@ pub(super) fn units(
             _ => vec![(None, t.bytes, 1.0)],
         };
         for (expert, bytes, prob) in slices {
-            let (gpu, cpu) = compute_cost(t, bytes, profile);
+            let (mut gpu, cpu) = compute_cost(t, bytes, profile);
+            if let (Some(r), true) = (&model.experts, t.role.is_routed()) {
+                // The GPU runs a layer's chosen experts in one expert-indexed dispatch per
+                // matrix: each expert is its share of a product `used` times as tall.
+                let used = u64::from(r.used.max(1));
+                let (k, n) = t.matrix();
+                gpu = profile.gpu_product_marginal(&t.weight_type, k, n * used, bytes * used)
+                    / used as f64;
+            }
             let embedding = t.role == TensorRole::Embedding;
             // An embedding is read one row per token; it is copied and read as such.
             let moved = if embedding {
@@ -332,19 +340,67 @@ impl Group {
     }
 }
 
-/// Dispatches of a GPU layer that read no weights, by phase: attention's two RoPEs, KV store,
-/// attention and residual add; a dense FFN's activation and residual add; a MoE layer's
-/// routing (the per-expert ones are [`GPU_OPS_PER_EXPERT`]). What the GPU forward pass records
-/// (`gpu/forward`, `gpu/moe/`); each costs the profile's `gpu.dispatch_s`.
-const GPU_WEIGHTLESS_OPS: [f64; 3] = [5.0, 2.0, 1.0];
+/// Dispatches of a GPU layer that read no weights, by phase: attention over the KV cache,
+/// which applies RoPE, QK-norm and the KV store in its dispatch (`record_attention` in
+/// `gpu/forward/decode.rs`); a dense FFN's SwiGLU and residual add are fused into its
+/// products, and a MoE layer's routing into its router's dispatch. Each costs the profile's
+/// `gpu.dispatch_s`.
+const GPU_WEIGHTLESS_OPS: [f64; 3] = [1.0, 0.0, 0.0];
 
-/// Dispatches of each routed expert on the GPU beyond its products: SwiGLU and the weighted add.
+/// Dispatches of each routed expert on the GPU beyond its products when experts run one by
+/// one: SwiGLU and the weighted add.
 const GPU_OPS_PER_EXPERT: f64 = 2.0;
 
-/// Dispatches of a layer whose routed experts are all in VRAM beyond one per expert matrix:
-/// SwiGLU and the weighted add, over every chosen expert at once (`gpu/moe/`,
-/// `record_indexed`).
-const GPU_INDEXED_OPS: f64 = 2.0;
+/// Dispatches a decode step records on the GPU for tensor `t` (`gpu/forward/decode.rs`,
+/// `gpu/moe/`):
+/// - a norm none: it is fused into the products that read it;
+/// - an up projection none: it is stacked with its gate into one product, SwiGLU included
+///   (for routed experts too: one expert-indexed dispatch runs every chosen expert's gate and
+///   up, another their down projections);
+/// - any other matrix one, and one more where its inputs are quantized once for integer dot
+///   products (Q4_0, Q8_0) and it is the first product to read them (K and V read Q's).
+pub(super) fn gpu_dispatches(t: &TensorDesc) -> f64 {
+    if matches!(t.role, TensorRole::Norm { .. }) || t.name.contains("ffn_up") {
+        return 0.0;
+    }
+    gpu_product_dispatches(t)
+}
+
+/// [`gpu_dispatches`] of a matrix that runs as a product of its own.
+fn gpu_product_dispatches(t: &TensorDesc) -> f64 {
+    let shares_inputs = t.name.contains("attn_k.") || t.name.contains("attn_v.");
+    let quantized = matches!(t.weight_type.name(), "Q4_0" | "Q8_0") && !shares_inputs;
+    if quantized {
+        2.0
+    } else {
+        1.0
+    }
+}
+
+/// [`State::gpu_key`]: each tensor its own key, but a dense FFN's up projection the key of
+/// its layer's gate (`blk.N.ffn_up.weight` → `blk.N.ffn_gate.weight`), with whom it is one
+/// stacked product on the GPU. Routed experts are counted per layer instead
+/// ([`Group::indexed_dispatch`]).
+fn dispatch_keys(model: &ModelDesc) -> Vec<usize> {
+    let index: BTreeMap<&str, usize> = model
+        .tensors
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.name.as_str(), i))
+        .collect();
+    model
+        .tensors
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let gate = t.name.replace("ffn_up", "ffn_gate");
+            match index.get(gate.as_str()) {
+                Some(&g) if g != i => g,
+                _ => i,
+            }
+        })
+        .collect()
+}
 
 /// Jobs of the CPU engine's thread pool per layer that read no weights: RoPE and attention
 /// (norms and adds run on the calling thread). Each costs the profile's `cpu.dispatch_s`.
@@ -388,6 +444,11 @@ pub(super) struct State<'a> {
     /// Per tensor: summed probability of its units on the GPU and on the CPU, for dispatches.
     on_gpu: Vec<f64>,
     on_cpu: Vec<f64>,
+    /// Per tensor: the tensor whose dispatch it shares on the GPU (itself, or for an up
+    /// projection its gate, stacked with it) and that dispatch's count ([`gpu_dispatches`];
+    /// an up projection on the GPU without its gate pays its own product's).
+    gpu_key: Vec<usize>,
+    gpu_ops: Vec<f64>,
     dispatch_gpu: f64,
     dispatch_cpu: f64,
     miss: f64,
@@ -418,7 +479,8 @@ impl<'a> State<'a> {
                 KvRead::Cpu(s) => g.cpu[0] = s + CPU_WEIGHTLESS_JOBS * profile.cpu.dispatch_s,
             }
         }
-        // The indexed path's cost per MoE layer: one dispatch per routed expert matrix.
+        // The indexed path's cost per MoE layer: the dispatches of its routed expert matrices,
+        // each over every chosen expert.
         let mut routed_tensors: Vec<std::collections::BTreeSet<usize>> =
             vec![Default::default(); groups.len()];
         for u in units.iter().filter(|u| u.routed) {
@@ -426,7 +488,16 @@ impl<'a> State<'a> {
             routed_tensors[u.group].extend(u.tensors.iter().copied());
         }
         for (g, t) in groups.iter_mut().zip(&routed_tensors) {
-            g.indexed_dispatch = (t.len() as f64 + GPU_INDEXED_OPS) * profile.gpu.dispatch_s;
+            // Experts in tensors of their own (older Mixtral files) are stacked on upload.
+            let per_matrix = |t: &TensorDesc| match t.role {
+                TensorRole::Expert { .. } => f64::from(model.expert_count().max(1)),
+                _ => 1.0,
+            };
+            let ops: f64 = t
+                .iter()
+                .map(|&i| gpu_dispatches(&model.tensors[i]) / per_matrix(&model.tensors[i]))
+                .sum();
+            g.indexed_dispatch = ops * profile.gpu.dispatch_s;
         }
         let mut s = State {
             units,
@@ -435,6 +506,8 @@ impl<'a> State<'a> {
             groups,
             on_gpu: vec![0.0; model.tensors.len()],
             on_cpu: vec![0.0; model.tensors.len()],
+            gpu_key: dispatch_keys(model),
+            gpu_ops: model.tensors.iter().map(gpu_dispatches).collect(),
             dispatch_gpu: profile.gpu.dispatch_s,
             dispatch_cpu: profile.cpu.dispatch_s,
             miss,
@@ -473,11 +546,18 @@ impl<'a> State<'a> {
             g.routed_cpu = (g.routed_cpu + sign * p).max(0.0);
             side[ph] += (g.routed_cpu.min(1.0) - before) * CPU_EXPERT_JOBS * cost;
         } else if on_gpu || !u.norm {
-            // Norms on the CPU run on the calling thread, not as pool jobs.
+            // Norms on the CPU run on the calling thread, not as pool jobs; on the GPU they
+            // are fused into products (no dispatch of their own).
             for &ti in &u.tensors {
-                let before = sums[ti].min(1.0);
-                sums[ti] = (sums[ti] + sign * p).max(0.0);
-                side[ph] += (sums[ti].min(1.0) - before) * cost;
+                let (key, ops) = if on_gpu {
+                    let key = self.gpu_key[ti];
+                    (key, self.gpu_ops[key])
+                } else {
+                    (ti, 1.0)
+                };
+                let before = sums[key].min(1.0);
+                sums[key] = (sums[key] + sign * p).max(0.0);
+                side[ph] += (sums[key].min(1.0) - before) * cost * ops;
             }
         }
         match self.tier[i] {
