@@ -10,11 +10,20 @@ use ash::vk;
 use parking_lot::Mutex;
 use spillway_shaders::{Feature, Op, PushConstants, ShaderId, WeightType};
 
+mod bindings;
+mod descriptors;
+mod timer;
+
+pub use bindings::{Access, Binding};
+pub(crate) use descriptors::DescriptorArena;
+
+use bindings::Hazards;
+use timer::Timer;
+
 use super::buffer::Buffer;
 use super::chain::Chain;
 use super::device::Device;
-use super::driver_fault::DriverObject;
-use super::error::{map_vk, GpuError, Result};
+use super::error::{GpuError, Result};
 use super::matmul_tile::MatMulTile;
 use super::ops::{MatVecShape, StepWord};
 use super::ops_batch::MAX_MATVEC_COLS;
@@ -280,10 +289,7 @@ impl Kernels {
         meanwhile: impl FnOnce() -> R,
     ) -> Result<(RecordStats, R)> {
         let max_range = self.device.max_storage_buffer_range();
-        let mut arena = DescriptorArena {
-            pools: Vec::new(),
-            device: self.device.clone(),
-        };
+        let mut arena = DescriptorArena::new(&self.device);
         self.device.try_run_overlapped(
             |cmd| self.record_into(cmd, &mut arena, max_range, None, f),
             meanwhile,
@@ -300,10 +306,7 @@ impl Kernels {
         mut f: impl FnMut(usize, &mut Recorder<'_>) -> Result<()>,
     ) -> Result<(ChainRun, RecordStats)> {
         let max_range = self.device.max_storage_buffer_range();
-        let mut arena = DescriptorArena {
-            pools: Vec::new(),
-            device: self.device.clone(),
-        };
+        let mut arena = DescriptorArena::new(&self.device);
         let (chain, parts) = Chain::start(&self.device, n_parts, |i, cmd| {
             self.record_into(cmd, &mut arena, max_range, None, |rec| {
                 if i > 0 {
@@ -359,10 +362,7 @@ impl Kernels {
         timer: Option<&Timer>,
         f: impl FnOnce(&mut Recorder<'_>) -> Result<()>,
     ) -> Result<RecordStats> {
-        let mut arena = DescriptorArena {
-            pools: Vec::new(),
-            device: self.device.clone(),
-        };
+        let mut arena = DescriptorArena::new(&self.device);
         self.device
             .try_run_once(|cmd| self.record_into(cmd, &mut arena, max_range, timer, f))
         // `arena` (the descriptor sets) drops here, after the wait.
@@ -373,10 +373,7 @@ impl Kernels {
     pub fn record_replay(&self, f: impl FnOnce(&mut Recorder<'_>) -> Result<()>) -> Result<Replay> {
         let max_range = self.device.max_storage_buffer_range();
         Replay::new(&self.device, |cmd| {
-            let mut arena = DescriptorArena {
-                pools: Vec::new(),
-                device: self.device.clone(),
-            };
+            let mut arena = DescriptorArena::new(&self.device);
             let mut pipelines = Vec::new();
             let stats = self.record_keeping(cmd, &mut arena, max_range, None, &mut pipelines, f)?;
             Ok((stats, arena, pipelines))
@@ -450,134 +447,6 @@ pub struct RecordStats {
     pub gpu_ns: Option<u64>,
 }
 
-/// Two timestamp queries around a recording.
-struct Timer {
-    pool: vk::QueryPool,
-    device: Arc<Device>,
-}
-
-impl Timer {
-    fn new(device: &Arc<Device>) -> Result<Timer> {
-        let info = vk::QueryPoolCreateInfo::default()
-            .query_type(vk::QueryType::TIMESTAMP)
-            .query_count(2);
-        // SAFETY: a valid create info; the pool is destroyed in `Drop`.
-        let pool = unsafe { device.raw.create_query_pool(&info, None) }.map_err(map_vk)?;
-        Ok(Timer {
-            pool,
-            device: device.clone(),
-        })
-    }
-
-    fn begin(&self, cmd: vk::CommandBuffer) {
-        // SAFETY: `cmd` is recording; the pool has two queries.
-        unsafe {
-            self.device.raw.cmd_reset_query_pool(cmd, self.pool, 0, 2);
-            self.device.raw.cmd_write_timestamp(
-                cmd,
-                vk::PipelineStageFlags::TOP_OF_PIPE,
-                self.pool,
-                0,
-            );
-        }
-    }
-
-    fn end(&self, cmd: vk::CommandBuffer) {
-        // SAFETY: as `begin`.
-        unsafe {
-            self.device.raw.cmd_write_timestamp(
-                cmd,
-                vk::PipelineStageFlags::BOTTOM_OF_PIPE,
-                self.pool,
-                1,
-            );
-        }
-    }
-
-    /// Nanoseconds between the two timestamps, once the recording has completed.
-    fn elapsed_ns(&self) -> Result<Option<u64>> {
-        let mut ticks = [0u64; 2];
-        // SAFETY: both queries were written by a completed submission.
-        unsafe {
-            self.device.raw.get_query_pool_results(
-                self.pool,
-                0,
-                &mut ticks,
-                vk::QueryResultFlags::TYPE_64 | vk::QueryResultFlags::WAIT,
-            )
-        }
-        .map_err(map_vk)?;
-        let period = f64::from(self.device.limits.timestamp_period);
-        Ok((period > 0.0).then(|| (ticks[1].wrapping_sub(ticks[0]) as f64 * period) as u64))
-    }
-}
-
-impl Drop for Timer {
-    fn drop(&mut self) {
-        // SAFETY: the submission that used the pool has completed.
-        unsafe { self.device.raw.destroy_query_pool(self.pool, None) };
-    }
-}
-
-/// How a dispatch uses a binding.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Access {
-    Read,
-    /// Written, and perhaps read too.
-    Write,
-}
-
-/// A range of a buffer bound to one binding.
-#[derive(Clone, Copy)]
-pub struct Binding<'b> {
-    pub buffer: &'b Buffer,
-    pub offset: u64,
-    pub range: u64,
-    pub access: Access,
-}
-
-impl<'b> Binding<'b> {
-    pub fn read(buffer: &'b Buffer) -> Binding<'b> {
-        Binding {
-            buffer,
-            offset: 0,
-            range: buffer.size(),
-            access: Access::Read,
-        }
-    }
-
-    pub fn write(buffer: &'b Buffer) -> Binding<'b> {
-        Binding {
-            access: Access::Write,
-            ..Binding::read(buffer)
-        }
-    }
-}
-
-/// Buffers touched since the last barrier.
-#[derive(Default)]
-struct Hazards {
-    read: Vec<vk::Buffer>,
-    written: Vec<vk::Buffer>,
-}
-
-impl Hazards {
-    fn conflicts(&self, b: &Binding<'_>) -> bool {
-        let raw = b.buffer.raw;
-        self.written.contains(&raw) || (b.access == Access::Write && self.read.contains(&raw))
-    }
-
-    fn note(&mut self, b: &Binding<'_>) {
-        let list = match b.access {
-            Access::Read => &mut self.read,
-            Access::Write => &mut self.written,
-        };
-        if !list.contains(&b.buffer.raw) {
-            list.push(b.buffer.raw);
-        }
-    }
-}
-
 /// A dispatch's grid of workgroups.
 #[derive(Clone, Copy)]
 pub(crate) enum Grid<'b> {
@@ -587,58 +456,6 @@ pub(crate) enum Grid<'b> {
     /// needs. The host writes them before the submission (its writes are visible to it); no
     /// shader writes them.
     Indirect(StepWord<'b>),
-}
-
-/// Descriptor pools of one recording, destroyed with it.
-pub(super) struct DescriptorArena {
-    pools: Vec<vk::DescriptorPool>,
-    device: Arc<Device>,
-}
-
-const SETS_PER_POOL: u32 = 256;
-const MAX_BINDINGS: u32 = 8;
-
-impl DescriptorArena {
-    fn set(&mut self, layout: vk::DescriptorSetLayout) -> Result<vk::DescriptorSet> {
-        let dev = &self.device.raw;
-        let layouts = [layout];
-        if let Some(&pool) = self.pools.last() {
-            let info = vk::DescriptorSetAllocateInfo::default()
-                .descriptor_pool(pool)
-                .set_layouts(&layouts);
-            // SAFETY: the arena owns `pool` and is used by one thread (it is `&mut`).
-            match unsafe { dev.allocate_descriptor_sets(&info) } {
-                Ok(s) => return Ok(s[0]),
-                Err(vk::Result::ERROR_OUT_OF_POOL_MEMORY | vk::Result::ERROR_FRAGMENTED_POOL) => {}
-                Err(e) => return Err(map_vk(e)),
-            }
-        }
-        let sizes = [vk::DescriptorPoolSize::default()
-            .ty(vk::DescriptorType::STORAGE_BUFFER)
-            .descriptor_count(SETS_PER_POOL * MAX_BINDINGS)];
-        let info = vk::DescriptorPoolCreateInfo::default()
-            .max_sets(SETS_PER_POOL)
-            .pool_sizes(&sizes);
-        self.device.check_refusal(DriverObject::DescriptorPool)?;
-        // SAFETY: a valid create info; the pool is destroyed in `Drop`.
-        let pool = unsafe { dev.create_descriptor_pool(&info, None) }.map_err(map_vk)?;
-        self.pools.push(pool);
-        let info = vk::DescriptorSetAllocateInfo::default()
-            .descriptor_pool(pool)
-            .set_layouts(&layouts);
-        // SAFETY: as above, from the fresh pool.
-        Ok(unsafe { dev.allocate_descriptor_sets(&info) }.map_err(map_vk)?[0])
-    }
-}
-
-impl Drop for DescriptorArena {
-    fn drop(&mut self) {
-        for &pool in &self.pools {
-            // SAFETY: the recording that used these sets has completed (or was never
-            // submitted); destroying a pool frees its sets.
-            unsafe { self.device.raw.destroy_descriptor_pool(pool, None) };
-        }
-    }
 }
 
 /// Records dispatches into one command buffer (see [`Kernels::record`]).
