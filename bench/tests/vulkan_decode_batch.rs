@@ -216,6 +216,51 @@ fn batched_steps_over_the_vram_budget_read_misses_over_the_bus() {
     assert!(t.pcie > 0 && t.pcie == t.misses, "{t:?}");
 }
 
+/// Under a VRAM budget with misses on the CPU, a batched step is still one pass on the GPU: at
+/// each MoE layer the CPU runs the missing experts, each once over every sequence's tokens that
+/// chose it, and the GPU adds their sums after the resident ones.
+#[test]
+fn batched_steps_over_the_vram_budget_run_misses_on_the_cpu() {
+    let Some(dev) = device() else { return };
+    let model = synth_model("tiny-qwen3moe", "Q4_0");
+    // One slot for a prompt's missing experts: the budget then holds a chunk's memory even
+    // where the tiny model's experts take less.
+    let cpu = GpuModelOptions {
+        moe_miss: MoeMiss::Cpu,
+        prompt_expert_slots: 1,
+        ..options(3)
+    };
+    // The smallest budget, in steps of half a slot a layer from the minimum, at which the
+    // model keeps three sequences and batches their steps (a chunk's memory) with some experts
+    // outside VRAM.
+    let minimum = GpuModel::minimum_budget(&dev, &model, &cpu).unwrap();
+    let step = (minimum.one_slot_per_layer / 2).max(1);
+    let batches = |o: &GpuModelOptions| {
+        let mut probe = GpuModel::new(&dev, &model, o).ok()?;
+        if !probe.placement().is_partial() {
+            return Some(false);
+        }
+        probe.eval_batch(&[(0, 1), (1, 2), (2, 3)]).ok()?;
+        (probe.sequences() == 3 && probe.batched_steps() == 1).then_some(true)
+    };
+    let options = (0..512)
+        .map(|i| GpuModelOptions {
+            vram_budget: Some(minimum.total() + i * step),
+            ..cpu.clone()
+        })
+        .find_map(|o| batches(&o).map(|partial| (o, partial)))
+        .expect("a budget at which three sequences' steps batch");
+    assert!(options.1, "steps batch only with every expert in VRAM");
+    let mut gpu = GpuModel::new(&dev, &model, &options.0).unwrap();
+    let before = gpu.expert_stats().unwrap().total();
+    check_against_alone(&dev, &model, &mut gpu, "tiny-qwen3moe, misses on the CPU");
+    assert_eq!(gpu.batched_steps(), 4);
+    let t = gpu.expert_stats().unwrap().total();
+    // Prompts stream their misses through slots; decode steps run them on the CPU.
+    assert!(t.cpu > before.cpu, "{t:?}");
+    assert_eq!(t.cpu + t.fetched, t.misses, "{t:?}");
+}
+
 /// With steps batched by measured cost (the default), a model measures both ways before it
 /// chooses: its first two steps of several sequences batched (the first one records the step
 /// and is not counted), its next two a sequence at a time; every step gives each sequence the

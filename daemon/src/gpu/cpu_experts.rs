@@ -64,27 +64,82 @@ impl CpuExperts {
         xn: &[f32],
         experts: &[RoutedExpert],
     ) -> Result<Vec<f32>, StreamError> {
+        let e = self.model.config.n_embd;
+        let chosen: Vec<usize> = experts.iter().map(|r| r.expert).collect();
+        let y = self.outputs(layer, xn, &chosen, chosen.len())?;
+        let mut sum = vec![0.0f32; e];
+        for (r, y) in experts.iter().zip(y.chunks_exact(e)) {
+            for (s, y) in sum.iter_mut().zip(y) {
+                *s += y * r.weight;
+            }
+        }
+        Ok(sum)
+    }
+
+    /// For the tokens of a step, `xn` their normalised rows (`n_embd` each): each token's
+    /// `Σ weight · expert(xn)` over the `entries` that name it, `(token, expert)`, summed in
+    /// their order; a token no entry names gets zeros. Each expert is read once for all the
+    /// tokens that chose it, so the step's tokens share its weights.
+    ///
+    /// # Errors
+    /// As [`CpuExperts::weighted_sum`].
+    ///
+    /// # Panics
+    /// As [`CpuExperts::weighted_sum`], or if an entry's token has no row in `xn`.
+    pub fn weighted_sums(
+        &self,
+        layer: usize,
+        xn: &[f32],
+        entries: &[(usize, RoutedExpert)],
+    ) -> Result<Vec<f32>, StreamError> {
+        let e = self.model.config.n_embd;
+        let mut sums = vec![0.0f32; xn.len()];
+        if entries.is_empty() {
+            return Ok(sums);
+        }
+        // A row of inputs per entry, each its own expert's (k = 1).
+        let rows: Vec<f32> = entries
+            .iter()
+            .flat_map(|&(t, _)| xn[t * e..(t + 1) * e].iter().copied())
+            .collect();
+        let chosen: Vec<usize> = entries.iter().map(|(_, r)| r.expert).collect();
+        let y = self.outputs(layer, &rows, &chosen, 1)?;
+        for (&(t, r), y) in entries.iter().zip(y.chunks_exact(e)) {
+            for (s, y) in sums[t * e..(t + 1) * e].iter_mut().zip(y) {
+                *s += y * r.weight;
+            }
+        }
+        Ok(sums)
+    }
+
+    /// The unweighted outputs of experts `chosen` of layer `layer` for the rows of `xn`, `k`
+    /// chosen a row ([`routed_experts`]), each expert read once.
+    fn outputs(
+        &self,
+        layer: usize,
+        xn: &[f32],
+        chosen: &[usize],
+        k: usize,
+    ) -> Result<Vec<f32>, StreamError> {
         let Ffn::Moe(moe) = &self.model.layers[layer].ffn else {
             panic!("layer {layer} has no experts");
         };
-        let e = self.model.config.n_embd;
-        let chosen: Vec<usize> = experts.iter().map(|r| r.expert).collect();
         let y = match &self.ram {
-            None => routed_experts(&self.model, &self.pool, moe, xn, &chosen, chosen.len()),
+            None => routed_experts(&self.model, &self.pool, moe, xn, chosen, k),
             Some(cache) => {
-                // Pinned (held) until the products are done.
+                // Each expert once, pinned (held) until the products are done.
+                let mut distinct = chosen.to_vec();
+                distinct.sort_unstable();
+                distinct.dedup();
                 let loaded: Vec<Arc<Expert>> = {
                     let mut cache = cache.lock();
-                    chosen
+                    distinct
                         .iter()
                         .map(|&ex| cache.get_or_load(ExpertKey::new(layer as u32, ex as u32)))
                         .collect::<Result<_, _>>()?
                 };
                 let mats = |ex: usize| -> [MatRef<'_>; 3] {
-                    let i = chosen
-                        .iter()
-                        .position(|&c| c == ex)
-                        .expect("a chosen expert");
+                    let i = distinct.binary_search(&ex).expect("a chosen expert");
                     let stacks = [&moe.gate, &moe.up, &moe.down];
                     std::array::from_fn(|m| MatRef {
                         ty: stacks[m].ty,
@@ -93,19 +148,13 @@ impl CpuExperts {
                         data: loaded[i].part(m),
                     })
                 };
-                routed_experts_with(&self.pool, &mats, xn, &chosen, chosen.len())
+                routed_experts_with(&self.pool, &mats, xn, chosen, k)
             }
         };
         if let Some(traced) = self.traced.lock().as_mut() {
             traced.extend(self.pool.take_spans().into_iter().map(|s| (layer, s)));
         }
-        let mut sum = vec![0.0f32; e];
-        for (r, y) in experts.iter().zip(y.chunks_exact(e)) {
-            for (s, y) in sum.iter_mut().zip(y) {
-                *s += y * r.weight;
-            }
-        }
-        Ok(sum)
+        Ok(y)
     }
 
     /// The RAM tier's counters per layer (hits, misses read from the file, evictions) and the

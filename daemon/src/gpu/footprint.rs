@@ -156,11 +156,29 @@ pub fn expert_stream_bytes(model: &Model, capacity: usize, slots: usize) -> u64 
 /// where its MoE layers are routed on the device, the routing's own buffers (the host-visible
 /// memory of a prompt that wants every token's logits is apart); 0 for a dense model.
 pub fn moe_chunk_bytes(model: &Model, capacity: usize) -> u64 {
+    let tokens = crate::gpu::forward::PREFILL_CHUNK.min(capacity.next_multiple_of(64));
+    moe_chunk_bytes_for(model, capacity, tokens)
+}
+
+/// Device memory of a MoE model's chunk for a batched decode step of up to
+/// [`MAX_MATVEC_COLS`](crate::gpu::ops_batch::MAX_MATVEC_COLS) sequences, its host-visible
+/// logits included: what a model whose misses run on the CPU keeps room for when it holds
+/// several sequences ([`crate::gpu::forward::GpuModel::eval_batch`]); 0 for a dense model.
+pub fn moe_step_chunk_bytes(model: &Model, capacity: usize) -> u64 {
+    if model.config.moe.is_none() {
+        return 0;
+    }
+    let tokens = crate::gpu::ops_batch::MAX_MATVEC_COLS as usize;
+    let logits = buffer((tokens * model.config.n_vocab * 4) as u64);
+    moe_chunk_bytes_for(model, capacity, tokens) + logits
+}
+
+/// [`moe_chunk_bytes`] for a chunk of `tokens` tokens.
+fn moe_chunk_bytes_for(model: &Model, capacity: usize, tokens: usize) -> u64 {
     let c = &model.config;
     let Some(cfg) = c.moe else {
         return 0;
     };
-    let tokens = crate::gpu::forward::PREFILL_CHUNK.min(capacity.next_multiple_of(64));
     let chunk = crate::gpu::forward::batch_bytes(c, tokens, capacity);
     // Gathered rows, gate, up and output of a group's entries, the rows to gather from, the
     // router logits read back and the routing (token ids and weights); routed on the device,

@@ -286,10 +286,10 @@ impl Placement {
 
     /// Whether a decode step can take one token of several sequences in one pass with this
     /// placement ([`crate::gpu::forward::GpuModel::eval_batch`]): every layer on the GPU, and
-    /// every routed expert in VRAM or read by the GPU from system RAM (`miss`
-    /// [`MoeMiss::Pcie`]).
+    /// every routed expert in VRAM, read by the GPU from system RAM (`miss` [`MoeMiss::Pcie`])
+    /// or run on the CPU over the step's tokens that chose it ([`MoeMiss::Cpu`]).
     pub fn batches_steps(&self, miss: MoeMiss) -> bool {
-        self.cpu_layers == 0 && (!self.is_partial() || miss == MoeMiss::Pcie)
+        self.cpu_layers == 0 && (!self.is_partial() || matches!(miss, MoeMiss::Pcie | MoeMiss::Cpu))
     }
 
     /// Slots of every MoE layer, in the order of [`Placement::moe_layers`].

@@ -17,11 +17,16 @@
 //! token's position leaving at once. Recording a step of a 32-layer model costs the host about
 //! 2 ms (`bench/RESULTS.md`, 2026-12-03), as long as a step of a few sequences may take.
 //!
+//! A MoE model whose experts that miss VRAM run on the CPU ([`MoeMiss::Cpu`]) takes the
+//! chunk's path with its MoE layers routed on the host: at each, the host reads the router
+//! logits, the CPU runs the missing experts, each once over every token that chose it (its
+//! weights read from RAM or the file once for the step), and the next command buffer runs the
+//! resident ones and adds the CPU's sums.
+//!
 //! Where a step cannot take the tokens together (a dense model's first layers on the CPU, whose
-//! cache holds one sequence; routed experts computed on the CPU or fetched, which the chunk path
-//! would stream through VRAM for every step; a chunk's memory refused) the tokens go one after
-//! another through [`GpuModel::eval`], each sequence selected in turn: the same logits, without
-//! the sharing.
+//! cache holds one sequence; routed experts fetched into slots; a chunk's memory refused) the
+//! tokens go one after another through [`GpuModel::eval`], each sequence selected in turn: the
+//! same logits, without the sharing.
 
 use super::prefill::LOGITS_CHUNK;
 use super::{GpuFfn, GpuModel, MoeMiss};
@@ -252,7 +257,8 @@ impl GpuModel {
     fn batches_steps(&mut self, n: usize) -> Result<bool> {
         let miss = self.experts.as_ref().map_or(MoeMiss::Cpu, |e| e.miss);
         // (Layers on the CPU make the placement's answer no.)
-        if !self.placement.batches_steps(miss) || !self.batches_prompts() {
+        let chunks = self.batches_prompts() || (self.cpu_misses() && !self.chunks_refused(n));
+        if !self.placement.batches_steps(miss) || !chunks {
             return Ok(false);
         }
         if !self.make_batch(n)? || !self.make_batch_logits()? {

@@ -33,9 +33,15 @@ fn routed_expert_bytes(model: &Model) -> u64 {
 
 impl GpuModel {
     /// Device memory `model` would take with `options`, before any upload.
+    /// With several sequences and misses on the CPU, room for a batched step's chunk
+    /// ([`crate::gpu::footprint::moe_step_chunk_bytes`]).
     pub fn device_bytes(model: &Model, options: &GpuModelOptions) -> DeviceBytes {
-        device_bytes(model, Self::capacity_for(&model.config, options))
-            .with_sequences(options.sequences.max(1))
+        let capacity = Self::capacity_for(&model.config, options);
+        let mut bytes = device_bytes(model, capacity).with_sequences(options.sequences.max(1));
+        if options.sequences > 1 && options.moe_miss == MoeMiss::Cpu {
+            bytes.activations += crate::gpu::footprint::moe_step_chunk_bytes(model, capacity);
+        }
+        bytes
     }
 
     fn stream_for(options: &GpuModelOptions) -> Option<usize> {
@@ -499,7 +505,7 @@ impl GpuModel {
             replay: None,
             last_profile: None,
             batch: None,
-            batch_refused: false,
+            batch_refused: None,
             step_batching: options.step_batching,
             moe_by_entry: options.moe_by_entry,
             step_costs: Default::default(),

@@ -276,8 +276,9 @@ pub struct GpuModel {
     last_profile: Option<GpuStepProfile>,
     /// A prompt chunk's activations, made at the first prompt ([`prefill`]).
     batch: Option<prefill::Batch>,
-    /// The VRAM budget refused the memory for `batch`: prompts go token by token.
-    batch_refused: bool,
+    /// The smallest chunk, in tokens, whose memory the VRAM budget refused: chunks as large
+    /// are not tried again (prompts go token by token, steps a sequence at a time).
+    batch_refused: Option<usize>,
     /// See [`GpuModelOptions::step_batching`].
     step_batching: StepBatching,
     /// See [`GpuModelOptions::moe_by_entry`].

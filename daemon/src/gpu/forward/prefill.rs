@@ -36,7 +36,7 @@ mod routing;
 
 use spillway_shaders::WeightType;
 
-use super::{profile, GpuFfn, GpuModel, HostTime};
+use super::{profile, GpuFfn, GpuModel, HostTime, MoeMiss};
 use crate::gpu::alloc::MemoryUse;
 use crate::gpu::buffer::Buffer;
 use crate::gpu::error::{GpuError, Result};
@@ -66,6 +66,18 @@ fn scratch_per_token(c: &crate::model::Config, end: usize) -> usize {
 /// Most bytes of a MoE chunk's gathered rows (each an expert's input, gate, up and output),
 /// unless one chunk's tokens take more.
 const MOE_SCRATCH_BYTES: usize = 128 << 20;
+
+/// Tokens of the chunk made for `n` ([`GpuModel::make_batch`]): a multiple of 64, at most
+/// [`PREFILL_CHUNK`]; for the few tokens of a batched decode step (at most the several-column
+/// kernel's [`MAX_MATVEC_COLS`]), that many, so that a VRAM budget too small for a prompt's
+/// chunk may still hold a step's.
+fn chunk_tokens(n: usize) -> usize {
+    if n <= MAX_MATVEC_COLS as usize {
+        MAX_MATVEC_COLS as usize
+    } else {
+        n.next_multiple_of(64).min(PREFILL_CHUNK)
+    }
+}
 
 /// Rows of a MoE chunk of `tokens` tokens' gathered scratch ([`BatchMoe`]): room for every
 /// token's `k` entries where [`MOE_SCRATCH_BYTES`] holds them, so that a layer's resident
@@ -99,7 +111,7 @@ pub(crate) fn logits_bytes(c: &crate::model::Config) -> u64 {
 }
 
 /// Activations of a chunk of tokens, token-major; made at the first prompt, for as many tokens
-/// as it has (rounded up to a multiple of 64, at most [`PREFILL_CHUNK`]), and made again larger
+/// as it has ([`chunk_tokens`]), and made again larger
 /// for a longer prompt, so that short prompts do not pin a full chunk's memory.
 pub(super) struct Batch {
     /// Most tokens a chunk may have.
@@ -161,6 +173,16 @@ pub(super) struct BatchMoe {
     /// Present where the chunk's MoE layers are routed on the device
     /// ([`GpuModel::routes_chunks_on_device`]).
     device: Option<ChunkOnDevice>,
+    /// Present where the experts that miss VRAM run on the CPU in batched decode steps
+    /// ([`GpuModel::cpu_misses`]).
+    pub(super) cpu: Option<BatchCpu>,
+}
+
+/// Host-visible scratch of a batched step's experts on the CPU: the chunk's normalised rows
+/// for the CPU to read, and each token's sum of the experts it ran, for the GPU to add.
+pub(super) struct BatchCpu {
+    pub(super) xn: Buffer,
+    pub(super) sum: Buffer,
 }
 
 impl BatchMoe {
@@ -296,6 +318,21 @@ impl Batch {
                             }),
                             false => None,
                         },
+                        cpu: match m.cpu_misses() {
+                            true => Some(BatchCpu {
+                                xn: Buffer::new_in(
+                                    al,
+                                    (n * c.n_embd * 4) as u64,
+                                    MemoryUse::Staging,
+                                )?,
+                                sum: Buffer::new_in(
+                                    al,
+                                    (n * c.n_embd * 4) as u64,
+                                    MemoryUse::Staging,
+                                )?,
+                            }),
+                            false => None,
+                        },
                         shared: match shared {
                             true => Some(BatchShared {
                                 logits: Buffer::new_in(al, n as u64 * 4, MemoryUse::Staging)?,
@@ -313,6 +350,11 @@ impl Batch {
 
     pub(super) fn step(&self) -> &Buffer {
         &self.step
+    }
+
+    /// Whether the chunk's tokens are one of each of several sequences (a batched decode step).
+    pub(super) fn ragged(&self) -> bool {
+        self.ragged
     }
 
     /// Writes the step buffer: the chunk's token ids, then its positions ([`StepWord`]).
@@ -360,7 +402,7 @@ impl Batch {
     /// Makes the host-visible buffer for every token's logits, if not made yet.
     fn logits_buffer(&mut self, m: &GpuModel) -> Result<()> {
         if self.logits.is_none() {
-            let bytes = (LOGITS_CHUNK * m.config.n_vocab * 4) as u64;
+            let bytes = (LOGITS_CHUNK.min(self.tokens) * m.config.n_vocab * 4) as u64;
             self.logits = Some(Buffer::new_in(&m.allocator, bytes, MemoryUse::Staging)?);
         }
         Ok(())
@@ -370,9 +412,15 @@ impl Batch {
 /// Where a chunk's next command buffer starts after MoE layer `layer`'s router: its resident
 /// experts' runs (the experts not resident ran meanwhile, [`super::stream_experts`]), then its
 /// shared expert, with the route buffer's weights from word `weights_at`.
-/// A chunk paused at a MoE layer's router: the layer, its routing, its resident experts' runs
-/// and those runs in groups.
-type Paused = (usize, ChunkRouting, Vec<ExpertRun>, Option<Vec<RunGroup>>);
+/// A chunk paused at a MoE layer's router: the layer, its routing, its resident experts' runs,
+/// those runs in groups and whether the CPU's sums of its other experts are to be added.
+type Paused = (
+    usize,
+    ChunkRouting,
+    Vec<ExpertRun>,
+    Option<Vec<RunGroup>>,
+    bool,
+);
 
 pub(super) struct ChunkResume<'a> {
     layer: usize,
@@ -381,6 +429,8 @@ pub(super) struct ChunkResume<'a> {
     /// `runs` as groups, their words written to the route buffer ([`group_runs`]).
     groups: Option<&'a [RunGroup]>,
     shared_from: Option<usize>,
+    /// The CPU computed the layer's other experts into the batch's `cpu.sum`.
+    cpu_sum: bool,
 }
 
 impl GpuModel {
@@ -394,7 +444,21 @@ impl GpuModel {
         let moe_ok = !self.placement.is_partial()
             || self.expert_stream.is_some()
             || self.routes_chunks_on_device(PREFILL_CHUNK);
-        moe_ok && !self.batch_refused
+        moe_ok && !self.chunks_refused(1)
+    }
+
+    /// Whether the VRAM budget refused a chunk as large as one of `n` tokens takes.
+    pub(super) fn chunks_refused(&self, n: usize) -> bool {
+        self.batch_refused.is_some_and(|r| chunk_tokens(n) >= r)
+    }
+
+    /// Whether a batched decode step runs the routed experts that miss VRAM on the CPU, each
+    /// once for all the tokens that chose it ([`MoeMiss::Cpu`] with CPU experts), where a
+    /// prompt's chunk streams them through VRAM slots.
+    pub(super) fn cpu_misses(&self) -> bool {
+        self.experts
+            .as_ref()
+            .is_some_and(|e| e.miss == MoeMiss::Cpu && e.cpu.is_some())
     }
 
     /// Whether a chunk of `n` tokens routes its MoE layers on the device, in its one
@@ -442,16 +506,18 @@ impl GpuModel {
         Ok(logits)
     }
 
-    /// Makes a chunk's activations for `n` tokens (rounded up to 64, at most
-    /// [`PREFILL_CHUNK`]) unless the ones made hold them (the smaller one's memory is given
-    /// back first); `false` where the device memory was refused: prompts then go token by
-    /// token, and batched steps one sequence at a time. A refusal by the VRAM budget is
-    /// remembered (it would refuse again); one by the driver is not, and the next prompt tries
-    /// again.
+    /// Makes a chunk's activations for `n` tokens ([`chunk_tokens`]) unless the ones made hold
+    /// them (the smaller one's memory is given back first); `false` where the device memory
+    /// was refused: prompts then go token by token, and batched steps one sequence at a time.
+    /// A refusal by the VRAM budget is remembered for chunks as large (they would be refused
+    /// again); one by the driver is not, and the next prompt tries again.
     pub(super) fn make_batch(&mut self, n: usize) -> Result<bool> {
-        let wanted = n.next_multiple_of(64).min(PREFILL_CHUNK);
+        let wanted = chunk_tokens(n);
         if self.batch.as_ref().is_some_and(|b| b.tokens >= wanted) {
             return Ok(true);
+        }
+        if self.chunks_refused(n) {
+            return Ok(false);
         }
         self.batch = None;
         match Batch::new(self, wanted) {
@@ -469,7 +535,7 @@ impl GpuModel {
                 tracing::warn!(
                     "prompts go token by token, batched steps a sequence at a time: {e}"
                 );
-                self.batch_refused = true;
+                self.batch_refused = Some(self.batch_refused.map_or(wanted, |r| r.min(wanted)));
                 Ok(false)
             }
             Err(e) => Err(e),
@@ -526,10 +592,11 @@ impl GpuModel {
         let mut out = Vec::new();
         let mut rest = tokens;
         while !rest.is_empty() {
+            let made = self.batch.as_ref().expect("made").tokens;
             let most = if all_logits {
-                LOGITS_CHUNK
+                LOGITS_CHUNK.min(made)
             } else {
-                self.batch.as_ref().expect("made").tokens
+                made
             };
             // Scratch per token grows with the runs of positions below the chunk's end; the
             // flash-attention kernel takes none.
@@ -629,13 +696,16 @@ impl GpuModel {
         let mut on_device = Vec::new();
         loop {
             let mut paused = None;
-            let from = resume.as_ref().map(|(il, r, runs, groups)| ChunkResume {
-                layer: *il,
-                weights_at: r.weights_at(),
-                runs,
-                groups: groups.as_deref(),
-                shared_from: r.shared_from,
-            });
+            let from = resume
+                .as_ref()
+                .map(|(il, r, runs, groups, cpu)| ChunkResume {
+                    layer: *il,
+                    weights_at: r.weights_at(),
+                    runs,
+                    groups: groups.as_deref(),
+                    shared_from: r.shared_from,
+                    cpu_sum: *cpu,
+                });
             let t = std::time::Instant::now();
             let record = |rec: &mut Recorder<'_>| {
                 let out = (&mut paused, &mut on_device);
@@ -658,8 +728,9 @@ impl GpuModel {
             let routing = ChunkRouting::new(&cfg, &logits, shared.as_deref());
             let bytes: Vec<u8> = routing.words.iter().flat_map(|w| w.to_le_bytes()).collect();
             m.route.write(&bytes);
-            // The experts not in VRAM run here; the resident ones in the next part.
-            let resident = self.chunk_experts(batch, il, &routing)?;
+            // The experts not in VRAM run here (streamed through slots, or on the CPU in a
+            // batched decode step); the resident ones in the next part.
+            let (resident, cpu_sum) = self.chunk_experts(batch, il, &routing)?;
             // The resident experts in groups, described after the routing's words.
             let m = batch.moe.as_mut().expect("MoE scratch");
             let base = routing.words.len();
@@ -670,7 +741,7 @@ impl GpuModel {
                     m.route.bytes_mut()[base * 4..base * 4 + bytes.len()].copy_from_slice(&bytes);
                     groups
                 });
-            resume = Some((il, routing, resident, groups));
+            resume = Some((il, routing, resident, groups, cpu_sum));
         }
         batch.x_ready = false;
         self.count_routed_on_device(batch, &on_device);
@@ -775,6 +846,9 @@ impl GpuModel {
                     let bufs = (&sh.gate, &sh.up, &m.ed);
                     moe.record_chunk_shared(rec, n, route, &m.xn, bufs, &b.x)?;
                 }
+                if let (true, Some(cpu)) = (r.cpu_sum, &m.cpu) {
+                    rec.scale_add(&b.x, &cpu.sum, 1.0, e * nt)?;
+                }
                 il + 1
             }
         };
@@ -805,6 +879,10 @@ impl GpuModel {
                     rec.matvec_batch(moe.router(), &m.xn.buffer, &m.logits, n)?;
                     if let (Some(gate_inp), Some(sh)) = (moe.shared_gate_inp(), &m.shared) {
                         rec.matvec_batch(gate_inp, &m.xn.buffer, &sh.logits, n)?;
+                    }
+                    if let (true, Some(cpu)) = (b.ragged, &m.cpu) {
+                        // The same norm again, into memory the CPU's experts read.
+                        rec.rms_norm(&b.x, &l.ffn_norm, &cpu.xn, e, nt, eps)?;
                     }
                     *paused = Some(il);
                     return Ok(());

@@ -23,6 +23,7 @@ use std::sync::Arc;
 
 use super::prefill::Batch;
 use super::GpuModel;
+use crate::engine::routing::RoutedExpert;
 use crate::gpu::alloc::Allocator;
 use crate::gpu::error::Result;
 use crate::gpu::moe::{ChunkRouting, ExpertRun, GpuMoe};
@@ -93,15 +94,19 @@ impl ExpertStream {
 impl GpuModel {
     /// Runs MoE layer `il`'s experts that `routing` chose and that are not resident over their
     /// tokens of the chunk in `b` (its normalised rows in `b.moe.xn`, the routing written to
-    /// `b.moe.route`), a group of slots at a time, adding their outputs to `b.x`; counts every
-    /// routed token in the layer's counters and returns the resident experts' runs as
-    /// `(slot, first entry, entries)`, which the chunk's next command buffer runs.
+    /// `b.moe.route`), a group of slots at a time, adding their outputs to `b.x`; or, in a
+    /// batched decode step whose misses go to the CPU ([`GpuModel::cpu_misses`]), on the CPU,
+    /// each expert once for all the tokens that chose it, into `b.moe.cpu.sum` for the chunk's
+    /// next command buffer to add (then `true`). Counts every routed token in the layer's
+    /// counters and returns the resident experts' runs as `(slot, first entry, entries)`, which
+    /// the chunk's next command buffer runs.
     pub(super) fn chunk_experts(
         &mut self,
-        b: &Batch,
+        b: &mut Batch,
         il: usize,
         routing: &ChunkRouting,
-    ) -> Result<Vec<ExpertRun>> {
+    ) -> Result<(Vec<ExpertRun>, bool)> {
+        let on_cpu = b.ragged() && b.moe.as_ref().is_some_and(|m| m.cpu.is_some());
         let ex = self
             .experts
             .as_mut()
@@ -118,13 +123,20 @@ impl GpuModel {
                 }
                 None => {
                     stats.misses += count as u64;
-                    stats.fetched += count as u64;
+                    match on_cpu {
+                        true => stats.cpu += count as u64,
+                        false => stats.fetched += count as u64,
+                    }
                     missing.push((expert, first, count));
                 }
             }
         }
         if missing.is_empty() {
-            return Ok(resident);
+            return Ok((resident, false));
+        }
+        if on_cpu {
+            self.cpu_chunk_experts(b, il, routing, &missing)?;
+            return Ok((resident, true));
         }
         let mut stream = self
             .expert_stream
@@ -137,7 +149,49 @@ impl GpuModel {
             .as_mut()
             .expect("MoE models track their experts");
         ex.stats[il].bytes_uploaded += ran?;
-        Ok(resident)
+        Ok((resident, false))
+    }
+
+    /// The `missing` runs of a batched step's layer `il` on the CPU, from the rows the chunk
+    /// normalised into `b.moe.cpu.xn`; each token's weighted sum into `b.moe.cpu.sum`.
+    fn cpu_chunk_experts(
+        &self,
+        b: &mut Batch,
+        il: usize,
+        routing: &ChunkRouting,
+        missing: &[ExpertRun],
+    ) -> Result<()> {
+        let weights_at = routing.weights_at();
+        let entries: Vec<(usize, RoutedExpert)> = missing
+            .iter()
+            .flat_map(|&(expert, first, count)| {
+                (first..first + count).map(move |i| {
+                    let weight = f32::from_bits(routing.words[weights_at + i]);
+                    (routing.words[i] as usize, RoutedExpert { expert, weight })
+                })
+            })
+            .collect();
+        // Rows up to the last token any entry of the layer names (every token has k).
+        let n = routing.words[..weights_at]
+            .iter()
+            .map(|&t| t as usize + 1)
+            .max()
+            .unwrap_or(0);
+        let e = self.config.n_embd;
+        let cpu = self
+            .experts
+            .as_ref()
+            .and_then(|ex| ex.cpu.as_ref())
+            .expect("misses on the CPU have CPU experts");
+        let scratch = b
+            .moe
+            .as_mut()
+            .and_then(|m| m.cpu.as_mut())
+            .expect("checked by chunk_experts");
+        let xn = scratch.xn.read_f32(n * e);
+        let sums = cpu.weighted_sums(il, &xn, &entries)?;
+        scratch.sum.write_f32(&sums);
+        Ok(())
     }
 
     /// The bytes copied.
