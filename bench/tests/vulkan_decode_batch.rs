@@ -222,7 +222,14 @@ fn batched_steps_over_the_vram_budget_read_misses_over_the_bus() {
 #[test]
 fn batched_steps_over_the_vram_budget_run_misses_on_the_cpu() {
     let Some(dev) = device() else { return };
-    let model = synth_model("tiny-qwen3moe", "Q4_0");
+    // Kept on disk: the RAM tier reads the experts from the file.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.gguf");
+    SynthModel::from_name("tiny-qwen3moe", "Q4_0".parse().unwrap(), 7)
+        .unwrap()
+        .write(&path, false, |_, _| {})
+        .unwrap();
+    let model = Arc::new(Model::open(&path).unwrap());
     // One slot for a prompt's missing experts: the budget then holds a chunk's memory even
     // where the tiny model's experts take less.
     let cpu = GpuModelOptions {
@@ -251,14 +258,24 @@ fn batched_steps_over_the_vram_budget_run_misses_on_the_cpu() {
         .find_map(|o| batches(&o).map(|partial| (o, partial)))
         .expect("a budget at which three sequences' steps batch");
     assert!(options.1, "steps batch only with every expert in VRAM");
-    let mut gpu = GpuModel::new(&dev, &model, &options.0).unwrap();
-    let before = gpu.expert_stats().unwrap().total();
-    check_against_alone(&dev, &model, &mut gpu, "tiny-qwen3moe, misses on the CPU");
-    assert_eq!(gpu.batched_steps(), 4);
-    let t = gpu.expert_stats().unwrap().total();
-    // Prompts stream their misses through slots; decode steps run them on the CPU.
-    assert!(t.cpu > before.cpu, "{t:?}");
-    assert_eq!(t.cpu + t.fetched, t.misses, "{t:?}");
+    // The experts read through the memory map, then through the smallest RAM tier, which pins
+    // a token's experts at a time.
+    let min_ram = spillway_daemon::stream::minimum_ram_budget(&model);
+    for ram_budget in [None, Some(min_ram)] {
+        let o = GpuModelOptions {
+            ram_budget,
+            ..options.0.clone()
+        };
+        let what = format!("tiny-qwen3moe, misses on the CPU, RAM budget {ram_budget:?}");
+        let mut gpu = GpuModel::new(&dev, &model, &o).unwrap();
+        let before = gpu.expert_stats().unwrap().total();
+        check_against_alone(&dev, &model, &mut gpu, &what);
+        assert_eq!(gpu.batched_steps(), 4, "{what}");
+        let t = gpu.expert_stats().unwrap().total();
+        // Prompts stream their misses through slots; decode steps run them on the CPU.
+        assert!(t.cpu > before.cpu, "{what}: {t:?}");
+        assert_eq!(t.cpu + t.fetched, t.misses, "{what}: {t:?}");
+    }
 }
 
 /// With steps batched by measured cost (the default), a model measures both ways before it

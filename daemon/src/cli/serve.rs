@@ -59,8 +59,9 @@ pub struct ServeArgs {
     pub max_queue_wait_ms: Option<f64>,
     /// Requests per model decoded together, sharing each decode step (each has its own KV
     /// cache of --ctx positions). On a Vulkan device, where a step can take them together
-    /// (every layer on the GPU; experts not in VRAM read over the bus); otherwise one. There
-    /// the caches count against --vram-budget: 1 leaves the most VRAM to the weights.
+    /// (every layer on the GPU; experts not in VRAM read over the bus or run on the CPU);
+    /// otherwise one. There the caches count against --vram-budget: 1 leaves the most VRAM to
+    /// the weights.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub max_batch: u16,
     /// Where models run: `cpu`, `vulkan` (the preferred Vulkan device) or `vulkan:N` (device N

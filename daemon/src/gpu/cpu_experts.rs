@@ -94,19 +94,33 @@ impl CpuExperts {
     ) -> Result<Vec<f32>, StreamError> {
         let e = self.model.config.n_embd;
         let mut sums = vec![0.0f32; xn.len()];
-        if entries.is_empty() {
-            return Ok(sums);
-        }
-        // A row of inputs per entry, each its own expert's (k = 1).
-        let rows: Vec<f32> = entries
-            .iter()
-            .flat_map(|&(t, _)| xn[t * e..(t + 1) * e].iter().copied())
-            .collect();
-        let chosen: Vec<usize> = entries.iter().map(|(_, r)| r.expert).collect();
-        let y = self.outputs(layer, &rows, &chosen, 1)?;
-        for (&(t, r), y) in entries.iter().zip(y.chunks_exact(e)) {
-            for (s, y) in sums[t * e..(t + 1) * e].iter_mut().zip(y) {
-                *s += y * r.weight;
+        let mut experts: Vec<usize> = entries.iter().map(|(_, r)| r.expert).collect();
+        experts.sort_unstable();
+        experts.dedup();
+        // Under a RAM budget the experts of a call are pinned in its cache together: a step's
+        // are taken a token's worth at a time (k), as many as one token pins, so that a
+        // budget that serves one token serves a step of several.
+        let per_group = match &self.ram {
+            Some(_) => self.model.config.moe.map_or(1, |m| m.n_expert_used).max(1),
+            None => experts.len().max(1),
+        };
+        for group in experts.chunks(per_group) {
+            let part: Vec<(usize, RoutedExpert)> = entries
+                .iter()
+                .filter(|(_, r)| group.binary_search(&r.expert).is_ok())
+                .copied()
+                .collect();
+            // A row of inputs per entry, each its own expert's (k = 1).
+            let rows: Vec<f32> = part
+                .iter()
+                .flat_map(|&(t, _)| xn[t * e..(t + 1) * e].iter().copied())
+                .collect();
+            let chosen: Vec<usize> = part.iter().map(|(_, r)| r.expert).collect();
+            let y = self.outputs(layer, &rows, &chosen, 1)?;
+            for (&(t, r), y) in part.iter().zip(y.chunks_exact(e)) {
+                for (s, y) in sums[t * e..(t + 1) * e].iter_mut().zip(y) {
+                    *s += y * r.weight;
+                }
             }
         }
         Ok(sums)
