@@ -183,13 +183,16 @@ pub(super) struct BatchMoe {
 pub(super) struct BatchCpu {
     pub(super) xn: Buffer,
     pub(super) sum: Buffer,
+    /// Each token's k resident experts' slots and weights (an empty entry for each expert the
+    /// CPU ran), [`OffVram::by_entry`].
+    pub(super) route: Buffer,
 }
 
 impl BatchMoe {
     /// Whether the scratch holds `n` tokens' entries by entry ([`GpuMoe::record_tokens`]):
     /// their gate and up rows, and those of the stacks in system RAM in the gathered rows'
     /// and outputs' room.
-    fn holds_entries(&self, n: usize, c: &crate::model::Config) -> bool {
+    pub(super) fn holds_entries(&self, n: usize, c: &crate::model::Config) -> bool {
         let Some(m) = &c.moe else { return false };
         let entries = n * m.n_expert_used;
         self.rows >= entries && self.rows * c.n_embd >= entries * m.n_ff_expert
@@ -330,6 +333,11 @@ impl Batch {
                                     (n * c.n_embd * 4) as u64,
                                     MemoryUse::Staging,
                                 )?,
+                                route: Buffer::new_in(
+                                    al,
+                                    (n * 2 * k * 4) as u64,
+                                    MemoryUse::Staging,
+                                )?,
                             }),
                             false => None,
                         },
@@ -409,19 +417,31 @@ impl Batch {
     }
 }
 
-/// Where a chunk's next command buffer starts after MoE layer `layer`'s router: its resident
-/// experts' runs (the experts not resident ran meanwhile, [`super::stream_experts`]), then its
-/// shared expert, with the route buffer's weights from word `weights_at`.
 /// A chunk paused at a MoE layer's router: the layer, its routing, its resident experts' runs,
-/// those runs in groups and whether the CPU's sums of its other experts are to be added.
+/// those runs in groups and where its other experts went.
 type Paused = (
     usize,
     ChunkRouting,
     Vec<ExpertRun>,
     Option<Vec<RunGroup>>,
-    bool,
+    OffVram,
 );
 
+/// Where a paused MoE layer's experts that are not resident ran, and how its resident ones
+/// run in the chunk's next command buffer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct OffVram {
+    /// The CPU ran them into the batch's `cpu.sum`, for the next command buffer to add
+    /// (else they were streamed through slots, [`super::stream_experts`], or there were none).
+    pub(super) cpu_sum: bool,
+    /// The resident ones run by entry, each token's k from the batch's `cpu.route`
+    /// ([`crate::gpu::moe::GpuMoe::record_tokens`]), not by expert from their runs.
+    pub(super) by_entry: bool,
+}
+
+/// Where a chunk's next command buffer starts after MoE layer `layer`'s router: its resident
+/// experts (the experts not resident ran meanwhile), then its shared expert, with the route
+/// buffer's weights from word `weights_at`.
 pub(super) struct ChunkResume<'a> {
     layer: usize,
     weights_at: usize,
@@ -429,8 +449,7 @@ pub(super) struct ChunkResume<'a> {
     /// `runs` as groups, their words written to the route buffer ([`group_runs`]).
     groups: Option<&'a [RunGroup]>,
     shared_from: Option<usize>,
-    /// The CPU computed the layer's other experts into the batch's `cpu.sum`.
-    cpu_sum: bool,
+    off_vram: OffVram,
 }
 
 impl GpuModel {
@@ -704,7 +723,7 @@ impl GpuModel {
                     runs,
                     groups: groups.as_deref(),
                     shared_from: r.shared_from,
-                    cpu_sum: *cpu,
+                    off_vram: *cpu,
                 });
             let t = std::time::Instant::now();
             let record = |rec: &mut Recorder<'_>| {
@@ -730,7 +749,7 @@ impl GpuModel {
             m.route.write(&bytes);
             // The experts not in VRAM run here (streamed through slots, or on the CPU in a
             // batched decode step); the resident ones in the next part.
-            let (resident, cpu_sum) = self.chunk_experts(batch, il, &routing)?;
+            let (resident, off_vram) = self.chunk_experts(batch, il, &routing)?;
             // The resident experts in groups, described after the routing's words.
             let m = batch.moe.as_mut().expect("MoE scratch");
             let base = routing.words.len();
@@ -741,7 +760,7 @@ impl GpuModel {
                     m.route.bytes_mut()[base * 4..base * 4 + bytes.len()].copy_from_slice(&bytes);
                     groups
                 });
-            resume = Some((il, routing, resident, groups, cpu_sum));
+            resume = Some((il, routing, resident, groups, off_vram));
         }
         batch.x_ready = false;
         self.count_routed_on_device(batch, &on_device);
@@ -835,18 +854,29 @@ impl GpuModel {
                 let m = b.moe.as_ref().expect("MoE scratch");
                 let bufs = (&m.xg, &m.eg, &m.eu, &m.ed);
                 let route = (&m.route, r.weights_at);
-                match r.groups.filter(|_| moe.groups_fit(rec)) {
-                    Some(groups) => {
+                let fits = moe.groups_fit(rec);
+                match (
+                    r.off_vram.by_entry && fits,
+                    &m.cpu,
+                    r.groups.filter(|_| fits),
+                ) {
+                    (true, Some(cpu), _) => {
+                        let k = c.moe.expect("MoE layers have a MoE config").n_expert_used;
+                        let scratch = (&m.eg, &m.eu, &m.xg, &m.ed);
+                        let route = (&cpu.route, 2 * k);
+                        moe.record_tokens(rec, route, (n, k), &m.xn.buffer, scratch, &b.x)?
+                    }
+                    (_, _, Some(groups)) => {
                         moe.record_chunk_groups(rec, groups, route, &m.xn, bufs, &b.x)?
                     }
-                    None => moe.record_chunk_experts(rec, r.runs, route, &m.xn, bufs, &b.x)?,
+                    _ => moe.record_chunk_experts(rec, r.runs, route, &m.xn, bufs, &b.x)?,
                 }
                 if let (Some(from), Some(sh)) = (r.shared_from, &m.shared) {
                     let route = (&m.route, r.weights_at, from);
                     let bufs = (&sh.gate, &sh.up, &m.ed);
                     moe.record_chunk_shared(rec, n, route, &m.xn, bufs, &b.x)?;
                 }
-                if let (true, Some(cpu)) = (r.cpu_sum, &m.cpu) {
+                if let (true, Some(cpu)) = (r.off_vram.cpu_sum, &m.cpu) {
                     rec.scale_add(&b.x, &cpu.sum, 1.0, e * nt)?;
                 }
                 il + 1

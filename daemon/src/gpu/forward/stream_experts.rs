@@ -21,7 +21,7 @@
 
 use std::sync::Arc;
 
-use super::prefill::Batch;
+use super::prefill::{Batch, OffVram};
 use super::GpuModel;
 use crate::engine::routing::RoutedExpert;
 use crate::gpu::alloc::Allocator;
@@ -97,15 +97,16 @@ impl GpuModel {
     /// `b.moe.route`), a group of slots at a time, adding their outputs to `b.x`; or, in a
     /// batched decode step whose misses go to the CPU ([`GpuModel::cpu_misses`]), on the CPU,
     /// each expert once for all the tokens that chose it, into `b.moe.cpu.sum` for the chunk's
-    /// next command buffer to add (then `true`). Counts every routed token in the layer's
-    /// counters and returns the resident experts' runs as `(slot, first entry, entries)`, which
-    /// the chunk's next command buffer runs.
+    /// next command buffer to add, with each token's resident experts written to
+    /// `b.moe.cpu.route` for it to run by entry where the scratch holds them. Counts every
+    /// routed token in the layer's counters and returns the resident experts' runs as
+    /// `(slot, first entry, entries)`, and where the others went.
     pub(super) fn chunk_experts(
         &mut self,
         b: &mut Batch,
         il: usize,
         routing: &ChunkRouting,
-    ) -> Result<(Vec<ExpertRun>, bool)> {
+    ) -> Result<(Vec<ExpertRun>, OffVram)> {
         let on_cpu = b.ragged() && b.moe.as_ref().is_some_and(|m| m.cpu.is_some());
         let ex = self
             .experts
@@ -131,12 +132,18 @@ impl GpuModel {
                 }
             }
         }
-        if missing.is_empty() {
-            return Ok((resident, false));
-        }
         if on_cpu {
-            self.cpu_chunk_experts(b, il, routing, &missing)?;
-            return Ok((resident, true));
+            let off_vram = OffVram {
+                cpu_sum: !missing.is_empty(),
+                by_entry: self.write_entry_route(b, routing, (&resident, &missing)),
+            };
+            if off_vram.cpu_sum {
+                self.cpu_chunk_experts(b, il, routing, &missing)?;
+            }
+            return Ok((resident, off_vram));
+        }
+        if missing.is_empty() {
+            return Ok((resident, OffVram::default()));
         }
         let mut stream = self
             .expert_stream
@@ -149,7 +156,51 @@ impl GpuModel {
             .as_mut()
             .expect("MoE models track their experts");
         ex.stats[il].bytes_uploaded += ran?;
-        Ok((resident, false))
+        Ok((resident, OffVram::default()))
+    }
+
+    /// Writes each token's k entries to `b.moe.cpu.route` (2k words a token: the slots of its
+    /// `resident` experts and an empty entry for each `missing` one, then their weights), for
+    /// the resident experts to run by entry; `false`, with nothing written, where the chunk's
+    /// scratch does not hold every token's entries.
+    fn write_entry_route(
+        &self,
+        b: &mut Batch,
+        routing: &ChunkRouting,
+        (resident, missing): (&[ExpertRun], &[ExpertRun]),
+    ) -> bool {
+        let c = &self.config;
+        let k = c.moe.map_or(0, |m| m.n_expert_used);
+        let n = chunk_tokens(routing);
+        let Some(m) = b.moe.as_mut().filter(|m| m.holds_entries(n, c)) else {
+            return false;
+        };
+        let Some(cpu) = m.cpu.as_mut() else {
+            return false;
+        };
+        let weights_at = routing.weights_at();
+        let mut words = vec![0u32; n * 2 * k];
+        let mut filled = vec![0usize; n];
+        for (runs, in_vram) in [(resident, true), (missing, false)] {
+            for &(id, first, count) in runs {
+                for i in first..first + count {
+                    let t = routing.words[i] as usize;
+                    let at = t * 2 * k + filled[t];
+                    filled[t] += 1;
+                    // An empty entry (its weight 0): the CPU ran that expert.
+                    words[at] = if in_vram { id as u32 } else { u32::MAX };
+                    words[at + k] = if in_vram {
+                        routing.words[weights_at + i]
+                    } else {
+                        0
+                    };
+                }
+            }
+        }
+        debug_assert!(filled.iter().all(|&f| f == k), "k experts a token");
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        cpu.route.write(&bytes);
+        true
     }
 
     /// The `missing` runs of a batched step's layer `il` on the CPU, from the rows the chunk
@@ -171,12 +222,7 @@ impl GpuModel {
                 })
             })
             .collect();
-        // Rows up to the last token any entry of the layer names (every token has k).
-        let n = routing.words[..weights_at]
-            .iter()
-            .map(|&t| t as usize + 1)
-            .max()
-            .unwrap_or(0);
+        let n = chunk_tokens(routing);
         let e = self.config.n_embd;
         let cpu = self
             .experts
@@ -225,4 +271,14 @@ impl GpuModel {
         }
         Ok(bytes)
     }
+}
+
+/// Tokens of the chunk `routing` routed: one past the last any of its entries names (every
+/// token has its k).
+fn chunk_tokens(routing: &ChunkRouting) -> usize {
+    routing.words[..routing.weights_at()]
+        .iter()
+        .map(|&t| t as usize + 1)
+        .max()
+        .unwrap_or(0)
 }
