@@ -1,7 +1,8 @@
 //! `spillwayd serve` with models on a Vulkan device: greedy generations over gRPC give the tokens
 //! the CPU-served copy of the same model gives (a MoE and a dense model), `Status` shows the
 //! device, the VRAM held and the expert counters, a device that does not exist and a budget
-//! below the model's minimum get their documented errors, and a machine without a Vulkan driver
+//! below the model's minimum get their documented errors, a MoE model over its budget with its
+//! misses on the CPU shares decode steps among requests, and a machine without a Vulkan driver
 //! is served on the CPU. The GPU tests run on whatever Vulkan device the machine has (lavapipe
 //! in CI) and skip without one, unless `SPILLWAY_REQUIRE_VULKAN` is set.
 
@@ -12,6 +13,7 @@ use std::path::{Path, PathBuf};
 
 use daemon::{load_model, stream_tokens, tensor_pins, Daemon};
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
+use spillway_daemon::gpu::placement::MoeMiss;
 use spillway_daemon::gpu::{Device, Instance};
 use spillway_daemon::model::Model;
 use spillway_daemon::synth::SynthModel;
@@ -389,4 +391,87 @@ async fn pins_place_expert_stacks_and_impossible_pins_are_refused() {
         "{}",
         err.message()
     );
+}
+
+/// A MoE model over its VRAM budget with its missing experts on the CPU (what a device without
+/// a separate bus gets, as lavapipe) still shares decode steps among requests: four at once
+/// each get the tokens the CPU-served copy gives, some steps take several of them, and the
+/// CPU ran experts.
+#[tokio::test]
+async fn an_offloaded_moe_model_shares_decode_steps_with_its_misses_on_the_cpu() {
+    if !has_vulkan() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = synth(dir.path(), "tiny-qwen3moe", 9);
+    let model = Model::open(&path).unwrap();
+    let device = Device::open(Instance::new().unwrap(), None).unwrap();
+    // The daemon's model: four sequences (--max-batch), misses on the CPU; a budget a third of
+    // the way from its minimum to the whole model.
+    let options = GpuModelOptions {
+        sequences: 4,
+        moe_miss: MoeMiss::Cpu,
+        ..GpuModelOptions::default()
+    };
+    let whole = GpuModel::device_bytes(&model, &options).total();
+    let minimum = GpuModel::minimum_budget(&device, &model, &options)
+        .unwrap()
+        .total();
+    drop(device);
+    let budget = minimum + (whole - minimum) / 3;
+
+    let d = Daemon::start(&["--device", "vulkan", "--max-batch", "4"]).await;
+    let mut client = d.client().await;
+    let over = pb::LoadModelRequest {
+        budgets: Some(pb::Budgets {
+            vram_bytes: budget,
+            ram_bytes: 0,
+        }),
+        ..load_request(&path, "over", "vulkan")
+    };
+    load_model(&mut client, over).await.unwrap();
+    load_model(&mut client, load_request(&path, "on-cpu", "cpu"))
+        .await
+        .unwrap();
+    let s = status_of(&mut client, "over").await;
+    let e = s.experts.expect("a MoE model's expert counters");
+    assert!(e.slots_per_layer < e.n_expert, "{e:?}");
+    if e.miss != "cpu" {
+        // A device that reads system RAM across a bus takes misses there (pcie).
+        eprintln!(
+            "misses go over the bus on this device ({}): skipped",
+            e.miss
+        );
+        return;
+    }
+    assert_eq!(
+        s.max_batch, 4,
+        "misses on the CPU no longer hold one sequence"
+    );
+
+    let prompts = [
+        vec![1, 17, 300],
+        vec![2, 40, 7, 9],
+        vec![5],
+        vec![600, 3, 3, 8, 1],
+    ];
+    let mut want = Vec::new();
+    for p in &prompts {
+        want.push(greedy_after(&mut client, "on-cpu", p.clone()).await);
+    }
+    let mut running = tokio::task::JoinSet::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let (mut c, p) = (client.clone(), p.clone());
+        running.spawn(async move { (i, greedy_after(&mut c, "over", p).await) });
+    }
+    let mut got = vec![Vec::new(); prompts.len()];
+    while let Some(r) = running.join_next().await {
+        let (i, tokens) = r.unwrap();
+        got[i] = tokens;
+    }
+    assert_eq!(got, want, "four at once against the CPU");
+    let s = status_of(&mut client, "over").await;
+    assert!(s.shared_steps > 0, "the requests shared no decode step");
+    let e = s.experts.unwrap();
+    assert!(e.cpu > 0 && e.hits > 0, "{e:?}");
 }
