@@ -162,15 +162,19 @@ pub fn moe_chunk_bytes(model: &Model, capacity: usize) -> u64 {
 
 /// Device memory of a MoE model's chunk for a batched decode step of up to
 /// [`MAX_MATVEC_COLS`](crate::gpu::ops_batch::MAX_MATVEC_COLS) sequences, its host-visible
-/// logits included: what a model whose misses run on the CPU keeps room for when it holds
-/// several sequences ([`crate::gpu::forward::GpuModel::eval_batch`]); 0 for a dense model.
+/// logits and its CPU experts' scratch (the normalised rows, their sums, each token's entries)
+/// included: what a model whose misses run on the CPU keeps room for when it holds several
+/// sequences ([`crate::gpu::forward::GpuModel::eval_batch`]); 0 for a dense model.
 pub fn moe_step_chunk_bytes(model: &Model, capacity: usize) -> u64 {
-    if model.config.moe.is_none() {
+    let c = &model.config;
+    let Some(cfg) = c.moe else {
         return 0;
-    }
+    };
     let tokens = crate::gpu::ops_batch::MAX_MATVEC_COLS as usize;
-    let logits = buffer((tokens * model.config.n_vocab * 4) as u64);
-    moe_chunk_bytes_for(model, capacity, tokens) + logits
+    let logits = buffer((tokens * c.n_vocab * 4) as u64);
+    let cpu = 2 * buffer((tokens * c.n_embd * 4) as u64)
+        + buffer((tokens * 2 * cfg.n_expert_used * 4) as u64);
+    moe_chunk_bytes_for(model, capacity, tokens) + logits + cpu
 }
 
 /// [`moe_chunk_bytes`] for a chunk of `tokens` tokens.
