@@ -749,7 +749,7 @@ impl GpuModel {
             m.route.write(&bytes);
             // The experts not in VRAM run here (streamed through slots, or on the CPU in a
             // batched decode step); the resident ones in the next part.
-            let (resident, off_vram) = self.chunk_experts(batch, il, &routing)?;
+            let (resident, off_vram) = self.chunk_experts(batch, (il, n), &routing)?;
             // The resident experts in groups, described after the routing's words.
             let m = batch.moe.as_mut().expect("MoE scratch");
             let base = routing.words.len();

@@ -100,11 +100,11 @@ impl GpuModel {
     /// next command buffer to add, with each token's resident experts written to
     /// `b.moe.cpu.route` for it to run by entry where the scratch holds them. Counts every
     /// routed token in the layer's counters and returns the resident experts' runs as
-    /// `(slot, first entry, entries)`, and where the others went.
+    /// `(slot, first entry, entries)`, and where the others went. `n`: the chunk's tokens.
     pub(super) fn chunk_experts(
         &mut self,
         b: &mut Batch,
-        il: usize,
+        (il, n): (usize, usize),
         routing: &ChunkRouting,
     ) -> Result<(Vec<ExpertRun>, OffVram)> {
         let on_cpu = b.ragged() && b.moe.as_ref().is_some_and(|m| m.cpu.is_some());
@@ -135,10 +135,10 @@ impl GpuModel {
         if on_cpu {
             let off_vram = OffVram {
                 cpu_sum: !missing.is_empty(),
-                by_entry: self.write_entry_route(b, routing, (&resident, &missing)),
+                by_entry: self.write_entry_route(b, (n, routing), (&resident, &missing)),
             };
             if off_vram.cpu_sum {
-                self.cpu_chunk_experts(b, il, routing, &missing)?;
+                self.cpu_chunk_experts(b, (il, n), routing, &missing)?;
             }
             return Ok((resident, off_vram));
         }
@@ -159,19 +159,18 @@ impl GpuModel {
         Ok((resident, OffVram::default()))
     }
 
-    /// Writes each token's k entries to `b.moe.cpu.route` (2k words a token: the slots of its
-    /// `resident` experts and an empty entry for each `missing` one, then their weights), for
-    /// the resident experts to run by entry; `false`, with nothing written, where the chunk's
-    /// scratch does not hold every token's entries.
+    /// Writes each of the `n` tokens' k entries to `b.moe.cpu.route` (2k words a token: the
+    /// slots of its `resident` experts and an empty entry for each `missing` one, then their
+    /// weights), for the resident experts to run by entry; `false`, with nothing written, where
+    /// the chunk's scratch does not hold every token's entries.
     fn write_entry_route(
         &self,
         b: &mut Batch,
-        routing: &ChunkRouting,
+        (n, routing): (usize, &ChunkRouting),
         (resident, missing): (&[ExpertRun], &[ExpertRun]),
     ) -> bool {
         let c = &self.config;
         let k = c.moe.map_or(0, |m| m.n_expert_used);
-        let n = chunk_tokens(routing);
         let Some(m) = b.moe.as_mut().filter(|m| m.holds_entries(n, c)) else {
             return false;
         };
@@ -203,12 +202,12 @@ impl GpuModel {
         true
     }
 
-    /// The `missing` runs of a batched step's layer `il` on the CPU, from the rows the chunk
-    /// normalised into `b.moe.cpu.xn`; each token's weighted sum into `b.moe.cpu.sum`.
+    /// The `missing` runs of a batched step's layer `il` on the CPU, from the `n` rows the
+    /// chunk normalised into `b.moe.cpu.xn`; each token's weighted sum into `b.moe.cpu.sum`.
     fn cpu_chunk_experts(
         &self,
         b: &mut Batch,
-        il: usize,
+        (il, n): (usize, usize),
         routing: &ChunkRouting,
         missing: &[ExpertRun],
     ) -> Result<()> {
@@ -222,7 +221,6 @@ impl GpuModel {
                 })
             })
             .collect();
-        let n = chunk_tokens(routing);
         let e = self.config.n_embd;
         let cpu = self
             .experts
@@ -271,14 +269,4 @@ impl GpuModel {
         }
         Ok(bytes)
     }
-}
-
-/// Tokens of the chunk `routing` routed: one past the last any of its entries names (every
-/// token has its k).
-fn chunk_tokens(routing: &ChunkRouting) -> usize {
-    routing.words[..routing.weights_at()]
-        .iter()
-        .map(|&t| t as usize + 1)
-        .max()
-        .unwrap_or(0)
 }
