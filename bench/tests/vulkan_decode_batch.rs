@@ -32,8 +32,13 @@ fn device() -> Option<Arc<Device>> {
 const TOLERANCE: f32 = 0.01;
 
 fn synth_model(preset: &str, weights: &str) -> Arc<Model> {
-    let tmp = tempfile::tempdir().unwrap();
-    let path = tmp.path().join("m.gguf");
+    synth_model_in(tempfile::tempdir().unwrap().path(), preset, weights)
+}
+
+/// [`synth_model`] written into `dir`, which a model that reads its file again (a RAM tier)
+/// keeps while it runs.
+fn synth_model_in(dir: &std::path::Path, preset: &str, weights: &str) -> Arc<Model> {
+    let path = dir.join("m.gguf");
     SynthModel::from_name(preset, weights.parse::<WeightType>().unwrap(), 5)
         .unwrap()
         .write(&path, false, |_, _| {})
@@ -224,12 +229,7 @@ fn batched_steps_over_the_vram_budget_run_misses_on_the_cpu() {
     let Some(dev) = device() else { return };
     // Kept on disk: the RAM tier reads the experts from the file.
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("m.gguf");
-    SynthModel::from_name("tiny-qwen3moe", "Q4_0".parse().unwrap(), 7)
-        .unwrap()
-        .write(&path, false, |_, _| {})
-        .unwrap();
-    let model = Arc::new(Model::open(&path).unwrap());
+    let model = synth_model_in(dir.path(), "tiny-qwen3moe", "Q4_0");
     // One slot for a prompt's missing experts: the budget then holds a chunk's memory even
     // where the tiny model's experts take less.
     let cpu = GpuModelOptions {
