@@ -169,27 +169,16 @@ impl ComputePipeline {
             )
         }
         .map_err(map_vk)?[0];
-        let infos: Vec<[vk::DescriptorBufferInfo; 1]> = buffers
+        let infos: Vec<_> = buffers
             .iter()
             .map(|b| {
-                [vk::DescriptorBufferInfo::default()
+                vk::DescriptorBufferInfo::default()
                     .buffer(b.raw)
-                    .range(vk::WHOLE_SIZE)]
-            })
-            .collect();
-        let writes: Vec<_> = infos
-            .iter()
-            .enumerate()
-            .map(|(i, info)| {
-                vk::WriteDescriptorSet::default()
-                    .dst_set(set)
-                    .dst_binding(i as u32)
-                    .descriptor_type(vk::DescriptorType::STORAGE_BUFFER)
-                    .buffer_info(info)
+                    .range(vk::WHOLE_SIZE)
             })
             .collect();
         // SAFETY: `set` is not in use by any command buffer yet.
-        unsafe { dev.update_descriptor_sets(&writes, &[]) };
+        unsafe { write_storage_buffers(dev, set, &infos) };
         let result = self.device.run_once(|cmd| {
             // SAFETY: `cmd` is recording; the pipeline, layout and set belong to this device.
             unsafe {
@@ -231,6 +220,31 @@ impl ComputePipeline {
         let _ = unsafe { dev.free_descriptor_sets(*pool, &[set]) };
         result
     }
+}
+
+/// Binds storage buffer `infos[i]` to binding `i` of `set`.
+///
+/// # Safety
+/// `set` was allocated from `dev` and no command buffer that uses it is pending; the ranges lie
+/// inside their buffers.
+pub(super) unsafe fn write_storage_buffers(
+    dev: &ash::Device,
+    set: vk::DescriptorSet,
+    infos: &[vk::DescriptorBufferInfo],
+) {
+    let writes: Vec<_> = infos
+        .iter()
+        .enumerate()
+        .map(|(i, info)| {
+            vk::WriteDescriptorSet::default()
+                .dst_set(set)
+                .dst_binding(i as u32)
+                .descriptor_type(vk::DescriptorType::STORAGE_BUFFER)
+                .buffer_info(std::slice::from_ref(info))
+        })
+        .collect();
+    // SAFETY: as the caller promises.
+    unsafe { dev.update_descriptor_sets(&writes, &[]) };
 }
 
 impl Drop for ComputePipeline {

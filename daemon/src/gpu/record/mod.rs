@@ -28,7 +28,7 @@ use super::matmul_tile::MatMulTile;
 use super::ops::{MatVecShape, StepWord};
 use super::ops_batch::MAX_MATVEC_COLS;
 use super::ops_q8::Q8Scratch;
-use super::pipeline::ComputePipeline;
+use super::pipeline::{write_storage_buffers, ComputePipeline};
 use super::replay::Replay;
 
 /// A variant and the values of its specialization constants 0..n.
@@ -595,24 +595,13 @@ impl Recorder<'_> {
         bindings.iter().for_each(|b| self.hazards.note(b));
 
         let set = self.arena.set(pipeline.set_layout)?;
-        let infos: Vec<[vk::DescriptorBufferInfo; 1]> = bindings
+        let infos: Vec<_> = bindings
             .iter()
             .map(|b| {
-                [vk::DescriptorBufferInfo::default()
+                vk::DescriptorBufferInfo::default()
                     .buffer(b.buffer.raw)
                     .offset(b.offset)
-                    .range(b.range)]
-            })
-            .collect();
-        let writes: Vec<_> = infos
-            .iter()
-            .enumerate()
-            .map(|(i, info)| {
-                vk::WriteDescriptorSet::default()
-                    .dst_set(set)
-                    .dst_binding(i as u32)
-                    .descriptor_type(vk::DescriptorType::STORAGE_BUFFER)
-                    .buffer_info(info)
+                    .range(b.range)
             })
             .collect();
         let dev = &self.kernels.device.raw;
@@ -620,7 +609,7 @@ impl Recorder<'_> {
         // set belong to this device and outlive the submission (kept in `self.pipelines` and
         // the arena); the bound ranges lie inside their buffers, as checked above.
         unsafe {
-            dev.update_descriptor_sets(&writes, &[]);
+            write_storage_buffers(dev, set, &infos);
             dev.cmd_bind_pipeline(self.cmd, vk::PipelineBindPoint::COMPUTE, pipeline.raw);
             dev.cmd_bind_descriptor_sets(
                 self.cmd,
