@@ -363,11 +363,6 @@ pub(super) fn gpu_dispatches(t: &TensorDesc) -> f64 {
     if matches!(t.role, TensorRole::Norm { .. }) || t.name.contains("ffn_up") {
         return 0.0;
     }
-    gpu_product_dispatches(t)
-}
-
-/// [`gpu_dispatches`] of a matrix that runs as a product of its own.
-fn gpu_product_dispatches(t: &TensorDesc) -> f64 {
     let shares_inputs = t.name.contains("attn_k.") || t.name.contains("attn_v.");
     let quantized = matches!(t.weight_type.name(), "Q4_0" | "Q8_0") && !shares_inputs;
     if quantized {
