@@ -4,12 +4,13 @@
 //!
 //! `cargo run --release -p spillway-bench --example vulkan_decode_batch -- PRESET TYPE
 //! [budget=MiB] [miss=cpu|pcie|fetch|auto] [batches=1,2,4,8] [steps=32] [model=PATH]
-//! [cols=N] [replay=0|1] [q8=0|1] [batching=always|measured] [moe=entry|grouped] [ctx=N]`, e.g.
+//! [cols=N] [replay=0|1] [chain=0|1] [q8=0|1] [batching=always|measured] [moe=entry|grouped] [ctx=N]`, e.g.
 //! `qwen3-30b-a3b Q4_0 budget=8192 miss=pcie`; `ctx=N` gives each sequence N positions (the
 //! daemon's default is 4096; default here: just what the run takes); `cols=0` multiplies
 //! a batched step in the tiled kernels instead of the several-column one
 //! (`GpuModelOptions::matvec_cols`); `replay=0` records every step anew
-//! (`GpuModelOptions::replay`); `q8=0` has the integer-dot products quantize their inputs in
+//! (`GpuModelOptions::replay`); `chain=0` submits a step with experts on the CPU a part at a
+//! time instead of as one chain (`GpuModelOptions::chain`); `q8=0` has the integer-dot products quantize their inputs in
 //! each workgroup (`GpuModelOptions::q8_inputs`); `batching=measured` runs each step batched or
 //! a sequence at a time, whichever the model has measured cheaper, as the daemon does
 //! (`GpuModelOptions::step_batching`; the default here is `always`); `moe=grouped` runs a
@@ -69,6 +70,7 @@ fn main() {
         sequences: most,
         matvec_cols: arg(&args, "cols").map_or(8, |s| s.parse().unwrap()),
         replay: arg(&args, "replay") != Some("0"),
+        chain: arg(&args, "chain") != Some("0"),
         q8_inputs: arg(&args, "q8") != Some("0"),
         step_batching: arg(&args, "batching").map_or(StepBatching::Always, |s| s.parse().unwrap()),
         moe_by_entry: arg(&args, "moe") != Some("grouped"),
@@ -123,15 +125,25 @@ fn main() {
         let s = runs[1];
         let stats = gpu.expert_stats().map(|e| e.total());
         rows.push((b, s, stats));
+        // The host's side of the last step, where it had turns in it (experts on the CPU).
+        let host = gpu.last_host_time().map_or(String::new(), |h| {
+            format!(
+                "; last step's host: {:.2} ms, waiting {:.2}, CPU experts {:.2}",
+                h.step_ns as f64 / 1e6,
+                h.wait_ns as f64 / 1e6,
+                h.cpu_experts_ns as f64 / 1e6
+            )
+        });
         println!(
             "  {b} sequences: {:.2} ms a step, {:.1} tok/s together (runs {:?} s), {batched} of \
-             {} steps batched",
+             {} steps batched ({} chained){host}",
             1e3 * s / steps as f64,
             (b * steps) as f64 / s,
             runs.iter()
                 .map(|r| (r * 1e3).round() / 1e3)
                 .collect::<Vec<_>>(),
-            3 * steps
+            3 * steps,
+            gpu.chained_batches(),
         );
     }
     // One more step of the most sequences, profiled: where a batched step's time goes.

@@ -259,18 +259,22 @@ fn batched_steps_over_the_vram_budget_run_misses_on_the_cpu() {
         .expect("a budget at which three sequences' steps batch");
     assert!(options.1, "steps batch only with every expert in VRAM");
     // The experts read through the memory map, then through the smallest RAM tier, which pins
-    // a token's experts at a time.
+    // a token's experts at a time; each step a chain of command buffers (the default), and
+    // through the mmap also a submission per MoE layer.
     let min_ram = spillway_daemon::stream::minimum_ram_budget(&model);
-    for ram_budget in [None, Some(min_ram)] {
+    for (ram_budget, chain) in [(None, true), (Some(min_ram), true), (None, false)] {
         let o = GpuModelOptions {
             ram_budget,
+            chain,
             ..options.0.clone()
         };
-        let what = format!("tiny-qwen3moe, misses on the CPU, RAM budget {ram_budget:?}");
+        let what = format!("tiny-qwen3moe, misses on the CPU, RAM {ram_budget:?}, chain {chain}");
         let mut gpu = GpuModel::new(&dev, &model, &o).unwrap();
         let before = gpu.expert_stats().unwrap().total();
         check_against_alone(&dev, &model, &mut gpu, &what);
         assert_eq!(gpu.batched_steps(), 4, "{what}");
+        let chained = if chain { 4 } else { 0 };
+        assert_eq!(gpu.chained_batches(), chained, "{what}");
         let t = gpu.expert_stats().unwrap().total();
         // Prompts stream their misses through slots; decode steps run them on the CPU.
         assert!(t.cpu > before.cpu, "{what}: {t:?}");

@@ -21,7 +21,9 @@
 //! chunk's path with its MoE layers routed on the host: at each, the host reads the router
 //! logits, the CPU runs the missing experts, each once over every token that chose it (its
 //! weights read from RAM or the file once for the step), and the next command buffer runs the
-//! resident ones and adds the CPU's sums.
+//! resident ones and adds the CPU's sums. Where single steps are chains, so is such a step
+//! (`prefill::step_chain`): recorded whole up front, the device running the resident
+//! experts while the CPU runs the rest.
 //!
 //! Where a step cannot take the tokens together (a dense model's first layers on the CPU, whose
 //! cache holds one sequence; routed experts fetched into slots; a chunk's memory refused) the
@@ -78,6 +80,12 @@ impl GpuModel {
         self.replayed_batches
     }
 
+    /// Of [`GpuModel::batched_steps`], those run as a chain with the host's turns at the MoE
+    /// layers (misses on the CPU: `prefill::step_chain`).
+    pub fn chained_batches(&self) -> u64 {
+        self.chained_batches
+    }
+
     /// The selected sequence.
     pub fn selected(&self) -> usize {
         self.seq
@@ -126,6 +134,7 @@ impl GpuModel {
                     self.replayed_batches += 1;
                     l
                 }
+                None if self.chains_steps(inputs.len()) => self.eval_step_chain(&tokens, &seqs)?,
                 None => self.eval_chunk(&tokens, true, Some(&seqs))?,
             };
             self.batched_steps += 1;

@@ -493,6 +493,7 @@ impl GpuModel {
             seq: 0,
             batched_steps: 0,
             replayed_batches: 0,
+            chained_batches: 0,
             last_stats: RecordStats::default(),
             last_routing: Vec::new(),
             placement: placement.clone(),

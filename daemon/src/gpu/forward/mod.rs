@@ -257,6 +257,8 @@ pub struct GpuModel {
     /// and those of them replayed from a recording.
     batched_steps: u64,
     replayed_batches: u64,
+    /// Of `batched_steps`, those run as a chain (`prefill::step_chain`).
+    chained_batches: u64,
     last_stats: RecordStats,
     last_routing: Vec<LayerRouting>,
     placement: Placement,

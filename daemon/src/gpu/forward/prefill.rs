@@ -33,6 +33,7 @@
 
 mod layers;
 mod routing;
+mod step_chain;
 
 use spillway_shaders::WeightType;
 
@@ -826,7 +827,7 @@ impl GpuModel {
         (paused, on_device): (&mut Option<usize>, &mut Vec<usize>),
     ) -> Result<()> {
         let c = &self.config;
-        let (e, eps, nt) = (c.n_embd as u32, c.rms_eps, n as u32);
+        let (e, nt) = (c.n_embd as u32, n as u32);
         if resume.is_none() {
             self.mark_start(rec);
         }
@@ -882,6 +883,21 @@ impl GpuModel {
                 il + 1
             }
         };
+        self.record_chunk_layers(rec, b, (n, all_logits), start, (paused, on_device))
+    }
+
+    /// [`GpuModel::record_chunk`] from layer `start` on: the layers to the next MoE layer's
+    /// router (setting `paused` to its layer) or to the logits.
+    pub(super) fn record_chunk_layers(
+        &self,
+        rec: &mut Recorder<'_>,
+        b: &Batch,
+        (n, all_logits): (usize, bool),
+        start: usize,
+        (paused, on_device): (&mut Option<usize>, &mut Vec<usize>),
+    ) -> Result<()> {
+        let c = &self.config;
+        let (e, eps, nt) = (c.n_embd as u32, c.rms_eps, n as u32);
         // Whether the MoE layers run by entry: the same answer for every layer of the chunk.
         let by_entry =
             self.moe_by_entry(n) && b.moe.as_ref().is_some_and(|m| m.holds_entries(n, c));

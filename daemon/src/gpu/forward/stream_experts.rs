@@ -108,30 +108,7 @@ impl GpuModel {
         routing: &ChunkRouting,
     ) -> Result<(Vec<ExpertRun>, OffVram)> {
         let on_cpu = b.ragged() && b.moe.as_ref().is_some_and(|m| m.cpu.is_some());
-        let ex = self
-            .experts
-            .as_mut()
-            .expect("MoE models track their experts");
-        let slots = ex.slots[il].as_mut().expect("a MoE layer has slots");
-        let stats = &mut ex.stats[il];
-        let (mut resident, mut missing) = (Vec::new(), Vec::new());
-        for &(expert, first, count) in &routing.runs {
-            slots.note_uses(expert, count as u32);
-            match slots.slot_of(expert) {
-                Some(slot) => {
-                    stats.hits += count as u64;
-                    resident.push((slot, first, count));
-                }
-                None => {
-                    stats.misses += count as u64;
-                    match on_cpu {
-                        true => stats.cpu += count as u64,
-                        false => stats.fetched += count as u64,
-                    }
-                    missing.push((expert, first, count));
-                }
-            }
-        }
+        let (resident, missing) = self.place_chunk_experts(il, routing, on_cpu);
         if on_cpu {
             let off_vram = OffVram {
                 cpu_sum: !missing.is_empty(),
@@ -159,11 +136,48 @@ impl GpuModel {
         Ok((resident, OffVram::default()))
     }
 
+    /// Splits the `routing` of MoE layer `il` in a chunk into its resident experts' runs
+    /// `(slot, first entry, entries)` and the others' `(expert, first entry, entries)`,
+    /// counting every routed token in the layer's counters (the others as run on the CPU where
+    /// `on_cpu`, else as fetched) and in the experts' demand.
+    pub(super) fn place_chunk_experts(
+        &mut self,
+        il: usize,
+        routing: &ChunkRouting,
+        on_cpu: bool,
+    ) -> (Vec<ExpertRun>, Vec<ExpertRun>) {
+        let ex = self
+            .experts
+            .as_mut()
+            .expect("MoE models track their experts");
+        let slots = ex.slots[il].as_mut().expect("a MoE layer has slots");
+        let stats = &mut ex.stats[il];
+        let (mut resident, mut missing) = (Vec::new(), Vec::new());
+        for &(expert, first, count) in &routing.runs {
+            slots.note_uses(expert, count as u32);
+            match slots.slot_of(expert) {
+                Some(slot) => {
+                    stats.hits += count as u64;
+                    resident.push((slot, first, count));
+                }
+                None => {
+                    stats.misses += count as u64;
+                    match on_cpu {
+                        true => stats.cpu += count as u64,
+                        false => stats.fetched += count as u64,
+                    }
+                    missing.push((expert, first, count));
+                }
+            }
+        }
+        (resident, missing)
+    }
+
     /// Writes each of the `n` tokens' k entries to `b.moe.cpu.route` (2k words a token: the
     /// slots of its `resident` experts and an empty entry for each `missing` one, then their
     /// weights), for the resident experts to run by entry; `false`, with nothing written, where
     /// the chunk's scratch does not hold every token's entries.
-    fn write_entry_route(
+    pub(super) fn write_entry_route(
         &self,
         b: &mut Batch,
         (n, routing): (usize, &ChunkRouting),
@@ -204,7 +218,7 @@ impl GpuModel {
 
     /// The `missing` runs of a batched step's layer `il` on the CPU, from the `n` rows the
     /// chunk normalised into `b.moe.cpu.xn`; each token's weighted sum into `b.moe.cpu.sum`.
-    fn cpu_chunk_experts(
+    pub(super) fn cpu_chunk_experts(
         &self,
         b: &mut Batch,
         (il, n): (usize, usize),
