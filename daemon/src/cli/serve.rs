@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Args;
 use spillway_daemon::gpu::forward::StepBatching;
+use spillway_daemon::gpu::placement::MoeMiss;
 use spillway_daemon::server::admission::QueueLimits;
 use spillway_daemon::server::auth::read_token_file;
 use spillway_daemon::server::default_model;
@@ -84,6 +85,12 @@ pub struct ServeArgs {
     /// also use).
     #[arg(long, default_value = "even")]
     pub expert_layout: LayoutChoice,
+    /// A routed expert of a MoE model over --vram-budget that is not in VRAM: `cpu` computes it
+    /// on the CPU while the GPU runs the others, `fetch` copies it into a VRAM slot first,
+    /// `pcie` keeps every routed expert in system RAM too and has the GPU read the missing ones
+    /// over the bus; `auto`: `pcie` on a GPU across a bus with RAM for the experts, else `cpu`.
+    #[arg(long, default_value = "auto")]
+    pub moe_miss: MoeMiss,
     /// How a decode step of several requests on a Vulkan device runs: `measured` (batched or a
     /// request at a time, whichever has been measured cheaper for that model) or `always`
     /// (batched wherever the model can take the requests together).
@@ -193,6 +200,7 @@ impl ServeArgs {
                 ram_budget: self.ram_budget.map(|b| b.0),
                 hardware,
                 expert_layout: self.expert_layout.clone(),
+                moe_miss: self.moe_miss,
                 step_batching: self.step_batching,
             },
             grace: Duration::from_secs_f64(self.grace_period),

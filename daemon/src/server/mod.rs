@@ -244,6 +244,7 @@ async fn load_startup_models(
             vram_budget: state.defaults.vram_budget,
             ram_budget: state.defaults.ram_budget,
             expert_layout: state.defaults.expert_layout.clone(),
+            moe_miss: state.defaults.moe_miss,
             step_batching: state.defaults.step_batching,
             pins: Vec::new(),
             hardware: state.defaults.hardware.get(),

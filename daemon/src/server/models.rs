@@ -74,6 +74,8 @@ pub struct LoadOptions {
     pub ram_budget: Option<u64>,
     /// How a MoE model on a Vulkan device spreads its expert slots over the layers.
     pub expert_layout: LayoutChoice,
+    /// Where a MoE model's experts not in VRAM run.
+    pub moe_miss: crate::gpu::placement::MoeMiss,
     /// How a model on a Vulkan device runs steps of several requests.
     pub step_batching: crate::gpu::forward::StepBatching,
     /// Placements of routed expert stacks (LoadModel's pins), planned around on `hardware`.
@@ -343,6 +345,7 @@ pub fn load(
                 context: options.context,
                 threads: options.threads,
                 expert_layout: expert_layout(options, &device, &model)?,
+                moe_miss: options.moe_miss,
                 sequences: options.max_batch,
                 step_batching: options.step_batching,
                 ..GpuModelOptions::default()
@@ -475,6 +478,7 @@ mod tests {
             vram_budget: None,
             ram_budget: None,
             expert_layout: LayoutChoice::Planned,
+            moe_miss: Default::default(),
             step_batching: Default::default(),
             pins: Vec::new(),
             hardware: None,

@@ -54,6 +54,8 @@ pub struct ModelDefaults {
     pub hardware: Arc<super::hardware::HardwareCell>,
     /// How MoE models on a Vulkan device spread their expert slots (`--expert-layout`).
     pub expert_layout: super::models::LayoutChoice,
+    /// Where MoE models on a Vulkan device run their experts not in VRAM (`--moe-miss`).
+    pub moe_miss: crate::gpu::placement::MoeMiss,
     /// How steps of several requests run on a Vulkan device (`--step-batching`).
     pub step_batching: crate::gpu::forward::StepBatching,
 }
@@ -327,6 +329,7 @@ impl SpillwayService {
             vram_budget,
             ram_budget,
             expert_layout: defaults.expert_layout.clone(),
+            moe_miss: defaults.moe_miss,
             step_batching: defaults.step_batching,
             pins,
             hardware: defaults.hardware.get(),
