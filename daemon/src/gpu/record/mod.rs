@@ -346,6 +346,29 @@ impl Kernels {
         Ok(stats)
     }
 
+    /// [`Kernels::record_timed`] of `f` after `warm`, in the same command buffer: the
+    /// timestamps go around `f` alone, which starts once `warm`'s dispatches are done. A GPU
+    /// that idled before the submission runs its first dispatches at lower clocks than a
+    /// decode step, which keeps it busy, sees; `warm` takes those.
+    pub fn record_timed_after(
+        &self,
+        warm: impl FnOnce(&mut Recorder<'_>) -> Result<()>,
+        f: impl FnOnce(&mut Recorder<'_>) -> Result<()>,
+    ) -> Result<RecordStats> {
+        let timer = Timer::new(&self.device)?;
+        let max_range = self.device.max_storage_buffer_range();
+        let mut stats = self.record_inner(max_range, None, |rec| {
+            warm(rec)?;
+            rec.after_earlier_submissions();
+            timer.begin_after(rec.cmd);
+            f(rec)?;
+            timer.end(rec.cmd);
+            Ok(())
+        })?;
+        stats.gpu_ns = timer.elapsed_ns()?;
+        Ok(stats)
+    }
+
     /// [`Kernels::record`] binding at most `max_range` bytes of a buffer at once (tests use a
     /// small limit to exercise splitting without huge buffers).
     pub fn record_with_max_range(

@@ -39,6 +39,21 @@ impl Timer {
         }
     }
 
+    /// [`Timer::begin`] in the middle of a recording: the first timestamp is written once
+    /// every command before it has completed.
+    pub(super) fn begin_after(&self, cmd: vk::CommandBuffer) {
+        // SAFETY: `cmd` is recording; the pool has two queries.
+        unsafe {
+            self.device.raw.cmd_reset_query_pool(cmd, self.pool, 0, 2);
+            self.device.raw.cmd_write_timestamp(
+                cmd,
+                vk::PipelineStageFlags::BOTTOM_OF_PIPE,
+                self.pool,
+                0,
+            );
+        }
+    }
+
     pub(super) fn end(&self, cmd: vk::CommandBuffer) {
         // SAFETY: as `begin`.
         unsafe {
