@@ -250,14 +250,14 @@ fn batched_steps_over_the_vram_budget_run_misses_on_the_cpu() {
         probe.eval_batch(&[(0, 1), (1, 2), (2, 3)]).ok()?;
         (probe.sequences() == 3 && probe.batched_steps() == 1).then_some(true)
     };
-    let options = (0..512)
+    let found = (0..512)
         .map(|i| GpuModelOptions {
             vram_budget: Some(minimum.total() + i * step),
             ..cpu.clone()
         })
         .find_map(|o| batches(&o).map(|partial| (o, partial)))
         .expect("a budget at which three sequences' steps batch");
-    assert!(options.1, "steps batch only with every expert in VRAM");
+    assert!(found.1, "steps batch only with every expert in VRAM");
     // The experts read through the memory map, then through the smallest RAM tier, which pins
     // a token's experts at a time; each step a chain of command buffers (the default), and
     // through the mmap also a submission per MoE layer.
@@ -266,7 +266,7 @@ fn batched_steps_over_the_vram_budget_run_misses_on_the_cpu() {
         let o = GpuModelOptions {
             ram_budget,
             chain,
-            ..options.0.clone()
+            ..found.0.clone()
         };
         let what = format!("tiny-qwen3moe, misses on the CPU, RAM {ram_budget:?}, chain {chain}");
         let mut gpu = GpuModel::new(&dev, &model, &o).unwrap();
@@ -280,6 +280,30 @@ fn batched_steps_over_the_vram_budget_run_misses_on_the_cpu() {
         assert!(t.cpu > before.cpu, "{what}: {t:?}");
         assert_eq!(t.cpu + t.fetched, t.misses, "{what}: {t:?}");
     }
+
+    // Prompts at that budget, in chunks with their misses on the CPU (streamed through slots
+    // where the placement has them, twice for each size, then on the CPU twice, then whichever
+    // measured cheaper): the logits the unconstrained model's.
+    let mut gpu = GpuModel::new(&dev, &model, &found.0).unwrap();
+    assert!(gpu.placement().is_partial());
+    let mut alone = GpuModel::new(&dev, &model, &options(1)).unwrap();
+    let n_vocab = model.config.n_vocab;
+    for i in 0..5 {
+        let prompt: Vec<u32> = (0..12).map(|j| token(i, j, n_vocab)).collect();
+        gpu.reset();
+        alone.reset();
+        let got = gpu.eval_prompt(&prompt, true).unwrap();
+        let want = alone.eval_prompt(&prompt, true).unwrap();
+        assert_logits_close(
+            &got,
+            &want,
+            TOLERANCE,
+            &format!("prompt {i} over the budget"),
+        );
+    }
+    assert!(gpu.cpu_prompt_chunks() >= 2, "{}", gpu.cpu_prompt_chunks());
+    let t = gpu.expert_stats().unwrap().total();
+    assert!(t.cpu > 0, "{t:?}");
 }
 
 /// With steps batched by measured cost (the default), a model measures both ways before it

@@ -133,7 +133,7 @@ fn check(preset: &str) {
     );
 
     // Without the slots the same budget holds more resident experts (here perhaps all), and
-    // prompts go token by token where some are missing, with the same logits.
+    // prompts take chunks with their missing experts on the CPU, with the same logits.
     let off = GpuModelOptions {
         stream_prompts: false,
         ..options(Some(budget), 2)
@@ -142,20 +142,28 @@ fn check(preset: &str) {
     let q = each.placement().clone();
     assert!(q.slots > p.slots, "{what}: {q:?}");
     assert!(!q.stream_slot, "{what}");
-    assert_eq!(each.batches_prompts(), !q.is_partial(), "{what}: {q:?}");
+    assert!(each.batches_prompts(), "{what}: {q:?}");
     for (i, (g, w)) in run(&mut each).iter().zip(&want).enumerate() {
         assert_logits_close(
             g,
             w,
             TOLERANCE,
-            &format!("{what}, token by token: output {i}"),
+            &format!("{what}, misses on the CPU: output {i}"),
         );
     }
+    if q.is_partial() {
+        assert!(each.cpu_prompt_chunks() > 0, "{what}");
+    }
 
-    // The smallest budget holds one slot per layer and no room for the prompt's slots.
-    let small = GpuModel::new(&dev, &model, &options(Some(minimum), 2)).unwrap();
+    // The smallest budget holds one slot per layer and no room for the prompt's slots: its
+    // prompts run their misses on the CPU, in chunks where a chunk's memory fits, else token
+    // by token; the same logits either way.
+    let mut small = GpuModel::new(&dev, &model, &options(Some(minimum), 2)).unwrap();
     assert_eq!(small.placement().slots, 1, "{preset}: minimum");
-    assert!(!small.batches_prompts(), "{preset}: minimum");
+    assert!(!small.placement().stream_slot, "{preset}: minimum");
+    for (i, (g, w)) in run(&mut small).iter().zip(&want).enumerate() {
+        assert_logits_close(g, w, TOLERANCE, &format!("{preset}, minimum: output {i}"));
+    }
 }
 
 #[test]

@@ -80,6 +80,13 @@ impl GpuModel {
         self.replayed_batches
     }
 
+    /// Prompt chunks whose routed experts that miss VRAM ran on the CPU, where the chunk's
+    /// size measured that cheaper than streaming them through slots
+    /// (`super::prompt_misses`).
+    pub fn cpu_prompt_chunks(&self) -> u64 {
+        self.cpu_prompt_chunks
+    }
+
     /// Of [`GpuModel::batched_steps`], those run as a chain with the host's turns at the MoE
     /// layers (misses on the CPU: `prefill::step_chain`).
     pub fn chained_batches(&self) -> u64 {

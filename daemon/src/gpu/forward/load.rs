@@ -510,6 +510,8 @@ impl GpuModel {
             step_batching: options.step_batching,
             moe_by_entry: options.moe_by_entry,
             step_costs: Default::default(),
+            prompt_misses: Default::default(),
+            cpu_prompt_chunks: 0,
             rope_in_attention: options.rope_in_attention,
             flash_attention: options.flash_attention,
         })

@@ -38,6 +38,7 @@ mod options;
 mod prefill;
 mod profile;
 mod promote;
+mod prompt_misses;
 mod step_costs;
 mod stream;
 mod stream_experts;
@@ -287,6 +288,10 @@ pub struct GpuModel {
     moe_by_entry: bool,
     /// What batched and single steps of several sequences cost here ([`step_costs`]).
     step_costs: step_costs::StepCosts,
+    /// Where prompt chunks' misses run, where they can stream or go to the CPU.
+    prompt_misses: prompt_misses::PromptMisses,
+    /// Prompt chunks whose misses ran on the CPU.
+    cpu_prompt_chunks: u64,
     /// See [`GpuModelOptions::rope_in_attention`].
     rope_in_attention: bool,
     /// See [`GpuModelOptions::flash_attention`].

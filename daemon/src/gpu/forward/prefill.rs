@@ -138,6 +138,10 @@ pub(super) struct Batch {
     /// The chunk's tokens are one of each of several sequences (a batched decode step), not
     /// consecutive positions of one: no flash attention, whose tiles share their keys.
     ragged: bool,
+    /// The chunk's routed experts that miss VRAM run on the CPU (a batched decode step, or a
+    /// prompt chunk whose size measured that way cheaper: [`super::prompt_misses`]), not
+    /// streamed through slots; each MoE layer's normalised rows go where the CPU reads them.
+    cpu_turns: bool,
     /// Host-visible, with the first layers on the CPU: the chunk's hidden states from them (or
     /// its embeddings, when those layers run here too: [`super::stream`]).
     input: Option<GpuMatrix>,
@@ -255,6 +259,7 @@ impl Batch {
             step: Buffer::new_in(al, (3 * n as u64 + 3) * 4, MemoryUse::DeviceMapped)?,
             end: 0,
             ragged: false,
+            cpu_turns: false,
             input: match m.front {
                 Some(_) => Some(GpuMatrix {
                     buffer: Buffer::new_in(al, (n * c.n_embd) as u64 * 4, MemoryUse::DeviceMapped)?,
@@ -361,9 +366,9 @@ impl Batch {
         &self.step
     }
 
-    /// Whether the chunk's tokens are one of each of several sequences (a batched decode step).
-    pub(super) fn ragged(&self) -> bool {
-        self.ragged
+    /// Whether the chunk's misses run on the CPU (see the field).
+    pub(super) fn cpu_turns(&self) -> bool {
+        self.cpu_turns && self.moe.as_ref().is_some_and(|m| m.cpu.is_some())
     }
 
     /// Writes the step buffer: the chunk's token ids, then its positions ([`StepWord`]).
@@ -455,16 +460,27 @@ pub(super) struct ChunkResume<'a> {
 
 impl GpuModel {
     /// Whether [`GpuModel::eval_prompt`] runs prompts in chunks (not MoE models over their
-    /// VRAM budget without slots for their missing experts, and not after the device memory
-    /// for a chunk was refused) rather than token by token. While profiling, each chunk is
+    /// VRAM budget with neither slots for their missing experts nor the CPU to run them, and
+    /// not after the device memory for a chunk was refused) rather than token by token. While profiling, each chunk is
     /// profiled as a step is ([`super::profile`]): [`GpuModel::last_profile`] is the last
     /// chunk's.
     pub fn batches_prompts(&self) -> bool {
-        // Every routed expert in VRAM, or slots that the missing ones take in turn.
+        // Every routed expert in VRAM, or slots that the missing ones take in turn, or the
+        // CPU to run them.
         let moe_ok = !self.placement.is_partial()
             || self.expert_stream.is_some()
+            || (self.cpu_misses() && !self.has_shared_experts())
             || self.routes_chunks_on_device(PREFILL_CHUNK);
         moe_ok && !self.chunks_refused(1)
+    }
+
+    /// Whether a MoE layer has a shared expert (Qwen2-MoE): its prompts over the budget stay
+    /// token by token (partial: their chunks with misses on the CPU are not done).
+    fn has_shared_experts(&self) -> bool {
+        self.layers.iter().any(|l| match &l.ffn {
+            GpuFfn::Moe(m) => m.shared_ff() > 0,
+            GpuFfn::Dense { .. } => false,
+        })
     }
 
     /// Whether the VRAM budget refused a chunk as large as one of `n` tokens takes.
@@ -473,8 +489,9 @@ impl GpuModel {
     }
 
     /// Whether a batched decode step runs the routed experts that miss VRAM on the CPU, each
-    /// once for all the tokens that chose it ([`MoeMiss::Cpu`] with CPU experts), where a
-    /// prompt's chunk streams them through VRAM slots.
+    /// once for all the tokens that chose it ([`MoeMiss::Cpu`] with CPU experts); a prompt's
+    /// chunk does too, or streams them through VRAM slots where it has those and that measured
+    /// cheaper ([`super::prompt_misses`]).
     pub(super) fn cpu_misses(&self) -> bool {
         self.experts
             .as_ref()
@@ -513,8 +530,9 @@ impl GpuModel {
     pub fn eval_prompt(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
         self.check_tokens(tokens)?;
         self.flush_promotions()?;
-        if self.batches_prompts() && tokens.len() > 1 {
-            self.make_batch(tokens.len())?;
+        if self.batches_prompts() && tokens.len() > 1 && !self.make_batch(tokens.len())? {
+            // Chunks as small as a batched step's where the budget refused larger ones.
+            self.make_batch(MAX_MATVEC_COLS as usize)?;
         }
         if !self.batches_prompts() || self.batch.is_none() || tokens.len() == 1 {
             return self.eval_each(tokens, all_logits);
@@ -649,8 +667,22 @@ impl GpuModel {
         let (n, n_vocab) = (tokens.len(), self.config.n_vocab);
         // The device-loss injection counts tokens evaluated, a chunk's each.
         self.count_for_faults(n);
+        // A prompt chunk of a model whose misses go to the CPU runs them there, or, where it
+        // can also stream them through slots, the way measured cheaper for its size.
+        let prompt_cpu = seqs.is_none() && self.cpu_misses();
+        let choice =
+            (prompt_cpu && self.expert_stream.is_some()).then(|| self.prompt_misses.on_cpu(n));
+        let on_cpu = prompt_cpu && choice != Some(false);
+        let started = std::time::Instant::now();
         let mut batch = self.batch.take().expect("made by eval_prompt");
-        let ran = self.run_chunk(&mut batch, tokens, all_logits, seqs);
+        let ran = self.run_chunk(&mut batch, tokens, all_logits, (seqs, on_cpu));
+        if ran.is_ok() {
+            if choice.is_some() {
+                let secs = started.elapsed().as_secs_f64();
+                self.prompt_misses.record(n, on_cpu, secs);
+            }
+            self.cpu_prompt_chunks += u64::from(on_cpu);
+        }
         let logits = ran.map(|()| match (&batch.logits, all_logits) {
             (Some(l), true) => l.read_f32(n * n_vocab),
             _ => self.act.logits.read_f32(n_vocab),
@@ -670,7 +702,7 @@ impl GpuModel {
         batch: &mut Batch,
         tokens: &[u32],
         all_logits: bool,
-        seqs: Option<&[usize]>,
+        (seqs, cpu_misses): (Option<&[usize]>, bool),
     ) -> Result<()> {
         let n = tokens.len();
         let mut words = Vec::with_capacity((3 * n + 3) * 4);
@@ -694,6 +726,7 @@ impl GpuModel {
             }
         }
         self.position_words(batch, &mut words, n, seqs);
+        batch.cpu_turns |= cpu_misses;
         batch.step.write(&words);
         batch.x_ready = false;
         let profiling = self.profiler.is_some();
@@ -808,6 +841,7 @@ impl GpuModel {
         }
         batch.end = at.iter().map(|&(pos, _)| pos + 1).max().unwrap_or(0);
         batch.ragged = seqs.is_some();
+        batch.cpu_turns = seqs.is_some();
         let last = batch.end.saturating_sub(1) as u32;
         let [heads, runs, _] = attention_grid(self.attention_args(), last);
         for w in [heads, runs, n as u32] {
@@ -926,7 +960,7 @@ impl GpuModel {
                     if let (Some(gate_inp), Some(sh)) = (moe.shared_gate_inp(), &m.shared) {
                         rec.matvec_batch(gate_inp, &m.xn.buffer, &sh.logits, n)?;
                     }
-                    if let (true, Some(cpu)) = (b.ragged, &m.cpu) {
+                    if let (true, Some(cpu)) = (b.cpu_turns, &m.cpu) {
                         // The same norm again, into memory the CPU's experts read.
                         rec.rms_norm(&b.x, &l.ffn_norm, &cpu.xn, e, nt, eps)?;
                     }

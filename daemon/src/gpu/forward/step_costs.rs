@@ -21,7 +21,7 @@ const ALPHA: f64 = 0.2;
 pub const PROBE_EVERY: u64 = 128;
 
 /// Steps before the first such probe once both ways are measured; the gap doubles after each.
-const FIRST_PROBE: u64 = 4;
+pub(super) const FIRST_PROBE: u64 = 4;
 
 /// How steps of several sequences run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -62,7 +62,7 @@ pub(super) struct StepCosts {
 
 /// What one way is measured to cost.
 #[derive(Clone, Copy, Debug, Default)]
-enum Estimate {
+pub(super) enum Estimate {
     /// Not run yet.
     #[default]
     Unseen,
@@ -76,7 +76,7 @@ enum Estimate {
 impl Estimate {
     /// The estimate after a step of `secs`: lower ones replace it, higher ones move it by
     /// [`ALPHA`] of the difference.
-    fn record(self, secs: f64) -> Estimate {
+    pub(super) fn record(self, secs: f64) -> Estimate {
         Estimate::Measured(match self {
             Estimate::Unseen => return Estimate::Warm,
             Estimate::Measured(o) if secs > o => o + ALPHA * (secs - o),
@@ -84,7 +84,7 @@ impl Estimate {
         })
     }
 
-    fn secs(self) -> Option<f64> {
+    pub(super) fn secs(self) -> Option<f64> {
         match self {
             Estimate::Measured(s) => Some(s),
             _ => None,

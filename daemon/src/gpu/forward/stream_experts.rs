@@ -107,7 +107,7 @@ impl GpuModel {
         (il, n): (usize, usize),
         routing: &ChunkRouting,
     ) -> Result<(Vec<ExpertRun>, OffVram)> {
-        let on_cpu = b.ragged() && b.moe.as_ref().is_some_and(|m| m.cpu.is_some());
+        let on_cpu = b.cpu_turns();
         let (resident, missing) = self.place_chunk_experts(il, routing, on_cpu);
         if on_cpu {
             let off_vram = OffVram {
