@@ -530,8 +530,13 @@ impl GpuModel {
     pub fn eval_prompt(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
         self.check_tokens(tokens)?;
         self.flush_promotions()?;
-        if self.batches_prompts() && tokens.len() > 1 && !self.make_batch(tokens.len())? {
-            // Chunks as small as a batched step's where the budget refused larger ones.
+        if self.batches_prompts()
+            && tokens.len() > 1
+            && !self.make_batch(tokens.len())?
+            && self.chunks_refused(tokens.len())
+        {
+            // Chunks as small as a batched step's where the budget refused larger ones (not
+            // the driver, whose refusal is not remembered: that prompt goes token by token).
             self.make_batch(MAX_MATVEC_COLS as usize)?;
         }
         if !self.batches_prompts() || self.batch.is_none() || tokens.len() == 1 {
