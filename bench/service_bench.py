@@ -11,7 +11,9 @@ spillway-client`) and a model file. Both tests generate from the same pseudo-ran
               and of the time to first token each reports (the daemon's includes queueing and
               the prompt; the run's is its prompt time, as nothing queues there)
   streams     N `spillway generate` processes started together; aggregate = all generated
-              tokens over the wall time from the first start to the last exit
+              tokens over the wall time from the first start to the last exit; beside it the
+              streams' median time to first token (prompts, and queueing behind the others')
+              and median decode tokens/s after it
 
     python3 bench/service_bench.py --model models/small-qwen3moe-q4_k_m.gguf --threads 2
 
@@ -119,8 +121,11 @@ def main():
             print(f"\ndecode overhead {100 * (1 - med(served, 0) / med(direct, 0)):.1f}%, "
                   f"first token {med(served, 1) - med(direct, 1):+.1f} ms\n")
 
-        print("| streams | generated tokens | wall s | aggregate tok/s |")
-        print("| --- | --- | --- | --- |")
+        # Each stream's time to first token (its prompt, and waiting for the others') and its
+        # decode rate after it: with short generations the prompts are much of the wall time.
+        print("| streams | generated tokens | wall s | aggregate tok/s "
+              "| median first token ms | median stream decode tok/s |")
+        print("| --- | --- | --- | --- | --- | --- |")
         for n in args.streams:
             walls = []
             for _ in range(args.reps):
@@ -131,15 +136,20 @@ def main():
                     cmd = gen[:]
                     cmd[cmd.index("--prompt-tokens") + 1] = p
                     procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
-                total = 0
+                total, ttft, decode = 0, [], []
                 for p in procs:
                     out, _ = p.communicate()
                     if p.returncode != 0:
                         sys.exit(f"a stream failed with exit code {p.returncode}")
-                    total += len(json.loads(out)["tokens"])
-                walls.append((time.time() - start, total))
-            wall, total = sorted(walls)[len(walls) // 2]
-            print(f"| {n} | {total} | {wall:.2f} | {total / wall:.2f} |")
+                    r = json.loads(out)
+                    total += len(r["tokens"])
+                    ttft.append(r["timings"]["time_to_first_token_ms"])
+                    decode.append(r["timings"]["decode_tokens_per_second"])
+                walls.append((time.time() - start, total, statistics.median(ttft),
+                              statistics.median(decode)))
+            wall, total, ttft, decode = sorted(walls)[len(walls) // 2]
+            print(f"| {n} | {total} | {wall:.2f} | {total / wall:.2f} | {ttft:.1f} "
+                  f"| {decode:.2f} |")
     finally:
         daemon.terminate()
         daemon.wait(timeout=30)
