@@ -461,9 +461,9 @@ pub(super) struct ChunkResume<'a> {
 impl GpuModel {
     /// Whether [`GpuModel::eval_prompt`] runs prompts in chunks (not MoE models over their
     /// VRAM budget with neither slots for their missing experts nor the CPU to run them, and
-    /// not after the device memory for a chunk was refused) rather than token by token. While profiling, each chunk is
-    /// profiled as a step is ([`super::profile`]): [`GpuModel::last_profile`] is the last
-    /// chunk's.
+    /// not after the device memory for a chunk was refused) rather than token by token. While
+    /// profiling, each chunk is profiled as a step is ([`super::profile`]):
+    /// [`GpuModel::last_profile`] is the last chunk's.
     pub fn batches_prompts(&self) -> bool {
         // Every routed expert in VRAM, or slots that the missing ones take in turn, or the
         // CPU to run them.
@@ -525,8 +525,11 @@ impl GpuModel {
     /// Evaluates `tokens` at the next positions: the last token's logits, or with `all_logits`
     /// every token's, one after another. Prompts take chunks of up to [`PREFILL_CHUNK`]
     /// tokens per submission (a MoE model's, one per MoE layer) where
-    /// [`GpuModel::batches_prompts`] says so, else go token by token. So does a model whose chunk's activations the device memory (or the VRAM budget) refused
-    /// once: the model was placed without them, and its prompts still run.
+    /// [`GpuModel::batches_prompts`] says so, else go token by token. So does a model whose
+    /// chunk's activations the device memory refused once: the model was placed without
+    /// them, and its prompts still run. Where the VRAM budget refused a prompt's chunk, the
+    /// prompt takes chunks of a batched step's size, and goes token by token only where those
+    /// are refused too.
     pub fn eval_prompt(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
         self.check_tokens(tokens)?;
         self.flush_promotions()?;

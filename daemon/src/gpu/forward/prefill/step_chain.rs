@@ -32,8 +32,8 @@ impl GpuModel {
     /// Whether a batched step of `n` tokens runs as a chain (see the module's notes): single
     /// steps are chains, misses go to the CPU, the MoE layers run by entry
     /// ([`super::super::GpuModelOptions::moe_by_entry`]) and have no shared expert, and the
-    /// batch's scratch holds every token's entries; nothing is profiled (a profile times each part of
-    /// the chunk's path).
+    /// batch's scratch holds every token's entries; nothing is profiled (a profile times each
+    /// part of the chunk's path).
     pub(in crate::gpu::forward) fn chains_steps(&self, n: usize) -> bool {
         let holds = |b: &Batch| {
             b.moe
