@@ -13,7 +13,7 @@
 //! steps: streamed first (twice: the first run is not counted), then on the CPU, then the way
 //! measured cheaper, the other probed after 4 chunks of that size, then 8 ... up to every 128.
 
-use super::step_costs::{Estimate, FIRST_PROBE, PROBE_EVERY};
+use super::step_costs::{Estimate, Probes};
 
 /// The two ways' costs for each chunk size.
 #[derive(Debug, Default)]
@@ -26,33 +26,20 @@ pub(super) struct PromptMisses {
 struct TwoWays {
     stream: Estimate,
     cpu: Estimate,
-    decided: u64,
-    /// The chunk (in `decided`) that takes the way not preferred next, and the gap after it;
-    /// 0 until both ways are measured.
-    next_probe: u64,
-    gap: u64,
+    probes: Probes,
 }
 
 impl PromptMisses {
     /// Whether a prompt chunk of `n` tokens runs its misses on the CPU.
     pub(super) fn on_cpu(&mut self, n: usize) -> bool {
         let w = self.size(n);
-        w.decided += 1;
+        w.probes.count();
         let (Some(stream), Some(cpu)) = (w.stream.secs(), w.cpu.secs()) else {
             // Streamed first (the way prompts ran before), then on the CPU.
             return w.stream.secs().is_some();
         };
         let cpu_cheaper = cpu < stream;
-        if w.next_probe == 0 {
-            w.gap = FIRST_PROBE;
-            w.next_probe = w.decided + w.gap;
-        }
-        if w.decided < w.next_probe {
-            return cpu_cheaper;
-        }
-        w.gap = (2 * w.gap).min(PROBE_EVERY);
-        w.next_probe = w.decided + w.gap;
-        !cpu_cheaper
+        cpu_cheaper != w.probes.probe()
     }
 
     /// A chunk of `n` tokens took `secs` with its misses on the CPU (`on_cpu`) or streamed.
@@ -78,6 +65,7 @@ impl PromptMisses {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gpu::forward::step_costs::PROBE_EVERY;
 
     /// Runs `chunks` chunks of `n` tokens at the given seconds a token each way; how many ran
     /// on the CPU.

@@ -21,7 +21,7 @@ const ALPHA: f64 = 0.2;
 pub const PROBE_EVERY: u64 = 128;
 
 /// Steps before the first such probe once both ways are measured; the gap doubles after each.
-pub(super) const FIRST_PROBE: u64 = 4;
+const FIRST_PROBE: u64 = 4;
 
 /// How steps of several sequences run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -52,12 +52,42 @@ pub(super) struct StepCosts {
     single: Estimate,
     /// A batched step, by its number of sequences.
     batched: Vec<Estimate>,
-    /// Steps of several sequences decided.
+    /// When a step of several sequences takes the way not preferred.
+    probes: Probes,
+}
+
+/// When a choice between two measured ways takes the one not preferred, to keep its cost
+/// current: after [`FIRST_PROBE`] choices once both are measured, then twice as many after
+/// each, up to every [`PROBE_EVERY`].
+#[derive(Clone, Debug, Default)]
+pub(super) struct Probes {
+    /// Choices made.
     decided: u64,
-    /// The step (in `decided`) that takes the way not preferred next, and the gap after it;
+    /// The choice (in `decided`) that takes the way not preferred next, and the gap after it;
     /// 0 until both ways are measured.
     next_probe: u64,
     gap: u64,
+}
+
+impl Probes {
+    /// Counts a choice.
+    pub(super) fn count(&mut self) {
+        self.decided += 1;
+    }
+
+    /// Whether the choice just counted, with both ways measured, takes the way not preferred.
+    pub(super) fn probe(&mut self) -> bool {
+        if self.next_probe == 0 {
+            self.gap = FIRST_PROBE;
+            self.next_probe = self.decided + self.gap;
+        }
+        if self.decided < self.next_probe {
+            return false;
+        }
+        self.gap = (2 * self.gap).min(PROBE_EVERY);
+        self.next_probe = self.decided + self.gap;
+        true
+    }
 }
 
 /// What one way is measured to cost.
@@ -98,22 +128,13 @@ impl StepCosts {
         if how == StepBatching::Always {
             return true;
         }
-        self.decided += 1;
+        self.probes.count();
         let (Some(b), Some(s)) = (self.batched_cost(n), self.single.secs()) else {
             // What is not measured yet is measured first, batched before single.
             return self.batched_cost(n).is_none();
         };
         let batched_cheaper = b < n as f64 * s;
-        if self.next_probe == 0 {
-            self.gap = FIRST_PROBE;
-            self.next_probe = self.decided + self.gap;
-        }
-        if self.decided < self.next_probe {
-            return batched_cheaper;
-        }
-        self.gap = (2 * self.gap).min(PROBE_EVERY);
-        self.next_probe = self.decided + self.gap;
-        !batched_cheaper
+        batched_cheaper != self.probes.probe()
     }
 
     /// A batched step of `n` sequences took `secs`.
