@@ -22,21 +22,19 @@
 
 use std::time::Instant;
 
-use super::{GpuFfn, GpuModel, HostTime, Result};
+use super::{GpuModel, HostTime, Result};
 use crate::gpu::moe::LayerRouting;
 use crate::gpu::ops::route_floats;
 
 /// An entry of a host-written routing with no expert: the expert-indexed products skip it.
-const EMPTY_ENTRY: u32 = u32::MAX;
+pub(super) const EMPTY_ENTRY: u32 = u32::MAX;
 
 impl GpuModel {
     /// [`GpuModel::eval`] of `token` as a chain (see the module's notes); the logits.
     pub(super) fn eval_chained(&mut self) -> Result<Vec<f32>> {
         let cfg = self.config.moe.expect("a chained step is a MoE model's");
         let (k, n_embd) = (cfg.n_expert_used, self.config.n_embd);
-        let moe_layers: Vec<usize> = (0..self.layers.len())
-            .filter(|&il| matches!(self.layers[il].ffn, GpuFfn::Moe(_)))
-            .collect();
+        let moe_layers = self.moe_layer_indices();
         // Promotions staged after the last step: their copies open part 0.
         let mut promoter = self.take_promoter();
         let started = self
@@ -72,9 +70,7 @@ impl GpuModel {
         let mut time = HostTime::default();
         let start = Instant::now();
         for (j, &il) in moe_layers.iter().enumerate() {
-            let t = Instant::now();
-            run.chain.wait(2 * j)?;
-            time.wait_ns += t.elapsed().as_nanos() as u64;
+            time.waiting(|| run.chain.wait(2 * j))?;
             let routing = self.moe_layer(il).route(il, &cfg, self.moe_scratch());
             let ex = self
                 .experts
@@ -109,14 +105,10 @@ impl GpuModel {
             };
             scratch.cpu_sum.write_f32(&sum);
             time.cpu_experts_ns += t.elapsed().as_nanos() as u64;
-            let t = Instant::now();
-            run.chain.release(2 * j + 2)?;
-            time.wait_ns += t.elapsed().as_nanos() as u64;
+            time.waiting(|| run.chain.release(2 * j + 2))?;
             routings.push(routing);
         }
-        let t = Instant::now();
-        run.chain.finish()?;
-        time.wait_ns += t.elapsed().as_nanos() as u64;
+        time.waiting(|| run.chain.finish())?;
         time.step_ns = start.elapsed().as_nanos() as u64;
         drop(run);
         self.last_host_time = Some(time);

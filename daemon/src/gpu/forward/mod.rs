@@ -221,6 +221,16 @@ pub struct HostTime {
     pub cpu_layers_ns: u64,
 }
 
+impl HostTime {
+    /// `f`, its time added to [`HostTime::wait_ns`].
+    fn waiting<T>(&mut self, f: impl FnOnce() -> T) -> T {
+        let t = std::time::Instant::now();
+        let out = f();
+        self.wait_ns += t.elapsed().as_nanos() as u64;
+        out
+    }
+}
+
 /// A model on one GPU, with the KV cache of one sequence or of several
 /// ([`GpuModelOptions::sequences`]): the calls that take no sequence act on the selected one
 /// ([`GpuModel::select`]).
@@ -497,6 +507,13 @@ impl GpuModel {
             buffer: &self.act.step,
             index,
         }
+    }
+
+    /// The indices of the MoE layers, in order.
+    fn moe_layer_indices(&self) -> Vec<usize> {
+        (0..self.layers.len())
+            .filter(|&il| matches!(self.layers[il].ffn, GpuFfn::Moe(_)))
+            .collect()
     }
 
     fn moe_layer(&self, il: usize) -> &GpuMoe {

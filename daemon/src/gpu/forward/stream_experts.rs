@@ -21,6 +21,7 @@
 
 use std::sync::Arc;
 
+use super::chained::EMPTY_ENTRY;
 use super::prefill::{Batch, OffVram};
 use super::GpuModel;
 use crate::engine::routing::RoutedExpert;
@@ -201,7 +202,7 @@ impl GpuModel {
                     let at = t * 2 * k + filled[t];
                     filled[t] += 1;
                     // An empty entry (its weight 0): the CPU ran that expert.
-                    words[at] = if in_vram { id as u32 } else { u32::MAX };
+                    words[at] = if in_vram { id as u32 } else { EMPTY_ENTRY };
                     words[at + k] = if in_vram {
                         routing.words[weights_at + i]
                     } else {

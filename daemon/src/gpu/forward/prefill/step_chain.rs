@@ -76,9 +76,7 @@ impl GpuModel {
     fn run_step_chain(&mut self, b: &mut Batch, tokens: &[u32], seqs: &[usize]) -> Result<()> {
         let cfg = self.config.moe.expect("a chained step is a MoE model's");
         let (n, k, n_embd) = (tokens.len(), cfg.n_expert_used, self.config.n_embd);
-        let moe_layers: Vec<usize> = (0..self.layers.len())
-            .filter(|&il| matches!(self.layers[il].ffn, GpuFfn::Moe(_)))
-            .collect();
+        let moe_layers = self.moe_layer_indices();
         let mut words: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
         self.position_words(b, &mut words, n, Some(seqs));
         b.step.write(&words);
@@ -125,9 +123,7 @@ impl GpuModel {
         let mut time = HostTime::default();
         let start = Instant::now();
         for (j, &il) in moe_layers.iter().enumerate() {
-            let t = Instant::now();
-            run.chain.wait(2 * j)?;
-            time.wait_ns += t.elapsed().as_nanos() as u64;
+            time.waiting(|| run.chain.wait(2 * j))?;
             let m = b.moe.as_ref().expect("a MoE model's batch");
             let routing = ChunkRouting::new(&cfg, &m.logits.read_f32(n * cfg.n_expert), None);
             let (resident, missing) = self.place_chunk_experts(il, &routing, true);
@@ -150,13 +146,9 @@ impl GpuModel {
                 false => self.cpu_chunk_experts(b, (il, n), &routing, &missing)?,
             }
             time.cpu_experts_ns += t.elapsed().as_nanos() as u64;
-            let t = Instant::now();
-            run.chain.release(2 * j + 2)?;
-            time.wait_ns += t.elapsed().as_nanos() as u64;
+            time.waiting(|| run.chain.release(2 * j + 2))?;
         }
-        let t = Instant::now();
-        run.chain.finish()?;
-        time.wait_ns += t.elapsed().as_nanos() as u64;
+        time.waiting(|| run.chain.finish())?;
         time.step_ns = start.elapsed().as_nanos() as u64;
         drop(run);
         b.x_ready = false;
