@@ -348,8 +348,8 @@ impl Kernels {
 
     /// [`Kernels::record_timed`] of `f` after `warm`, in the same command buffer: the
     /// timestamps go around `f` alone, which starts once `warm`'s dispatches are done. A GPU
-    /// that idled before the submission runs its first dispatches at lower clocks than a
-    /// decode step, which keeps it busy, sees; `warm` takes those.
+    /// that idled before the submission may run its first dispatches slower than a decode
+    /// step, which keeps it busy, sees; `warm` takes those.
     pub fn record_timed_after(
         &self,
         warm: impl FnOnce(&mut Recorder<'_>) -> Result<()>,

@@ -27,30 +27,23 @@ impl Timer {
     }
 
     pub(super) fn begin(&self, cmd: vk::CommandBuffer) {
-        // SAFETY: `cmd` is recording; the pool has two queries.
-        unsafe {
-            self.device.raw.cmd_reset_query_pool(cmd, self.pool, 0, 2);
-            self.device.raw.cmd_write_timestamp(
-                cmd,
-                vk::PipelineStageFlags::TOP_OF_PIPE,
-                self.pool,
-                0,
-            );
-        }
+        self.reset_and_start(cmd, vk::PipelineStageFlags::TOP_OF_PIPE);
     }
 
     /// [`Timer::begin`] in the middle of a recording: the first timestamp is written once
     /// every command before it has completed.
     pub(super) fn begin_after(&self, cmd: vk::CommandBuffer) {
+        self.reset_and_start(cmd, vk::PipelineStageFlags::BOTTOM_OF_PIPE);
+    }
+
+    /// Resets the queries and writes the first timestamp at `stage`.
+    fn reset_and_start(&self, cmd: vk::CommandBuffer, stage: vk::PipelineStageFlags) {
         // SAFETY: `cmd` is recording; the pool has two queries.
         unsafe {
             self.device.raw.cmd_reset_query_pool(cmd, self.pool, 0, 2);
-            self.device.raw.cmd_write_timestamp(
-                cmd,
-                vk::PipelineStageFlags::BOTTOM_OF_PIPE,
-                self.pool,
-                0,
-            );
+            self.device
+                .raw
+                .cmd_write_timestamp(cmd, stage, self.pool, 0);
         }
     }
 
