@@ -38,6 +38,17 @@ fn synth(dir: &Path, preset: &str, seed: u64) -> PathBuf {
     path
 }
 
+/// A VRAM budget `num / den` of the way from `model`'s smallest budget with `options` on this
+/// machine's device to its whole footprint: some experts in VRAM, the others not.
+fn budget_between(model: &Model, options: &GpuModelOptions, (num, den): (u64, u64)) -> u64 {
+    let device = Instance::new().and_then(|i| Device::open(i, None)).unwrap();
+    let whole = GpuModel::device_bytes(model, options).total();
+    let minimum = GpuModel::minimum_budget(&device, model, options)
+        .unwrap()
+        .total();
+    minimum + (whole - minimum) * num / den
+}
+
 fn load_request(path: &Path, name: &str, device: &str) -> pb::LoadModelRequest {
     pb::LoadModelRequest {
         path: path.display().to_string(),
@@ -210,14 +221,8 @@ async fn bad_devices_and_budgets_get_their_documented_errors() {
     );
 
     // Between the minimum and the whole model: some experts stay in RAM and run on the CPU.
-    let device = Instance::new().and_then(|i| Device::open(i, None)).unwrap();
     let model = Model::open(&moe).unwrap();
-    let options = GpuModelOptions::default();
-    let whole = GpuModel::device_bytes(&model, &options).total();
-    let minimum = GpuModel::minimum_budget(&device, &model, &options)
-        .unwrap()
-        .total();
-    let budget = minimum + (whole - minimum) / 3;
+    let budget = budget_between(&model, &GpuModelOptions::default(), (1, 3));
     load_model(&mut client, small("vulkan", budget))
         .await
         .unwrap();
@@ -300,13 +305,7 @@ async fn pins_place_expert_stacks_and_impossible_pins_are_refused() {
     let moe = synth(dir.path(), "tiny-qwen3moe", 3);
     let model = Model::open(&moe).unwrap();
     let n_expert = model.config.moe.unwrap().n_expert as u32;
-    let device = Instance::new().and_then(|i| Device::open(i, None)).unwrap();
-    let options = GpuModelOptions::default();
-    let whole = GpuModel::device_bytes(&model, &options).total();
-    let minimum = GpuModel::minimum_budget(&device, &model, &options)
-        .unwrap()
-        .total();
-    let budget = minimum + (whole - minimum) * 3 / 4;
+    let budget = budget_between(&model, &GpuModelOptions::default(), (3, 4));
     let pinned = |name: &str, device: &str, pins: &[(&str, &str)]| pb::LoadModelRequest {
         budgets: Some(pb::Budgets {
             vram_bytes: if device == "cpu" { 0 } else { budget },
@@ -405,7 +404,6 @@ async fn an_offloaded_moe_model_shares_decode_steps_with_its_misses_on_the_cpu()
     let dir = tempfile::tempdir().unwrap();
     let path = synth(dir.path(), "tiny-qwen3moe", 9);
     let model = Model::open(&path).unwrap();
-    let device = Device::open(Instance::new().unwrap(), None).unwrap();
     // The daemon's model: four sequences (--max-batch), misses on the CPU; a budget a third of
     // the way from its minimum to the whole model.
     let options = GpuModelOptions {
@@ -413,12 +411,7 @@ async fn an_offloaded_moe_model_shares_decode_steps_with_its_misses_on_the_cpu()
         moe_miss: MoeMiss::Cpu,
         ..GpuModelOptions::default()
     };
-    let whole = GpuModel::device_bytes(&model, &options).total();
-    let minimum = GpuModel::minimum_budget(&device, &model, &options)
-        .unwrap()
-        .total();
-    drop(device);
-    let budget = minimum + (whole - minimum) / 3;
+    let budget = budget_between(&model, &options, (1, 3));
 
     let d = Daemon::start(&[
         "--device",
