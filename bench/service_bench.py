@@ -63,6 +63,7 @@ def main():
     ap.add_argument("--bin", default=os.path.join(ROOT, "target", "release"))
     ap.add_argument("--device-args", default="", help="more arguments of serve and run")
     ap.add_argument("--streams-only", action="store_true")
+    ap.add_argument("--daemon-log", help="the daemon's log (at info) goes to this file")
     ap.add_argument("--vocab", type=int, default=100_000,
                     help="prompt ids are drawn below this (at most the model's vocabulary)")
     args = ap.parse_args()
@@ -78,8 +79,9 @@ def main():
     daemon = subprocess.Popen(
         [spillwayd, "serve", "--model", f"bench={args.model}", "--socket", sock,
          "--threads", str(args.threads), "--max-batch", str(max_batch),
-         "--queue-depth", str(2 * max_batch), "--log-level", "warn"] + device_args,
-        stderr=subprocess.DEVNULL,
+         "--queue-depth", str(2 * max_batch), "--log-level",
+         "info" if args.daemon_log else "warn"] + device_args,
+        stderr=open(args.daemon_log, "w") if args.daemon_log else subprocess.DEVNULL,
     )
     client = [spillway, "--addr", sock, "--no-autostart"]
     try:
@@ -150,6 +152,8 @@ def main():
             wall, total, ttft, decode = sorted(walls)[len(walls) // 2]
             print(f"| {n} | {total} | {wall:.2f} | {total / wall:.2f} | {ttft:.1f} "
                   f"| {decode:.2f} |")
+        # How the steps went: shared by several requests, carrying prompts.
+        print(subprocess.run(client + ["ps"], capture_output=True, text=True).stdout)
     finally:
         daemon.terminate()
         daemon.wait(timeout=30)

@@ -304,6 +304,41 @@ fn batched_steps_over_the_vram_budget_run_misses_on_the_cpu() {
     assert!(gpu.cpu_prompt_chunks() >= 2, "{}", gpu.cpu_prompt_chunks());
     let t = gpu.expert_stats().unwrap().total();
     assert!(t.cpu > 0, "{t:?}");
+
+    // Steps that carry prompts' parts beside other sequences' next tokens (`eval_mixed`, as
+    // the daemon takes a newly admitted request's prompt into the running ones' steps), as a
+    // chain and not: each entry's last logits are what its sequence's tokens give alone.
+    for chain in [true, false] {
+        let o = GpuModelOptions {
+            chain,
+            ..found.0.clone()
+        };
+        let mut gpu = GpuModel::new(&dev, &model, &o).unwrap();
+        assert_eq!(gpu.mixed_step_tokens(), 8, "chain {chain}");
+        let seq_tokens = |s: usize| -> Vec<u32> { (0..9).map(|j| token(s, j, n_vocab)).collect() };
+        let all: Vec<Vec<u32>> = (0..3).map(seq_tokens).collect();
+        // (sequence, first token, end) of each entry of each step.
+        let steps: [&[(usize, usize, usize)]; 3] = [
+            &[(0, 0, 5), (1, 0, 3)],
+            &[(0, 5, 6), (1, 3, 6), (2, 0, 2)],
+            &[(2, 2, 9), (0, 6, 7)],
+        ];
+        for (i, step) in steps.iter().enumerate() {
+            let inputs: Vec<(usize, &[u32])> =
+                step.iter().map(|&(s, a, b)| (s, &all[s][a..b])).collect();
+            let got = gpu.eval_mixed(&inputs).unwrap();
+            for (j, &(s, _, end)) in step.iter().enumerate() {
+                alone.reset();
+                let want = alone.eval_prompt(&all[s][..end], false).unwrap();
+                let got = &got[j * n_vocab..(j + 1) * n_vocab];
+                let what = format!("chain {chain}, step {i}, sequence {s}");
+                assert_logits_close(got, &want, TOLERANCE, &what);
+                assert_eq!(gpu.position_of(s), end, "{what}");
+            }
+        }
+        assert_eq!(gpu.batched_steps(), 3, "chain {chain}");
+        assert_eq!(gpu.chained_batches(), if chain { 3 } else { 0 });
+    }
 }
 
 /// With steps batched by measured cost (the default), a model measures both ways before it

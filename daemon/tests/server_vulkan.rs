@@ -120,11 +120,12 @@ async fn models_on_vulkan_generate_the_tokens_of_their_cpu_served_copies() {
     // Four requests at once on a GPU model: its KV cache holds --max-batch sequences, and its
     // decode steps take one token of each running request together. Each gets the tokens it
     // gets alone on the CPU.
+    // Prompts longer than a step's chunk of 8 tokens go into several steps.
     let prompts = [
         vec![1, 17, 300],
-        vec![2, 40, 7, 9],
+        vec![2, 40, 7, 9, 11, 12, 13, 14, 15, 16, 17, 18, 19],
         vec![5],
-        vec![600, 3, 3, 8, 1],
+        vec![600, 3, 3, 8, 1, 70, 71, 72, 73],
     ];
     for (gpu, cpu) in [("moe", "moe-cpu"), ("dense", "dense-cpu")] {
         let mut want = Vec::new();
@@ -394,8 +395,8 @@ async fn pins_place_expert_stacks_and_impossible_pins_are_refused() {
 
 /// A MoE model over its VRAM budget with its missing experts on the CPU (`--moe-miss cpu`; what
 /// `auto` gives a device without a separate bus, as lavapipe) still shares decode steps among requests: four at once
-/// each get the tokens the CPU-served copy gives, some steps take several of them, and the
-/// CPU ran experts.
+/// each get the tokens the CPU-served copy gives, some steps take several of them, prompts go
+/// into the steps beside the others' tokens, and the CPU ran experts.
 #[tokio::test]
 async fn an_offloaded_moe_model_shares_decode_steps_with_its_misses_on_the_cpu() {
     if !has_vulkan() {
@@ -467,6 +468,7 @@ async fn an_offloaded_moe_model_shares_decode_steps_with_its_misses_on_the_cpu()
     assert_eq!(got, want, "four at once against the CPU");
     let s = status_of(&mut client, "over").await;
     assert!(s.shared_steps > 0, "the requests shared no decode step");
+    assert!(s.prompt_steps > 0, "no prompt went into the steps");
     let e = s.experts.unwrap();
     assert!(e.cpu > 0 && e.hits > 0, "{e:?}");
 }

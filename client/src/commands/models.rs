@@ -234,6 +234,10 @@ fn gpu_line(m: &pb::ModelStatus) -> Option<String> {
     };
     let at_a_time = match m.max_batch {
         1 => "1 request at a time".to_string(),
+        n if m.prompt_steps > 0 => format!(
+            "up to {n} requests at a time, {} decode steps shared, {} carried prompts",
+            m.shared_steps, m.prompt_steps
+        ),
         n => format!(
             "up to {n} requests at a time, {} decode steps shared",
             m.shared_steps

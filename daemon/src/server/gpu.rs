@@ -240,6 +240,21 @@ impl Sequences for GpuSequence {
         Ok(out?)
     }
 
+    fn mixed_step_tokens(&self) -> usize {
+        self.gpu.as_ref().map_or(0, GpuModel::mixed_step_tokens)
+    }
+
+    /// The prompts' parts and the other sequences' tokens in one pass where the model
+    /// batches them ([`GpuModel::eval_mixed`]).
+    fn step_mixed(&mut self, inputs: &[(usize, &[u32])]) -> Result<Vec<f32>, GenerateError> {
+        let gpu = self.loaded()?;
+        let out = gpu.eval_mixed(inputs);
+        if let Some(stats) = gpu.expert_stats() {
+            *self.status.experts.lock() = Some(stats);
+        }
+        Ok(out?)
+    }
+
     fn gpu_profiler(&mut self) -> Option<&mut GpuSequence> {
         Some(self)
     }

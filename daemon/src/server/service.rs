@@ -570,6 +570,7 @@ impl Spillway for SpillwayService {
                     generated_tokens: stats.generated.load(Ordering::Relaxed),
                     max_batch: m.worker.max_batch() as u32,
                     shared_steps: stats.shared_steps.load(Ordering::Relaxed),
+                    prompt_steps: stats.prompt_steps.load(Ordering::Relaxed),
                     ..Default::default()
                 };
                 if let Some(gpu) = &m.gpu {

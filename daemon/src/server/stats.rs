@@ -17,6 +17,8 @@ pub struct ModelStats {
     pub generated: AtomicU64,
     /// Decode steps that took the tokens of several requests together.
     pub shared_steps: AtomicU64,
+    /// Steps that carried part of a prompt (`Sequences::mixed_step_tokens`).
+    pub prompt_steps: AtomicU64,
     /// Set while the worker reopens a lost GPU device and reloads the model: new requests are
     /// refused with UNAVAILABLE, and health reports NOT_SERVING.
     pub recovering: AtomicBool,

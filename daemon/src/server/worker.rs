@@ -53,6 +53,21 @@ pub trait Sequences: Send + 'static {
     ) -> Result<Vec<f32>, GenerateError>;
     /// One decode step: one token of each listed sequence; `n_vocab` logits per input.
     fn step(&mut self, inputs: &[(usize, u32)]) -> Result<Vec<f32>, GenerateError>;
+    /// Most tokens a step of [`Sequences::step_mixed`] carries: where a newly admitted
+    /// request's prompt goes into the running sequences' steps, a part of it each step (0:
+    /// prompts run apart, each whole before the request joins the steps).
+    fn mixed_step_tokens(&self) -> usize {
+        0
+    }
+    /// One step in which each listed sequence takes its tokens at its next positions;
+    /// `n_vocab` logits after each entry's last token.
+    fn step_mixed(&mut self, inputs: &[(usize, &[u32])]) -> Result<Vec<f32>, GenerateError> {
+        let mut out = Vec::new();
+        for &(seq, tokens) in inputs {
+            out.extend(self.eval_sequence(seq, tokens, false)?);
+        }
+        Ok(out)
+    }
     /// The CPU engine, for per-layer profiles; `None` where the device has no profiler.
     fn profiler(&mut self) -> Option<&mut BatchEngine> {
         None
@@ -388,6 +403,17 @@ struct Active<'t> {
     prompt_done: Instant,
     first_token_at: Option<Instant>,
     prompt_logprobs: Vec<pb::PromptLogprobs>,
+    /// Prompt tokens evaluated: all of them, unless the prompt goes into the steps
+    /// ([`Sequences::mixed_step_tokens`]), where the request samples its first token at the
+    /// step that takes the prompt's last.
+    prompt_at: usize,
+}
+
+impl Active<'_> {
+    /// Whether the request's prompt is still going into the steps.
+    fn prompting(&self) -> bool {
+        self.prompt_at < self.job.prompt.len()
+    }
 }
 
 impl<E: Sequences> WorkerContext<E> {
@@ -470,24 +496,48 @@ impl<E: Sequences> WorkerContext<E> {
             if active.is_empty() {
                 continue;
             }
-            let inputs: Vec<(usize, u32)> = active
+            // Each running request's next token, then the prompts going into the steps, a
+            // part of each as the step has room (the oldest first).
+            let room = self.engine.mixed_step_tokens();
+            let mut taken = vec![0; active.len()];
+            let mut used = active.iter().filter(|a| !a.prompting()).count();
+            for (i, a) in active.iter().enumerate().filter(|(_, a)| a.prompting()) {
+                taken[i] = (a.job.prompt.len() - a.prompt_at).min(room.saturating_sub(used));
+                used += taken[i];
+            }
+            let entries: Vec<(usize, &[u32])> = active
                 .iter()
-                .map(|a| (a.seq, *a.decoder.tokens().last().expect("a sampled token")))
+                .zip(&taken)
+                .filter(|(a, &t)| !a.prompting() || t > 0)
+                .map(|(a, &t)| match a.prompting() {
+                    true => (a.seq, &a.job.prompt[a.prompt_at..a.prompt_at + t]),
+                    false => (
+                        a.seq,
+                        std::slice::from_ref(a.decoder.tokens().last().unwrap()),
+                    ),
+                })
                 .collect();
+            let inputs: Vec<(usize, u32)> = entries.iter().map(|&(s, t)| (s, t[0])).collect();
             let step_began = Instant::now();
             self.forecast.stepping();
-            let stepped = self
-                .engine
-                .step(&inputs)
-                .map_err(|e| self.engine_failed(&e));
+            let mixed = taken.iter().any(|&t| t > 0);
+            let stepped = match mixed {
+                true => self.engine.step_mixed(&entries),
+                false => self.engine.step(&inputs),
+            };
+            let stepped = stepped.map_err(|e| self.engine_failed(&e));
             // Logits computed from a model file changed underneath reach no one.
             let stepped = stepped.and_then(|l| self.file_intact().map(|()| l));
             let logits = match stepped {
-                Ok(l) if inputs.len() > 1 => {
-                    self.stats.shared_steps.fetch_add(1, Ordering::Relaxed);
+                Ok(l) => {
+                    if inputs.len() > 1 {
+                        self.stats.shared_steps.fetch_add(1, Ordering::Relaxed);
+                    }
+                    if mixed {
+                        self.stats.prompt_steps.fetch_add(1, Ordering::Relaxed);
+                    }
                     l
                 }
-                Ok(l) => l,
                 Err(status) => {
                     for a in active.drain(..) {
                         free.push(a.seq);
@@ -498,11 +548,19 @@ impl<E: Sequences> WorkerContext<E> {
             };
             let n_vocab = self.engine.model().config.n_vocab;
             let mut finished = Vec::new();
-            for (i, (a, l)) in active
+            let stepped_now = active
                 .iter_mut()
-                .zip(logits.chunks_exact(n_vocab))
+                .zip(taken)
                 .enumerate()
-            {
+                .filter(|(_, (a, t))| !a.prompting() || *t > 0);
+            for ((i, (a, t)), l) in stepped_now.zip(logits.chunks_exact(n_vocab)) {
+                if a.prompting() {
+                    a.prompt_at += t;
+                    if a.prompting() {
+                        continue;
+                    }
+                    a.prompt_done = Instant::now();
+                }
                 let room = self.engine.position(a.seq) < self.engine.capacity();
                 let step = a.decoder.step(l, room);
                 match self.emit(a, step) {
@@ -624,6 +682,20 @@ impl<E: Sequences> WorkerContext<E> {
         let n_vocab = self.engine.model().config.n_vocab;
         let want_all = job.prompt_logprobs > 0;
         self.engine.reset(seq);
+        if self.engine.mixed_step_tokens() > 0 && !want_all {
+            // The prompt goes into the steps, beside the running requests' tokens.
+            let decoder = Decoder::new(tokenizer, eos, &job.prompt, job.options.clone());
+            return Ok(Some(Active {
+                job,
+                seq,
+                decoder,
+                started,
+                prompt_done: started,
+                first_token_at: None,
+                prompt_logprobs: Vec::new(),
+                prompt_at: 0,
+            }));
+        }
 
         self.forecast.prompting(job.prompt.len());
         // The prompt in chunks, so that a long one can be interrupted too.
@@ -650,6 +722,7 @@ impl<E: Sequences> WorkerContext<E> {
         self.forecast.prompt(job.prompt.len(), started.elapsed());
         self.file_intact().map_err(Interrupt::Fail)?;
         let decoder = Decoder::new(tokenizer, eos, &job.prompt, job.options.clone());
+        let job_prompt_len = job.prompt.len();
         let mut a = Active {
             job,
             seq,
@@ -658,6 +731,7 @@ impl<E: Sequences> WorkerContext<E> {
             prompt_done: Instant::now(),
             first_token_at: None,
             prompt_logprobs,
+            prompt_at: job_prompt_len,
         };
         let room = self.engine.position(seq) < self.engine.capacity();
         let step = a.decoder.step(&logits, room);

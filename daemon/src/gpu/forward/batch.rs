@@ -130,23 +130,7 @@ impl GpuModel {
             && self.batches_steps(inputs.len())?
             && self.step_costs.batch(inputs.len(), self.step_batching)
         {
-            self.flush_promotions()?;
-            let started = std::time::Instant::now();
-            let logits = match self.replays_steps(inputs.len()) {
-                true => self.replay_step(&tokens, &seqs)?,
-                false => None,
-            };
-            let logits = match logits {
-                Some(l) => {
-                    self.replayed_batches += 1;
-                    l
-                }
-                None if self.chains_steps(inputs.len()) => self.eval_step_chain(&tokens, &seqs)?,
-                None => self.eval_chunk(&tokens, true, Some(&seqs))?,
-            };
-            self.batched_steps += 1;
-            // The step's routing counted in the experts' demand, as a decode step's.
-            self.promote_experts(started.elapsed())?;
+            let logits = self.run_batched(&tokens, &seqs)?;
             let secs = began.elapsed().as_secs_f64();
             self.step_costs.record_batched(inputs.len(), secs);
             return Ok(logits);
@@ -159,6 +143,86 @@ impl GpuModel {
         let secs = began.elapsed().as_secs_f64();
         self.step_costs.record_single(inputs.len(), secs);
         Ok(out)
+    }
+
+    /// One step in which each listed sequence takes several tokens at its next positions:
+    /// `inputs` holds, for each, the sequence and its tokens (a running request's next token,
+    /// or part of a newly admitted one's prompt, so that a prompt shares the step's reads of
+    /// the weights with the others' tokens instead of running alone between steps). The
+    /// logits after each entry's last token, `n_vocab` floats each, in the order of `inputs`;
+    /// every sequence advances by its tokens. The step is one pass where the model batches a
+    /// step of that many tokens ([`GpuModel::mixed_step_tokens`] says how many it is made
+    /// for); otherwise each entry goes in turn through [`GpuModel::eval_prompt`], with the
+    /// same logits. The selected sequence stays selected unless they go in turn.
+    pub fn eval_mixed(&mut self, inputs: &[(usize, &[u32])]) -> Result<Vec<f32>> {
+        self.check_mixed(inputs)?;
+        let seqs: Vec<usize> = inputs
+            .iter()
+            .flat_map(|&(s, t)| std::iter::repeat_n(s, t.len()))
+            .collect();
+        let tokens: Vec<u32> = inputs
+            .iter()
+            .flat_map(|&(_, t)| t.iter().copied())
+            .collect();
+        let (n, n_vocab) = (tokens.len(), self.config.n_vocab);
+        let mut out = Vec::with_capacity(inputs.len() * n_vocab);
+        if n > 1 && n <= MAX_STEP_TOKENS && self.batches_steps(n)? {
+            let all = self.run_batched(&tokens, &seqs)?;
+            let mut end = 0;
+            for &(_, t) in inputs {
+                end += t.len();
+                out.extend_from_slice(&all[(end - 1) * n_vocab..end * n_vocab]);
+            }
+            return Ok(out);
+        }
+        for &(seq, t) in inputs {
+            self.select(seq);
+            out.extend(self.eval_prompt(t, false)?);
+        }
+        Ok(out)
+    }
+
+    /// The most tokens a step of [`GpuModel::eval_mixed`] should carry: a batched step's
+    /// chunk as the placement keeps room for it, where several sequences are held and the
+    /// routed experts that miss VRAM run on the CPU. There a prompt's chunk takes no more
+    /// than a step's memory and its weights are read the same way, so a prompt costs about
+    /// as much inside steps as apart, and the running sequences go on meanwhile. 0 elsewhere:
+    /// prompts run apart in their own, larger chunks.
+    pub fn mixed_step_tokens(&self) -> usize {
+        let miss = self.experts.as_ref().map_or(MoeMiss::Cpu, |e| e.miss);
+        let mixes = self.sequences() > 1
+            && self.cpu_misses()
+            && self.batches_prompts()
+            && self.placement.batches_steps(miss);
+        match mixes {
+            true => crate::gpu::ops_batch::MAX_MATVEC_COLS as usize,
+            false => 0,
+        }
+    }
+
+    /// The tokens of a batched step in one pass ([`GpuModel::batches_steps`] said so):
+    /// replayed from its recording, as a chain, or through the chunk's path; every token's
+    /// logits.
+    fn run_batched(&mut self, tokens: &[u32], seqs: &[usize]) -> Result<Vec<f32>> {
+        let n = tokens.len();
+        self.flush_promotions()?;
+        let started = std::time::Instant::now();
+        let logits = match self.replays_steps(n) {
+            true => self.replay_step(tokens, seqs)?,
+            false => None,
+        };
+        let logits = match logits {
+            Some(l) => {
+                self.replayed_batches += 1;
+                l
+            }
+            None if self.chains_steps(n) => self.eval_step_chain(tokens, seqs)?,
+            None => self.eval_chunk(tokens, true, Some(seqs))?,
+        };
+        self.batched_steps += 1;
+        // The step's routing counted in the experts' demand, as a decode step's.
+        self.promote_experts(started.elapsed())?;
+        Ok(logits)
     }
 
     /// Whether a batched step of `n` tokens is replayed: steps replay
@@ -258,6 +322,40 @@ impl GpuModel {
             if self.positions[seq] >= self.capacity {
                 return bad(format!(
                     "the context of {} positions of sequence {seq} is full",
+                    self.capacity
+                ));
+            }
+        }
+        if self.allocator.device().is_lost() {
+            return Err(GpuError::DeviceLost);
+        }
+        Ok(())
+    }
+
+    /// Checks `inputs` of [`GpuModel::eval_mixed`] before anything of them is evaluated:
+    /// known, distinct sequences, each with tokens, in the vocabulary, and room for them.
+    fn check_mixed(&self, inputs: &[(usize, &[u32])]) -> Result<()> {
+        let bad = |why: String| Err(GpuError::Unsupported(why));
+        for (i, &(seq, tokens)) in inputs.iter().enumerate() {
+            if seq >= self.sequences() {
+                return bad(format!("sequence {seq} of {}", self.sequences()));
+            }
+            if inputs[..i].iter().any(|&(s, _)| s == seq) {
+                return bad(format!("sequence {seq} twice in one step"));
+            }
+            if tokens.is_empty() {
+                return bad(format!("no tokens for sequence {seq}"));
+            }
+            if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.config.n_vocab) {
+                return bad(format!(
+                    "token {t} is outside the vocabulary of {}",
+                    self.config.n_vocab
+                ));
+            }
+            if self.positions[seq] + tokens.len() > self.capacity {
+                return bad(format!(
+                    "{} more tokens pass the context of {} positions of sequence {seq}",
+                    tokens.len(),
                     self.capacity
                 ));
             }

@@ -829,7 +829,9 @@ impl GpuModel {
 
     /// Appends each of a chunk's `n` tokens' position and its sequence's first KV-cache row to
     /// `words` (after its token ids, [`StepWord`]): the selected sequence's next positions, or
-    /// with `seqs` each listed sequence's next one; then the grid of the chunk's attention
+    /// with `seqs` each listed sequence's next one (a sequence listed again takes the position
+    /// after its previous token's: a step that carries part of a prompt with other sequences'
+    /// next tokens, [`GpuModel::eval_mixed`]); then the grid of the chunk's attention
     /// (word `3n` on, [`Recorder::attention_n_grid`]: every token's runs up to its position);
     /// sets the chunk's end and whether it is ragged.
     pub(super) fn position_words(
@@ -841,7 +843,16 @@ impl GpuModel {
     ) {
         let at: Vec<(usize, usize)> = match seqs {
             None => (0..n).map(|t| (self.pos() + t, self.seq)).collect(),
-            Some(seqs) => seqs.iter().map(|&s| (self.positions[s], s)).collect(),
+            Some(seqs) => {
+                let mut next = std::collections::HashMap::new();
+                seqs.iter()
+                    .map(|&s| {
+                        let pos = next.entry(s).or_insert(self.positions[s]);
+                        *pos += 1;
+                        (*pos - 1, s)
+                    })
+                    .collect()
+            }
         };
         for &(pos, seq) in &at {
             words.extend_from_slice(&(pos as u32).to_le_bytes());
