@@ -16,6 +16,14 @@ use crate::gpu::{
 /// The least a GPU runs a case before it is timed ([`GpuBench::gpu_seconds`]).
 const WARM_UP: Duration = Duration::from_millis(30);
 
+/// The most: an idle GPU's clocks took about a second to come back on the H100.
+const MAX_WARM_UP: Duration = Duration::from_millis(1500);
+
+/// GPU time each warm-up recording keeps the device busy for, its case repeated (at most
+/// [`MAX_REPS`] times).
+const BUSY: Duration = Duration::from_millis(10);
+const MAX_REPS: usize = 256;
+
 /// The widest input whose quantization products share (wider ones quantize in each product).
 const MAX_INPUTS: usize = 65536;
 
@@ -96,34 +104,48 @@ impl GpuBench {
     /// Median seconds of recordings of `f`: GPU time from timestamps where the queue has them,
     /// else wall time (which includes the submit).
     ///
-    /// On a GPU each timed recording runs `f` twice and times the second, after back-to-back
-    /// recordings of `f` until their times settle: a GPU left idle while the host sets a case
-    /// up may run its first milliseconds of work slower than a decode step, which keeps it
-    /// busy, sees (on the H100 this warm-up made the Q6_K products' fit 1.5 times faster). A
-    /// device that is the CPU is timed as before.
+    /// On a GPU, `f` is timed on a device kept busy, as a decode step finds it. A GPU left idle
+    /// while the host sets a case up (making and uploading a large matrix's copies takes
+    /// seconds) lowers its clocks, and short recordings do not bring them back: on the H100
+    /// the SM clock fell from 1980 to 345 MHz during the calibration's largest cases and
+    /// stayed there, and every later product ran three times slower than in decode. So the
+    /// warm-up runs recordings of `f` repeated until each keeps the device busy for
+    /// [`BUSY`], back to back, until the time of one `f` stops falling (three runs in a row
+    /// within 3% of the best, for at least [`WARM_UP`]); each timed recording then runs those
+    /// repetitions before the `f` it times. A device that is the CPU is timed as before.
     fn gpu_seconds(
         &self,
         f: impl Fn(&mut crate::gpu::Recorder<'_>) -> Result<(), crate::gpu::GpuError>,
     ) -> Result<f64, CalibrateError> {
         let warm = self.device.info().kind != DeviceKind::Cpu;
+        let mut reps = 1usize;
+        let repeated = |reps: usize| {
+            let f = &f;
+            move |r: &mut crate::gpu::Recorder<'_>| (0..reps).try_for_each(|_| f(r))
+        };
         if warm {
-            // Until two runs in a row take the same time (within 3%), for at least
-            // [`WARM_UP`] and at most ten times it.
-            let (start, mut last) = (Instant::now(), None);
-            while start.elapsed() < 10 * WARM_UP {
-                let ns = self.kernels.record_timed(&f)?.gpu_ns;
-                let steady = matches!((last, ns), (Some(a), Some(b))
-                    if (a as f64 - b as f64).abs() <= 0.03 * b as f64);
-                if steady && start.elapsed() >= WARM_UP {
+            let (start, mut best, mut settled) = (Instant::now(), f64::MAX, 0);
+            while start.elapsed() < MAX_WARM_UP {
+                let Some(ns) = self.kernels.record_timed(repeated(reps))?.gpu_ns else {
+                    break;
+                };
+                let busy = Duration::from_nanos(ns);
+                if busy < BUSY && reps < MAX_REPS {
+                    reps = (reps * 2).min(MAX_REPS);
+                    continue;
+                }
+                let each = ns as f64 / reps as f64;
+                settled = if each < 0.97 * best { 0 } else { settled + 1 };
+                best = best.min(each);
+                if settled >= 3 && start.elapsed() >= WARM_UP {
                     break;
                 }
-                last = ns;
             }
         }
         let mut gpu_s = Vec::new();
         let wall = median_seconds(|| {
             let stats = match warm {
-                true => self.kernels.record_timed_after(&f, &f)?,
+                true => self.kernels.record_timed_after(repeated(reps), &f)?,
                 false => self.kernels.record_timed(&f)?,
             };
             if let Some(ns) = stats.gpu_ns {
