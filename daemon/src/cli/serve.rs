@@ -91,6 +91,12 @@ pub struct ServeArgs {
     /// over the bus; `auto`: `pcie` on a GPU across a bus with RAM for the experts, else `cpu`.
     #[arg(long, default_value = "auto")]
     pub moe_miss: MoeMiss,
+    /// Whether a newly admitted request's prompt goes into the running requests' decode steps,
+    /// a few tokens a step, on a Vulkan device where a MoE model's misses run on the CPU (its
+    /// steps and prompt chunks are then the same size); `false`: each prompt runs whole
+    /// before its request joins the steps.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub prompt_steps: bool,
     /// How a decode step of several requests on a Vulkan device runs: `measured` (batched or a
     /// request at a time, whichever has been measured cheaper for that model) or `always`
     /// (batched wherever the model can take the requests together).
@@ -202,6 +208,7 @@ impl ServeArgs {
                 expert_layout: self.expert_layout.clone(),
                 moe_miss: self.moe_miss,
                 step_batching: self.step_batching,
+                prompt_steps: self.prompt_steps,
             },
             grace: Duration::from_secs_f64(self.grace_period),
         })

@@ -246,6 +246,7 @@ async fn load_startup_models(
             expert_layout: state.defaults.expert_layout.clone(),
             moe_miss: state.defaults.moe_miss,
             step_batching: state.defaults.step_batching,
+            prompt_steps: state.defaults.prompt_steps,
             pins: Vec::new(),
             hardware: state.defaults.hardware.get(),
         };

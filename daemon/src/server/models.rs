@@ -78,6 +78,8 @@ pub struct LoadOptions {
     pub moe_miss: crate::gpu::placement::MoeMiss,
     /// How a model on a Vulkan device runs steps of several requests.
     pub step_batching: crate::gpu::forward::StepBatching,
+    /// Whether prompts may go into the running requests' steps.
+    pub prompt_steps: bool,
     /// Placements of routed expert stacks (LoadModel's pins), planned around on `hardware`.
     pub pins: Vec<Pin>,
     /// The machine's profile, which plans are made on.
@@ -348,6 +350,7 @@ pub fn load(
                 moe_miss: options.moe_miss,
                 sequences: options.max_batch,
                 step_batching: options.step_batching,
+                prompt_steps: options.prompt_steps,
                 ..GpuModelOptions::default()
             };
             let gpu = device::load_gpu_model(&device, &model, &gpu_options).map_err(
@@ -480,6 +483,7 @@ mod tests {
             expert_layout: LayoutChoice::Planned,
             moe_miss: Default::default(),
             step_batching: Default::default(),
+            prompt_steps: true,
             pins: Vec::new(),
             hardware: None,
         };

@@ -58,6 +58,8 @@ pub struct ModelDefaults {
     pub moe_miss: crate::gpu::placement::MoeMiss,
     /// How steps of several requests run on a Vulkan device (`--step-batching`).
     pub step_batching: crate::gpu::forward::StepBatching,
+    /// Whether prompts may go into the running requests' steps (`--prompt-steps`).
+    pub prompt_steps: bool,
 }
 
 /// State shared by the service, the loader and shutdown.
@@ -331,6 +333,7 @@ impl SpillwayService {
             expert_layout: defaults.expert_layout.clone(),
             moe_miss: defaults.moe_miss,
             step_batching: defaults.step_batching,
+            prompt_steps: defaults.prompt_steps,
             pins,
             hardware: defaults.hardware.get(),
         })

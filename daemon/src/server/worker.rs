@@ -569,6 +569,12 @@ impl<E: Sequences> WorkerContext<E> {
                     Err(why) => finished.push((i, Err(why))),
                 }
             }
+            tracing::trace!(
+                entries = inputs.len(),
+                tokens = used,
+                ms = step_began.elapsed().as_secs_f64() * 1e3,
+                "step"
+            );
             self.forecast.stepped(
                 step_began.elapsed(),
                 active.iter().map(|a| (a.seq, self.tokens_left(a))),

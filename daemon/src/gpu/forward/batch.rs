@@ -186,11 +186,13 @@ impl GpuModel {
     /// chunk as the placement keeps room for it, where several sequences are held and the
     /// routed experts that miss VRAM run on the CPU. There a prompt's chunk takes no more
     /// than a step's memory and its weights are read the same way, so a prompt costs about
-    /// as much inside steps as apart, and the running sequences go on meanwhile. 0 elsewhere:
-    /// prompts run apart in their own, larger chunks.
+    /// as much inside steps as apart, and the running sequences go on meanwhile. 0 elsewhere,
+    /// and where [`super::GpuModelOptions::prompt_steps`] is off: prompts run apart in their
+    /// own chunks.
     pub fn mixed_step_tokens(&self) -> usize {
         let miss = self.experts.as_ref().map_or(MoeMiss::Cpu, |e| e.miss);
-        let mixes = self.sequences() > 1
+        let mixes = self.prompt_steps
+            && self.sequences() > 1
             && self.cpu_misses()
             && self.batches_prompts()
             && self.placement.batches_steps(miss);

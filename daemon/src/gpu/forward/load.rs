@@ -508,6 +508,7 @@ impl GpuModel {
             batch: None,
             batch_refused: None,
             step_batching: options.step_batching,
+            prompt_steps: options.prompt_steps,
             moe_by_entry: options.moe_by_entry,
             step_costs: Default::default(),
             prompt_misses: Default::default(),

@@ -294,6 +294,8 @@ pub struct GpuModel {
     batch_refused: Option<usize>,
     /// See [`GpuModelOptions::step_batching`].
     step_batching: StepBatching,
+    /// See [`GpuModelOptions::prompt_steps`].
+    prompt_steps: bool,
     /// See [`GpuModelOptions::moe_by_entry`].
     moe_by_entry: bool,
     /// What batched and single steps of several sequences cost here ([`step_costs`]).

@@ -87,6 +87,10 @@ pub struct GpuModelOptions {
     /// Whether a decode step of several sequences runs batched or a sequence at a time,
     /// whichever is measured cheaper ([`step_costs`](super::step_costs)), or batched wherever the model can.
     pub step_batching: StepBatching,
+    /// Whether a newly admitted request's prompt may go into the running requests' steps
+    /// ([`GpuModel::mixed_step_tokens`](super::GpuModel::mixed_step_tokens)); `false`: prompts
+    /// run apart (`spillwayd serve --prompt-steps false`, for comparisons).
+    pub prompt_steps: bool,
     /// Run a MoE layer's experts for a few tokens (a batched decode step) by entry, every
     /// token's k in one dispatch as a decode step runs one token's, where every expert is
     /// resident ([`GpuModel::moe_by_entry`](super::GpuModel)); `false`: laid out by expert as
@@ -119,6 +123,7 @@ impl Default for GpuModelOptions {
             sequences: 1,
             matvec_cols: crate::gpu::ops_batch::MAX_MATVEC_COLS as usize,
             step_batching: StepBatching::Measured,
+            prompt_steps: true,
             moe_by_entry: true,
         }
     }
