@@ -160,8 +160,8 @@ impl GpuBench {
     }
 
     /// Seconds per product of a chain of `chain` products of a `k`-wide, `n`-tall matrix of
-    /// `t` with a vector, recorded into one command buffer (a barrier every few products, as
-    /// decode records them); each product reads the next of copies of the matrix that
+    /// `t` with a vector, recorded into one command buffer (a barrier after each on a GPU, as
+    /// decode records most, [`GpuBench::overlap`]); each product reads the next of copies of the matrix that
     /// together pass the caches. GPU time from timestamps where the queue has them, else wall
     /// time.
     pub fn matvec(
@@ -190,23 +190,40 @@ impl GpuBench {
         // The vector in device memory, as decode keeps its activations: read from host-visible
         // memory, every workgroup's read of it would cross the bus.
         let x = upload_f32(&self.allocator, &mut uploader, &vec![0.5; k as usize])?;
-        // Decode's products are not all dependent: q, k and v, or gate and up, run together
-        // between barriers. Products here write OVERLAP outputs in turn, so a barrier falls
-        // every OVERLAP products (when an output is written again).
-        const OVERLAP: usize = 3;
-        let y = (0..OVERLAP)
+        // Products here write `overlap` outputs in turn, so a barrier falls every `overlap`
+        // products (when an output is written again): after each on a GPU, as most of
+        // decode's do ([`GpuBench::overlap`]).
+        let overlap = self.overlap();
+        let y = (0..overlap)
             .map(|_| Buffer::new_in(&self.allocator, n * 4, MemoryUse::DeviceLocal))
             .collect::<Result<Vec<_>, _>>()?;
         uploader.flush()?;
         let next = std::cell::Cell::new(0usize);
         let total = self.gpu_seconds(|r| {
             for i in 0..chain as usize {
-                r.matvec(&w[next.get() % w.len()], &x, &y[i % OVERLAP])?;
+                r.matvec(&w[next.get() % w.len()], &x, &y[i % overlap])?;
                 next.set(next.get() + 1);
             }
             Ok(())
         })?;
         Ok(total / chain.max(1) as f64)
+    }
+
+    /// Products a chain of [`GpuBench::matvec`] runs between barriers: on a GPU one, as most
+    /// of a decode layer's products wait on the one before (on the H100, timed three to a
+    /// barrier, the Llama-3-8B shape's layers were predicted at 71 µs where profiled steps
+    /// took 103; one to a barrier, at 90); on a device that is the CPU three, whose barriers
+    /// cost little. `SPILLWAY_CALIBRATE_OVERLAP` sets it instead, for measuring what the
+    /// order changes.
+    fn overlap(&self) -> usize {
+        let set = std::env::var("SPILLWAY_CALIBRATE_OVERLAP")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n: &usize| n > 0);
+        set.unwrap_or(match self.device.info().kind {
+            DeviceKind::Cpu => 3,
+            _ => 1,
+        })
     }
 
     /// Bytes a rotation of device buffers covers: the host's figure on a device that is the
