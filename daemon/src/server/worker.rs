@@ -225,6 +225,41 @@ fn check(
     Ok(())
 }
 
+/// Tokens each running request puts into the next step, in the order of `prompts`, which
+/// holds for each the prompt tokens it has left to go into the steps (`None`: it is decoding).
+/// A decoding request puts its next token. The prompts take what is left of the step's
+/// `room` (the oldest first), but while one waits the decoding requests take at most half of
+/// it, in turns from `turn` (one left out steps next time): otherwise a request admitted beside
+/// many running ones would get a token or two a step and wait many steps for its first. The
+/// step's tokens are as many either way. `room` 0 (the engine stopped taking prompts into its
+/// steps, its chunk's memory refused since): every request steps and each prompt goes whole.
+fn step_tokens(prompts: &[Option<usize>], room: usize, turn: usize) -> Vec<usize> {
+    let pending: usize = prompts.iter().flatten().sum();
+    let room = match room {
+        0 => usize::MAX,
+        r => r,
+    };
+    let decoding: Vec<usize> = (0..prompts.len())
+        .filter(|&i| prompts[i].is_none())
+        .collect();
+    let cap = match pending {
+        0 => decoding.len(),
+        _ => decoding.len().min(room - pending.min(room / 2)),
+    };
+    let mut taken = vec![0; prompts.len()];
+    for j in 0..cap {
+        taken[decoding[(turn + j) % decoding.len()]] = 1;
+    }
+    let mut left = room.saturating_sub(cap);
+    for (i, p) in prompts.iter().enumerate() {
+        if let Some(p) = p {
+            taken[i] = (*p).min(left);
+            left -= taken[i];
+        }
+    }
+    taken
+}
+
 /// Why a job stopped before its natural end.
 pub(crate) enum Interrupt {
     /// The caller went away: nobody to tell.
@@ -432,6 +467,8 @@ impl<E: Sequences> WorkerContext<E> {
             .flatten();
         let mut active: Vec<Active<'_>> = Vec::new();
         let mut free: Vec<usize> = (0..self.engine.sequences()).rev().collect();
+        // Whose turn it is among the decoding requests when a prompt leaves room for only some.
+        let mut turn = 0usize;
         loop {
             if self.lost && active.is_empty() {
                 self.recover();
@@ -496,19 +533,22 @@ impl<E: Sequences> WorkerContext<E> {
             if active.is_empty() {
                 continue;
             }
-            // Each running request's next token, then the prompts going into the steps, a
-            // part of each as the step has room (the oldest first).
-            let room = self.engine.mixed_step_tokens();
-            let mut taken = vec![0; active.len()];
-            let mut used = active.iter().filter(|a| !a.prompting()).count();
-            for (i, a) in active.iter().enumerate().filter(|(_, a)| a.prompting()) {
-                taken[i] = (a.job.prompt.len() - a.prompt_at).min(room.saturating_sub(used));
-                used += taken[i];
-            }
+            // Each running request's next token and part of each prompt going into the steps.
+            let prompts: Vec<Option<usize>> = active
+                .iter()
+                .map(|a| a.prompting().then(|| a.job.prompt.len() - a.prompt_at))
+                .collect();
+            let taken = step_tokens(&prompts, self.engine.mixed_step_tokens(), turn);
+            let used: usize = taken.iter().sum();
+            turn += taken
+                .iter()
+                .zip(&prompts)
+                .filter(|(&t, p)| t > 0 && p.is_none())
+                .count();
             let entries: Vec<(usize, &[u32])> = active
                 .iter()
                 .zip(&taken)
-                .filter(|(a, &t)| !a.prompting() || t > 0)
+                .filter(|(_, &t)| t > 0)
                 .map(|(a, &t)| match a.prompting() {
                     true => (a.seq, &a.job.prompt[a.prompt_at..a.prompt_at + t]),
                     false => (
@@ -520,7 +560,10 @@ impl<E: Sequences> WorkerContext<E> {
             let inputs: Vec<(usize, u32)> = entries.iter().map(|&(s, t)| (s, t[0])).collect();
             let step_began = Instant::now();
             self.forecast.stepping();
-            let mixed = taken.iter().any(|&t| t > 0);
+            let mixed = active
+                .iter()
+                .zip(&taken)
+                .any(|(a, &t)| a.prompting() && t > 0);
             let stepped = match mixed {
                 true => self.engine.step_mixed(&entries),
                 false => self.engine.step(&inputs),
@@ -552,7 +595,7 @@ impl<E: Sequences> WorkerContext<E> {
                 .iter_mut()
                 .zip(taken)
                 .enumerate()
-                .filter(|(_, (a, t))| !a.prompting() || *t > 0);
+                .filter(|(_, (_, t))| *t > 0);
             for ((i, (a, t)), l) in stepped_now.zip(logits.chunks_exact(n_vocab)) {
                 if a.prompting() {
                     a.prompt_at += t;
@@ -887,6 +930,29 @@ fn per_s(n: usize, ms: f64) -> f64 {
 
 #[cfg(test)]
 mod tests {
+    use super::step_tokens;
+
+    #[test]
+    fn a_step_gives_a_waiting_prompt_at_least_half_its_room() {
+        // Decoding requests alone: each its token, whatever the room.
+        assert_eq!(step_tokens(&[None, None, None], 8, 0), [1, 1, 1]);
+        assert_eq!(step_tokens(&[None; 10], 8, 3), [1; 10]);
+        // A prompt beside few decoders takes the rest of the room; the oldest prompt first.
+        assert_eq!(step_tokens(&[None, Some(32), None], 8, 0), [1, 6, 1]);
+        assert_eq!(step_tokens(&[Some(3), Some(32)], 8, 0), [3, 5]);
+        assert_eq!(step_tokens(&[Some(2), None], 8, 0), [2, 1]);
+        // Beside seven decoders a prompt still gets half the room; they take turns.
+        let prompts = [None, None, None, None, None, None, None, Some(32)];
+        assert_eq!(step_tokens(&prompts, 8, 0), [1, 1, 1, 1, 0, 0, 0, 4]);
+        assert_eq!(step_tokens(&prompts, 8, 4), [1, 0, 0, 0, 1, 1, 1, 4]);
+        assert_eq!(step_tokens(&prompts, 8, 5), [1, 1, 0, 0, 0, 1, 1, 4]);
+        // A prompt's last tokens leave the rest to the decoders.
+        let prompts = [None, None, None, None, None, None, None, Some(2)];
+        assert_eq!(step_tokens(&prompts, 8, 0), [1, 1, 1, 1, 1, 1, 0, 2]);
+        // No room: every request steps, each prompt whole.
+        assert_eq!(step_tokens(&[None, Some(40), None], 0, 0), [1, 40, 1]);
+    }
+
     use super::*;
     use crate::gpu::MemoryKind;
     use crate::stream::StreamError;
