@@ -395,11 +395,24 @@ fn a_bad_step_is_refused_and_nothing_moves() {
         assert!(gpu.eval_batch(&bad).is_err(), "{bad:?}");
         assert_eq!((gpu.position_of(0), gpu.position_of(1)), (1, 1), "{bad:?}");
     }
+    // A step of several tokens a sequence (`eval_mixed`) is checked the same way, and for
+    // entries without tokens.
+    let bad_mixed: [&[(usize, &[u32])]; 4] = [
+        &[(0, &[1, 2]), (0, &[3])],
+        &[(0, &[1]), (1, &[])],
+        &[(1, &[1, n_vocab])],
+        &[(2, &[1, 2])],
+    ];
+    for bad in bad_mixed {
+        assert!(gpu.eval_mixed(bad).is_err(), "{bad:?}");
+        assert_eq!((gpu.position_of(0), gpu.position_of(1)), (1, 1), "{bad:?}");
+    }
     // A full sequence refuses the step; the other's context is its own.
     gpu.select(1);
     let fill: Vec<u32> = (0..299).map(|i| i % n_vocab).collect();
     gpu.eval_prompt(&fill, false).unwrap();
     assert!(gpu.eval_batch(&[(0, 3), (1, 4)]).is_err());
+    assert!(gpu.eval_mixed(&[(0, &[3, 4]), (1, &[4])]).is_err());
     assert_eq!((gpu.position_of(0), gpu.position_of(1)), (1, 300));
     gpu.eval_batch(&[(0, 3)]).unwrap();
     assert_eq!(gpu.position_of(0), 2);

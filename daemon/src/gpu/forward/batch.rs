@@ -298,40 +298,20 @@ impl GpuModel {
         Ok(true)
     }
 
-    /// Checks `inputs` before anything of them is evaluated: known, distinct sequences with
-    /// room for one more position, tokens in the vocabulary, at most [`MAX_STEP_TOKENS`].
+    /// Checks `inputs` before anything of them is evaluated: at most [`MAX_STEP_TOKENS`], and
+    /// as [`GpuModel::check_mixed`] checks a step of one token each.
     fn check_batch(&self, inputs: &[(usize, u32)]) -> Result<()> {
-        let bad = |why: String| Err(GpuError::Unsupported(why));
         if inputs.len() > MAX_STEP_TOKENS {
-            return bad(format!(
+            return Err(GpuError::Unsupported(format!(
                 "a step of {} sequences: at most {MAX_STEP_TOKENS}",
                 inputs.len()
-            ));
+            )));
         }
-        for (i, &(seq, token)) in inputs.iter().enumerate() {
-            if seq >= self.sequences() {
-                return bad(format!("sequence {seq} of {}", self.sequences()));
-            }
-            if inputs[..i].iter().any(|&(s, _)| s == seq) {
-                return bad(format!("sequence {seq} twice in one step"));
-            }
-            if token as usize >= self.config.n_vocab {
-                return bad(format!(
-                    "token {token} is outside the vocabulary of {}",
-                    self.config.n_vocab
-                ));
-            }
-            if self.positions[seq] >= self.capacity {
-                return bad(format!(
-                    "the context of {} positions of sequence {seq} is full",
-                    self.capacity
-                ));
-            }
-        }
-        if self.allocator.device().is_lost() {
-            return Err(GpuError::DeviceLost);
-        }
-        Ok(())
+        let each: Vec<(usize, &[u32])> = inputs
+            .iter()
+            .map(|(seq, token)| (*seq, std::slice::from_ref(token)))
+            .collect();
+        self.check_mixed(&each)
     }
 
     /// Checks `inputs` of [`GpuModel::eval_mixed`] before anything of them is evaluated:
@@ -356,9 +336,11 @@ impl GpuModel {
             }
             if self.positions[seq] + tokens.len() > self.capacity {
                 return bad(format!(
-                    "{} more tokens pass the context of {} positions of sequence {seq}",
-                    tokens.len(),
-                    self.capacity
+                    "the context of {} positions of sequence {seq} has room for {} more \
+                     tokens, not {}",
+                    self.capacity,
+                    self.capacity - self.positions[seq],
+                    tokens.len()
                 ));
             }
         }
