@@ -551,10 +551,10 @@ impl<E: Sequences> WorkerContext<E> {
                 .filter(|(_, &t)| t > 0)
                 .map(|(a, &t)| match a.prompting() {
                     true => (a.seq, &a.job.prompt[a.prompt_at..a.prompt_at + t]),
-                    false => (
-                        a.seq,
-                        std::slice::from_ref(a.decoder.tokens().last().unwrap()),
-                    ),
+                    false => {
+                        let last = a.decoder.tokens().last().expect("a sampled token");
+                        (a.seq, std::slice::from_ref(last))
+                    }
                 })
                 .collect();
             let inputs: Vec<(usize, u32)> = entries.iter().map(|&(s, t)| (s, t[0])).collect();
