@@ -302,6 +302,8 @@ fn batched_steps_over_the_vram_budget_run_misses_on_the_cpu() {
         );
     }
     assert!(gpu.cpu_prompt_chunks() >= 2, "{}", gpu.cpu_prompt_chunks());
+    // (As a batched step's chain, where steps are chains.)
+    assert_eq!(gpu.chained_prompt_chunks(), gpu.cpu_prompt_chunks());
     let t = gpu.expert_stats().unwrap().total();
     assert!(t.cpu > 0, "{t:?}");
 

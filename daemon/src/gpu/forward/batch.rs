@@ -87,6 +87,12 @@ impl GpuModel {
         self.cpu_prompt_chunks
     }
 
+    /// Of [`GpuModel::cpu_prompt_chunks`], those run as a batched step's chain
+    /// (`prefill::step_chain`).
+    pub fn chained_prompt_chunks(&self) -> u64 {
+        self.chained_prompt_chunks
+    }
+
     /// Of [`GpuModel::batched_steps`], those run as a chain with the host's turns at the MoE
     /// layers (misses on the CPU: `prefill::step_chain`).
     pub fn chained_batches(&self) -> u64 {
@@ -218,7 +224,11 @@ impl GpuModel {
                 self.replayed_batches += 1;
                 l
             }
-            None if self.chains_steps(n) => self.eval_step_chain(tokens, seqs)?,
+            None if self.chains_steps(n) => {
+                let logits = self.eval_step_chain(tokens, seqs)?;
+                self.chained_batches += 1;
+                logits
+            }
             None => self.eval_chunk(tokens, true, Some(seqs))?,
         };
         self.batched_steps += 1;

@@ -513,6 +513,7 @@ impl GpuModel {
             step_costs: Default::default(),
             prompt_misses: Default::default(),
             cpu_prompt_chunks: 0,
+            chained_prompt_chunks: 0,
             rope_in_attention: options.rope_in_attention,
             flash_attention: options.flash_attention,
         })

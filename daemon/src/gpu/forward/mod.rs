@@ -304,6 +304,8 @@ pub struct GpuModel {
     prompt_misses: prompt_misses::PromptMisses,
     /// Prompt chunks whose misses ran on the CPU.
     cpu_prompt_chunks: u64,
+    /// Of those, the ones run as a chain.
+    chained_prompt_chunks: u64,
     /// See [`GpuModelOptions::rope_in_attention`].
     rope_in_attention: bool,
     /// See [`GpuModelOptions::flash_attention`].

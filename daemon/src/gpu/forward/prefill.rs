@@ -673,8 +673,6 @@ impl GpuModel {
         seqs: Option<&[usize]>,
     ) -> Result<Vec<f32>> {
         let (n, n_vocab) = (tokens.len(), self.config.n_vocab);
-        // The device-loss injection counts tokens evaluated, a chunk's each.
-        self.count_for_faults(n);
         // A prompt chunk of a model whose misses go to the CPU runs them there, or, where it
         // can also stream them through slots, the way measured cheaper for its size.
         let prompt_cpu = seqs.is_none() && self.cpu_misses();
@@ -682,6 +680,25 @@ impl GpuModel {
             (prompt_cpu && self.expert_stream.is_some()).then(|| self.prompt_misses.on_cpu(n));
         let on_cpu = prompt_cpu && choice != Some(false);
         let started = std::time::Instant::now();
+        if on_cpu && self.chains_prompt(n)? {
+            // As a chain, the device running the resident experts while the CPU runs the rest.
+            let logits = self.eval_step_chain(tokens, &vec![self.seq; n]);
+            if logits.is_ok() {
+                let secs = started.elapsed().as_secs_f64();
+                if choice.is_some() {
+                    self.prompt_misses.record(n, true, secs);
+                }
+                self.cpu_prompt_chunks += 1;
+                self.chained_prompt_chunks += 1;
+            }
+            return logits.map(|l| match all_logits {
+                true => l,
+                false => l[(n - 1) * n_vocab..].to_vec(),
+            });
+        }
+        // The device-loss injection counts tokens evaluated, a chunk's each (the chain counts
+        // its own).
+        self.count_for_faults(n);
         let mut batch = self.batch.take().expect("made by eval_prompt");
         let ran = self.run_chunk(&mut batch, tokens, all_logits, (seqs, on_cpu));
         if ran.is_ok() {
@@ -703,6 +720,15 @@ impl GpuModel {
             }
         }
         logits
+    }
+
+    /// Whether a prompt chunk of `n` tokens whose misses run on the CPU runs as a batched
+    /// step's chain (`prefill::step_chain`), its tokens the selected sequence's next ones:
+    /// where steps are chains and the chunk's memory holds `n` tokens' entries, attention and
+    /// logits (made now if they are not yet; `false` where that memory is refused).
+    fn chains_prompt(&mut self, n: usize) -> Result<bool> {
+        let holds = |m: &GpuModel| m.batch.as_ref().is_some_and(|b| b.holds_attention(m, n));
+        Ok(n <= LOGITS_CHUNK && self.chains_steps(n) && holds(self) && self.make_batch_logits()?)
     }
 
     fn run_chunk(

@@ -20,6 +20,9 @@
 //!
 //! The arithmetic is the chunk's path's by entry (the same products, added in the same
 //! order), so the logits are the same.
+//!
+//! A prompt chunk of such a model whose misses run on the CPU takes the same chain, its
+//! tokens one sequence's (`GpuModel::eval_chunk`), where the chunk's memory holds them.
 
 use std::time::Instant;
 
@@ -52,8 +55,9 @@ impl GpuModel {
             && self.batch.as_ref().is_some_and(holds)
     }
 
-    /// A batched step of `tokens`, token `i` the next of sequence `seqs[i]`, as a chain; every
-    /// token's logits. The caller has checked [`GpuModel::chains_steps`].
+    /// A batched step of `tokens`, token `i` the next of sequence `seqs[i]` (a sequence
+    /// listed again takes its next position: a prompt chunk is one sequence's tokens), as a
+    /// chain; every token's logits. The caller has checked [`GpuModel::chains_steps`].
     pub(in crate::gpu::forward) fn eval_step_chain(
         &mut self,
         tokens: &[u32],
@@ -68,7 +72,6 @@ impl GpuModel {
         self.batch = Some(batch);
         if logits.is_ok() {
             seqs.iter().for_each(|&s| self.positions[s] += 1);
-            self.chained_batches += 1;
         }
         logits
     }
