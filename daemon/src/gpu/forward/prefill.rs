@@ -37,13 +37,13 @@ mod step_chain;
 
 use spillway_shaders::WeightType;
 
-use super::{profile, GpuFfn, GpuModel, HostTime, MoeMiss};
+use super::{GpuFfn, GpuModel, HostTime, MoeMiss};
 use crate::gpu::alloc::MemoryUse;
 use crate::gpu::buffer::Buffer;
 use crate::gpu::error::{GpuError, Result};
 use crate::gpu::moe::{ChunkRouting, ExpertRun};
 use crate::gpu::moe_groups::{group_runs, route_words_for, RunGroup};
-use crate::gpu::ops::{attention_counters, attention_scratch_floats, Fused, GpuMatrix, StepWord};
+use crate::gpu::ops::{attention_counters, attention_scratch_floats, GpuMatrix};
 use crate::gpu::ops_attention::{attention_grid, flash_attention_fits};
 use crate::gpu::ops_batch::MAX_MATVEC_COLS;
 use crate::gpu::record::{RecordStats, Recorder};
@@ -130,7 +130,7 @@ pub(super) struct Batch {
     attn_done: Buffer,
     /// Host-visible: the chunk's token ids (or, with the first layers on the CPU, the rows of
     /// `input`: 0, 1, ...), then each token's position and its sequence's first KV-cache row
-    /// ([`StepWord`]).
+    /// ([`StepWord`](crate::gpu::ops::StepWord)).
     step: Buffer,
     /// One past the last position of the chunk's tokens: the runs of positions its attention
     /// covers.
@@ -371,7 +371,7 @@ impl Batch {
         self.cpu_turns && self.moe.as_ref().is_some_and(|m| m.cpu.is_some())
     }
 
-    /// Writes the step buffer: the chunk's token ids, then its positions ([`StepWord`]).
+    /// Writes the step buffer: the chunk's token ids, then its positions ([`StepWord`](crate::gpu::ops::StepWord)).
     pub(super) fn write_step(&mut self, words: &[u8]) {
         self.step.write(words);
     }
@@ -680,34 +680,42 @@ impl GpuModel {
             (prompt_cpu && self.expert_stream.is_some()).then(|| self.prompt_misses.on_cpu(n));
         let on_cpu = prompt_cpu && choice != Some(false);
         let started = std::time::Instant::now();
-        if on_cpu && self.chains_prompt(n)? {
+        let chained = on_cpu && self.chains_prompt(n)?;
+        let logits = match chained {
             // As a chain, the device running the resident experts while the CPU runs the rest.
-            let logits = self.eval_step_chain(tokens, &vec![self.seq; n]);
-            if logits.is_ok() {
-                let secs = started.elapsed().as_secs_f64();
-                if choice.is_some() {
-                    self.prompt_misses.record(n, true, secs);
-                }
-                self.cpu_prompt_chunks += 1;
-                self.chained_prompt_chunks += 1;
-            }
-            return logits.map(|l| match all_logits {
-                true => l,
-                false => l[(n - 1) * n_vocab..].to_vec(),
-            });
-        }
-        // The device-loss injection counts tokens evaluated, a chunk's each (the chain counts
-        // its own).
-        self.count_for_faults(n);
-        let mut batch = self.batch.take().expect("made by eval_prompt");
-        let ran = self.run_chunk(&mut batch, tokens, all_logits, (seqs, on_cpu));
-        if ran.is_ok() {
+            true => self
+                .eval_step_chain(tokens, &vec![self.seq; n])
+                .map(|l| match all_logits {
+                    true => l,
+                    false => l[(n - 1) * n_vocab..].to_vec(),
+                }),
+            false => self.eval_chunk_parts(tokens, all_logits, (seqs, on_cpu)),
+        };
+        if logits.is_ok() {
             if choice.is_some() {
                 let secs = started.elapsed().as_secs_f64();
                 self.prompt_misses.record(n, on_cpu, secs);
             }
             self.cpu_prompt_chunks += u64::from(on_cpu);
+            self.chained_prompt_chunks += u64::from(chained);
         }
+        logits
+    }
+
+    /// [`GpuModel::eval_chunk`] through the chunk's path ([`GpuModel::run_chunk`]): a
+    /// submission, or one per MoE layer plus one.
+    fn eval_chunk_parts(
+        &mut self,
+        tokens: &[u32],
+        all_logits: bool,
+        (seqs, on_cpu): (Option<&[usize]>, bool),
+    ) -> Result<Vec<f32>> {
+        let (n, n_vocab) = (tokens.len(), self.config.n_vocab);
+        // The device-loss injection counts tokens evaluated, a chunk's each (a chain counts
+        // its own).
+        self.count_for_faults(n);
+        let mut batch = self.batch.take().expect("made by eval_prompt");
+        let ran = self.run_chunk(&mut batch, tokens, all_logits, (seqs, on_cpu));
         let logits = ran.map(|()| match (&batch.logits, all_logits) {
             (Some(l), true) => l.read_f32(n * n_vocab),
             _ => self.act.logits.read_f32(n_vocab),
@@ -854,7 +862,7 @@ impl GpuModel {
     }
 
     /// Appends each of a chunk's `n` tokens' position and its sequence's first KV-cache row to
-    /// `words` (after its token ids, [`StepWord`]): the selected sequence's next positions, or
+    /// `words` (after its token ids, [`StepWord`](crate::gpu::ops::StepWord)): the selected sequence's next positions, or
     /// with `seqs` each listed sequence's next one (a sequence listed again takes the position
     /// after its previous token's: a step that carries part of a prompt with other sequences'
     /// next tokens, [`GpuModel::eval_mixed`]); then the grid of the chunk's attention
@@ -892,145 +900,5 @@ impl GpuModel {
         for w in [heads, runs, n as u32] {
             words.extend_from_slice(&w.to_le_bytes());
         }
-    }
-
-    /// Records a chunk's command buffer: from the embedding, or from a paused MoE layer's
-    /// resident experts and shared expert ([`ChunkResume`]), to the next MoE layer's router
-    /// (setting `paused` to its layer) or to the logits.
-    pub(super) fn record_chunk(
-        &self,
-        rec: &mut Recorder<'_>,
-        b: &Batch,
-        (n, all_logits): (usize, bool),
-        resume: Option<ChunkResume<'_>>,
-        (paused, on_device): (&mut Option<usize>, &mut Vec<usize>),
-    ) -> Result<()> {
-        let c = &self.config;
-        let (e, nt) = (c.n_embd as u32, n as u32);
-        if resume.is_none() {
-            self.mark_start(rec);
-        }
-        let start = match resume {
-            // The chunk's first layers ran through the stream slot ([`super::stream`]).
-            None if b.x_ready => {
-                rec.after_earlier_submissions();
-                0
-            }
-            None => {
-                let ids = StepWord {
-                    buffer: &b.step,
-                    index: 0,
-                };
-                let rows = b.input.as_ref().unwrap_or(&self.input_rows);
-                rec.get_rows_n(rows, ids, nt, &b.x)?;
-                0
-            }
-            Some(r) => {
-                rec.after_earlier_submissions();
-                let il = r.layer;
-                let GpuFfn::Moe(moe) = &self.layers[il].ffn else {
-                    unreachable!("layer {il} paused at its router")
-                };
-                let m = b.moe.as_ref().expect("MoE scratch");
-                let bufs = (&m.xg, &m.eg, &m.eu, &m.ed);
-                let route = (&m.route, r.weights_at);
-                let fits = moe.groups_fit(rec);
-                match (
-                    r.off_vram.by_entry && fits,
-                    &m.cpu,
-                    r.groups.filter(|_| fits),
-                ) {
-                    (true, Some(cpu), _) => {
-                        let k = c.moe.expect("MoE layers have a MoE config").n_expert_used;
-                        let scratch = (&m.eg, &m.eu, &m.xg, &m.ed);
-                        let route = (&cpu.route, 2 * k);
-                        moe.record_tokens(rec, route, (n, k), &m.xn.buffer, scratch, &b.x)?
-                    }
-                    (_, _, Some(groups)) => {
-                        moe.record_chunk_groups(rec, groups, route, &m.xn, bufs, &b.x)?
-                    }
-                    _ => moe.record_chunk_experts(rec, r.runs, route, &m.xn, bufs, &b.x)?,
-                }
-                if let (Some(from), Some(sh)) = (r.shared_from, &m.shared) {
-                    let route = (&m.route, r.weights_at, from);
-                    let bufs = (&sh.gate, &sh.up, &m.ed);
-                    moe.record_chunk_shared(rec, n, route, &m.xn, bufs, &b.x)?;
-                }
-                if let (true, Some(cpu)) = (r.off_vram.cpu_sum, &m.cpu) {
-                    rec.scale_add(&b.x, &cpu.sum, 1.0, e * nt)?;
-                }
-                il + 1
-            }
-        };
-        self.record_chunk_layers(rec, b, (n, all_logits), start, (paused, on_device))
-    }
-
-    /// [`GpuModel::record_chunk`] from layer `start` on: the layers to the next MoE layer's
-    /// router (setting `paused` to its layer) or to the logits.
-    pub(super) fn record_chunk_layers(
-        &self,
-        rec: &mut Recorder<'_>,
-        b: &Batch,
-        (n, all_logits): (usize, bool),
-        start: usize,
-        (paused, on_device): (&mut Option<usize>, &mut Vec<usize>),
-    ) -> Result<()> {
-        let c = &self.config;
-        let (e, eps, nt) = (c.n_embd as u32, c.rms_eps, n as u32);
-        // Whether the MoE layers run by entry: the same answer for every layer of the chunk.
-        let by_entry =
-            self.moe_by_entry(n) && b.moe.as_ref().is_some_and(|m| m.holds_entries(n, c));
-        for (il, l) in self.layers.iter().enumerate().skip(start) {
-            self.mark(rec, profile::attention(il));
-            self.record_chunk_attention(rec, b, l, n)?;
-            self.mark(rec, profile::ffn(il));
-            match &l.ffn {
-                GpuFfn::Dense { gate_up, down } => {
-                    self.record_chunk_ffn(rec, b, l, (gate_up, down), n)?;
-                }
-                GpuFfn::Moe(moe) => {
-                    let m = b.moe.as_ref().expect("MoE scratch");
-                    rec.rms_norm(&b.x, &l.ffn_norm, &m.xn.buffer, e, nt, eps)?;
-                    if let Some(d) = m.device.as_ref().filter(|_| moe.groups_fit(rec)) {
-                        if by_entry {
-                            self.record_tokens_routed(rec, (m, d), moe, (il, n), &b.x)?;
-                            on_device.push(il);
-                            continue;
-                        }
-                        self.record_chunk_routed(rec, (m, d), moe, (il, n), &b.x)?;
-                        on_device.push(il);
-                        continue;
-                    }
-                    rec.matvec_batch(moe.router(), &m.xn.buffer, &m.logits, n)?;
-                    if let (Some(gate_inp), Some(sh)) = (moe.shared_gate_inp(), &m.shared) {
-                        rec.matvec_batch(gate_inp, &m.xn.buffer, &sh.logits, n)?;
-                    }
-                    if let (true, Some(cpu)) = (b.cpu_turns, &m.cpu) {
-                        // The same norm again, into memory the CPU's experts read.
-                        rec.rms_norm(&b.x, &l.ffn_norm, &cpu.xn, e, nt, eps)?;
-                    }
-                    *paused = Some(il);
-                    return Ok(());
-                }
-            }
-        }
-        self.mark(rec, profile::head(self.layers.len()));
-        let head = self.output.as_ref().unwrap_or(&self.input_rows);
-        match (&b.logits, all_logits) {
-            (Some(logits), true) => {
-                rec.rms_norm(&b.x, &self.output_norm, &b.xn, e, nt, eps)?;
-                rec.matvec_batch(head, &b.xn, logits, n)?;
-            }
-            _ => {
-                let last = Fused {
-                    norm: Some((&self.output_norm, eps)),
-                    x_offset: ((n - 1) * c.n_embd * 4) as u64,
-                    ..Fused::default()
-                };
-                rec.matvec_fused(head, &b.x, &self.act.logits, last)?;
-            }
-        }
-        self.mark_end(rec);
-        Ok(())
     }
 }

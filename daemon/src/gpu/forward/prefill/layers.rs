@@ -1,9 +1,10 @@
-//! A chunk's attention and dense FFN: every token of the chunk through a layer at once.
+//! A chunk's command buffers: every token of the chunk through a layer at once (attention,
+//! the dense FFN, a MoE layer's router and, resumed after the host routed it, its experts).
 
-use super::Batch;
+use super::{Batch, ChunkResume};
 use crate::gpu::error::Result;
-use crate::gpu::forward::{GateUp, GpuLayer, GpuModel};
-use crate::gpu::ops::{GpuMatrix, StepWord};
+use crate::gpu::forward::{profile, GateUp, GpuFfn, GpuLayer, GpuModel};
+use crate::gpu::ops::{Fused, GpuMatrix, StepWord};
 use crate::gpu::record::{Grid, Recorder};
 
 impl GpuModel {
@@ -89,5 +90,145 @@ impl GpuModel {
             )?;
         }
         rec.matvec_batch_add(&l.wo, &b.attn, &b.x, n)
+    }
+
+    /// Records a chunk's command buffer: from the embedding, or from a paused MoE layer's
+    /// resident experts and shared expert ([`ChunkResume`]), to the next MoE layer's router
+    /// (setting `paused` to its layer) or to the logits.
+    pub(in crate::gpu::forward) fn record_chunk(
+        &self,
+        rec: &mut Recorder<'_>,
+        b: &Batch,
+        (n, all_logits): (usize, bool),
+        resume: Option<ChunkResume<'_>>,
+        (paused, on_device): (&mut Option<usize>, &mut Vec<usize>),
+    ) -> Result<()> {
+        let c = &self.config;
+        let (e, nt) = (c.n_embd as u32, n as u32);
+        if resume.is_none() {
+            self.mark_start(rec);
+        }
+        let start = match resume {
+            // The chunk's first layers ran through the stream slot ([`super::stream`]).
+            None if b.x_ready => {
+                rec.after_earlier_submissions();
+                0
+            }
+            None => {
+                let ids = StepWord {
+                    buffer: &b.step,
+                    index: 0,
+                };
+                let rows = b.input.as_ref().unwrap_or(&self.input_rows);
+                rec.get_rows_n(rows, ids, nt, &b.x)?;
+                0
+            }
+            Some(r) => {
+                rec.after_earlier_submissions();
+                let il = r.layer;
+                let GpuFfn::Moe(moe) = &self.layers[il].ffn else {
+                    unreachable!("layer {il} paused at its router")
+                };
+                let m = b.moe.as_ref().expect("MoE scratch");
+                let bufs = (&m.xg, &m.eg, &m.eu, &m.ed);
+                let route = (&m.route, r.weights_at);
+                let fits = moe.groups_fit(rec);
+                match (
+                    r.off_vram.by_entry && fits,
+                    &m.cpu,
+                    r.groups.filter(|_| fits),
+                ) {
+                    (true, Some(cpu), _) => {
+                        let k = c.moe.expect("MoE layers have a MoE config").n_expert_used;
+                        let scratch = (&m.eg, &m.eu, &m.xg, &m.ed);
+                        let route = (&cpu.route, 2 * k);
+                        moe.record_tokens(rec, route, (n, k), &m.xn.buffer, scratch, &b.x)?
+                    }
+                    (_, _, Some(groups)) => {
+                        moe.record_chunk_groups(rec, groups, route, &m.xn, bufs, &b.x)?
+                    }
+                    _ => moe.record_chunk_experts(rec, r.runs, route, &m.xn, bufs, &b.x)?,
+                }
+                if let (Some(from), Some(sh)) = (r.shared_from, &m.shared) {
+                    let route = (&m.route, r.weights_at, from);
+                    let bufs = (&sh.gate, &sh.up, &m.ed);
+                    moe.record_chunk_shared(rec, n, route, &m.xn, bufs, &b.x)?;
+                }
+                if let (true, Some(cpu)) = (r.off_vram.cpu_sum, &m.cpu) {
+                    rec.scale_add(&b.x, &cpu.sum, 1.0, e * nt)?;
+                }
+                il + 1
+            }
+        };
+        self.record_chunk_layers(rec, b, (n, all_logits), start, (paused, on_device))
+    }
+
+    /// [`GpuModel::record_chunk`] from layer `start` on: the layers to the next MoE layer's
+    /// router (setting `paused` to its layer) or to the logits.
+    pub(in crate::gpu::forward) fn record_chunk_layers(
+        &self,
+        rec: &mut Recorder<'_>,
+        b: &Batch,
+        (n, all_logits): (usize, bool),
+        start: usize,
+        (paused, on_device): (&mut Option<usize>, &mut Vec<usize>),
+    ) -> Result<()> {
+        let c = &self.config;
+        let (e, eps, nt) = (c.n_embd as u32, c.rms_eps, n as u32);
+        // Whether the MoE layers run by entry: the same answer for every layer of the chunk.
+        let by_entry =
+            self.moe_by_entry(n) && b.moe.as_ref().is_some_and(|m| m.holds_entries(n, c));
+        for (il, l) in self.layers.iter().enumerate().skip(start) {
+            self.mark(rec, profile::attention(il));
+            self.record_chunk_attention(rec, b, l, n)?;
+            self.mark(rec, profile::ffn(il));
+            match &l.ffn {
+                GpuFfn::Dense { gate_up, down } => {
+                    self.record_chunk_ffn(rec, b, l, (gate_up, down), n)?;
+                }
+                GpuFfn::Moe(moe) => {
+                    let m = b.moe.as_ref().expect("MoE scratch");
+                    rec.rms_norm(&b.x, &l.ffn_norm, &m.xn.buffer, e, nt, eps)?;
+                    if let Some(d) = m.device.as_ref().filter(|_| moe.groups_fit(rec)) {
+                        if by_entry {
+                            self.record_tokens_routed(rec, (m, d), moe, (il, n), &b.x)?;
+                            on_device.push(il);
+                            continue;
+                        }
+                        self.record_chunk_routed(rec, (m, d), moe, (il, n), &b.x)?;
+                        on_device.push(il);
+                        continue;
+                    }
+                    rec.matvec_batch(moe.router(), &m.xn.buffer, &m.logits, n)?;
+                    if let (Some(gate_inp), Some(sh)) = (moe.shared_gate_inp(), &m.shared) {
+                        rec.matvec_batch(gate_inp, &m.xn.buffer, &sh.logits, n)?;
+                    }
+                    if let (true, Some(cpu)) = (b.cpu_turns, &m.cpu) {
+                        // The same norm again, into memory the CPU's experts read.
+                        rec.rms_norm(&b.x, &l.ffn_norm, &cpu.xn, e, nt, eps)?;
+                    }
+                    *paused = Some(il);
+                    return Ok(());
+                }
+            }
+        }
+        self.mark(rec, profile::head(self.layers.len()));
+        let head = self.output.as_ref().unwrap_or(&self.input_rows);
+        match (&b.logits, all_logits) {
+            (Some(logits), true) => {
+                rec.rms_norm(&b.x, &self.output_norm, &b.xn, e, nt, eps)?;
+                rec.matvec_batch(head, &b.xn, logits, n)?;
+            }
+            _ => {
+                let last = Fused {
+                    norm: Some((&self.output_norm, eps)),
+                    x_offset: ((n - 1) * c.n_embd * 4) as u64,
+                    ..Fused::default()
+                };
+                rec.matvec_fused(head, &b.x, &self.act.logits, last)?;
+            }
+        }
+        self.mark_end(rec);
+        Ok(())
     }
 }
