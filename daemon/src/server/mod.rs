@@ -29,6 +29,7 @@ pub mod models;
 pub mod profile;
 pub mod service;
 pub mod stats;
+mod step_share;
 pub mod validate;
 pub mod worker;
 
