@@ -161,7 +161,7 @@ impl GpuBench {
 
     /// Seconds per product of a chain of `chain` products of a `k`-wide, `n`-tall matrix of
     /// `t` with a vector, recorded into one command buffer (a barrier after each on a GPU, as
-    /// decode records most, [`GpuBench::overlap`]); each product reads the next of copies of the matrix that
+    /// decode records most: see `overlap`); each product reads the next of copies of the matrix that
     /// together pass the caches. GPU time from timestamps where the queue has them, else wall
     /// time.
     pub fn matvec(
