@@ -2,7 +2,9 @@
 //! `--device cpu` on a tiny synthetic MoE model, also with only some experts in VRAM
 //! (`--vram-budget`, `--moe-miss`), the same greedy tokens from a dense model with only its last
 //! layer in VRAM, and clear errors for a device that does not exist, a budget
-//! below what the model needs and a machine without a Vulkan driver. The GPU tests run
+//! below what the model needs and a machine without a Vulkan driver; and on the CPU, a MoE
+//! model's experts read through a RAM tier (`--ram-budget`) give the memory map's tokens and
+//! log-probabilities to the bit. The GPU tests run
 //! on whatever Vulkan device the machine has (lavapipe in CI) and skip without one, unless
 //! `SPILLWAY_REQUIRE_VULKAN` is set.
 
@@ -308,4 +310,41 @@ fn vram_budget_is_refused_on_the_cpu() {
         err.contains("--vram-budget applies to --device vulkan"),
         "{err}"
     );
+}
+
+#[test]
+fn a_ram_budget_on_the_cpu_gives_the_memory_maps_tokens_and_logprobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_moe(dir.path());
+    let mapped = run_json(&model, "cpu");
+    let ram = run_json_with(&model, &["--device", "cpu", "--ram-budget", "1MiB"]);
+    // The same arithmetic on the same bytes: equal, not close.
+    assert_eq!(ram["tokens"], mapped["tokens"]);
+    assert_eq!(ram["prompt_logprobs"], mapped["prompt_logprobs"]);
+    assert!(mapped.get("ram_tier").is_none());
+    let tier = &ram["ram_tier"];
+    assert!(tier["buffer_bytes"].as_u64().unwrap() <= 1 << 20, "{tier}");
+    assert!(tier["misses"].as_u64().unwrap() > 0, "{tier}");
+    assert!(tier["bytes_read"].as_u64().unwrap() > 0, "{tier}");
+
+    let err = stderr_of(&spillwayd(
+        &model,
+        &["--ram-budget", "1KiB", "--prompt-tokens", "1,2"],
+    ));
+    assert!(err.contains("experts a token may compute"), "{err}");
+}
+
+#[test]
+fn a_ram_budget_for_a_dense_model_on_the_cpu_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny-llama.gguf");
+    SynthModel::from_name("tiny-llama", "Q8_0".parse().unwrap(), 1)
+        .unwrap()
+        .write(&path, false, |_, _| {})
+        .unwrap();
+    let err = stderr_of(&spillwayd(
+        &path,
+        &["--ram-budget", "1GiB", "--prompt-tokens", "1,2"],
+    ));
+    assert!(err.contains("this model has none"), "{err}");
 }

@@ -14,14 +14,14 @@ use serde::Serialize;
 use spillway_daemon::engine::generate::{
     generate_with, model_eos_token, GenerateRequest, Generation, Prompt,
 };
-use spillway_daemon::engine::{Engine, EngineOptions, SamplerConfig};
+use spillway_daemon::engine::{Engine, EngineOptions, RamExperts, RamTierStats, SamplerConfig};
 use spillway_daemon::gpu::expert_cache::ExpertStats;
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
 use spillway_daemon::gpu::placement::{ExpertLayout, MoeMiss};
 use spillway_daemon::gpu::{Device, GpuError};
 use spillway_daemon::model::Model;
 use spillway_daemon::server::device::{self, OpenError};
-use spillway_daemon::stream::ReplacementPolicy;
+use spillway_daemon::stream::{open_expert_cache, ReplacementPolicy};
 use spillway_daemon::tokenizer::Tokenizer;
 use spillway_sched::plan::Pin;
 use spillway_sched::ByteSize;
@@ -57,11 +57,17 @@ pub struct RunArgs {
     /// A MoE model over it keeps as many routed experts per layer in VRAM as fit.
     #[arg(long)]
     pub vram_budget: Option<ByteSize>,
-    /// RAM for the routed experts computed on the CPU with `--device vulkan` (e.g. 4GiB): a
-    /// cache that reads the others from the model file (io_uring, O_DIRECT) as tokens need
-    /// them. Without it they are read through the memory map.
+    /// RAM for a MoE model's routed experts computed on the CPU (all of them with `--device
+    /// cpu`, those not in VRAM with `--device vulkan`), e.g. 4GiB: a cache that reads the
+    /// others from the model file (io_uring, O_DIRECT) as tokens need them, so a model larger
+    /// than RAM runs. Without it they are read through the memory map.
     #[arg(long)]
     pub ram_budget: Option<ByteSize>,
+    /// With `--device cpu --ram-budget`: while a decode step computes a layer, read the
+    /// experts the next layer's router picks for the current hidden state, and cancel those
+    /// its real routing does not choose.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub predict_experts: bool,
     /// A routed expert not in VRAM: `cpu` computes it on the CPU while the GPU runs the others,
     /// `fetch` copies it into a VRAM slot first, `pcie` keeps every routed expert in system RAM
     /// too and has the GPU read the missing ones from there over the bus (a step is then one
@@ -88,7 +94,8 @@ pub struct RunArgs {
     /// `spillwayd calibrate`, or a shipped one (laptop-8gb, desktop-24gb, h200).
     #[arg(long)]
     pub hardware_profile: Option<String>,
-    /// Which VRAM expert a fetch or a promotion replaces: `lru` or `lfu`.
+    /// Which VRAM expert a fetch or a promotion replaces, and which expert the RAM tier of
+    /// `--ram-budget` drops: `lru` or `lfu`.
     #[arg(long, default_value = "lru", value_parser = parse_policy)]
     pub expert_cache: ReplacementPolicy,
     /// Tokens to generate.
@@ -142,6 +149,9 @@ struct RunReport {
     /// Where a MoE model's routed experts ran (GPU only).
     #[serde(skip_serializing_if = "Option::is_none")]
     experts: Option<ExpertsReport>,
+    /// The CPU engine's RAM tier of routed experts, under `--ram-budget`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ram_tier: Option<RamTierStats>,
 }
 
 /// `--json`'s summary of [`ExpertStats`].
@@ -229,13 +239,16 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     if args.vram_budget.is_some() && args.device == RunDevice::Cpu {
         bail!("--vram-budget applies to --device vulkan, not cpu");
     }
-    if args.ram_budget.is_some() && args.device == RunDevice::Cpu {
-        bail!("--ram-budget applies to --device vulkan (the CPU engine reads the memory map)");
-    }
     let start = Instant::now();
     let model = Arc::new(
         Model::open(&args.model).with_context(|| format!("loading {}", args.model.display()))?,
     );
+    if args.ram_budget.is_some() && args.device == RunDevice::Cpu && model.config.moe.is_none() {
+        bail!(
+            "--ram-budget bounds the RAM of a MoE model's routed experts, and this model has \
+             none: on the CPU its weights are read through the memory map"
+        );
+    }
     let tokenizer = Tokenizer::from_metadata(model.file().metadata());
     if let (Some(_), Err(e)) = (&args.prompt, &tokenizer) {
         bail!("--prompt needs the model's tokenizer, which is unusable: {e}");
@@ -251,7 +264,13 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 options.threads = t.max(1);
             }
             let threads = options.threads;
-            let engine = Engine::new(model.clone(), &options);
+            let mut engine = Engine::new(model.clone(), &options);
+            if let Some(budget) = args.ram_budget {
+                let cache = open_expert_cache(&model, budget.0, args.expert_cache)
+                    .context("opening the RAM tier of the routed experts")?;
+                engine =
+                    engine.with_ram_experts(RamExperts::new(&model, cache, args.predict_experts));
+            }
             Loaded::Cpu { engine, threads }
         }
         RunDevice::Vulkan(index) => {
@@ -335,12 +354,20 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             generate_with(model.as_mut(), eos, tokenizer, &request, on_text)?
         }
     };
-    let (device, threads, experts) = match &loaded {
-        Loaded::Cpu { threads, .. } => ("cpu".to_string(), Some(*threads), None),
-        Loaded::Gpu { name, model } => (name.clone(), None, model.expert_stats()),
+    let (device, threads, experts, ram_tier) = match &loaded {
+        Loaded::Cpu { threads, engine } => (
+            "cpu".to_string(),
+            Some(*threads),
+            None,
+            engine.ram_experts().map(RamExperts::stats),
+        ),
+        Loaded::Gpu { name, model } => (name.clone(), None, model.expert_stats(), None),
     };
     if let Some(e) = &experts {
         eprintln!("{}", e.summary());
+    }
+    if let Some(r) = &ram_tier {
+        eprintln!("{}", r.summary());
     }
     if args.json {
         let report = RunReport {
@@ -349,6 +376,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             device,
             threads,
             experts: experts.as_ref().map(ExpertsReport::from),
+            ram_tier,
         };
         print_out(&(serde_json::to_string(&report)? + "\n"));
         return Ok(());

@@ -10,13 +10,15 @@ use crate::cpu::ThreadPool;
 use crate::model::Model;
 
 use super::forward::{forward_slots, Slot};
-use super::{EngineError, EngineOptions, KvCache, StepProfile, MAX_BATCH};
+use super::{EngineError, EngineOptions, KvCache, RamExperts, StepProfile, MAX_BATCH};
 
 /// A model with a thread pool and the state of up to `max_sequences` sequences.
 #[derive(Debug)]
 pub struct BatchEngine {
     model: Arc<Model>,
     pool: ThreadPool,
+    /// Routed experts through a RAM tier; `None`: the memory map.
+    ram: Option<Box<RamExperts>>,
     caches: Vec<KvCache>,
     positions: Vec<usize>,
 }
@@ -28,12 +30,24 @@ impl BatchEngine {
         let n = max_sequences.max(1);
         BatchEngine {
             pool: ThreadPool::new(options.threads.max(1)),
+            ram: None,
             caches: (0..n)
                 .map(|_| KvCache::new(c.n_layer, context, c.kv_width()))
                 .collect(),
             positions: vec![0; n],
             model,
         }
+    }
+
+    /// Reads the routed experts through `ram` instead of the memory map.
+    pub fn with_ram_experts(mut self, ram: RamExperts) -> BatchEngine {
+        self.ram = Some(Box::new(ram));
+        self
+    }
+
+    /// The RAM tier of the routed experts, when there is one.
+    pub fn ram_experts(&self) -> Option<&RamExperts> {
+        self.ram.as_deref()
     }
 
     pub fn model(&self) -> &Model {
@@ -129,6 +143,7 @@ impl BatchEngine {
             forward_slots(
                 &self.model,
                 &self.pool,
+                self.ram.as_deref(),
                 &mut [&mut self.caches[seq]],
                 chunk,
                 &slots,
@@ -178,6 +193,7 @@ impl BatchEngine {
             forward_slots(
                 &self.model,
                 &self.pool,
+                self.ram.as_deref(),
                 &mut caches,
                 &tokens,
                 &slots,

@@ -17,6 +17,7 @@ use half::f16;
 use crate::cpu::attn::{dot_f32_f16_with, weighted_sum_f16_with};
 use crate::cpu::{activations, matmul, matmul_group, ActFormat, Isa, Product, ThreadPool};
 use crate::model::{Attention, Ffn, Matrix, Model, ModelError, MoeWeights};
+use crate::stream::StreamError;
 
 use super::experts::routed_experts;
 use super::kv_cache::KvCache;
@@ -24,7 +25,9 @@ use super::ops::{
     add_inplace, rms_norm, rms_norm_inplace, rope_cache, rope_head, softmax, swiglu_inplace,
 };
 use super::profile::{Laps, OpGroup, StepProfile};
+use super::ram_experts::RamExperts;
 use super::routing::{route, shared_expert_gate};
+use super::EngineError;
 
 /// RoPE angles of every token of a batch: `half` cosines and sines per token.
 struct Rope {
@@ -67,13 +70,14 @@ impl Rope {
 pub(super) fn forward(
     model: &Model,
     pool: &ThreadPool,
+    ram: Option<&RamExperts>,
     kv: &mut KvCache,
     tokens: &[u32],
     start: usize,
     all_logits: bool,
     logits: &mut Vec<f32>,
     profile: Option<&mut StepProfile>,
-) -> Result<(), ModelError> {
+) -> Result<(), EngineError> {
     let slots: Vec<Slot> = (0..tokens.len())
         .map(|b| Slot {
             seq: 0,
@@ -88,6 +92,7 @@ pub(super) fn forward(
     forward_slots(
         model,
         pool,
+        ram,
         &mut [kv],
         tokens,
         &slots,
@@ -112,13 +117,14 @@ pub(super) struct Slot {
 pub(super) fn forward_slots(
     model: &Model,
     pool: &ThreadPool,
+    ram: Option<&RamExperts>,
     caches: &mut [&mut KvCache],
     tokens: &[u32],
     slots: &[Slot],
     rows: &[usize],
     logits: &mut Vec<f32>,
     profile: Option<&mut StepProfile>,
-) -> Result<(), ModelError> {
+) -> Result<(), EngineError> {
     let mut laps = Laps(profile);
     laps.mark();
     let c = &model.config;
@@ -134,8 +140,8 @@ pub(super) fn forward_slots(
     });
     let n_layers = model.layers.len();
     run_layers(
-        model, pool, caches, &mut x, slots, &rope, n_layers, &mut laps,
-    );
+        model, pool, ram, caches, &mut x, slots, &rope, n_layers, &mut laps,
+    )?;
     let mut out_rows = Vec::with_capacity(rows.len() * e);
     for &b in rows {
         let mut row = x[b * e..(b + 1) * e].to_vec();
@@ -178,29 +184,35 @@ pub fn hidden_after(
     run_layers(
         model,
         pool,
+        None,
         caches,
         &mut x,
         &slots,
         &rope,
         n_layers,
         &mut Laps(None),
-    );
+    )
+    .expect("without a RAM tier no expert is read from the file");
     Ok(x)
 }
 
 /// The first `n_layers` layers over the hidden states `x` (a row per token of `slots`, whose
-/// RoPE angles `rope` holds).
+/// RoPE angles `rope` holds); routed experts come from `ram` when given, else the map.
+///
+/// # Errors
+/// A routed expert could not be read from the file (under a RAM tier).
 #[allow(clippy::too_many_arguments)]
 fn run_layers(
     model: &Model,
     pool: &ThreadPool,
+    ram: Option<&RamExperts>,
     caches: &mut [&mut KvCache],
     x: &mut [f32],
     slots: &[Slot],
     rope: &Rope,
     n_layers: usize,
     laps: &mut Laps<'_>,
-) {
+) -> Result<(), StreamError> {
     let c = &model.config;
     let mut xn = vec![0.0f32; x.len()];
     for (il, layer) in model.layers.iter().enumerate().take(n_layers) {
@@ -210,6 +222,12 @@ fn run_layers(
         add_inplace(x, &proj);
         laps.lap(Some(il), OpGroup::AttnOutput, || a.wo.bytes());
 
+        let next = match ram {
+            Some(ram) if ram.predicts() && il + 1 < n_layers => {
+                predict_experts(model, pool, il + 1, x)
+            }
+            _ => Vec::new(),
+        };
         norm_rows(x, &layer.ffn_norm, c.rms_eps, &mut xn);
         match &layer.ffn {
             Ffn::Dense { gate, up, down } => {
@@ -220,11 +238,50 @@ fn run_layers(
                 });
             }
             Ffn::Moe(moe) => {
-                let out = moe_ffn(model, pool, moe, &xn, il, laps);
+                let experts = Experts { ram, next: &next };
+                let out = moe_ffn(model, pool, moe, &xn, il, experts, laps)?;
                 add_inplace(x, &out);
             }
         }
     }
+    Ok(())
+}
+
+/// Most tokens of a pass whose next layer's experts are predicted: a decode step's. A prompt's
+/// chunk chooses most of a layer's experts anyway.
+const PREDICT_TOKENS: usize = 8;
+
+/// The experts MoE layer `layer` is expected to choose for the hidden states `x` (a row per
+/// token), sorted: its router applied to `x` as it stands before the layer above it finishes;
+/// none where `layer` is dense or the pass has more than [`PREDICT_TOKENS`] tokens.
+fn predict_experts(model: &Model, pool: &ThreadPool, layer: usize, x: &[f32]) -> Vec<usize> {
+    let c = &model.config;
+    let (Some(cfg), Ffn::Moe(moe)) = (c.moe, &model.layers[layer].ffn) else {
+        return Vec::new();
+    };
+    let n = x.len() / c.n_embd;
+    if n > PREDICT_TOKENS {
+        return Vec::new();
+    }
+    let mut xn = vec![0.0f32; x.len()];
+    norm_rows(x, &model.layers[layer].ffn_norm, c.rms_eps, &mut xn);
+    let mut probs = vec![0.0f32; n * cfg.n_expert];
+    matmul(pool, model.mat(&moe.router), &xn, &mut probs);
+    let mut experts: Vec<usize> = probs
+        .chunks_exact(cfg.n_expert)
+        .flat_map(|p| route(&cfg, p).into_iter().map(|r| r.expert))
+        .collect();
+    experts.sort_unstable();
+    experts.dedup();
+    experts
+}
+
+/// Where a MoE layer's routed experts come from: the map, or a RAM tier (with the next
+/// layer's predicted experts to read ahead).
+#[derive(Clone, Copy)]
+struct Experts<'a> {
+    ram: Option<&'a RamExperts>,
+    next: &'a [usize],
 }
 
 /// RMSNorm of every row of `x` (rows as wide as `w`) into `out`.
@@ -376,8 +433,9 @@ fn moe_ffn(
     moe: &MoeWeights,
     xn: &[f32],
     il: usize,
+    experts: Experts<'_>,
     laps: &mut Laps<'_>,
-) -> Vec<f32> {
+) -> Result<Vec<f32>, StreamError> {
     let cfg = model.config.moe.expect("MoE layer in a MoE model");
     let (e, k) = (model.config.n_embd, cfg.n_expert_used);
     let n = xn.len() / e;
@@ -396,7 +454,10 @@ fn moe_ffn(
     laps.lap(Some(il), OpGroup::Router, || moe.router.bytes());
 
     // Each expert runs once over the tokens that chose it; results land at (token, rank).
-    let expert_out = routed_experts(model, pool, moe, xn, &chosen, k);
+    let expert_out = match experts.ram {
+        None => routed_experts(model, pool, moe, xn, &chosen, k),
+        Some(ram) => ram.outputs(pool, moe, il, xn, &chosen, k, experts.next)?,
+    };
     // Summed in rank order, as ggml adds the weighted experts.
     let mut out = vec![0.0f32; n * e];
     for (b, o) in out.chunks_exact_mut(e).enumerate() {
@@ -425,5 +486,5 @@ fn moe_ffn(
             sh.gate_inp.bytes() + sh.gate.bytes() + sh.up.bytes() + sh.down.bytes()
         });
     }
-    out
+    Ok(out)
 }

@@ -15,6 +15,7 @@ pub mod generate;
 pub mod kv_cache;
 pub mod ops;
 pub mod profile;
+pub mod ram_experts;
 pub mod routing;
 pub mod sampling;
 pub mod stop;
@@ -27,6 +28,7 @@ use crate::model::{Model, ModelError};
 pub use batch::BatchEngine;
 pub use kv_cache::KvCache;
 pub use profile::{OpGroup, StepProfile};
+pub use ram_experts::{RamExperts, RamTierStats};
 pub use sampling::{argmax, Sampler, SamplerConfig};
 
 /// Most tokens one forward pass takes; longer prompts go in several (bounds the activations).
@@ -42,6 +44,10 @@ pub enum EngineError {
     ContextFull { capacity: usize },
     #[error("token {token} is outside the vocabulary of {n_vocab}")]
     TokenOutOfRange { token: u32, n_vocab: usize },
+    /// A routed expert could not be read from the model file (under a RAM budget); the
+    /// sequence is where it was before the call.
+    #[error("reading a routed expert from the model file: {0}")]
+    Expert(#[from] crate::stream::StreamError),
 }
 
 /// Engine settings.
@@ -77,6 +83,8 @@ impl Default for EngineOptions {
 pub struct Engine {
     model: Arc<Model>,
     pool: ThreadPool,
+    /// Routed experts through a RAM tier; `None`: the memory map.
+    ram: Option<Box<RamExperts>>,
     kv: KvCache,
     logits: Vec<f32>,
     pos: usize,
@@ -88,11 +96,23 @@ impl Engine {
         let context = options.positions(c);
         Engine {
             pool: ThreadPool::new(options.threads.max(1)),
+            ram: None,
             kv: KvCache::new(c.n_layer, context, c.kv_width()),
             logits: Vec::new(),
             pos: 0,
             model,
         }
+    }
+
+    /// Reads the routed experts through `ram` instead of the memory map.
+    pub fn with_ram_experts(mut self, ram: RamExperts) -> Engine {
+        self.ram = Some(Box::new(ram));
+        self
+    }
+
+    /// The RAM tier of the routed experts, when there is one.
+    pub fn ram_experts(&self) -> Option<&RamExperts> {
+        self.ram.as_deref()
     }
 
     pub fn model(&self) -> &Model {
@@ -166,6 +186,7 @@ impl Engine {
             forward::forward(
                 &self.model,
                 &self.pool,
+                self.ram.as_deref(),
                 &mut self.kv,
                 chunk,
                 self.pos,

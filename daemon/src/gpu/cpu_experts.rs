@@ -20,16 +20,17 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use crate::cpu::{ThreadPool, WorkerSpan};
-use crate::engine::experts::{routed_experts, routed_experts_with};
+use crate::engine::experts::routed_experts;
 use crate::engine::routing::RoutedExpert;
-use crate::model::{Ffn, MatRef, Model};
-use crate::stream::{Expert, ExpertCache, ExpertKey, ExpertRead, LayerStats, StreamError};
+use crate::engine::RamExperts;
+use crate::model::{Ffn, Model};
+use crate::stream::{ExpertCache, ExpertRead, LayerStats, StreamError};
 
 pub struct CpuExperts {
     model: Arc<Model>,
     pool: ThreadPool,
     /// The RAM tier under a budget; `None`: the memory map.
-    ram: Option<Mutex<ExpertCache>>,
+    ram: Option<RamExperts>,
     /// While tracing: the pool's spans, each with the layer whose experts it ran.
     traced: Mutex<Option<Vec<(usize, WorkerSpan)>>>,
 }
@@ -37,10 +38,12 @@ pub struct CpuExperts {
 impl CpuExperts {
     /// `threads` in all, the caller's included; experts read through `ram` when given.
     pub fn new(model: Arc<Model>, threads: usize, ram: Option<ExpertCache>) -> CpuExperts {
+        // The GPU path routes a layer on the device; it predicts no layer ahead.
+        let ram = ram.map(|cache| RamExperts::new(&model, cache, false));
         CpuExperts {
             model,
             pool: ThreadPool::new(threads.max(1)),
-            ram: ram.map(Mutex::new),
+            ram,
             traced: Mutex::new(None),
         }
     }
@@ -94,33 +97,18 @@ impl CpuExperts {
     ) -> Result<Vec<f32>, StreamError> {
         let e = self.model.config.n_embd;
         let mut sums = vec![0.0f32; xn.len()];
-        let mut experts: Vec<usize> = entries.iter().map(|(_, r)| r.expert).collect();
-        experts.sort_unstable();
-        experts.dedup();
-        // Under a RAM budget the experts of a call are pinned in its cache together: a step's
-        // are taken a token's worth at a time (k), as many as one token pins, so that a
-        // budget that serves one token serves a step of several.
-        let per_group = match &self.ram {
-            Some(_) => self.model.config.moe.map_or(1, |m| m.n_expert_used).max(1),
-            None => experts.len().max(1),
-        };
-        for group in experts.chunks(per_group) {
-            let part: Vec<(usize, RoutedExpert)> = entries
-                .iter()
-                .filter(|(_, r)| group.binary_search(&r.expert).is_ok())
-                .copied()
-                .collect();
-            // A row of inputs per entry, each its own expert's (k = 1).
-            let rows: Vec<f32> = part
-                .iter()
-                .flat_map(|&(t, _)| xn[t * e..(t + 1) * e].iter().copied())
-                .collect();
-            let chosen: Vec<usize> = part.iter().map(|(_, r)| r.expert).collect();
-            let y = self.outputs(layer, &rows, &chosen, 1)?;
-            for (&(t, r), y) in part.iter().zip(y.chunks_exact(e)) {
-                for (s, y) in sums[t * e..(t + 1) * e].iter_mut().zip(y) {
-                    *s += y * r.weight;
-                }
+        // A row of inputs per entry, each its own expert's (k = 1); each expert is read once
+        // (under a RAM budget its experts are held a group at a time, as many as the cache
+        // holds: a budget that serves one token serves a step of several).
+        let rows: Vec<f32> = entries
+            .iter()
+            .flat_map(|&(t, _)| xn[t * e..(t + 1) * e].iter().copied())
+            .collect();
+        let chosen: Vec<usize> = entries.iter().map(|(_, r)| r.expert).collect();
+        let y = self.outputs(layer, &rows, &chosen, 1)?;
+        for (&(t, r), y) in entries.iter().zip(y.chunks_exact(e)) {
+            for (s, y) in sums[t * e..(t + 1) * e].iter_mut().zip(y) {
+                *s += y * r.weight;
             }
         }
         Ok(sums)
@@ -140,30 +128,7 @@ impl CpuExperts {
         };
         let y = match &self.ram {
             None => routed_experts(&self.model, &self.pool, moe, xn, chosen, k),
-            Some(cache) => {
-                // Each expert once, pinned (held) until the products are done.
-                let mut distinct = chosen.to_vec();
-                distinct.sort_unstable();
-                distinct.dedup();
-                let loaded: Vec<Arc<Expert>> = {
-                    let mut cache = cache.lock();
-                    distinct
-                        .iter()
-                        .map(|&ex| cache.get_or_load(ExpertKey::new(layer as u32, ex as u32)))
-                        .collect::<Result<_, _>>()?
-                };
-                let mats = |ex: usize| -> [MatRef<'_>; 3] {
-                    let i = distinct.binary_search(&ex).expect("a chosen expert");
-                    let stacks = [&moe.gate, &moe.up, &moe.down];
-                    std::array::from_fn(|m| MatRef {
-                        ty: stacks[m].ty,
-                        n_in: stacks[m].n_in,
-                        n_out: stacks[m].n_out,
-                        data: loaded[i].part(m),
-                    })
-                };
-                routed_experts_with(&self.pool, &mats, xn, chosen, k)
-            }
+            Some(ram) => ram.outputs(&self.pool, moe, layer, xn, chosen, k, &[])?,
         };
         if let Some(traced) = self.traced.lock().as_mut() {
             traced.extend(self.pool.take_spans().into_iter().map(|s| (layer, s)));
@@ -174,7 +139,7 @@ impl CpuExperts {
     /// The RAM tier's counters per layer (hits, misses read from the file, evictions) and the
     /// RAM its buffers take; `None` without a RAM budget.
     pub fn ram_stats(&self) -> Option<(Vec<LayerStats>, u64)> {
-        let cache = self.ram.as_ref()?.lock();
+        let cache = self.ram.as_ref()?.cache();
         Some((cache.layer_stats().to_vec(), cache.buffer_bytes()))
     }
 
@@ -184,7 +149,7 @@ impl CpuExperts {
         self.pool.set_tracing(on);
         *self.traced.lock() = on.then(Vec::new);
         if let Some(ram) = &self.ram {
-            ram.lock().set_tracing(on);
+            ram.cache().set_tracing(on);
         }
     }
 
@@ -194,7 +159,7 @@ impl CpuExperts {
         let reads = self
             .ram
             .as_ref()
-            .map_or_else(Vec::new, |r| r.lock().take_reads());
+            .map_or_else(Vec::new, |r| r.cache().take_reads());
         let spans = self.traced.lock().as_mut().map(std::mem::take);
         (spans.unwrap_or_default(), reads)
     }
@@ -202,6 +167,6 @@ impl CpuExperts {
     /// Bytes and tiles the RAM tier's reader has delivered from the SSD; `None` without a RAM
     /// budget.
     pub fn ram_delivered(&self) -> Option<(u64, u64)> {
-        Some(self.ram.as_ref()?.lock().reader().delivered())
+        Some(self.ram.as_ref()?.cache().reader().delivered())
     }
 }

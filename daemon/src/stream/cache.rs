@@ -145,6 +145,68 @@ impl ExpertCache {
         self.finish_load(key)
     }
 
+    /// The experts `keys`, in that order, held together: the cached ones first (so that no
+    /// read evicts them), then the reads of every other one issued at once as demand reads
+    /// and waited for. Counts as [`ExpertCache::get_or_load`] of each.
+    ///
+    /// Then `ahead` are prefetched ([`ExpertCache::prefetch`]), without evicting `keys`: the
+    /// experts a later layer is expected to choose, read while these are used.
+    ///
+    /// # Errors
+    /// As [`ExpertCache::get_or_load`]; the reads already issued go on as prefetches.
+    pub fn get_all(
+        &mut self,
+        keys: &[ExpertKey],
+        ahead: &[ExpertKey],
+    ) -> Result<Vec<Arc<Expert>>, StreamError> {
+        let mut held: Vec<Option<Arc<Expert>>> = vec![None; keys.len()];
+        for (h, &key) in held.iter_mut().zip(keys) {
+            if let Some(Entry::Ready(expert)) = self.entries.get(&key) {
+                *h = Some(Arc::clone(expert));
+                self.stats_mut(key.layer).hits += 1;
+                self.residency.touch(key);
+            }
+        }
+        for (h, &key) in held.iter().zip(keys) {
+            if h.is_some() {
+                continue;
+            }
+            if self.entries.contains_key(&key) {
+                self.stats_mut(key.layer).hits += 1;
+                self.reader.promote(tag(key));
+                self.residency.touch(key);
+            } else {
+                self.stats_mut(key.layer).misses += 1;
+                let handles = self.start_load(key, Priority::Demand)?;
+                self.entries.insert(key, Entry::Loading(handles));
+            }
+        }
+        for (h, &key) in held.iter_mut().zip(keys) {
+            if h.is_some() {
+                continue;
+            }
+            // Making room for a later key can have finished this one's load, or (rarely)
+            // evicted it once finished.
+            *h = Some(match self.entries.get(&key) {
+                Some(Entry::Ready(expert)) => Arc::clone(expert),
+                Some(Entry::Loading(_)) => self.finish_load(key)?,
+                None => {
+                    let handles = self.start_load(key, Priority::Demand)?;
+                    self.entries.insert(key, Entry::Loading(handles));
+                    self.finish_load(key)?
+                }
+            });
+        }
+        let held: Vec<Arc<Expert>> = held
+            .into_iter()
+            .map(|h| h.expect("every key held"))
+            .collect();
+        if !ahead.is_empty() {
+            self.prefetch(ahead);
+        }
+        Ok(held)
+    }
+
     /// Starts prefetch reads for the experts not cached yet, as far as room allows without
     /// waiting: only unpinned, loaded experts are evicted for them. Returns how many started.
     pub fn prefetch(&mut self, keys: &[ExpertKey]) -> usize {
@@ -232,7 +294,10 @@ impl ExpertCache {
         let extents = self.locator.extents(key);
         let bytes: u64 = extents.iter().map(|e| e.len as u64).sum();
         while self.residency.bytes() + bytes > self.capacity {
-            if !self.evict_one() {
+            // Room comes from a loaded expert no one holds, or, for a demand read, from a
+            // prefetch finished so that it can be one.
+            let demand = priority == Priority::Demand;
+            if !(self.evict_one() || demand && self.wait_one_load(key)) {
                 return Err(StreamError::CacheFull {
                     needed: bytes,
                     capacity: self.capacity,

@@ -54,6 +54,8 @@ pub use buffer::{buffer_size_for_tile, AlignedRegion, BufferPool, HostRegion, Ti
 pub use cache::{Expert, ExpertCache, ExpertLocator, ExpertRead, Extent};
 pub use error::StreamError;
 pub use fault::StorageFaults;
+#[cfg(test)]
+pub(crate) use model_experts::open_expert_cache_with;
 pub use model_experts::{expert_bytes, minimum_ram_budget, open_expert_cache, ram_tier_bytes};
 pub(crate) use policy::Residency;
 pub use policy::{ExpertKey, LayerStats, ReplacementPolicy};

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use super::buffer::{buffer_size_for_tile, ALIGN};
 use super::cache::{ExpertCache, Extent};
 use super::error::StreamError;
+use super::fault::StorageFaults;
 use super::policy::{ExpertKey, ReplacementPolicy};
 use super::reader::{ReaderOptions, TileReader};
 use crate::model::{Ffn, Model};
@@ -88,6 +89,16 @@ pub fn open_expert_cache(
     budget: u64,
     policy: ReplacementPolicy,
 ) -> Result<ExpertCache, StreamError> {
+    open_expert_cache_with(model, budget, policy, StorageFaults::from_env())
+}
+
+/// [`open_expert_cache`] whose reader injects `faults`.
+pub(crate) fn open_expert_cache_with(
+    model: &Model,
+    budget: u64,
+    policy: ReplacementPolicy,
+    faults: StorageFaults,
+) -> Result<ExpertCache, StreamError> {
     let layout = layout(model);
     let minimum = minimum_ram_budget(model);
     if budget < minimum {
@@ -102,6 +113,7 @@ pub fn open_expert_cache(
     let options = ReaderOptions {
         buffers,
         max_tile: buffer as usize - ALIGN,
+        faults,
         ..ReaderOptions::default()
     };
     let path = model.file().path().ok_or(StreamError::NoFile)?;
