@@ -314,6 +314,67 @@ async fn models_load_list_generate_status_and_unload() {
     assert_eq!(missing.code(), Code::NotFound);
 }
 
+/// A MoE model on the CPU under a RAM budget: its routed experts are read from the file into
+/// a cache of that size as tokens need them; it serves the memory-mapped model's tokens, and
+/// Status shows the experts on the SSD with the cache's counters. A budget under one token's
+/// experts is refused with what it needs.
+#[tokio::test]
+async fn a_cpu_model_under_a_ram_budget_serves_the_mapped_models_tokens() {
+    let d = Daemon::with_test_model(&[]).await;
+    let mut client = d.client().await;
+    let model = Model::open(test_model()).unwrap();
+    let least = spillway_daemon::stream::minimum_ram_budget(&model);
+    let load = |name: &str, ram_bytes: u64| pb::LoadModelRequest {
+        path: test_model().display().to_string(),
+        name: name.into(),
+        device: "cpu".into(),
+        budgets: Some(pb::Budgets {
+            vram_bytes: 0,
+            ram_bytes,
+        }),
+        ..Default::default()
+    };
+    let err = daemon::load_model(&mut client, load("low", least - 1))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+    assert!(err.message().contains("RAM budget"), "{}", err.message());
+    daemon::load_model(&mut client, load("ram", least))
+        .await
+        .unwrap();
+
+    let request = |model: &str, prompt: &[u32]| pb::GenerateRequest {
+        model: model.into(),
+        input: tokens(prompt),
+        max_tokens: 6,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    // Two at once share decode steps through the cache, which holds one token's experts.
+    let prompts: [&[u32]; 2] = [&[1, 2, 3], &[40, 41, 42, 43, 44, 45, 46, 47, 48]];
+    let want = futures_join(&d, &prompts.map(|p| request("", p))).await;
+    let got = futures_join(&d, &prompts.map(|p| request("ram", p))).await;
+    assert_eq!(got, want);
+
+    let status = client
+        .status(pb::StatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let ram = status.models.iter().find(|m| m.name == "ram").unwrap();
+    let mapped = status.models.iter().find(|m| m.name != "ram").unwrap();
+    let tiers: Vec<&str> = ram.tiers.iter().map(|t| t.tier.as_str()).collect();
+    assert_eq!(tiers, ["ram", "ssd"]);
+    assert_eq!(
+        ram.tiers.iter().map(|t| t.bytes).sum::<u64>(),
+        mapped.tiers[0].bytes
+    );
+    let tier = ram.ram_tier.expect("the RAM tier's counters");
+    assert!(tier.buffer_bytes <= least, "{tier:?}");
+    assert!(tier.misses > 0 && tier.bytes_read > 0, "{tier:?}");
+    assert!(mapped.ram_tier.is_none());
+}
+
 /// Polls Status until the default model's queue is empty (the daemon noticed the cancel).
 async fn wait_idle(client: &mut pb::spillway_client::SpillwayClient<tonic::transport::Channel>) {
     let start = std::time::Instant::now();

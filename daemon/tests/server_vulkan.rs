@@ -249,11 +249,6 @@ async fn bad_devices_and_budgets_get_their_documented_errors() {
         ..load_request(&moe, name, device)
     };
     let minimum_ram = spillway_daemon::stream::minimum_ram_budget(&model);
-    let err = load_model(&mut client, ram("cpu", "ram-cpu", minimum_ram))
-        .await
-        .unwrap_err();
-    assert_eq!(err.code(), Code::InvalidArgument);
-    assert!(err.message().contains("ram_bytes"), "{}", err.message());
     let err = load_model(&mut client, ram("vulkan", "ram-low", minimum_ram - 1))
         .await
         .unwrap_err();

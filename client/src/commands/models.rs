@@ -217,9 +217,40 @@ pub async fn ps(client: &mut Client) -> Result<(), Failure> {
         if let Some(line) = gpu_line(&m) {
             println!("  {line}");
         }
+        if let Some(t) = &m.ram_tier {
+            println!("  {}", ram_tier_line(t));
+        }
     }
     println!("{memory}");
     Ok(())
+}
+
+/// For a MoE model on the CPU under a RAM budget: the cache its routed experts are read into.
+fn ram_tier_line(t: &pb::RamTierCounters) -> String {
+    let lookups = t.hits + t.misses;
+    let share = |n: u64, of: u64| {
+        if of == 0 {
+            0.0
+        } else {
+            100.0 * n as f64 / of as f64
+        }
+    };
+    let mut line = format!(
+        "experts read from the SSD into {} of RAM: {lookups} lookups, {:.1}% in RAM, {} read, \
+         {} read ahead",
+        human_bytes(t.buffer_bytes),
+        share(t.hits, lookups),
+        human_bytes(t.bytes_read),
+        t.prefetches
+    );
+    let predicted = t.predicted_right + t.predicted_wrong;
+    if predicted > 0 {
+        line += &format!(
+            ", next-layer predictions {:.1}% right",
+            share(t.predicted_right, predicted)
+        );
+    }
+    line
 }
 
 /// For a model on a Vulkan device: the VRAM it holds, requests at a time, and where a MoE

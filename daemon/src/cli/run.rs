@@ -268,8 +268,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             if let Some(budget) = args.ram_budget {
                 let cache = open_expert_cache(&model, budget.0, args.expert_cache)
                     .context("opening the RAM tier of the routed experts")?;
-                engine =
-                    engine.with_ram_experts(RamExperts::new(&model, cache, args.predict_experts));
+                engine = engine.with_ram_experts(Arc::new(RamExperts::new(
+                    &model,
+                    cache,
+                    args.predict_experts,
+                )));
             }
             Loaded::Cpu { engine, threads }
         }

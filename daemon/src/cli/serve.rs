@@ -74,9 +74,10 @@ pub struct ServeArgs {
     /// 8G). A MoE model over it keeps as many routed experts per layer in VRAM as fit.
     #[arg(long)]
     pub vram_budget: Option<ByteSize>,
-    /// RAM for the routed experts each model on a Vulkan device computes on the CPU (e.g.
-    /// 4GiB): a cache that reads the others from the model file as tokens need them. Without
-    /// it they are read through the memory map.
+    /// RAM for the routed experts each MoE model computes on the CPU (all of them on the CPU,
+    /// those not in VRAM on a Vulkan device), e.g. 4GiB: a cache that reads the others from the
+    /// model file (io_uring, O_DIRECT) as tokens need them, so a model larger than RAM runs.
+    /// Without it they are read through the memory map.
     #[arg(long)]
     pub ram_budget: Option<ByteSize>,
     /// How each MoE model over --vram-budget spreads its expert slots over the layers: `even`,
@@ -146,9 +147,6 @@ impl ServeArgs {
         };
         if self.vram_budget.is_some() && self.device == DeviceChoice::Cpu {
             bail!("--vram-budget applies to --device vulkan, not cpu");
-        }
-        if self.ram_budget.is_some() && self.device == DeviceChoice::Cpu {
-            bail!("--ram-budget applies to --device vulkan (the CPU engine reads the memory map)");
         }
         if self
             .max_queue_wait_ms

@@ -18,7 +18,7 @@ pub struct BatchEngine {
     model: Arc<Model>,
     pool: ThreadPool,
     /// Routed experts through a RAM tier; `None`: the memory map.
-    ram: Option<Box<RamExperts>>,
+    ram: Option<Arc<RamExperts>>,
     caches: Vec<KvCache>,
     positions: Vec<usize>,
 }
@@ -39,9 +39,10 @@ impl BatchEngine {
         }
     }
 
-    /// Reads the routed experts through `ram` instead of the memory map.
-    pub fn with_ram_experts(mut self, ram: RamExperts) -> BatchEngine {
-        self.ram = Some(Box::new(ram));
+    /// Reads the routed experts through `ram` instead of the memory map (shared, for its
+    /// counters).
+    pub fn with_ram_experts(mut self, ram: Arc<RamExperts>) -> BatchEngine {
+        self.ram = Some(ram);
         self
     }
 

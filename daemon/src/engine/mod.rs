@@ -84,7 +84,7 @@ pub struct Engine {
     model: Arc<Model>,
     pool: ThreadPool,
     /// Routed experts through a RAM tier; `None`: the memory map.
-    ram: Option<Box<RamExperts>>,
+    ram: Option<Arc<RamExperts>>,
     kv: KvCache,
     logits: Vec<f32>,
     pos: usize,
@@ -104,9 +104,10 @@ impl Engine {
         }
     }
 
-    /// Reads the routed experts through `ram` instead of the memory map.
-    pub fn with_ram_experts(mut self, ram: RamExperts) -> Engine {
-        self.ram = Some(Box::new(ram));
+    /// Reads the routed experts through `ram` instead of the memory map (shared, for its
+    /// counters).
+    pub fn with_ram_experts(mut self, ram: Arc<RamExperts>) -> Engine {
+        self.ram = Some(ram);
         self
     }
 

@@ -270,9 +270,9 @@ mod tests {
         context: 128,
     };
 
-    fn ram(model: &Model, budget: u64, predict: bool, faults: StorageFaults) -> RamExperts {
+    fn ram(model: &Model, budget: u64, predict: bool, faults: StorageFaults) -> Arc<RamExperts> {
         let cache = open_expert_cache_with(model, budget, ReplacementPolicy::Lru, faults).unwrap();
-        RamExperts::new(model, cache, predict)
+        Arc::new(RamExperts::new(model, cache, predict))
     }
 
     /// A prompt of `n` tokens (every logit), then `steps` greedy tokens (their logits).

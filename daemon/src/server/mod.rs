@@ -113,8 +113,8 @@ pub async fn serve(config: ServeConfig, on_ready: impl FnOnce(&str)) -> Result<(
     let mut defaults = config.defaults.clone();
     defaults.device = resolve_device(defaults.device)?;
     if defaults.device == DeviceChoice::Cpu {
+        // The RAM budget bounds the routed experts computed on the CPU on either device.
         defaults.vram_budget = None;
-        defaults.ram_budget = None;
     }
     let listener = match &config.listen {
         ListenAddr::Unix(path) => listen::bind_unix(path).await?,

@@ -13,7 +13,7 @@ use super::chat::ChatTemplate;
 use super::device::{self, DeviceChoice, OpenError};
 use super::gpu::{GpuSequence, GpuStatus};
 use super::worker::Worker;
-use crate::engine::{BatchEngine, EngineOptions, KvCache};
+use crate::engine::{BatchEngine, EngineOptions, KvCache, RamExperts};
 use crate::gguf::GgufFile;
 use crate::gpu::forward::{GpuModel, GpuModelOptions};
 use crate::gpu::placement::ExpertLayout;
@@ -21,6 +21,7 @@ use crate::gpu::GpuError;
 use crate::host_memory;
 use crate::model::{Model, ModelError};
 use crate::plan::PlanError;
+use crate::stream::open_expert_cache;
 use crate::tokenizer::Tokenizer;
 use spillway_sched::plan::{Pin, Plan, PlanOptions};
 use spillway_sched::profile::HardwareProfile;
@@ -46,6 +47,8 @@ pub struct LoadedModel {
     pub worker: Worker,
     /// `None` on the CPU.
     pub gpu: Option<Arc<GpuStatus>>,
+    /// On the CPU, a MoE model's routed experts under a RAM budget (shared with its engine).
+    pub ram_experts: Option<Arc<RamExperts>>,
 }
 
 impl LoadedModel {
@@ -140,6 +143,10 @@ pub enum LoadError {
         #[source]
         source: PlanError,
     },
+    /// The RAM tier of a CPU model's routed experts could not open: a budget under what one
+    /// token's experts need, or the file.
+    #[error("the RAM budget of the routed experts: {0}")]
+    RamTier(crate::stream::StreamError),
     /// What the load would allocate in host memory does not fit under the daemon's memory
     /// cgroup or the machine's available memory.
     #[error(
@@ -281,7 +288,9 @@ pub fn load(
     let weight_bytes: u64 = tensors.iter().map(|t| t.n_bytes).sum();
     let parameters: u64 = tensors.iter().map(|t| t.n_elements).sum();
     let n_tensors = tensors.len() as u32;
-    page_in(&model, weight_bytes, &mut progress);
+    // Routed experts read through a RAM tier stay on the SSD until a token needs them.
+    let ram_tier = options.ram_budget.filter(|_| model.config.moe.is_some());
+    page_in(&model, ram_tier.is_some(), &mut progress);
     let tokenizer = match Tokenizer::from_metadata(model.file().metadata()) {
         Ok(t) => Some(Arc::new(t)),
         Err(e) => {
@@ -307,9 +316,10 @@ pub fn load(
         if chat_template.from_model { "the model's own" } else { "ChatML (the model has none)" }
     );
     let model = Arc::new(model);
+    let mut ram_experts = None;
     let (worker, context, kv_cache_bytes, gpu) = match options.device {
         DeviceChoice::Cpu => {
-            let engine = BatchEngine::new(
+            let mut engine = BatchEngine::new(
                 model.clone(),
                 &EngineOptions {
                     threads: options.threads,
@@ -317,6 +327,21 @@ pub fn load(
                 },
                 options.max_batch,
             );
+            if options.ram_budget.is_some() && ram_tier.is_none() {
+                tracing::info!(
+                    model = %options.name,
+                    "no routed experts: the RAM budget does not apply, the weights are mapped"
+                );
+            }
+            if let Some(budget) = ram_tier {
+                // The policy a GPU model's RAM tier takes (the daemon has no flag for it).
+                let policy = GpuModelOptions::default().expert_policy;
+                let cache =
+                    open_expert_cache(&model, budget, policy).map_err(LoadError::RamTier)?;
+                let ram = Arc::new(RamExperts::new(&model, cache, true));
+                engine = engine.with_ram_experts(ram.clone());
+                ram_experts = Some(ram);
+            }
             let context = engine.capacity();
             let c = &model.config;
             let kv_cache_bytes =
@@ -410,6 +435,7 @@ pub fn load(
         model,
         worker,
         gpu,
+        ram_experts,
     })
 }
 
@@ -432,13 +458,17 @@ fn check_host_memory(options: &LoadOptions, model: &Model) -> Result<(), LoadErr
 }
 
 /// The host memory a load allocates itself: the CPU engine's KV caches, or a GPU model's
-/// staging buffers (its KV cache is in VRAM) and, for a MoE model under a RAM budget, the
+/// staging buffers (its KV cache is in VRAM), and, for a MoE model under a RAM budget, the
 /// RAM tier of its experts, whose buffers are allocated when it loads. The weights are mapped
 /// from the file, so they are not counted: the kernel can drop their pages and read them
 /// again. A GPU model's copy of its experts for reading over the bus (`--moe-miss pcie`) is
 /// bounded by half the headroom where it is chosen, and counted there.
 fn load_host_bytes(options: &LoadOptions, model: &Model) -> u64 {
     let c = &model.config;
+    let ram_tier = match (&c.moe, options.ram_budget) {
+        (Some(_), Some(budget)) => crate::stream::ram_tier_bytes(model, budget),
+        _ => 0,
+    };
     match options.device {
         DeviceChoice::Cpu => {
             let engine = EngineOptions {
@@ -448,14 +478,9 @@ fn load_host_bytes(options: &LoadOptions, model: &Model) -> u64 {
             // One cache per sequence, as `BatchEngine::new` makes them.
             KvCache::bytes(c.n_layer, engine.positions(c), c.kv_width())
                 * options.max_batch.max(1) as u64
+                + ram_tier
         }
-        DeviceChoice::Vulkan(_) => {
-            let ram_tier = match (&c.moe, options.ram_budget) {
-                (Some(_), Some(budget)) => crate::stream::ram_tier_bytes(model, budget),
-                _ => 0,
-            };
-            crate::gpu::upload::DEFAULT_STAGING_BYTES + ram_tier
-        }
+        DeviceChoice::Vulkan(_) => crate::gpu::upload::DEFAULT_STAGING_BYTES + ram_tier,
     }
 }
 
@@ -503,22 +528,31 @@ mod tests {
             .count() as u64;
         let buffer = minimum / (cfg.n_expert_used as u64 * 3);
         assert_eq!(every, n_moe * cfg.n_expert as u64 * 3 * buffer);
-        // The CPU engine has no RAM tier: the budget is not counted there.
+        // The CPU engine's RAM tier takes the same.
         options.device = DeviceChoice::Cpu;
         let cpu = load_host_bytes(&options, &model);
         options.ram_budget = None;
-        assert_eq!(load_host_bytes(&options, &model), cpu);
+        assert_eq!(load_host_bytes(&options, &model), cpu - every);
     }
 }
 
 /// Reads every page of the weights once, so they are in RAM before the first request rather
-/// than faulted in during it.
-fn page_in(model: &Model, total: u64, progress: &mut impl FnMut(LoadProgress)) {
+/// than faulted in during it; with `skip_experts`, not the routed experts' stacks (a RAM tier
+/// reads them from the file).
+fn page_in(model: &Model, skip_experts: bool, progress: &mut impl FnMut(LoadProgress)) {
     const PAGE: usize = 4096;
+    let experts = |name: &str| skip_experts && name.contains("_exps.");
+    let tensors: Vec<_> = model
+        .file()
+        .tensors()
+        .iter()
+        .filter(|t| !experts(&t.name))
+        .collect();
+    let total: u64 = tensors.iter().map(|t| t.n_bytes).sum();
     let mut done = 0u64;
     let mut next_report = 0u64;
     let mut sink = 0u8;
-    for t in model.file().tensors() {
+    for t in tensors {
         let data = model.file().tensor_data(t);
         for page in data.chunks(PAGE) {
             sink ^= page[0];

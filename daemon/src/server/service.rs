@@ -23,7 +23,9 @@ use super::models::{self, LoadError, LoadOptions, LoadedModel, Registry};
 use super::profile::{ProfileItem, ProfileJob};
 use super::validate::{self, ModelLimits};
 use super::worker::{GenerateItem, GenerateJob};
+use crate::engine::RamExperts;
 use crate::gpu::GpuError;
+use crate::model::Model;
 use crate::plan::PlanError;
 use crate::tokenizer::DecodeOptions as DetokenizeOptions;
 use spillway_sched::plan::Pin;
@@ -47,7 +49,7 @@ pub struct ModelDefaults {
     pub device: DeviceChoice,
     /// Ceiling on the device memory of each model on a Vulkan device (`--vram-budget`).
     pub vram_budget: Option<u64>,
-    /// RAM for the CPU's experts of each model on a Vulkan device (`--ram-budget`).
+    /// RAM for the routed experts each MoE model computes on the CPU (`--ram-budget`).
     pub ram_budget: Option<u64>,
     /// The machine's measured limits, for profiles' predicted times and bandwidths
     /// (`--hardware-profile`), refined by profiled steps.
@@ -197,6 +199,10 @@ fn load_status(e: LoadError) -> Status {
         LoadError::Placement(_) | LoadError::NoHardwareProfile(_) => {
             Status::failed_precondition(e.to_string())
         }
+        LoadError::RamTier(crate::stream::StreamError::RamBelowMinimum { .. }) => {
+            Status::failed_precondition(e.to_string())
+        }
+        LoadError::RamTier(_) => Status::internal(e.to_string()),
         LoadError::Plan { ref source, .. } => {
             use spillway_sched::plan::PlanError as Sched;
             match source {
@@ -300,17 +306,12 @@ impl SpillwayService {
             (DeviceChoice::Vulkan(_), 0) => defaults.vram_budget,
             (DeviceChoice::Vulkan(_), n) => Some(n),
         };
-        let ram_budget =
-            match (device, req.budgets.map_or(0, |b| b.ram_bytes)) {
-                (DeviceChoice::Cpu, 0) => None,
-                (DeviceChoice::Vulkan(_), 0) => defaults.ram_budget,
-                (DeviceChoice::Cpu, _) => return Err(Status::invalid_argument(
-                    "budgets.ram_bytes applies to the routed experts a model on a Vulkan device \
-                     computes on the CPU; the CPU engine reads every weight through the memory \
-                     map: give device \"vulkan\" or no RAM budget",
-                )),
-                (DeviceChoice::Vulkan(_), n) => Some(n),
-            };
+        // The routed experts computed on the CPU, on either device (a dense model has none:
+        // its weights are mapped).
+        let ram_budget = match req.budgets.map_or(0, |b| b.ram_bytes) {
+            0 => defaults.ram_budget,
+            n => Some(n),
+        };
         let path = PathBuf::from(&req.path);
         let name = if req.name.is_empty() {
             models::name_from_path(&path)
@@ -579,6 +580,9 @@ impl Spillway for SpillwayService {
                 if let Some(gpu) = &m.gpu {
                     gpu_status(gpu, m.tensors, &mut status);
                 }
+                if let Some(ram) = &m.ram_experts {
+                    ram_tier_status(&m.model, ram, m.tensors, &mut status);
+                }
                 status
             })
             .collect();
@@ -626,6 +630,42 @@ fn gpu_status(gpu: &GpuStatus, tensors: u32, status: &mut pb::ModelStatus) {
             pcie: t.pcie,
         });
     }
+}
+
+/// What a MoE model on the CPU under a RAM budget adds to its status: its routed experts live
+/// in the file, read into the RAM tier as tokens need them, and the tier's counters.
+fn ram_tier_status(model: &Model, ram: &RamExperts, tensors: u32, status: &mut pb::ModelStatus) {
+    let experts: Vec<_> = model
+        .file()
+        .tensors()
+        .iter()
+        .filter(|t| t.name.contains("_exps."))
+        .collect();
+    let expert_bytes: u64 = experts.iter().map(|t| t.n_bytes).sum();
+    let mapped = &mut status.tiers[0];
+    mapped.bytes -= expert_bytes;
+    mapped.tensors = tensors - experts.len() as u32;
+    status.tiers.push(pb::TierUsage {
+        tier: "ssd".into(),
+        bytes: expert_bytes,
+        tensors: experts.len() as u32,
+    });
+    let s = ram.stats();
+    status.expert_cache_hit_rate = ram
+        .cache()
+        .layer_stats()
+        .iter()
+        .map(|l| l.hit_rate() as f32)
+        .collect();
+    status.ram_tier = Some(pb::RamTierCounters {
+        buffer_bytes: s.buffer_bytes,
+        hits: s.hits,
+        misses: s.misses,
+        bytes_read: s.bytes_read,
+        prefetches: s.prefetches,
+        predicted_right: s.predicted_right,
+        predicted_wrong: s.predicted_wrong,
+    });
 }
 
 #[allow(clippy::result_large_err)]

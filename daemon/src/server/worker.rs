@@ -88,22 +88,31 @@ pub trait Sequences: Send + 'static {
 /// again), RESOURCE_EXHAUSTED when memory ran out, FAILED_PRECONDITION when the file changed
 /// underneath, INTERNAL otherwise.
 fn engine_status(e: &GenerateError) -> Status {
+    use crate::engine::EngineError;
     use crate::stream::StreamError;
+    let storage = match e {
+        GenerateError::Gpu(GpuError::Storage(s)) => Some(s),
+        GenerateError::Engine(EngineError::Expert(s)) => Some(s),
+        _ => None,
+    };
+    match storage {
+        Some(StreamError::FileChanged { .. }) => {
+            return Status::failed_precondition(format!("{e}: load the model again"))
+        }
+        Some(StreamError::Io { .. } | StreamError::ShortRead { .. }) => {
+            return Status::unavailable(format!(
+                "{e}: the request was stopped, nothing computed from the failed read was sent; \
+                 the model serves on, so retry (and check the disk if this repeats)"
+            ))
+        }
+        _ => {}
+    }
     let GenerateError::Gpu(gpu) = e else {
         return Status::internal(e.to_string());
     };
     match gpu {
         GpuError::DeviceLost => {
             Status::unavailable(format!("{e}: the model is being reloaded; retry shortly"))
-        }
-        GpuError::Storage(StreamError::FileChanged { .. }) => {
-            Status::failed_precondition(format!("{e}: load the model again"))
-        }
-        GpuError::Storage(StreamError::Io { .. } | StreamError::ShortRead { .. }) => {
-            Status::unavailable(format!(
-                "{e}: the request was stopped, nothing computed from the failed read was sent; \
-                 the model serves on, so retry (and check the disk if this repeats)"
-            ))
         }
         g if g.is_out_of_memory() => Status::resource_exhausted(format!(
             "{e}: the request was stopped; retry when fewer requests run, or load the model \
