@@ -152,6 +152,9 @@ struct RunReport {
     /// The CPU engine's RAM tier of routed experts, under `--ram-budget`.
     #[serde(skip_serializing_if = "Option::is_none")]
     ram_tier: Option<RamTierStats>,
+    /// Its counters when the first generated token came (the rest is what decoding read).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ram_tier_after_prompt: Option<RamTierStats>,
 }
 
 /// `--json`'s summary of [`ExpertStats`].
@@ -345,7 +348,16 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         ignore_eos: args.ignore_eos,
     };
     let stream_text = !args.json;
+    // The RAM tier's counters when the first token comes: what decoding alone read.
+    let ram = match &loaded {
+        Loaded::Cpu { engine, .. } => engine.ram_experts_shared(),
+        Loaded::Gpu { .. } => None,
+    };
+    let mut after_prompt = None;
     let on_text = |piece: &str| {
+        if after_prompt.is_none() {
+            after_prompt = ram.as_ref().map(|r| r.stats());
+        }
         if stream_text {
             print_out(piece);
         }
@@ -357,6 +369,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             generate_with(model.as_mut(), eos, tokenizer, &request, on_text)?
         }
     };
+    let after_prompt = after_prompt.filter(|_| ram.is_some());
     let (device, threads, experts, ram_tier) = match &loaded {
         Loaded::Cpu { threads, engine } => (
             "cpu".to_string(),
@@ -380,6 +393,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             threads,
             experts: experts.as_ref().map(ExpertsReport::from),
             ram_tier,
+            ram_tier_after_prompt: after_prompt,
         };
         print_out(&(serde_json::to_string(&report)? + "\n"));
         return Ok(());

@@ -116,6 +116,11 @@ impl Engine {
         self.ram.as_deref()
     }
 
+    /// The RAM tier, shared: its counters can be read while the engine runs.
+    pub fn ram_experts_shared(&self) -> Option<Arc<RamExperts>> {
+        self.ram.clone()
+    }
+
     pub fn model(&self) -> &Model {
         &self.model
     }

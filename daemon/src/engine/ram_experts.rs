@@ -15,7 +15,9 @@
 //! while this layer computes. When that layer's routing is known, the predictions it did not
 //! choose and that are still being read are cancelled.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use parking_lot::Mutex;
 
@@ -32,6 +34,8 @@ pub struct RamExperts {
     group: usize,
     /// Whether passes predict the next layer's experts and read them ahead.
     predict: bool,
+    /// Time spent getting experts (waiting for their reads, mostly).
+    wait_ns: AtomicU64,
     /// Experts whose reads were started ahead of their layer, and how many predictions the
     /// routing then chose and did not.
     predicted: Mutex<Predictions>,
@@ -45,7 +49,7 @@ struct Predictions {
 }
 
 /// What a RAM tier did: its counters over every layer.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
 pub struct RamTierStats {
     /// RAM its buffers take.
     pub buffer_bytes: u64,
@@ -59,6 +63,8 @@ pub struct RamTierStats {
     /// Next-layer predictions its routing then chose, and did not.
     pub predicted_right: u64,
     pub predicted_wrong: u64,
+    /// Milliseconds the computing thread waited to get experts (their reads, mostly).
+    pub wait_ms: f64,
 }
 
 impl RamTierStats {
@@ -67,11 +73,12 @@ impl RamTierStats {
         let lookups = self.hits + self.misses;
         let mut line = format!(
             "RAM tier: {:.1} MiB of buffers; {lookups} expert lookups, {:.1}% in RAM; {:.1} MiB \
-             read from the file ({} experts read ahead)",
+             read from the file ({} experts read ahead), {:.1} ms waited for experts",
             self.buffer_bytes as f64 / (1u64 << 20) as f64,
             100.0 * self.hits as f64 / lookups.max(1) as f64,
             self.bytes_read as f64 / (1u64 << 20) as f64,
             self.prefetches,
+            self.wait_ms,
         );
         let predicted = self.predicted_right + self.predicted_wrong;
         if predicted > 0 {
@@ -103,6 +110,7 @@ impl RamExperts {
             cache: Mutex::new(cache),
             group: (whole / 2).max(k),
             predict,
+            wait_ns: AtomicU64::new(0),
             predicted: Mutex::new(Predictions::default()),
         }
     }
@@ -146,7 +154,7 @@ impl RamExperts {
             return Ok(Vec::new());
         };
         let ahead = keys(layer + 1, next);
-        let mut held = self.cache.lock().get_all(&keys(layer, first), &ahead)?;
+        let mut held = self.get_all(&keys(layer, first), &ahead)?;
         self.predicted.lock().pending.extend_from_slice(&ahead);
         if groups.len() == 1 {
             return Ok(self.run(pool, moe, &held, first, xn, chosen, k));
@@ -172,7 +180,7 @@ impl RamExperts {
             }
             if let Some(following) = groups.get(i + 1) {
                 drop(std::mem::take(&mut held));
-                held = self.cache.lock().get_all(&keys(layer, following), &[])?;
+                held = self.get_all(&keys(layer, following), &[])?;
             }
         }
         Ok(out)
@@ -201,6 +209,19 @@ impl RamExperts {
             })
         };
         routed_experts_with(pool, &mats, xn, chosen, k)
+    }
+
+    /// [`ExpertCache::get_all`], its time counted as waiting for reads.
+    fn get_all(
+        &self,
+        keys: &[ExpertKey],
+        ahead: &[ExpertKey],
+    ) -> Result<Vec<Arc<Expert>>, StreamError> {
+        let start = Instant::now();
+        let held = self.cache.lock().get_all(keys, ahead);
+        self.wait_ns
+            .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        held
     }
 
     /// Cancels the predictions for `layer` that its routing did not choose (`distinct`,
@@ -237,6 +258,7 @@ impl RamExperts {
             buffer_bytes: cache.buffer_bytes(),
             predicted_right: predicted.right,
             predicted_wrong: predicted.wrong,
+            wait_ms: self.wait_ns.load(Ordering::Relaxed) as f64 / 1e6,
             ..RamTierStats::default()
         };
         for l in cache.layer_stats() {

@@ -79,6 +79,9 @@ pub struct ExpertCache {
     stats: Vec<LayerStats>,
     /// The loads finished since the last [`ExpertCache::take_reads`], while tracing.
     reads: Option<Vec<ExpertRead>>,
+    /// Experts no eviction may choose while [`ExpertCache::get_all`] reads ahead: the ones it
+    /// is loading to hold.
+    spared: Vec<ExpertKey>,
 }
 
 /// One expert's load from the file, for traces: from its first read's issue to its last read's
@@ -108,6 +111,7 @@ impl ExpertCache {
             entries: HashMap::new(),
             stats: Vec::new(),
             reads: None,
+            spared: Vec::new(),
         }
     }
 
@@ -149,8 +153,9 @@ impl ExpertCache {
     /// read evicts them), then the reads of every other one issued at once as demand reads
     /// and waited for. Counts as [`ExpertCache::get_or_load`] of each.
     ///
-    /// Then `ahead` are prefetched ([`ExpertCache::prefetch`]), without evicting `keys`: the
-    /// experts a later layer is expected to choose, read while these are used.
+    /// `ahead` are prefetched ([`ExpertCache::prefetch`]) once the reads of `keys` are issued,
+    /// without evicting any of `keys`: the experts a later layer is expected to choose, read
+    /// while these are waited for and used.
     ///
     /// # Errors
     /// As [`ExpertCache::get_or_load`]; the reads already issued go on as prefetches.
@@ -181,6 +186,13 @@ impl ExpertCache {
                 self.entries.insert(key, Entry::Loading(handles));
             }
         }
+        if !ahead.is_empty() {
+            // Behind this call's demand reads, so the disk has the next ones queued while
+            // these finish; no eviction chooses an expert this call is loading.
+            self.spared = keys.to_vec();
+            self.prefetch(ahead);
+            self.spared.clear();
+        }
         for (h, &key) in held.iter_mut().zip(keys) {
             if h.is_some() {
                 continue;
@@ -197,14 +209,7 @@ impl ExpertCache {
                 }
             });
         }
-        let held: Vec<Arc<Expert>> = held
-            .into_iter()
-            .map(|h| h.expect("every key held"))
-            .collect();
-        if !ahead.is_empty() {
-            self.prefetch(ahead);
-        }
-        Ok(held)
+        Ok(held.into_iter().map(|h| h.expect("every key held")).collect())
     }
 
     /// Starts prefetch reads for the experts not cached yet, as far as room allows without
@@ -373,10 +378,11 @@ impl ExpertCache {
     /// Evicts the policy's choice among loaded, unpinned experts; false when there is none.
     fn evict_one(&mut self) -> bool {
         self.settle();
-        let entries = &self.entries;
-        let victim = self.residency.victim(
-            |k| matches!(entries.get(&k), Some(Entry::Ready(e)) if Arc::strong_count(e) == 1),
-        );
+        let (entries, spared) = (&self.entries, &self.spared);
+        let victim = self.residency.victim(|k| {
+            matches!(entries.get(&k), Some(Entry::Ready(e)) if Arc::strong_count(e) == 1)
+                && !spared.contains(&k)
+        });
         let Some(victim) = victim else {
             return false;
         };
