@@ -209,7 +209,10 @@ impl ExpertCache {
                 }
             });
         }
-        Ok(held.into_iter().map(|h| h.expect("every key held")).collect())
+        Ok(held
+            .into_iter()
+            .map(|h| h.expect("every key held"))
+            .collect())
     }
 
     /// Starts prefetch reads for the experts not cached yet, as far as room allows without
@@ -597,6 +600,34 @@ mod tests {
         assert_eq!((s.hits, s.misses, s.prefetches), (2, 0, 2));
         // Already cached: nothing to prefetch.
         assert_eq!(f.cache.prefetch(&[k(1, 4)]), 0);
+    }
+
+    #[test]
+    fn get_all_holds_its_experts_and_reads_ahead_without_evicting_them() {
+        // Room for four experts: two cached, two held by get_all, the rest read ahead.
+        let mut f = fixture(ReplacementPolicy::Lru, 4, 16);
+        f.get(0, 0);
+        f.get(0, 1);
+        let keys = [k(0, 1), k(0, 2), k(0, 3)];
+        let held = f.cache.get_all(&keys, &[k(1, 0), k(1, 1)]).unwrap();
+        for (e, key) in held.iter().zip(keys) {
+            assert_eq!(e.key(), key);
+            let base = 17 + ((key.layer * EXPERTS + key.expert) as usize * EXPERT);
+            assert!(e.part(0) == &f.data[base..base + 6000]);
+            assert!(e.part(1) == &f.data[base + 6000..base + EXPERT]);
+        }
+        let s = f.cache.stats(0);
+        assert_eq!(
+            (s.hits, s.misses),
+            (1, 2 + 2),
+            "get's two misses, get_all's two"
+        );
+        // Expert 0, held by no one, made room for one read ahead; the held ones stayed.
+        assert_eq!(f.resident(0), [1, 2, 3]);
+        assert_eq!(f.cache.stats(1).prefetches, 1);
+        drop(held);
+        f.get(1, 0);
+        assert_eq!(f.cache.stats(1).hits, 1);
     }
 
     #[test]
