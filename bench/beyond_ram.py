@@ -72,11 +72,14 @@ def drop_caches():
         f.write("3")
 
 
-def spillway(args, cgroup, predict):
+def spillway(args, cgroup, predict, seed):
     cmd = [os.path.join(args.bin, "spillwayd"), "run", "--model", args.model, "--device", "cpu",
            "--ram-budget", str(args.ram_budget), "--predict-experts", str(predict).lower(),
            "--prompt-tokens", ",".join(map(str, PROMPT)), "--max-tokens", str(args.tokens),
-           "--ignore-eos", "--temperature", "0", "--threads", str(args.threads), "--ctx", "256",
+           # Sampled, not greedy: a random model's greedy text repeats a few tokens, whose
+           # experts the cache would then hold; llama.cpp is fed varied ids likewise.
+           "--ignore-eos", "--temperature", "1", "--seed", str(seed),
+           "--threads", str(args.threads), "--ctx", "256",
            "--json"]
     out = subprocess.run(cgroup.wrap(cmd), capture_output=True, text=True)
     if out.returncode != 0:
@@ -175,7 +178,7 @@ def main():
             if name == "llama.cpp (mmap)":
                 r = llama(a, cgroup)
             else:
-                r = spillway(a, cgroup, predict=name == "spillway")
+                r = spillway(a, cgroup, predict=name == "spillway", seed=rep + 1)
             runs[name].append(r)
             print(f"rep {rep} {name}: {json.dumps(r)}", file=sys.stderr, flush=True)
 
