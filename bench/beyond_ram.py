@@ -4,8 +4,8 @@ experts (`spillwayd run --ram-budget`, reads with io_uring and O_DIRECT) beside 
 the same GGUF file through its memory map, each process held to the same memory by a cgroup,
 with the page cache dropped before every run.
 
-Reports decode tokens/s of both, the bytes each read from the disk per token and per second
-of decode, and that rate against the raw io_uring figure of the same disk
+Reports decode tokens/s of both, the bytes each process read from storage per token and per
+second of decode (`read_bytes` of its `/proc/PID/io`), and that rate against the raw io_uring figure of the same disk
 (`spillway-stream FILE --random --tile T`, run first). Runs alternate between the two, and
 medians are quoted.
 
@@ -85,9 +85,12 @@ def spillway(args, cgroup, predict, seed):
     if out.returncode != 0:
         raise RuntimeError(f"spillwayd exited {out.returncode}: {out.stderr[-2000:]}")
     r = json.loads(out.stdout)
-    t, tier, before = r["timings"], r["ram_tier"], r["ram_tier_after_prompt"]
-    # Decoding alone: from the first generated token on.
-    return {"tok_s": t["tokens_per_s"], "bytes": tier["bytes_read"] - before["bytes_read"],
+    t, tier = r["timings"], r["ram_tier"]
+    # Decoding alone, from the first generated token on: everything the process read from
+    # storage (the RAM tier's reads, read-ahead that was cancelled, page faults).
+    return {"tok_s": t["tokens_per_s"],
+            "bytes": r["read_bytes_at_end"] - r["read_bytes_after_prompt"],
+            "tier_bytes": tier["bytes_read"] - r["ram_tier_after_prompt"]["bytes_read"],
             "seconds": t["generate_ms"] / 1e3,
             "hits": tier["hits"] / max(1, tier["hits"] + tier["misses"]),
             "wait_ms": tier.get("wait_ms", 0.0)}
@@ -171,14 +174,14 @@ def main():
 
     raw = raw_uring(a)
     cgroup = Cgroup("spillway-beyond-ram", a.memory)
-    runs = {"spillway": [], "spillway, no prediction": [], "llama.cpp (mmap)": []}
+    runs = {"spillway, next layer read ahead": [], "spillway": [], "llama.cpp (mmap)": []}
     for rep in range(a.reps):
         for name in runs:
             drop_caches()
             if name == "llama.cpp (mmap)":
                 r = llama(a, cgroup)
             else:
-                r = spillway(a, cgroup, predict=name == "spillway", seed=rep + 1)
+                r = spillway(a, cgroup, predict=name != "spillway", seed=rep + 1)
             runs[name].append(r)
             print(f"rep {rep} {name}: {json.dumps(r)}", file=sys.stderr, flush=True)
 

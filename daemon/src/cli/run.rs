@@ -64,9 +64,11 @@ pub struct RunArgs {
     #[arg(long)]
     pub ram_budget: Option<ByteSize>,
     /// With `--device cpu --ram-budget`: while a decode step computes a layer, read the
-    /// experts the next layer's router picks for the current hidden state, and cancel those
-    /// its real routing does not choose.
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    /// experts the next layer's router picks for the current hidden state (while at least 60%
+    /// of such predictions are right), and cancel those its real routing does not choose. Off
+    /// by default: on the synthetic models measured so far the wrong ones' reads cost the disk
+    /// what the right ones gained (`bench/RESULTS.md`).
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
     pub predict_experts: bool,
     /// A routed expert not in VRAM: `cpu` computes it on the CPU while the GPU runs the others,
     /// `fetch` copies it into a VRAM slot first, `pcie` keeps every routed expert in system RAM
@@ -155,6 +157,22 @@ struct RunReport {
     /// Its counters when the first generated token came (the rest is what decoding read).
     #[serde(skip_serializing_if = "Option::is_none")]
     ram_tier_after_prompt: Option<RamTierStats>,
+    /// Bytes the process had read from storage (`read_bytes` of `/proc/self/io`: the RAM
+    /// tier's reads and the memory map's page faults) when the first generated token came,
+    /// and at the end.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    read_bytes_after_prompt: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    read_bytes_at_end: Option<u64>,
+}
+
+/// `read_bytes` of `/proc/self/io`: what this process has read from storage, page cache
+/// misses and O_DIRECT reads alike; `None` where the kernel does not say.
+fn storage_read_bytes() -> Option<u64> {
+    let io = std::fs::read_to_string("/proc/self/io").ok()?;
+    io.lines()
+        .find_map(|l| l.strip_prefix("read_bytes:"))
+        .and_then(|v| v.trim().parse().ok())
 }
 
 /// `--json`'s summary of [`ExpertStats`].
@@ -353,10 +371,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         Loaded::Cpu { engine, .. } => engine.ram_experts_shared(),
         Loaded::Gpu { .. } => None,
     };
-    let mut after_prompt = None;
+    let (mut after_prompt, mut read_after_prompt) = (None, None);
     let on_text = |piece: &str| {
-        if after_prompt.is_none() {
+        if read_after_prompt.is_none() {
             after_prompt = ram.as_ref().map(|r| r.stats());
+            read_after_prompt = storage_read_bytes();
         }
         if stream_text {
             print_out(piece);
@@ -394,6 +413,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             experts: experts.as_ref().map(ExpertsReport::from),
             ram_tier,
             ram_tier_after_prompt: after_prompt,
+            read_bytes_after_prompt: read_after_prompt,
+            read_bytes_at_end: storage_read_bytes(),
         };
         print_out(&(serde_json::to_string(&report)? + "\n"));
         return Ok(());

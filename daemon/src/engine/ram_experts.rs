@@ -11,9 +11,11 @@
 //! as prefetches before the products run, so reading overlaps computing.
 //!
 //! A call can also name the experts the next layer is expected to choose (its router applied to
-//! the current hidden state): their reads start once this layer's experts are in, and run
-//! while this layer computes. When that layer's routing is known, the predictions it did not
-//! choose and that are still being read are cancelled.
+//! the current hidden state): those out of RAM start reading behind this layer's own reads and
+//! go on while this layer computes. When that layer's routing is known, the predictions it did
+//! not choose and that are still being read are cancelled. A wrong prediction costs the disk
+//! a read and a right one only moves a read earlier, so predictions are read ahead only while
+//! at least 60% of the recent ones out of RAM were chosen (the others are still counted).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -43,9 +45,31 @@ pub struct RamExperts {
 
 #[derive(Default)]
 struct Predictions {
-    pending: Vec<ExpertKey>,
+    /// Each with whether it was out of RAM when predicted (a read it would start).
+    pending: Vec<(ExpertKey, bool)>,
     right: u64,
     wrong: u64,
+    /// Recent predictions of experts out of RAM that the routing chose, and did not (halved
+    /// as they grow): whether reading ahead pays.
+    recent_right: u32,
+    recent_wrong: u32,
+}
+
+/// Predictions of experts out of RAM counted before their precision decides anything.
+const PREDICTIONS_WARM_UP: u32 = 32;
+/// Counts past which the recent ones are halved.
+const PREDICTIONS_WINDOW: u32 = 512;
+/// The share of predicted reads the routing must choose for reads to start ahead: a wrong one
+/// takes the disk from a demand read, a right one only moves a read earlier.
+const PREDICTIONS_PRECISION: f64 = 0.6;
+
+impl Predictions {
+    /// Whether predicted experts out of RAM are read ahead now.
+    fn reading_ahead(&self) -> bool {
+        let seen = self.recent_right + self.recent_wrong;
+        seen < PREDICTIONS_WARM_UP
+            || f64::from(self.recent_right) >= PREDICTIONS_PRECISION * f64::from(seen)
+    }
 }
 
 /// What a RAM tier did: its counters over every layer.
@@ -153,9 +177,8 @@ impl RamExperts {
         let Some(&first) = groups.first() else {
             return Ok(Vec::new());
         };
-        let ahead = keys(layer + 1, next);
+        let ahead = self.ahead(layer + 1, next);
         let mut held = self.get_all(&keys(layer, first), &ahead)?;
-        self.predicted.lock().pending.extend_from_slice(&ahead);
         if groups.len() == 1 {
             return Ok(self.run(pool, moe, &held, first, xn, chosen, k));
         }
@@ -224,6 +247,26 @@ impl RamExperts {
         held
     }
 
+    /// Records the predictions `next` for `layer` and returns those to read ahead: the ones out
+    /// of RAM, while recent predictions of such experts were right often enough.
+    fn ahead(&self, layer: usize, next: &[usize]) -> Vec<ExpertKey> {
+        if next.is_empty() {
+            return Vec::new();
+        }
+        let mut predicted = self.predicted.lock();
+        let cache = self.cache.lock();
+        let reading = predicted.reading_ahead();
+        let mut ahead = Vec::new();
+        for key in keys(layer, next) {
+            let out = !cache.has(key);
+            predicted.pending.push((key, out));
+            if out && reading {
+                ahead.push(key);
+            }
+        }
+        ahead
+    }
+
     /// Cancels the predictions for `layer` that its routing did not choose (`distinct`,
     /// sorted) and that are still being read, and counts how many were right.
     fn correct(&self, layer: usize, distinct: &[usize]) {
@@ -232,21 +275,31 @@ impl RamExperts {
             return;
         }
         let mut cache = self.cache.lock();
-        let (mut right, mut wrong) = (0, 0);
-        predicted.pending.retain(|key| {
+        let (mut right, mut wrong, mut out_right, mut out_wrong) = (0, 0, 0, 0);
+        predicted.pending.retain(|&(key, out)| {
             if key.layer as usize != layer {
                 return true;
             }
-            if distinct.binary_search(&(key.expert as usize)).is_ok() {
+            let chosen = distinct.binary_search(&(key.expert as usize)).is_ok();
+            if chosen {
                 right += 1;
+                out_right += u32::from(out);
             } else {
                 wrong += 1;
-                cache.cancel_prefetch(*key);
+                out_wrong += u32::from(out);
+                cache.cancel_prefetch(key);
             }
             false
         });
-        predicted.right += right;
-        predicted.wrong += wrong;
+        let p = &mut *predicted;
+        p.right += right;
+        p.wrong += wrong;
+        p.recent_right += out_right;
+        p.recent_wrong += out_wrong;
+        if p.recent_right + p.recent_wrong > PREDICTIONS_WINDOW {
+            p.recent_right /= 2;
+            p.recent_wrong /= 2;
+        }
     }
 
     /// Its counters so far.
@@ -352,6 +405,18 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn predictions_are_read_ahead_only_while_enough_of_them_are_right() {
+        let mut p = Predictions::default();
+        assert!(p.reading_ahead(), "before any is counted");
+        (p.recent_right, p.recent_wrong) = (10, 21);
+        assert!(p.reading_ahead(), "still warming up");
+        (p.recent_right, p.recent_wrong) = (19, 13);
+        assert!(!p.reading_ahead(), "59% right");
+        (p.recent_right, p.recent_wrong) = (60, 40);
+        assert!(p.reading_ahead(), "60% right");
     }
 
     #[test]

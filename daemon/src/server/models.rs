@@ -338,7 +338,9 @@ pub fn load(
                 let policy = GpuModelOptions::default().expert_policy;
                 let cache =
                     open_expert_cache(&model, budget, policy).map_err(LoadError::RamTier)?;
-                let ram = Arc::new(RamExperts::new(&model, cache, true));
+                // No next-layer read-ahead: as `spillwayd run`'s default (its wrong reads
+                // cost what its right ones gained on the models measured).
+                let ram = Arc::new(RamExperts::new(&model, cache, false));
                 engine = engine.with_ram_experts(ram.clone());
                 ram_experts = Some(ram);
             }

@@ -247,6 +247,11 @@ impl ExpertCache {
         true
     }
 
+    /// Whether `key` is in RAM or being read.
+    pub fn has(&self, key: ExpertKey) -> bool {
+        self.entries.contains_key(&key)
+    }
+
     pub fn contains(&self, key: ExpertKey) -> bool {
         matches!(self.entries.get(&key), Some(Entry::Ready(_)))
     }
