@@ -388,7 +388,6 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             generate_with(model.as_mut(), eos, tokenizer, &request, on_text)?
         }
     };
-    let after_prompt = after_prompt.filter(|_| ram.is_some());
     let (device, threads, experts, ram_tier) = match &loaded {
         Loaded::Cpu { threads, engine } => (
             "cpu".to_string(),

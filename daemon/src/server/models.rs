@@ -14,6 +14,7 @@ use super::device::{self, DeviceChoice, OpenError};
 use super::gpu::{GpuSequence, GpuStatus};
 use super::worker::Worker;
 use crate::engine::{BatchEngine, EngineOptions, KvCache, RamExperts};
+use crate::gguf::inspect::Group;
 use crate::gguf::GgufFile;
 use crate::gpu::forward::{GpuModel, GpuModelOptions};
 use crate::gpu::placement::ExpertLayout;
@@ -543,7 +544,7 @@ mod tests {
 /// reads them from the file).
 fn page_in(model: &Model, skip_experts: bool, progress: &mut impl FnMut(LoadProgress)) {
     const PAGE: usize = 4096;
-    let experts = |name: &str| skip_experts && name.contains("_exps.");
+    let experts = |name: &str| skip_experts && Group::of(name) == Group::RoutedExperts;
     let tensors: Vec<_> = model
         .file()
         .tensors()

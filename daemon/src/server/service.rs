@@ -24,6 +24,7 @@ use super::profile::{ProfileItem, ProfileJob};
 use super::validate::{self, ModelLimits};
 use super::worker::{GenerateItem, GenerateJob};
 use crate::engine::RamExperts;
+use crate::gguf::inspect::Group;
 use crate::gpu::GpuError;
 use crate::model::Model;
 use crate::plan::PlanError;
@@ -639,7 +640,7 @@ fn ram_tier_status(model: &Model, ram: &RamExperts, tensors: u32, status: &mut p
         .file()
         .tensors()
         .iter()
-        .filter(|t| t.name.contains("_exps."))
+        .filter(|t| Group::of(&t.name) == Group::RoutedExperts)
         .collect();
     let expert_bytes: u64 = experts.iter().map(|t| t.n_bytes).sum();
     let mapped = &mut status.tiers[0];

@@ -128,25 +128,8 @@ impl ExpertCache {
     /// The expert, from the cache or read now as a demand read (overtaking prefetches).
     /// An expert being prefetched is promoted and waited for; that counts as a hit.
     pub fn get_or_load(&mut self, key: ExpertKey) -> Result<Arc<Expert>, StreamError> {
-        match self.entries.get(&key) {
-            Some(Entry::Ready(expert)) => {
-                let expert = Arc::clone(expert);
-                self.stats_mut(key.layer).hits += 1;
-                self.residency.touch(key);
-                return Ok(expert);
-            }
-            Some(Entry::Loading(_)) => {
-                self.stats_mut(key.layer).hits += 1;
-                self.reader.promote(tag(key));
-                self.residency.touch(key);
-            }
-            None => {
-                self.stats_mut(key.layer).misses += 1;
-                let handles = self.start_load(key, Priority::Demand)?;
-                self.entries.insert(key, Entry::Loading(handles));
-            }
-        }
-        self.finish_load(key)
+        let mut held = self.get_all(&[key], &[])?;
+        Ok(held.pop().expect("one expert asked, one held"))
     }
 
     /// The experts `keys`, in that order, held together: the cached ones first (so that no
