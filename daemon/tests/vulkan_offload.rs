@@ -17,6 +17,7 @@ use logits::assert_logits_close;
 use std::sync::Arc;
 
 use spillway_daemon::gpu::alloc::MemoryUse;
+use spillway_daemon::gpu::chain::Handoff;
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
 use spillway_daemon::gpu::moe::LayerRouting;
 use spillway_daemon::gpu::placement::{ExpertLayout, MoeMiss};
@@ -241,7 +242,8 @@ fn qwen2moe_over_the_vram_budget_decodes_as_unconstrained() {
 /// A step with CPU experts as one chain of command buffers gives the logits, the routing and
 /// the expert counters of the same step as separate submissions, bit for bit: the chain changes
 /// when the host acts, not what the device computes. At the minimum budget (one slot) and at
-/// half the experts.
+/// half the experts, with either handoff between the host and the device (timeline semaphores,
+/// events).
 fn chain_matches_separate_submissions(preset: &str) {
     let Some(dev) = device() else { return };
     if !dev.chains() {
@@ -267,11 +269,12 @@ fn chain_matches_separate_submissions(preset: &str) {
         .total();
     for budget in [minimum, minimum + (whole - minimum) / 2] {
         let what = format!("{preset}, budget {budget} of {whole}");
-        let run = |chain: bool| {
+        let run = |chain: bool, handoff: Handoff| {
             // Promotions follow measured times, which differ between runs: off here, so that
             // both runs keep the same experts resident.
             let o = GpuModelOptions {
                 chain,
+                handoff,
                 promote_experts: false,
                 ..options(Some(budget), MoeMiss::Cpu)
             };
@@ -280,14 +283,17 @@ fn chain_matches_separate_submissions(preset: &str) {
             let stats = gpu.expert_stats().unwrap().total();
             (logits, routing, stats, gpu.last_stats().submits as usize)
         };
-        let (want, want_routing, want_stats, separate) = run(false);
-        let (got, routing, stats, parts) = run(true);
-        assert!(stats.cpu > 0, "{what}: some experts ran on the CPU");
+        let (want, want_routing, want_stats, separate) = run(false, Handoff::Semaphores);
         assert!(separate > 1 + n_moe, "{what}: {separate} submissions");
-        assert_eq!(parts, 1 + 2 * n_moe, "{what}: parts of a chained step");
-        assert_eq!(got, want, "{what}: logits");
-        assert_eq!(routing, want_routing, "{what}: routing");
-        assert_eq!(stats, want_stats, "{what}: expert counters");
+        for handoff in [Handoff::Semaphores, Handoff::Events] {
+            let what = format!("{what}, {handoff:?}");
+            let (got, routing, stats, parts) = run(true, handoff);
+            assert!(stats.cpu > 0, "{what}: some experts ran on the CPU");
+            assert_eq!(parts, 1 + 2 * n_moe, "{what}: parts of a chained step");
+            assert_eq!(got, want, "{what}: logits");
+            assert_eq!(routing, want_routing, "{what}: routing");
+            assert_eq!(stats, want_stats, "{what}: expert counters");
+        }
     }
 }
 

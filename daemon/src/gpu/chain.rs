@@ -14,6 +14,14 @@
 //! signalled; [`Chain::release`] waits for that itself. If the host stops early (an error, a
 //! panic) dropping the chain releases the remaining parts in order, so nothing is left waiting
 //! on the device when its command buffers are freed.
+//!
+//! Two handoffs ([`Handoff`]): the timeline semaphore above, where each part is a submission
+//! of its own that the driver holds until the host signals; or events, where every part is in
+//! one submission, part `i > 0` opens with a wait on an event the host sets
+//! (`vkCmdWaitEvents` after `vkSetEvent`, allowed outside render passes) and closes by setting
+//! an event the host polls. The device then waits for the host in its own command stream
+//! rather than in the driver's scheduling of submissions. `SPILLWAY_CHAIN_HANDOFF=semaphores`
+//! or `events` picks one (read once); the default is [`Handoff::default`].
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -81,13 +89,152 @@ pub(super) fn wait_fence(dev: &ash::Device, fence: vk::Fence) -> ash::prelude::V
     unsafe { dev.wait_for_fences(&[fence], true, u64::MAX) }
 }
 
+/// How the host and the device hand a chain's parts to each other (see the module's notes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Handoff {
+    /// A submission a part, each waiting on a timeline semaphore the host signals.
+    Semaphores,
+    /// One submission; each part waits on an event the host sets and sets one when done.
+    Events,
+}
+
+impl Handoff {
+    /// The handoff chains use: `SPILLWAY_CHAIN_HANDOFF` (`semaphores` or `events`) where set,
+    /// else semaphores. An unknown value is logged once and ignored.
+    pub fn configured() -> Handoff {
+        static CHOSEN: std::sync::OnceLock<Handoff> = std::sync::OnceLock::new();
+        *CHOSEN.get_or_init(
+            || match std::env::var("SPILLWAY_CHAIN_HANDOFF").as_deref() {
+                Ok("events") => Handoff::Events,
+                Ok("semaphores") | Err(_) => Handoff::Semaphores,
+                Ok(other) => {
+                    tracing::warn!(
+                        "SPILLWAY_CHAIN_HANDOFF={other} is neither `semaphores` nor `events`; \
+                     using semaphores"
+                    );
+                    Handoff::Semaphores
+                }
+            },
+        )
+    }
+}
+
+/// The objects of a chain's handoff.
+enum PartSync {
+    /// Part `i` waits for `2i` and signals `2i + 1`.
+    Timeline(vk::Semaphore),
+    /// `release[i]` lets part `i` start (`release[0]` unused), part `i` sets `done[i]`; the
+    /// fence signals when the submission completes.
+    Events {
+        release: Vec<vk::Event>,
+        done: Vec<vk::Event>,
+        fence: vk::Fence,
+    },
+}
+
+impl PartSync {
+    fn new(device: &Device, handoff: Handoff, n_parts: usize) -> Result<PartSync> {
+        let dev = &device.raw;
+        match handoff {
+            Handoff::Semaphores => {
+                let mut type_info = vk::SemaphoreTypeCreateInfo::default()
+                    .semaphore_type(vk::SemaphoreType::TIMELINE)
+                    .initial_value(0);
+                let info = vk::SemaphoreCreateInfo::default().push_next(&mut type_info);
+                // SAFETY: a valid create info; destroyed by `destroy`.
+                let semaphore = unsafe { dev.create_semaphore(&info, None) }.map_err(map_vk)?;
+                Ok(PartSync::Timeline(semaphore))
+            }
+            Handoff::Events => {
+                let mut sync = PartSync::Events {
+                    release: Vec::with_capacity(n_parts),
+                    done: Vec::with_capacity(n_parts),
+                    fence: vk::Fence::null(),
+                };
+                if let Err(e) = sync.fill_events(device, n_parts) {
+                    sync.destroy(device);
+                    return Err(e);
+                }
+                Ok(sync)
+            }
+        }
+    }
+
+    /// Creates the events and the fence of a [`PartSync::Events`] (whatever is made is destroyed
+    /// by `destroy`, on failure too).
+    fn fill_events(&mut self, device: &Device, n_parts: usize) -> Result<()> {
+        let dev = &device.raw;
+        let PartSync::Events {
+            release,
+            done,
+            fence,
+        } = self
+        else {
+            unreachable!("events only");
+        };
+        for _ in 0..n_parts {
+            // SAFETY: a valid create info; destroyed by `destroy`. Created unsignaled.
+            release.push(
+                unsafe { dev.create_event(&vk::EventCreateInfo::default(), None) }
+                    .map_err(map_vk)?,
+            );
+            // SAFETY: as above.
+            done.push(
+                unsafe { dev.create_event(&vk::EventCreateInfo::default(), None) }
+                    .map_err(map_vk)?,
+            );
+        }
+        // SAFETY: a valid create info; destroyed by `destroy`.
+        *fence =
+            unsafe { dev.create_fence(&vk::FenceCreateInfo::default(), None) }.map_err(map_vk)?;
+        Ok(())
+    }
+
+    fn destroy(&self, device: &Device) {
+        let dev = &device.raw;
+        // SAFETY: no submission that uses these objects is pending (its caller's contract).
+        unsafe {
+            match self {
+                PartSync::Timeline(s) => dev.destroy_semaphore(*s, None),
+                PartSync::Events {
+                    release,
+                    done,
+                    fence,
+                } => {
+                    for &e in release.iter().chain(done) {
+                        dev.destroy_event(e, None);
+                    }
+                    if *fence != vk::Fence::null() {
+                        dev.destroy_fence(*fence, None);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Polls `event` until the device sets it: spinning, then yielding, then sleeping in short
+/// naps (an event has no sleeping wait in the driver).
+fn wait_event(dev: &ash::Device, event: vk::Event) -> ash::prelude::VkResult<()> {
+    // SAFETY (every call): the caller's event belongs to `dev` and outlives the wait.
+    if poll(|| unsafe { dev.get_event_status(event) })? {
+        return Ok(());
+    }
+    loop {
+        std::thread::sleep(Duration::from_micros(50));
+        if unsafe { dev.get_event_status(event) }? {
+            return Ok(());
+        }
+    }
+}
+
 /// A submitted chain, and the host's side of it (see the module's notes). Dropping it releases
 /// the parts not yet released, in order, and waits for the last before freeing the command
 /// buffers; [`Chain::finish`] does the same and reports errors.
 pub struct Chain {
     device: Arc<Device>,
     cmds: Vec<vk::CommandBuffer>,
-    semaphore: vk::Semaphore,
+    sync: PartSync,
     /// Parts released so far (part 0 needs no release).
     released: usize,
     finished: bool,
@@ -99,9 +246,19 @@ impl Chain {
     pub fn start<T>(
         device: &Arc<Device>,
         n_parts: usize,
+        record: impl FnMut(usize, vk::CommandBuffer) -> Result<T>,
+    ) -> Result<(Chain, Vec<T>)> {
+        Chain::start_with(device, Handoff::configured(), n_parts, record)
+    }
+
+    /// [`Chain::start`] with the given handoff.
+    pub fn start_with<T>(
+        device: &Arc<Device>,
+        handoff: Handoff,
+        n_parts: usize,
         mut record: impl FnMut(usize, vk::CommandBuffer) -> Result<T>,
     ) -> Result<(Chain, Vec<T>)> {
-        if !device.timeline_semaphores {
+        if handoff == Handoff::Semaphores && !device.timeline_semaphores {
             return Err(GpuError::Unsupported(
                 "the device has no timeline semaphores".into(),
             ));
@@ -112,23 +269,18 @@ impl Chain {
             let pool = device.pool.lock();
             device.allocate_commands(&pool, n_parts as u32)?
         };
-        let mut type_info = vk::SemaphoreTypeCreateInfo::default()
-            .semaphore_type(vk::SemaphoreType::TIMELINE)
-            .initial_value(0);
-        let info = vk::SemaphoreCreateInfo::default().push_next(&mut type_info);
-        // SAFETY: a valid create info; the semaphore is destroyed in `Drop`.
-        let semaphore = match unsafe { dev.create_semaphore(&info, None) } {
+        let sync = match PartSync::new(device, handoff, n_parts) {
             Ok(s) => s,
             Err(e) => {
                 free_commands(device, &cmds);
-                return Err(map_vk(e));
+                return Err(e);
             }
         };
         // Not yet submitted: `finished` keeps `Drop` from waiting for anything.
         let mut chain = Chain {
             device: device.clone(),
             cmds,
-            semaphore,
+            sync,
             released: n_parts,
             finished: true,
         };
@@ -146,7 +298,11 @@ impl Chain {
                     failed = Some(map_vk(e));
                     break;
                 }
+                // SAFETY: `cmd` is recording; the events belong to this device.
+                unsafe { chain.sync.open_part(dev, cmd, i) };
                 let recorded = record(i, cmd);
+                // SAFETY: as above.
+                unsafe { chain.sync.close_part(dev, cmd, i) };
                 // SAFETY: recording began above.
                 let ended = unsafe { dev.end_command_buffer(cmd) }.map_err(map_vk);
                 match recorded.and_then(|v| ended.map(|()| v)) {
@@ -170,10 +326,21 @@ impl Chain {
 
     fn submit(&self) -> Result<()> {
         self.device.check_lost(LossPoint::Submit)?;
+        let semaphore = match &self.sync {
+            PartSync::Timeline(s) => *s,
+            PartSync::Events { fence, .. } => {
+                let submit = [vk::SubmitInfo::default().command_buffers(&self.cmds)];
+                let queue = self.device.queue.lock();
+                // SAFETY: the queue is externally synchronised by its mutex; every command
+                // buffer is executable; the arrays live across the call; the fence is unused.
+                return unsafe { self.device.raw.queue_submit(*queue, &submit, *fence) }
+                    .map_err(|r| self.device.map_result(r));
+            }
+        };
         let n = self.cmds.len();
         let wait_values: Vec<[u64; 1]> = (0..n).map(|i| [2 * i as u64]).collect();
         let signal_values: Vec<[u64; 1]> = (0..n).map(|i| [2 * i as u64 + 1]).collect();
-        let semaphores = [self.semaphore];
+        let semaphores = [semaphore];
         let stages = [vk::PipelineStageFlags::ALL_COMMANDS];
         let mut timeline: Vec<vk::TimelineSemaphoreSubmitInfo<'_>> = (0..n)
             .map(|i| {
@@ -242,8 +409,14 @@ impl Chain {
     }
 
     fn wait_done(&self, part: usize) -> Result<()> {
-        wait_timeline(&self.device.raw, self.semaphore, 2 * part as u64 + 1)
-            .map_err(|r| self.device.map_result(r))
+        let dev = &self.device.raw;
+        match &self.sync {
+            PartSync::Timeline(s) => wait_timeline(dev, *s, 2 * part as u64 + 1),
+            // The last part's completion is the submission's: its fence has a sleeping wait.
+            PartSync::Events { fence, .. } if part + 1 == self.len() => wait_fence(dev, *fence),
+            PartSync::Events { done, .. } => wait_event(dev, done[part]),
+        }
+        .map_err(|r| self.device.map_result(r))
     }
 
     /// Lets part `part` start, once the previous part has completed (waited for here): call it
@@ -255,12 +428,21 @@ impl Chain {
         assert!(part > 0 && part < self.len(), "release of part {part}");
         assert_eq!(part, self.released, "parts are released in order");
         self.wait(part - 1)?;
-        let info = vk::SemaphoreSignalInfo::default()
-            .semaphore(self.semaphore)
-            .value(2 * part as u64);
-        // SAFETY: the semaphore belongs to this device; the value is above the counter, which
-        // part `part - 1` set to `2 part - 1` and nothing raises until part `part` runs.
-        unsafe { self.device.raw.signal_semaphore(&info) }.map_err(map_vk)?;
+        match &self.sync {
+            PartSync::Timeline(s) => {
+                let info = vk::SemaphoreSignalInfo::default()
+                    .semaphore(*s)
+                    .value(2 * part as u64);
+                // SAFETY: the semaphore belongs to this device; the value is above the
+                // counter, which part `part - 1` set to `2 part - 1` and nothing raises until
+                // part `part` runs.
+                unsafe { self.device.raw.signal_semaphore(&info) }.map_err(map_vk)?;
+            }
+            // SAFETY: the event belongs to this device; only the host sets it, once.
+            PartSync::Events { release, .. } => {
+                unsafe { self.device.raw.set_event(release[part]) }.map_err(map_vk)?
+            }
+        }
         self.released = part + 1;
         Ok(())
     }
@@ -286,9 +468,46 @@ impl Drop for Chain {
             // command buffers below is allowed.
             tracing::warn!("a chain of command buffers ended with {e}");
         }
-        // SAFETY: every part has completed (or the device is lost); the semaphore is unused.
-        unsafe { self.device.raw.destroy_semaphore(self.semaphore, None) };
+        // Every part has completed (or the device is lost): the sync objects are unused.
+        self.sync.destroy(&self.device);
         free_commands(&self.device, &self.cmds);
+    }
+}
+
+impl PartSync {
+    /// Opens part `i`'s recording: with events, a wait for the host's release of it (`i > 0`)
+    /// that makes the host's writes visible to its shaders and copies.
+    ///
+    /// # Safety
+    /// `cmd` is a command buffer of `dev` that is recording.
+    unsafe fn open_part(&self, dev: &ash::Device, cmd: vk::CommandBuffer, i: usize) {
+        let PartSync::Events { release, .. } = self else {
+            return;
+        };
+        if i == 0 {
+            return;
+        }
+        let barrier = vk::MemoryBarrier::default()
+            .src_access_mask(vk::AccessFlags::HOST_WRITE)
+            .dst_access_mask(vk::AccessFlags::SHADER_READ | vk::AccessFlags::TRANSFER_READ);
+        let dst = vk::PipelineStageFlags::COMPUTE_SHADER | vk::PipelineStageFlags::TRANSFER;
+        let host = vk::PipelineStageFlags::HOST;
+        // SAFETY: the caller's contract; outside any render pass, as a wait for an event the
+        // host sets after submission must be.
+        unsafe { dev.cmd_wait_events(cmd, &release[i..=i], host, dst, &[barrier], &[], &[]) };
+    }
+
+    /// Closes part `i`'s recording: with events, the event the host polls for its completion
+    /// (set once everything before it on the queue is done; the part's recording ends with a
+    /// barrier that makes its writes visible to the host).
+    ///
+    /// # Safety
+    /// As [`PartSync::open_part`].
+    unsafe fn close_part(&self, dev: &ash::Device, cmd: vk::CommandBuffer, i: usize) {
+        if let PartSync::Events { done, .. } = self {
+            // SAFETY: the caller's contract.
+            unsafe { dev.cmd_set_event(cmd, done[i], vk::PipelineStageFlags::ALL_COMMANDS) };
+        }
     }
 }
 

@@ -30,7 +30,7 @@ pub struct CpuExperts {
     model: Arc<Model>,
     pool: ThreadPool,
     /// The RAM tier under a budget; `None`: the memory map.
-    ram: Option<RamExperts>,
+    ram: Option<Arc<RamExperts>>,
     /// While tracing: the pool's spans, each with the layer whose experts it ran.
     traced: Mutex<Option<Vec<(usize, WorkerSpan)>>>,
 }
@@ -39,7 +39,7 @@ impl CpuExperts {
     /// `threads` in all, the caller's included; experts read through `ram` when given.
     pub fn new(model: Arc<Model>, threads: usize, ram: Option<ExpertCache>) -> CpuExperts {
         // The GPU path routes a layer on the device; it predicts no layer ahead.
-        let ram = ram.map(|cache| RamExperts::new(&model, cache, false));
+        let ram = ram.map(|cache| Arc::new(RamExperts::new(&model, cache, false)));
         CpuExperts {
             model,
             pool: ThreadPool::new(threads.max(1)),
@@ -162,6 +162,12 @@ impl CpuExperts {
             .map_or_else(Vec::new, |r| r.cache().take_reads());
         let spans = self.traced.lock().as_mut().map(std::mem::take);
         (spans.unwrap_or_default(), reads)
+    }
+
+    /// The RAM tier, shared (the daemon's status reads its counters); `None` without a RAM
+    /// budget.
+    pub fn ram_experts(&self) -> Option<Arc<RamExperts>> {
+        self.ram.clone()
     }
 
     /// Bytes and tiles the RAM tier's reader has delivered from the SSD; `None` without a RAM

@@ -37,29 +37,29 @@ impl GpuModel {
         let moe_layers = self.moe_layer_indices();
         // Promotions staged after the last step: their copies open part 0.
         let mut promoter = self.take_promoter();
-        let started = self
-            .kernels
-            .start_chain(1 + 2 * moe_layers.len(), |part, rec| {
-                let a = &self.act;
-                if part == 0 {
-                    if let Some(p) = promoter.as_mut() {
-                        // SAFETY: the chain completes (`finish`, or its drop) before the
-                        // promoter is used again.
-                        unsafe { rec.uploads(p.uploader()) };
+        let started =
+            self.kernels
+                .start_chain(self.handoff, 1 + 2 * moe_layers.len(), |part, rec| {
+                    let a = &self.act;
+                    if part == 0 {
+                        if let Some(p) = promoter.as_mut() {
+                            // SAFETY: the chain completes (`finish`, or its drop) before the
+                            // promoter is used again.
+                            unsafe { rec.uploads(p.uploader()) };
+                        }
+                        self.record_embedding(rec)?;
+                        return self.record_from(rec, 0, &mut None);
                     }
-                    self.record_embedding(rec)?;
-                    return self.record_from(rec, 0, &mut None);
-                }
-                let il = moe_layers[(part - 1) / 2];
-                if part % 2 == 1 {
-                    let s = self.moe_scratch();
-                    self.moe_layer(il)
-                        .record_host_routed(rec, k, (&a.xn, &a.x), s)
-                } else {
-                    rec.scale_add(&a.x, &self.moe_scratch().cpu_sum, 1.0, n_embd as u32)?;
-                    self.record_from(rec, il + 1, &mut None)
-                }
-            });
+                    let il = moe_layers[(part - 1) / 2];
+                    if part % 2 == 1 {
+                        let s = self.moe_scratch();
+                        self.moe_layer(il)
+                            .record_host_routed(rec, k, (&a.xn, &a.x), s)
+                    } else {
+                        rec.scale_add(&a.x, &self.moe_scratch().cpu_sum, 1.0, n_embd as u32)?;
+                        self.record_from(rec, il + 1, &mut None)
+                    }
+                });
         if let (Ok(_), Some(p)) = (&started, promoter.as_mut()) {
             p.uploader().submitted();
         }

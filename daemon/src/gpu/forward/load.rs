@@ -500,6 +500,7 @@ impl GpuModel {
             experts,
             routes_on_device,
             chained,
+            handoff: options.handoff,
             last_host_time: None,
             profiler: None,
             replays,

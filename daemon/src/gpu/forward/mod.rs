@@ -279,6 +279,8 @@ pub struct GpuModel {
     routes_on_device: bool,
     /// Some routed experts run on the CPU and the step is a chain ([`chained`]).
     chained: bool,
+    /// How a chain's parts are handed between the host and the device.
+    handoff: crate::gpu::chain::Handoff,
     last_host_time: Option<HostTime>,
     /// Present while profiling ([`GpuModel::set_profiling`]).
     profiler: Option<profile::StepQueries>,
@@ -376,6 +378,11 @@ impl GpuModel {
     /// read from the file, evictions) and the RAM its buffers take; `None` without one.
     pub fn ram_tier(&self) -> Option<(Vec<crate::stream::LayerStats>, u64)> {
         self.experts.as_ref()?.cpu.as_ref()?.ram_stats()
+    }
+
+    /// The RAM tier of the CPU's experts, shared; `None` without a RAM budget.
+    pub fn ram_experts(&self) -> Option<Arc<crate::engine::RamExperts>> {
+        self.experts.as_ref()?.cpu.as_ref()?.ram_experts()
     }
 
     /// Bytes and tiles the RAM tier's reader has read from the SSD (see

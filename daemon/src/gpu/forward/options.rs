@@ -34,6 +34,9 @@ pub struct GpuModelOptions {
     /// releases layer by layer ([`chained`](super::chained)); `false`: one submission and fence wait per part,
     /// for comparisons.
     pub chain: bool,
+    /// How a chain's host and device hand parts to each other
+    /// ([`Handoff`](crate::gpu::chain::Handoff)): `SPILLWAY_CHAIN_HANDOFF`'s, by default.
+    pub handoff: crate::gpu::chain::Handoff,
     /// Record a step that is one submission (a dense model, or every expert in VRAM) once and
     /// submit that recording for every token ([`crate::gpu::replay`]); `false`: record each step
     /// anew, for comparisons.
@@ -110,6 +113,7 @@ impl Default for GpuModelOptions {
             host_routing: false,
             ram_budget: None,
             chain: true,
+            handoff: crate::gpu::chain::Handoff::configured(),
             replay: true,
             coopmat: true,
             int_dot: true,

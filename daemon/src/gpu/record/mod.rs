@@ -21,7 +21,7 @@ use bindings::Hazards;
 use timer::Timer;
 
 use super::buffer::Buffer;
-use super::chain::Chain;
+use super::chain::{Chain, Handoff};
 use super::device::Device;
 use super::error::{GpuError, Result};
 use super::matmul_tile::MatMulTile;
@@ -302,12 +302,13 @@ impl Kernels {
     /// The stats count each part as a submission.
     pub fn start_chain(
         &self,
+        handoff: Handoff,
         n_parts: usize,
         mut f: impl FnMut(usize, &mut Recorder<'_>) -> Result<()>,
     ) -> Result<(ChainRun, RecordStats)> {
         let max_range = self.device.max_storage_buffer_range();
         let mut arena = DescriptorArena::new(&self.device);
-        let (chain, parts) = Chain::start(&self.device, n_parts, |i, cmd| {
+        let (chain, parts) = Chain::start_with(&self.device, handoff, n_parts, |i, cmd| {
             self.record_into(cmd, &mut arena, max_range, None, |rec| {
                 if i > 0 {
                     rec.after_host_writes();

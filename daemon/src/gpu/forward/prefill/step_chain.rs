@@ -92,7 +92,7 @@ impl GpuModel {
         let (mut paused, mut on_device) = (None, Vec::new());
         let (mut run, stats) =
             self.kernels
-                .start_chain(1 + 2 * moe_layers.len(), |part, rec| {
+                .start_chain(self.handoff, 1 + 2 * moe_layers.len(), |part, rec| {
                     let out = (&mut paused, &mut on_device);
                     if part == 0 {
                         return self.record_chunk(rec, batch, (n, true), None, out);
