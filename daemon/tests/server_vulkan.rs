@@ -467,3 +467,51 @@ async fn an_offloaded_moe_model_shares_decode_steps_with_its_misses_on_the_cpu()
     let e = s.experts.unwrap();
     assert!(e.cpu > 0 && e.hits > 0, "{e:?}");
 }
+
+/// A MoE model over its VRAM budget with its missing experts on the CPU under a RAM budget:
+/// those experts live in the file, read into the RAM tier as tokens need them. Its status
+/// says so (an "ssd" tier beside VRAM, the tier's counters), and it generates the tokens of
+/// the CPU-served copy.
+#[tokio::test]
+async fn an_offloaded_moe_model_under_a_ram_budget_reports_its_ram_tier() {
+    if !has_vulkan() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = synth(dir.path(), "tiny-qwen3moe", 9);
+    let model = Model::open(&path).unwrap();
+    let options = GpuModelOptions {
+        moe_miss: MoeMiss::Cpu,
+        ..GpuModelOptions::default()
+    };
+    let budget = budget_between(&model, &options, (1, 3));
+    let ram = spillway_daemon::stream::minimum_ram_budget(&model);
+
+    let d = Daemon::start(&["--device", "vulkan", "--moe-miss", "cpu"]).await;
+    let mut client = d.client().await;
+    let over = pb::LoadModelRequest {
+        budgets: Some(pb::Budgets {
+            vram_bytes: budget,
+            ram_bytes: ram,
+        }),
+        ..load_request(&path, "over", "vulkan")
+    };
+    load_model(&mut client, over).await.unwrap();
+    load_model(&mut client, load_request(&path, "on-cpu", "cpu"))
+        .await
+        .unwrap();
+    let want = greedy_after(&mut client, "on-cpu", vec![1, 17, 300]).await;
+    let got = greedy_after(&mut client, "over", vec![1, 17, 300]).await;
+    assert_eq!(got, want, "against the CPU");
+
+    let s = status_of(&mut client, "over").await;
+    let tiers: Vec<&str> = s.tiers.iter().map(|t| t.tier.as_str()).collect();
+    assert_eq!(tiers, ["vram", "ssd"]);
+    let e = s.experts.expect("a MoE model's expert counters");
+    assert!(e.cpu > 0, "{e:?}");
+    let tier = s.ram_tier.expect("the RAM tier's counters");
+    assert!(tier.misses > 0 && tier.bytes_read > 0, "{tier:?}");
+    assert!(tier.buffer_bytes <= ram, "{tier:?} within {ram}");
+    let mapped = status_of(&mut client, "on-cpu").await;
+    assert!(mapped.ram_tier.is_none());
+}

@@ -16,6 +16,7 @@ use parking_lot::Mutex;
 use super::device::{load_gpu_model, open_vulkan};
 use super::worker::Sequences;
 use crate::engine::generate::{GenerateError, SequenceModel};
+use crate::engine::RamExperts;
 use crate::gpu::alloc::Allocator;
 use crate::gpu::expert_cache::ExpertStats;
 use crate::gpu::footprint::{split_bytes, DeviceBytes};
@@ -38,6 +39,9 @@ pub struct GpuStatus {
     /// Where a MoE model's routed experts ran since loading, updated after every evaluation
     /// (`None` for dense models).
     pub experts: Mutex<Option<ExpertStats>>,
+    /// The RAM tier of the experts computed on the CPU, under a RAM budget (those without a
+    /// VRAM slot then live in the file); replaced on a reload.
+    pub ram_tier: Mutex<Option<Arc<RamExperts>>>,
 }
 
 impl GpuStatus {
@@ -101,6 +105,7 @@ impl GpuSequence {
             ram_weights: left_in_ram.max(gpu.host_expert_bytes()),
             allocator: Mutex::new(gpu.allocator().clone()),
             experts: Mutex::new(gpu.expert_stats()),
+            ram_tier: Mutex::new(gpu.ram_experts()),
         });
         (
             GpuSequence {
@@ -132,6 +137,7 @@ impl GpuSequence {
             ));
         }
         *self.status.allocator.lock() = gpu.allocator().clone();
+        *self.status.ram_tier.lock() = gpu.ram_experts();
         self.gpu = Some(gpu);
         Ok(())
     }

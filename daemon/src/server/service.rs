@@ -605,14 +605,19 @@ fn gpu_status(gpu: &GpuStatus, tensors: u32, status: &mut pb::ModelStatus) {
         bytes: gpu.vram_weights,
         tensors,
     }];
+    let ram_tier = gpu.ram_tier.lock().clone();
     if gpu.ram_weights > 0 {
         // The routed experts without a VRAM slot: stacked with the resident ones, so no
-        // tensor of their own.
+        // tensor of their own. Under a RAM budget they live in the file, read into the RAM
+        // tier as tokens need them.
         status.tiers.push(pb::TierUsage {
-            tier: "ram".into(),
+            tier: if ram_tier.is_some() { "ssd" } else { "ram" }.into(),
             bytes: gpu.ram_weights,
             tensors: 0,
         });
+    }
+    if let Some(ram) = &ram_tier {
+        status.ram_tier = Some(ram_tier_counters(ram));
     }
     if let Some(e) = gpu.experts.lock().as_ref() {
         let t = e.total();
@@ -651,14 +656,18 @@ fn ram_tier_status(model: &Model, ram: &RamExperts, tensors: u32, status: &mut p
         bytes: expert_bytes,
         tensors: experts.len() as u32,
     });
-    let s = ram.stats();
     status.expert_cache_hit_rate = ram
         .cache()
         .layer_stats()
         .iter()
         .map(|l| l.hit_rate() as f32)
         .collect();
-    status.ram_tier = Some(pb::RamTierCounters {
+    status.ram_tier = Some(ram_tier_counters(ram));
+}
+
+fn ram_tier_counters(ram: &RamExperts) -> pb::RamTierCounters {
+    let s = ram.stats();
+    pb::RamTierCounters {
         buffer_bytes: s.buffer_bytes,
         hits: s.hits,
         misses: s.misses,
@@ -666,7 +675,7 @@ fn ram_tier_status(model: &Model, ram: &RamExperts, tensors: u32, status: &mut p
         prefetches: s.prefetches,
         predicted_right: s.predicted_right,
         predicted_wrong: s.predicted_wrong,
-    });
+    }
 }
 
 #[allow(clippy::result_large_err)]
