@@ -16,7 +16,10 @@
 //! with slots that keep the experts they were loaded with (`GpuModelOptions::promote_experts`
 //! off). `pcie` reads the misses on the GPU from a copy of every expert in system RAM
 //! (`MoeMiss::Pcie`); `pcie-static` is that without promotions; `auto` is the default policy,
-//! shown as what it resolved to (`auto:pcie` or `auto:cpu`).
+//! shown as what it resolved to (`auto:pcie` or `auto:cpu`); `split` shares each layer's misses
+//! between the CPU and the bus (`MoeMiss::Split`), printing the CPU's share it settled at;
+//! `cpu-ev` and `split-ev` are `cpu` and `split` with chains handed over by events
+//! (`GpuModelOptions::handoff`).
 //! `warmup=N` decodes N tokens before the clock starts (default 2; promotions ramp up over the
 //! first tokens). `threads=N` sets the CPU experts' threads (default: every core); `ram=MiB` gives the CPU's
 //! experts a RAM budget (a cache read from the file) in place of the memory map; `pp=N` times
@@ -31,6 +34,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use spillway_bench::synth::{SynthModel, WeightType};
+use spillway_daemon::gpu::chain::Handoff;
 use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
 use spillway_daemon::gpu::placement::MoeMiss;
 use spillway_daemon::gpu::{Device, Instance, MatMulTile};
@@ -46,8 +50,8 @@ fn mib(b: u64) -> f64 {
 fn main() {
     let mut given_budgets: Option<Vec<u64>> = None;
     let mut modes = vec![
-        (MoeMiss::Cpu, true, true, true, true),
-        (MoeMiss::Fetch, true, true, true, true),
+        (MoeMiss::Cpu, true, true, true, true, false),
+        (MoeMiss::Fetch, true, true, true, true, false),
     ];
     let mut threads = 0;
     let mut pp = 0;
@@ -92,18 +96,21 @@ fn main() {
                 modes = m
                     .split(',')
                     .map(|m| match m {
-                        "cpu" => (MoeMiss::Cpu, true, true, true, true),
-                        "cpu-separate" => (MoeMiss::Cpu, false, true, true, true),
-                        "cpu-record" => (MoeMiss::Cpu, true, false, true, true),
-                        "cpu-noslot" => (MoeMiss::Cpu, true, true, false, true),
-                        "cpu-static" => (MoeMiss::Cpu, true, true, true, false),
-                        "fetch" => (MoeMiss::Fetch, true, true, true, true),
-                        "pcie" => (MoeMiss::Pcie, true, true, true, true),
-                        "pcie-static" => (MoeMiss::Pcie, true, true, true, false),
-                        "auto" => (MoeMiss::Auto, true, true, true, true),
+                        "cpu" => (MoeMiss::Cpu, true, true, true, true, false),
+                        "cpu-ev" => (MoeMiss::Cpu, true, true, true, true, true),
+                        "cpu-separate" => (MoeMiss::Cpu, false, true, true, true, false),
+                        "cpu-record" => (MoeMiss::Cpu, true, false, true, true, false),
+                        "cpu-noslot" => (MoeMiss::Cpu, true, true, false, true, false),
+                        "cpu-static" => (MoeMiss::Cpu, true, true, true, false, false),
+                        "fetch" => (MoeMiss::Fetch, true, true, true, true, false),
+                        "pcie" => (MoeMiss::Pcie, true, true, true, true, false),
+                        "pcie-static" => (MoeMiss::Pcie, true, true, true, false, false),
+                        "split" => (MoeMiss::Split, true, true, true, true, false),
+                        "split-ev" => (MoeMiss::Split, true, true, true, true, true),
+                        "auto" => (MoeMiss::Auto, true, true, true, true, false),
                         other => panic!(
-                            "modes={other}: auto, cpu, cpu-separate, cpu-record, cpu-noslot, \
-                             cpu-static, fetch, pcie or pcie-static"
+                            "modes={other}: auto, cpu, cpu-ev, cpu-separate, cpu-record, \
+                             cpu-noslot, cpu-static, fetch, pcie, pcie-static, split or split-ev"
                         ),
                     })
                     .collect();
@@ -183,17 +190,23 @@ fn main() {
         .map(|i| (i * 7919 + 13) % 1000)
         .collect();
     for budget in budgets {
-        for &(miss, chain, replay, stream_prompts, promote) in &modes {
+        for &(miss, chain, replay, stream_prompts, promote, events) in &modes {
             let options = GpuModelOptions {
                 vram_budget: budget,
                 moe_miss: miss,
                 chain,
+                handoff: if events {
+                    Handoff::Events
+                } else {
+                    base.handoff
+                },
                 replay,
                 stream_prompts,
                 promote_experts: promote,
                 ..base.clone()
             };
             let mode = match (miss, chain, replay, stream_prompts, promote) {
+                _ if events => format!("{miss}-ev"),
                 (MoeMiss::Cpu, false, ..) => "cpu-sep".to_string(),
                 (MoeMiss::Cpu, true, false, ..) => "cpu-rec".to_string(),
                 (MoeMiss::Cpu, true, true, false, _) => "cpu-nos".to_string(),
@@ -286,6 +299,9 @@ fn main() {
                 100.0 * (promoted.staging - promoting.staging).as_secs_f64()
                     / (promoted.total() - promoting.total()).as_secs_f64().max(1e-9),
             );
+            if let Some(share) = gpu.split_cpu_share() {
+                println!("{mode}: the CPU's share of the misses settled at {share:.2}");
+            }
         }
     }
 }

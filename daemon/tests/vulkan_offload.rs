@@ -47,6 +47,8 @@ fn options(budget: Option<u64>, miss: MoeMiss) -> GpuModelOptions {
         threads: 2,
         host_routing: false,
         ram_budget: None,
+        // Split misses: half each to the CPU and the bus, so that both paths run.
+        split_cpu_share: Some(0.5),
         ..GpuModelOptions::default()
     }
 }
@@ -134,7 +136,14 @@ fn offload(preset: &str) {
     // Enough for half the experts in every layer beside the minimum's one.
     let half = minimum + (whole - minimum) / 2;
     for budget in [minimum, half, whole] {
-        for asked in [MoeMiss::Cpu, MoeMiss::Fetch, MoeMiss::Pcie, MoeMiss::Auto] {
+        let asked_all = [
+            MoeMiss::Cpu,
+            MoeMiss::Fetch,
+            MoeMiss::Pcie,
+            MoeMiss::Split,
+            MoeMiss::Auto,
+        ];
+        for asked in asked_all {
             let what = format!("{preset}, budget {budget} of {whole}, misses {asked}");
             let mut gpu = GpuModel::new(&dev, &model, &options(Some(budget), asked)).unwrap();
             // `auto` is resolved at load: the CPU where the device has no memory across a bus
@@ -160,8 +169,8 @@ fn offload(preset: &str) {
                 }
             }
             let (got, routing) = decode(&mut gpu);
-            // Misses on the CPU or fetched need the routing on the host: a read-back per MoE
-            // layer. Read over PCIe, they do not.
+            // Misses on the CPU, fetched or split need the routing on the host: a read-back
+            // per MoE layer. Read over PCIe, they do not.
             let on_device = slots == cfg.n_expert || miss == MoeMiss::Pcie;
             assert_eq!(gpu.routes_on_device(), on_device, "{what}");
             if !gpu.routes_on_device() {
@@ -198,6 +207,19 @@ fn offload(preset: &str) {
                     assert_eq!((t.pcie, t.cpu, t.fetched), (t.misses, 0, 0), "{what}");
                     assert_eq!(gpu.last_stats().submits, 1, "{what}: one submission a step");
                     assert!(gpu.host_expert_bytes() > 0, "{what}");
+                }
+                MoeMiss::Split => {
+                    // Half of each layer's misses on the CPU, the rest read over the bus, in
+                    // a chain: one part for the start and two for each MoE layer. (A lone
+                    // miss goes to the CPU.)
+                    if budget < whole {
+                        assert!(t.cpu > 0 && t.pcie > 0, "{what}: {t:?}");
+                    }
+                    assert_eq!(t.cpu + t.pcie, t.misses, "{what}");
+                    assert!(gpu.host_expert_bytes() > 0, "{what}");
+                    assert_eq!(gpu.split_cpu_share(), Some(0.5), "{what}");
+                    let n_moe = model.config.n_layer;
+                    assert_eq!(gpu.last_stats().submits as usize, 1 + 2 * n_moe, "{what}");
                 }
             }
             if budget == half {

@@ -262,7 +262,7 @@ impl LayerSlots {
             let fetched = match miss {
                 MoeMiss::Fetch => self.admit(r.expert, &slots, stats),
                 // The model resolves `Auto` at load; were it here, the CPU would take it.
-                MoeMiss::Cpu | MoeMiss::Auto => None,
+                MoeMiss::Cpu | MoeMiss::Auto | MoeMiss::Split => None,
                 MoeMiss::Pcie => {
                     stats.pcie += 1;
                     continue;

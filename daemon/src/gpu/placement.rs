@@ -67,6 +67,12 @@ pub enum MoeMiss {
     /// same dispatches as the resident ones. The step stays one submission, routed on the
     /// device, with no host turn between layers.
     Pcie,
+    /// Both at once: every routed expert is also in system RAM for the GPU, the step is a
+    /// chain routed on the host ([`Cpu`](MoeMiss::Cpu)'s), and each layer's misses are shared
+    /// between the CPU (from the memory map) and the GPU (over the bus), in the proportion
+    /// that keeps either from waiting for the other (measured step by step). Single decode
+    /// steps only: a model under it takes one sequence at a time.
+    Split,
 }
 
 impl MoeMiss {
@@ -105,8 +111,9 @@ impl FromStr for MoeMiss {
             "cpu" => Ok(MoeMiss::Cpu),
             "fetch" => Ok(MoeMiss::Fetch),
             "pcie" => Ok(MoeMiss::Pcie),
+            "split" => Ok(MoeMiss::Split),
             _ => Err(format!(
-                "`{s}` is not a miss policy: use cpu, fetch or pcie"
+                "`{s}` is not a miss policy: use cpu, fetch, pcie or split"
             )),
         }
     }
@@ -119,6 +126,7 @@ impl fmt::Display for MoeMiss {
             MoeMiss::Cpu => "cpu",
             MoeMiss::Fetch => "fetch",
             MoeMiss::Pcie => "pcie",
+            MoeMiss::Split => "split",
         })
     }
 }
@@ -556,7 +564,14 @@ mod tests {
 
     #[test]
     fn miss_policies_parse_and_print() {
-        for m in [MoeMiss::Auto, MoeMiss::Cpu, MoeMiss::Fetch, MoeMiss::Pcie] {
+        let all = [
+            MoeMiss::Auto,
+            MoeMiss::Cpu,
+            MoeMiss::Fetch,
+            MoeMiss::Pcie,
+            MoeMiss::Split,
+        ];
+        for m in all {
             assert_eq!(m.to_string().parse::<MoeMiss>(), Ok(m));
         }
         assert!("gpu".parse::<MoeMiss>().is_err());

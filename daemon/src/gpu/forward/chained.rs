@@ -17,14 +17,15 @@
 //! and two fence waits, and the device never waits for a command buffer to be recorded.
 //!
 //! The arithmetic is the separate submissions' (the same products, added in the same order), so
-//! the logits are the same. Experts that miss VRAM always go to the CPU here: fetching into
-//! slots keeps the separate submissions.
+//! the logits are the same. Experts that miss VRAM go to the CPU here (fetching into slots keeps
+//! the separate submissions), or with `MoeMiss::Split` some of them to the device, read from
+//! system RAM over the bus in part `2j + 1` beside the resident ones ([`super::split`]).
 
 use std::time::Instant;
 
 use super::{GpuModel, HostTime, Result};
 use crate::gpu::moe::LayerRouting;
-use crate::gpu::ops::route_floats;
+use crate::gpu::ops::{route_floats, route_split_floats};
 
 /// An entry of a host-written routing with no expert: the expert-indexed products skip it.
 pub(super) const EMPTY_ENTRY: u32 = u32::MAX;
@@ -77,14 +78,30 @@ impl GpuModel {
                 .as_mut()
                 .expect("MoE models track their experts");
             let slots = ex.slots[il].as_mut().expect("a MoE layer has slots");
-            let placed = slots.place(&routing.experts, ex.miss, &mut ex.stats[il]);
+            let mut placed = slots.place(&routing.experts, ex.miss, &mut ex.stats[il]);
             debug_assert!(placed.fetch.is_empty(), "misses go to the CPU");
-            // Resident experts first, in rank order, then empty entries (no expert, weight 0).
-            let mut route = vec![0.0f32; route_floats(k)];
+            let misses = placed.cpu.len();
+            // Split misses: the CPU keeps its share, the bus takes the rest.
+            let bus = match &self.split {
+                Some(share) => placed.cpu.split_off(share.cpu_count(misses)),
+                None => Vec::new(),
+            };
+            let stats = &mut ex.stats[il];
+            stats.cpu -= bus.len() as u64;
+            stats.pcie += bus.len() as u64;
+            // Resident experts first, in rank order, then those read over the bus (listed
+            // after the shared gate), then empty entries (no expert, weight 0).
+            let mut route = vec![0.0f32; route_split_floats(k)];
             route[..k].fill(f32::from_bits(EMPTY_ENTRY));
+            let host_at = route_floats(k);
+            route[host_at..].fill(f32::from_bits(EMPTY_ENTRY));
             for (r, g) in placed.gpu.iter().enumerate() {
                 route[r] = f32::from_bits(g.slot as u32);
                 route[k + r] = g.weight;
+            }
+            for (r, e) in (placed.gpu.len()..).zip(&bus) {
+                route[host_at + r] = f32::from_bits(e.expert as u32);
+                route[k + r] = e.weight;
             }
             route[2 * k] = routing.shared_gate.unwrap_or(0.0);
             let scratch = self.act.moe.as_mut().expect("MoE scratch");
@@ -105,6 +122,9 @@ impl GpuModel {
             };
             scratch.cpu_sum.write_f32(&sum);
             time.cpu_experts_ns += t.elapsed().as_nanos() as u64;
+            if let Some(share) = self.split.as_mut().filter(|_| misses > 0) {
+                share.observe(run.chain.is_done(2 * j + 1)?);
+            }
             time.waiting(|| run.chain.release(2 * j + 2))?;
             routings.push(routing);
         }

@@ -9,11 +9,12 @@ use spillway_shaders::WeightType;
 
 use super::gate_up::GateUp;
 use super::*;
+use crate::gpu::chain::Handoff;
 
-/// Whether the routed experts (and an untied embedding) are copied into system RAM for the
-/// GPU to read misses from: a partial placement with misses over PCIe.
+/// Whether the routed experts are copied into system RAM for the GPU to read misses from: a
+/// partial placement with misses over PCIe, or shared between the bus and the CPU.
 fn host_experts_planned(placement: &Placement, options: &GpuModelOptions) -> bool {
-    placement.is_partial() && options.moe_miss == MoeMiss::Pcie
+    placement.is_partial() && matches!(options.moe_miss, MoeMiss::Pcie | MoeMiss::Split)
 }
 
 /// Bytes of every routed expert of `model` in its file.
@@ -422,9 +423,12 @@ impl GpuModel {
                 map_stale: host_experts,
             }
         });
+        // Split misses are shared out by the host, layer by layer.
+        let split = placement.is_partial() && options.moe_miss == MoeMiss::Split;
         let routes_on_device = match &c.moe {
             Some(cfg) => {
                 !options.host_routing
+                    && !split
                     && (!placement.is_partial() || host_experts)
                     && layers.iter().all(|l| match &l.ffn {
                         GpuFfn::Moe(m) => m.routes_on_device(cfg, max_range),
@@ -433,7 +437,7 @@ impl GpuModel {
             }
             None => false,
         };
-        if host_experts && !routes_on_device {
+        if host_experts && !split && !routes_on_device {
             return Err(GpuError::Unsupported(format!(
                 "misses read over PCIe need the routing on the device (at most {} experts, \
                  each layer's stacks within one binding, no --host-routing): use --moe-miss cpu",
@@ -443,19 +447,29 @@ impl GpuModel {
         let chained = options.chain
             && c.moe.is_some()
             && placement.is_partial()
-            && options.moe_miss == MoeMiss::Cpu
-            && allocator.device().chains()
+            && matches!(options.moe_miss, MoeMiss::Cpu | MoeMiss::Split)
+            && (allocator.device().chains() || options.handoff == Handoff::Events)
             && layers.iter().all(|l| match &l.ffn {
                 GpuFfn::Moe(m) => m.stacks_fit(max_range),
                 GpuFfn::Dense { .. } => true,
             });
+        if split && !chained {
+            return Err(GpuError::Unsupported(
+                "misses split between the CPU and the bus need a chained step (each layer's \
+                 stacks within one binding, chains on): use --moe-miss cpu or pcie"
+                    .into(),
+            ));
+        }
         let mut experts = experts;
         match experts.as_mut() {
             Some(e) if placement.is_partial() && options.moe_miss == MoeMiss::Fetch => {
                 e.uploader = Some(up);
             }
             Some(e) if placement.is_partial() && options.promote_experts => {
-                e.promoter = Some(promote::Promoter::new(model, al, up, host_experts)?);
+                // A chained step copies promotions through staging at its start; the device's
+                // copies from system RAM go ahead of a replayed step only.
+                let from_host = host_experts && !chained;
+                e.promoter = Some(promote::Promoter::new(model, al, up, from_host)?);
             }
             _ => drop(up),
         }
@@ -501,6 +515,7 @@ impl GpuModel {
             routes_on_device,
             chained,
             handoff: options.handoff,
+            split: split.then(|| split::SplitShare::new(options.split_cpu_share)),
             last_host_time: None,
             profiler: None,
             replays,

@@ -39,6 +39,7 @@ mod prefill;
 mod profile;
 mod promote;
 mod prompt_misses;
+mod split;
 mod step_costs;
 mod stream;
 mod stream_experts;
@@ -281,6 +282,8 @@ pub struct GpuModel {
     chained: bool,
     /// How a chain's parts are handed between the host and the device.
     handoff: crate::gpu::chain::Handoff,
+    /// With misses split between the CPU and the bus: the CPU's share.
+    split: Option<split::SplitShare>,
     last_host_time: Option<HostTime>,
     /// Present while profiling ([`GpuModel::set_profiling`]).
     profiler: Option<profile::StepQueries>,
@@ -389,6 +392,12 @@ impl GpuModel {
     /// [`crate::stream::TileReader::delivered`]); `None` without a RAM budget.
     pub fn ram_delivered(&self) -> Option<(u64, u64)> {
         self.experts.as_ref()?.cpu.as_ref()?.ram_delivered()
+    }
+
+    /// With misses split between the CPU and the bus, the share of a layer's misses the CPU
+    /// takes now; `None` otherwise.
+    pub fn split_cpu_share(&self) -> Option<f32> {
+        self.split.as_ref().map(split::SplitShare::share)
     }
 
     /// Where the host's time went in the last step, when it was a chain (some experts on the

@@ -37,6 +37,10 @@ pub struct GpuModelOptions {
     /// How a chain's host and device hand parts to each other
     /// ([`Handoff`](crate::gpu::chain::Handoff)): `SPILLWAY_CHAIN_HANDOFF`'s, by default.
     pub handoff: crate::gpu::chain::Handoff,
+    /// With misses split between the CPU and the bus ([`MoeMiss::Split`](crate::gpu::placement::MoeMiss::Split)),
+    /// the share of each layer's misses the CPU takes, fixed; `None`: measured step by step
+    /// ([`split`](super::split)).
+    pub split_cpu_share: Option<f32>,
     /// Record a step that is one submission (a dense model, or every expert in VRAM) once and
     /// submit that recording for every token ([`crate::gpu::replay`]); `false`: record each step
     /// anew, for comparisons.
@@ -114,6 +118,7 @@ impl Default for GpuModelOptions {
             ram_budget: None,
             chain: true,
             handoff: crate::gpu::chain::Handoff::configured(),
+            split_cpu_share: None,
             replay: true,
             coopmat: true,
             int_dot: true,

@@ -495,7 +495,7 @@ impl GpuModel {
     pub(super) fn cpu_misses(&self) -> bool {
         self.experts
             .as_ref()
-            .is_some_and(|e| e.miss == MoeMiss::Cpu && e.cpu.is_some())
+            .is_some_and(|e| matches!(e.miss, MoeMiss::Cpu | MoeMiss::Split) && e.cpu.is_some())
     }
 
     /// Whether a chunk of `n` tokens routes its MoE layers on the device, in its one

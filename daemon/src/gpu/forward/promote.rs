@@ -302,7 +302,8 @@ impl GpuModel {
             return Ok(0);
         }
         ex.map_stale = true;
-        let from_host = copies.iter().all(
+        let from_host = !self.chained
+            && copies.iter().all(
             |&(il, ..)| matches!(&layers[il].ffn, super::GpuFfn::Moe(m) if m.has_host_experts()),
         );
         if from_host {

@@ -136,7 +136,8 @@ pub(super) struct MoeScratch {
     /// Host-visible: the weighted sum of the experts computed on the CPU.
     pub(super) cpu_sum: Buffer,
     /// Host-visible: a routing the host decided, laid out as [`route_floats`] (slots in place
-    /// of experts), for [`GpuMoe::record_host_routed`].
+    /// of experts), then the experts read over the bus as [`route_split_floats`] lists them,
+    /// for [`GpuMoe::record_host_routed`].
     pub(super) route_host: Buffer,
     /// Per rank of the top k: gate (then SwiGLU), up and the expert's output, so the k experts
     /// are independent dispatches.
@@ -489,6 +490,11 @@ impl GpuMoe {
     /// one dispatch for all k, added to `x` with the weights there (zero for the entries the
     /// CPU computes), then the shared expert with the gate there. A chained step
     /// ([`super::chain`]) records it before the routing is known.
+    ///
+    /// With the layer's experts also in system RAM ([`GpuMoe::attach_host_experts`]), the
+    /// route is [`route_split_floats`] long: the entries of experts read over the bus list them
+    /// after the shared gate, and run from there beside the slots' ([`GpuMoe::record_stacks`];
+    /// the misses a chain shares between the CPU and the bus, `MoeMiss::Split`).
     pub(super) fn record_host_routed(
         &self,
         rec: &mut Recorder<'_>,
@@ -496,7 +502,19 @@ impl GpuMoe {
         (xn, x): (&Buffer, &Buffer),
         s: &MoeScratch,
     ) -> Result<()> {
-        self.record_indexed(rec, k, (xn, x), &s.route_host, s)
+        if self.host.is_none() {
+            return self.record_indexed(rec, k, (xn, x), &s.route_host, s);
+        }
+        let k32 = k as u32;
+        let summed = IdFused {
+            sum_weights_at: Some(k32),
+            ..IdFused::default()
+        };
+        let outs = [(&s.gate_all, &s.up_all), (&s.gate_host, &s.up_host)];
+        let ids = (&s.route_host, route_floats(k) as u32);
+        let each = (IdFused::default(), summed);
+        self.record_stacks(rec, ids, k32, xn, outs, each, x)?;
+        self.add_shared(rec, k32, x, &s.route_host, s)
     }
 
     /// The k experts whose slots `route` holds (as [`route_floats`] lays them out), from the
@@ -785,7 +803,11 @@ impl MoeScratch {
             shared_logit: Buffer::new_in(alloc, 4, MemoryUse::Staging)?,
             xn_host: Buffer::new_in(alloc, n_embd as u64 * 4, MemoryUse::Staging)?,
             cpu_sum: Buffer::new_in(alloc, n_embd as u64 * 4, MemoryUse::Staging)?,
-            route_host: Buffer::new_in(alloc, route_floats(k) as u64 * 4, MemoryUse::Staging)?,
+            route_host: Buffer::new_in(
+                alloc,
+                route_split_floats(k) as u64 * 4,
+                MemoryUse::Staging,
+            )?,
             gate: ranks(cfg.n_ff_expert)?,
             up: ranks(cfg.n_ff_expert)?,
             out: ranks(n_embd)?,
