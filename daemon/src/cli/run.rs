@@ -73,8 +73,10 @@ pub struct RunArgs {
     /// A routed expert not in VRAM: `cpu` computes it on the CPU while the GPU runs the others,
     /// `fetch` copies it into a VRAM slot first, `pcie` keeps every routed expert in system RAM
     /// too and has the GPU read the missing ones from there over the bus (a step is then one
-    /// submission, with no host turn between layers); `auto`: `pcie` on a GPU across a bus with
-    /// RAM for the experts, else `cpu`.
+    /// submission, with no host turn between layers); `split` keeps them in system RAM too and
+    /// shares each layer's misses between the CPU and the bus in the measured proportion that
+    /// finishes both together; `auto`: `pcie` on a GPU across a bus with RAM for the experts,
+    /// else `cpu`.
     #[arg(long, default_value = "auto")]
     pub moe_miss: MoeMiss,
     /// With `--moe-miss cpu` or `pcie`, keep in VRAM the routed experts the slots were loaded with. By

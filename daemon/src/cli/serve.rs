@@ -89,7 +89,9 @@ pub struct ServeArgs {
     /// A routed expert of a MoE model over --vram-budget that is not in VRAM: `cpu` computes it
     /// on the CPU while the GPU runs the others, `fetch` copies it into a VRAM slot first,
     /// `pcie` keeps every routed expert in system RAM too and has the GPU read the missing ones
-    /// over the bus; `auto`: `pcie` on a GPU across a bus with RAM for the experts, else `cpu`.
+    /// over the bus, `split` shares each layer's misses between the CPU and the bus (one
+    /// request at a time); `auto`: `pcie` on a GPU across a bus with RAM for the experts, else
+    /// `cpu`.
     #[arg(long, default_value = "auto")]
     pub moe_miss: MoeMiss,
     /// Whether a newly admitted request's prompt goes into the running requests' decode steps,
