@@ -375,6 +375,36 @@ async fn a_cpu_model_under_a_ram_budget_serves_the_mapped_models_tokens() {
     assert!(mapped.ram_tier.is_none());
 }
 
+/// `serve --ram-budget B --predict-experts true`: the default model on the CPU reads its
+/// experts through a RAM tier that predicts the next layer's choices, and Status counts the
+/// predictions it checked.
+#[tokio::test]
+async fn serve_predicts_experts_under_a_daemon_wide_ram_budget_when_asked() {
+    let model = Model::open(test_model()).unwrap();
+    let least = spillway_daemon::stream::minimum_ram_budget(&model);
+    let budget = format!("{}", 2 * least);
+    let d = Daemon::with_test_model(&["--ram-budget", &budget, "--predict-experts", "true"]).await;
+    let mut client = d.client().await;
+    let request = pb::GenerateRequest {
+        input: tokens(&[1, 2, 3]),
+        max_tokens: 8,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let got = futures_join(&d, &[request]).await;
+    assert_eq!(got[0].len(), 8, "{got:?}");
+    let status = client
+        .status(pb::StatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let tier = status.models[0].ram_tier.expect("the RAM tier's counters");
+    assert!(
+        tier.predicted_right + tier.predicted_wrong > 0,
+        "no prediction was checked: {tier:?}"
+    );
+}
+
 /// Polls Status until the default model's queue is empty (the daemon noticed the cancel).
 async fn wait_idle(client: &mut pb::spillway_client::SpillwayClient<tonic::transport::Channel>) {
     let start = std::time::Instant::now();

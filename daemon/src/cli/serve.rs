@@ -80,6 +80,13 @@ pub struct ServeArgs {
     /// Without it they are read through the memory map.
     #[arg(long)]
     pub ram_budget: Option<ByteSize>,
+    /// With `--device cpu --ram-budget`: while a decode step computes a layer, read the
+    /// experts the next layer's router picks for the current hidden state (while at least 60%
+    /// of such predictions are right), as `spillwayd run --predict-experts` does. Off by
+    /// default (`bench/RESULTS.md`: on the synthetic models measured the wrong reads cost the
+    /// disk what the right ones gained).
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    pub predict_experts: bool,
     /// How each MoE model over --vram-budget spreads its expert slots over the layers: `even`,
     /// `layers` (whole layers from the last back, as llama.cpp's --n-cpu-moe), `cpu` (one slot a
     /// layer) or `planned` (the scheduler's plan on --hardware-profile, which LoadModel's pins
@@ -204,6 +211,7 @@ impl ServeArgs {
                 device: self.device,
                 vram_budget: self.vram_budget.map(|b| b.0),
                 ram_budget: self.ram_budget.map(|b| b.0),
+                predict_experts: self.predict_experts,
                 hardware,
                 expert_layout: self.expert_layout.clone(),
                 moe_miss: self.moe_miss,

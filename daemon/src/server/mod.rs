@@ -244,6 +244,7 @@ async fn load_startup_models(
             device: state.defaults.device,
             vram_budget: state.defaults.vram_budget,
             ram_budget: state.defaults.ram_budget,
+            predict_experts: state.defaults.predict_experts,
             expert_layout: state.defaults.expert_layout.clone(),
             moe_miss: state.defaults.moe_miss,
             step_batching: state.defaults.step_batching,

@@ -76,6 +76,9 @@ pub struct LoadOptions {
     /// RAM for the routed experts a model on a Vulkan device computes on the CPU, read from
     /// its file as needed; `None`: the memory map.
     pub ram_budget: Option<u64>,
+    /// With a RAM budget on the CPU: read the next layer's predicted experts ahead
+    /// ([`RamExperts`]).
+    pub predict_experts: bool,
     /// How a MoE model on a Vulkan device spreads its expert slots over the layers.
     pub expert_layout: LayoutChoice,
     /// Where a MoE model's experts not in VRAM run.
@@ -339,9 +342,10 @@ pub fn load(
                 let policy = GpuModelOptions::default().expert_policy;
                 let cache =
                     open_expert_cache(&model, budget, policy).map_err(LoadError::RamTier)?;
-                // No next-layer read-ahead: as `spillwayd run`'s default (its wrong reads
-                // cost what its right ones gained on the models measured).
-                let ram = Arc::new(RamExperts::new(&model, cache, false));
+                // Next-layer read-ahead only when asked (`--predict-experts`): off by
+                // default, as `spillwayd run`'s (its wrong reads cost what its right ones
+                // gained on the models measured).
+                let ram = Arc::new(RamExperts::new(&model, cache, options.predict_experts));
                 engine = engine.with_ram_experts(ram.clone());
                 ram_experts = Some(ram);
             }
@@ -508,6 +512,7 @@ mod tests {
             device: DeviceChoice::Vulkan(None),
             vram_budget: None,
             ram_budget: None,
+            predict_experts: false,
             expert_layout: LayoutChoice::Planned,
             moe_miss: Default::default(),
             step_batching: Default::default(),

@@ -52,6 +52,9 @@ pub struct ModelDefaults {
     pub vram_budget: Option<u64>,
     /// RAM for the routed experts each MoE model computes on the CPU (`--ram-budget`).
     pub ram_budget: Option<u64>,
+    /// Whether a MoE model on the CPU under a RAM budget reads the next layer's predicted
+    /// experts ahead (`--predict-experts`).
+    pub predict_experts: bool,
     /// The machine's measured limits, for profiles' predicted times and bandwidths
     /// (`--hardware-profile`), refined by profiled steps.
     pub hardware: Arc<super::hardware::HardwareCell>,
@@ -332,6 +335,7 @@ impl SpillwayService {
             device,
             vram_budget,
             ram_budget,
+            predict_experts: defaults.predict_experts,
             expert_layout: defaults.expert_layout.clone(),
             moe_miss: defaults.moe_miss,
             step_batching: defaults.step_batching,
