@@ -77,6 +77,10 @@ fn check(preset: &str) {
     let mut whole = GpuModel::new(&dev, &model, &options(None, 0)).unwrap();
     assert!(whole.batches_prompts(), "{preset}: unconstrained");
     let want = run(&mut whole);
+    // A prompt short enough to run its MoE layers by entry, as a batched decode step does.
+    let short = tokens(5, model.config.n_vocab);
+    whole.reset();
+    let want_short = whole.eval_prompt(&short, true).unwrap();
 
     let minimum = GpuModel::minimum_budget(&dev, &model, &options(None, 0))
         .expect("a MoE model has a minimum budget");
@@ -163,6 +167,38 @@ fn check(preset: &str) {
     assert!(!small.placement().stream_slot, "{preset}: minimum");
     for (i, (g, w)) in run(&mut small).iter().zip(&want).enumerate() {
         assert_logits_close(g, w, TOLERANCE, &format!("{preset}, minimum: output {i}"));
+    }
+
+    // Misses split between the CPU and the bus: every expert is in system RAM too, yet prompt
+    // chunks run their misses on the CPU as with `cpu` (the entries the host writes list no
+    // expert there), and decode steps share theirs; the same logits.
+    let split = |o: GpuModelOptions| GpuModelOptions {
+        moe_miss: MoeMiss::Split,
+        split_cpu_share: Some(0.5),
+        ..o
+    };
+    for (label, o) in [
+        ("no slots", split(off.clone())),
+        ("minimum", split(options(Some(minimum), 2))),
+    ] {
+        let what = format!("{preset}, misses split, {label}");
+        let mut gpu = GpuModel::new(&dev, &model, &o).unwrap();
+        for (i, (g, w)) in run(&mut gpu).iter().zip(&want).enumerate() {
+            assert_logits_close(g, w, TOLERANCE, &format!("{what}: output {i}"));
+        }
+        gpu.reset();
+        let got_short = gpu.eval_prompt(&short, true).unwrap();
+        assert_logits_close(
+            &got_short,
+            &want_short,
+            TOLERANCE,
+            &format!("{what}: short"),
+        );
+        if gpu.placement().is_partial() {
+            let t = gpu.expert_stats().unwrap().total();
+            assert!(gpu.cpu_prompt_chunks() > 0, "{what}");
+            assert!(t.pcie > 0 && t.cpu > 0, "{what}: {t:?}");
+        }
     }
 }
 

@@ -137,12 +137,14 @@ impl GpuMoe {
     /// apart) into `eg` (and `eu`; `hg` and `hu` for the stacks in system RAM), then each
     /// token's down products summed with its weights into its row of `x`. Unlike the chunk's
     /// paths nothing is laid out by expert and no dispatch covers experts no token chose: for
-    /// the few tokens of a decode step of several sequences.
+    /// the few tokens of a decode step of several sequences. `host_list` says the blocks hold
+    /// the experts without a slot (routed on the device); a block the host wrote (the CPU ran
+    /// those) is `2k` words and lists none.
     #[allow(clippy::too_many_arguments)]
     pub(in crate::gpu) fn record_tokens(
         &self,
         rec: &mut Recorder<'_>,
-        (route, block): (&Buffer, usize),
+        (route, block, host_list): (&Buffer, usize, bool),
         (n, k): (usize, usize),
         xn: &Buffer,
         (eg, eu, hg, hu): (&Buffer, &Buffer, &Buffer, &Buffer),
@@ -166,7 +168,7 @@ impl GpuMoe {
             ..IdFused::default()
         };
         let outs = [(eg, eu), (hg, hu)];
-        let ids = (route, 2 * k32);
+        let ids = (route, host_list.then_some(2 * k32));
         self.record_stacks(rec, ids, k32, xn, outs, (each_token, summed), x)
     }
 

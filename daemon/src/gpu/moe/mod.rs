@@ -511,7 +511,7 @@ impl GpuMoe {
             ..IdFused::default()
         };
         let outs = [(&s.gate_all, &s.up_all), (&s.gate_host, &s.up_host)];
-        let ids = (&s.route_host, route_floats(k) as u32);
+        let ids = (&s.route_host, Some(route_floats(k) as u32));
         let each = (IdFused::default(), summed);
         self.record_stacks(rec, ids, k32, xn, outs, each, x)?;
         self.add_shared(rec, k32, x, &s.route_host, s)
@@ -542,13 +542,14 @@ impl GpuMoe {
             ..IdFused::default()
         };
         let outs = [(&s.gate_all, &s.up_all), (&s.gate_host, &s.up_host)];
-        let ids = (route, route_floats(k) as u32);
+        let ids = (route, Some(route_floats(k) as u32));
         self.record_stacks(rec, ids, k32, x, outs, (normed, summed), x)?;
         self.add_shared(rec, k32, x, route, s)
     }
 
     /// The `k` entries of the slot stacks whose ids `route` lists from word 0 and, with
-    /// experts in system RAM, of those stacks from word `host_rank`: their gate, up and SwiGLU
+    /// experts in system RAM and a `host_rank`, of those stacks from word `host_rank` (`None`:
+    /// the route lists no expert in system RAM): their gate, up and SwiGLU
     /// from `x` with `each` (RMSNorm fused, or several tokens' entries) into `outs[0]` for the
     /// slots and `outs[1]` for system RAM (gate, then up where the up stack is apart), then
     /// their down products summed with `summed` into `y`, the slots' first.
@@ -556,7 +557,7 @@ impl GpuMoe {
     pub(super) fn record_stacks(
         &self,
         rec: &mut Recorder<'_>,
-        (route, host_rank): (&Buffer, u32),
+        (route, host_rank): (&Buffer, Option<u32>),
         k32: u32,
         x: &Buffer,
         outs: [(&Buffer, &Buffer); 2],
@@ -564,8 +565,8 @@ impl GpuMoe {
         y: &Buffer,
     ) -> Result<()> {
         let mut halves = vec![(self.slot_stacks(), 0, outs[0])];
-        if let Some(stacks) = self.host_stacks() {
-            halves.push((stacks, host_rank, outs[1]));
+        if let (Some(stacks), Some(rank)) = (self.host_stacks(), host_rank) {
+            halves.push((stacks, rank, outs[1]));
         }
         for &(stacks, rank, out) in &halves {
             self.record_gate_up(rec, stacks, (route, rank), k32, x, out, each)?;

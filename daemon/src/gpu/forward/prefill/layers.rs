@@ -141,7 +141,7 @@ impl GpuModel {
                     (true, Some(cpu), _) => {
                         let k = c.moe.expect("MoE layers have a MoE config").n_expert_used;
                         let scratch = (&m.eg, &m.eu, &m.xg, &m.ed);
-                        let route = (&cpu.route, 2 * k);
+                        let route = (&cpu.route, 2 * k, false);
                         moe.record_tokens(rec, route, (n, k), &m.xn.buffer, scratch, &b.x)?
                     }
                     (_, _, Some(groups)) => {

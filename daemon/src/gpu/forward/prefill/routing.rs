@@ -116,10 +116,10 @@ impl GpuModel {
         let route = match (args.slots, &d.split) {
             (Some(_), Some(split)) => {
                 rec.moe_route_chunk(&d.logits, split, n as u32, args)?;
-                (split, 3 * k)
+                (split, 3 * k, true)
             }
             (Some(_), None) => unreachable!("a split routing buffer where experts are in RAM"),
-            (None, _) => (&d.sel, 2 * k),
+            (None, _) => (&d.sel, 2 * k, false),
         };
         // The chunk's gathered rows and outputs are not used by entry: the scratch of the
         // stacks in system RAM (n * k rows of the expert width, within theirs).

@@ -108,7 +108,7 @@ impl GpuModel {
                             )));
                         }
                         let scratch = (&m.eg, &m.eu, &m.xg, &m.ed);
-                        let route = (&cpu.route, 2 * k);
+                        let route = (&cpu.route, 2 * k, false);
                         return moe.record_tokens(
                             rec,
                             route,
