@@ -17,7 +17,8 @@
 //! off). `pcie` reads the misses on the GPU from a copy of every expert in system RAM
 //! (`MoeMiss::Pcie`); `pcie-static` is that without promotions; `auto` is the default policy,
 //! shown as what it resolved to (`auto:pcie` or `auto:cpu`); `split` shares each layer's misses
-//! between the CPU and the bus (`MoeMiss::Split`), printing the CPU's share it settled at;
+//! between the CPU and the bus (`MoeMiss::Split`), printing the CPU's share it settled at
+//! (`share=X` fixes it at X, `GpuModelOptions::split_cpu_share`);
 //! `cpu-ev` and `split-ev` are `cpu` and `split` with chains handed over by events
 //! (`GpuModelOptions::handoff`).
 //! `warmup=N` decodes N tokens before the clock starts (default 2; promotions ramp up over the
@@ -59,6 +60,7 @@ fn main() {
     let mut warmup = WARMUP;
     let mut ram_budget = None;
     let mut host_routing = false;
+    let mut split_share = None;
     let args: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| {
@@ -71,6 +73,9 @@ fn main() {
                         .map(|m| m.parse::<u64>().unwrap() << 20)
                         .collect(),
                 );
+                false
+            } else if let Some(x) = a.strip_prefix("share=") {
+                split_share = Some(x.parse::<f32>().unwrap());
                 false
             } else if let Some(n) = a.strip_prefix("ram=") {
                 ram_budget = Some(n.parse::<u64>().unwrap() << 20);
@@ -203,6 +208,7 @@ fn main() {
                 replay,
                 stream_prompts,
                 promote_experts: promote,
+                split_cpu_share: split_share,
                 ..base.clone()
             };
             let mode = match (miss, chain, replay, stream_prompts, promote) {

@@ -408,26 +408,6 @@ impl Chain {
         Ok(())
     }
 
-    /// Whether part `part` has completed, without waiting.
-    ///
-    /// # Panics
-    /// If `part` is not a part of the chain.
-    pub fn is_done(&self, part: usize) -> Result<bool> {
-        assert!(part < self.len(), "part {part} of {}", self.len());
-        let dev = &self.device.raw;
-        // SAFETY: the objects belong to this device and live as long as the chain.
-        match &self.sync {
-            PartSync::Timeline(s) => {
-                unsafe { dev.get_semaphore_counter_value(*s) }.map(|now| now > 2 * part as u64)
-            }
-            PartSync::Events { fence, .. } if part + 1 == self.len() => unsafe {
-                dev.get_fence_status(*fence)
-            },
-            PartSync::Events { done, .. } => unsafe { dev.get_event_status(done[part]) },
-        }
-        .map_err(|r| self.device.map_result(r))
-    }
-
     fn wait_done(&self, part: usize) -> Result<()> {
         let dev = &self.device.raw;
         match &self.sync {

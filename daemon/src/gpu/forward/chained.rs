@@ -122,14 +122,14 @@ impl GpuModel {
             };
             scratch.cpu_sum.write_f32(&sum);
             time.cpu_experts_ns += t.elapsed().as_nanos() as u64;
-            if let Some(share) = self.split.as_mut().filter(|_| misses > 0) {
-                share.observe(run.chain.is_done(2 * j + 1)?);
-            }
             time.waiting(|| run.chain.release(2 * j + 2))?;
             routings.push(routing);
         }
         time.waiting(|| run.chain.finish())?;
         time.step_ns = start.elapsed().as_nanos() as u64;
+        if let Some(share) = self.split.as_mut() {
+            share.observe_step(time.step_ns);
+        }
         drop(run);
         self.last_host_time = Some(time);
         self.last_stats = stats;
