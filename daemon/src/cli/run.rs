@@ -74,8 +74,8 @@ pub struct RunArgs {
     /// `fetch` copies it into a VRAM slot first, `pcie` keeps every routed expert in system RAM
     /// too and has the GPU read the missing ones from there over the bus (a step is then one
     /// submission, with no host turn between layers); `split` keeps them in system RAM too and
-    /// shares each layer's misses between the CPU and the bus in the measured proportion that
-    /// finishes both together; `auto`: `pcie` on a GPU across a bus with RAM for the experts,
+    /// shares each layer's misses between the CPU and the bus in the proportion measured to give
+    /// the fastest steps; `auto`: `pcie` on a GPU across a bus with RAM for the experts,
     /// else `cpu`.
     #[arg(long, default_value = "auto")]
     pub moe_miss: MoeMiss,

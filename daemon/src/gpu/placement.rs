@@ -70,8 +70,8 @@ pub enum MoeMiss {
     /// Both at once: every routed expert is also in system RAM for the GPU, the step is a
     /// chain routed on the host ([`Cpu`](MoeMiss::Cpu)'s), and each layer's misses are shared
     /// between the CPU (from the memory map) and the GPU (over the bus), in the proportion
-    /// that keeps either from waiting for the other (measured step by step). Single decode
-    /// steps only: a model under it takes one sequence at a time.
+    /// measured to give the fastest steps (`gpu::forward::split`). Single decode steps only:
+    /// a model under it takes one sequence at a time.
     Split,
 }
 
