@@ -55,7 +55,11 @@ impl SplitShare {
         if self.fixed {
             return self.share;
         }
-        let side = if self.turn.is_multiple_of(2) { DELTA } else { -DELTA };
+        let side = if self.turn.is_multiple_of(2) {
+            DELTA
+        } else {
+            -DELTA
+        };
         (self.share + side).clamp(0.0, 1.0)
     }
 
