@@ -388,6 +388,20 @@ async fn pins_place_expert_stacks_and_impossible_pins_are_refused() {
     );
 }
 
+/// The tiny Qwen3-MoE model written into `dir`, and a VRAM budget a third of the way from
+/// its minimum to the whole model with `sequences` sequences and misses on the CPU.
+fn offloaded_moe(dir: &Path, sequences: usize) -> (PathBuf, Model, u64) {
+    let path = synth(dir, "tiny-qwen3moe", 9);
+    let model = Model::open(&path).unwrap();
+    let options = GpuModelOptions {
+        sequences,
+        moe_miss: MoeMiss::Cpu,
+        ..GpuModelOptions::default()
+    };
+    let budget = budget_between(&model, &options, (1, 3));
+    (path, model, budget)
+}
+
 /// A MoE model over its VRAM budget with its missing experts on the CPU (`--moe-miss cpu`; what
 /// `auto` gives a device without a separate bus, as lavapipe) still shares decode steps among requests: four at once
 /// each get the tokens the CPU-served copy gives, some steps take several of them, prompts go
@@ -398,16 +412,8 @@ async fn an_offloaded_moe_model_shares_decode_steps_with_its_misses_on_the_cpu()
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let path = synth(dir.path(), "tiny-qwen3moe", 9);
-    let model = Model::open(&path).unwrap();
-    // The daemon's model: four sequences (--max-batch), misses on the CPU; a budget a third of
-    // the way from its minimum to the whole model.
-    let options = GpuModelOptions {
-        sequences: 4,
-        moe_miss: MoeMiss::Cpu,
-        ..GpuModelOptions::default()
-    };
-    let budget = budget_between(&model, &options, (1, 3));
+    // The daemon's model: four sequences (--max-batch).
+    let (path, _, budget) = offloaded_moe(dir.path(), 4);
 
     let d = Daemon::start(&[
         "--device",
@@ -478,13 +484,7 @@ async fn an_offloaded_moe_model_under_a_ram_budget_reports_its_ram_tier() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let path = synth(dir.path(), "tiny-qwen3moe", 9);
-    let model = Model::open(&path).unwrap();
-    let options = GpuModelOptions {
-        moe_miss: MoeMiss::Cpu,
-        ..GpuModelOptions::default()
-    };
-    let budget = budget_between(&model, &options, (1, 3));
+    let (path, model, budget) = offloaded_moe(dir.path(), 1);
     let ram = spillway_daemon::stream::minimum_ram_budget(&model);
 
     let d = Daemon::start(&["--device", "vulkan", "--moe-miss", "cpu"]).await;

@@ -21,7 +21,7 @@
 //! (`vkCmdWaitEvents` after `vkSetEvent`, allowed outside render passes) and closes by setting
 //! an event the host polls. The device then waits for the host in its own command stream
 //! rather than in the driver's scheduling of submissions. `SPILLWAY_CHAIN_HANDOFF=semaphores`
-//! or `events` picks one (read once); the default is [`Handoff::default`].
+//! or `events` picks one (read once, [`Handoff::configured`]); semaphores by default.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -57,6 +57,16 @@ fn poll<E>(mut done: impl FnMut() -> std::result::Result<bool, E>) -> std::resul
             std::hint::spin_loop();
         }
     }
+}
+
+/// A timeline semaphore of `dev` at 0; the caller destroys it.
+pub(super) fn new_timeline(dev: &ash::Device) -> ash::prelude::VkResult<vk::Semaphore> {
+    let mut type_info = vk::SemaphoreTypeCreateInfo::default()
+        .semaphore_type(vk::SemaphoreType::TIMELINE)
+        .initial_value(0);
+    let info = vk::SemaphoreCreateInfo::default().push_next(&mut type_info);
+    // SAFETY: a valid create info.
+    unsafe { dev.create_semaphore(&info, None) }
 }
 
 /// Waits until timeline `semaphore` of `dev` reaches `value`: polled first ([`poll`]), then
@@ -136,15 +146,8 @@ impl PartSync {
     fn new(device: &Device, handoff: Handoff, n_parts: usize) -> Result<PartSync> {
         let dev = &device.raw;
         match handoff {
-            Handoff::Semaphores => {
-                let mut type_info = vk::SemaphoreTypeCreateInfo::default()
-                    .semaphore_type(vk::SemaphoreType::TIMELINE)
-                    .initial_value(0);
-                let info = vk::SemaphoreCreateInfo::default().push_next(&mut type_info);
-                // SAFETY: a valid create info; destroyed by `destroy`.
-                let semaphore = unsafe { dev.create_semaphore(&info, None) }.map_err(map_vk)?;
-                Ok(PartSync::Timeline(semaphore))
-            }
+            // Destroyed by `destroy`.
+            Handoff::Semaphores => Ok(PartSync::Timeline(new_timeline(dev).map_err(map_vk)?)),
             Handoff::Events => {
                 let mut sync = PartSync::Events {
                     release: Vec::with_capacity(n_parts),
@@ -242,17 +245,8 @@ pub struct Chain {
 
 impl Chain {
     /// Records `n_parts` command buffers (`record(i, cmd)` for part `i`) and submits them as a
-    /// chain. A failure to record submits nothing.
+    /// chain handed over by `handoff`. A failure to record submits nothing.
     pub fn start<T>(
-        device: &Arc<Device>,
-        n_parts: usize,
-        record: impl FnMut(usize, vk::CommandBuffer) -> Result<T>,
-    ) -> Result<(Chain, Vec<T>)> {
-        Chain::start_with(device, Handoff::configured(), n_parts, record)
-    }
-
-    /// [`Chain::start`] with the given handoff.
-    pub fn start_with<T>(
         device: &Arc<Device>,
         handoff: Handoff,
         n_parts: usize,

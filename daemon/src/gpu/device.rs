@@ -391,12 +391,8 @@ impl Completion {
     fn new(device: &Device) -> Result<Completion> {
         let dev = &device.raw;
         if device.timeline_semaphores {
-            let mut type_info = vk::SemaphoreTypeCreateInfo::default()
-                .semaphore_type(vk::SemaphoreType::TIMELINE)
-                .initial_value(0);
-            let info = vk::SemaphoreCreateInfo::default().push_next(&mut type_info);
-            // SAFETY: a valid create info; destroyed by `destroy`.
-            let semaphore = unsafe { dev.create_semaphore(&info, None) }.map_err(map_vk)?;
+            // Destroyed by `destroy`.
+            let semaphore = super::chain::new_timeline(dev).map_err(map_vk)?;
             return Ok(Completion::Timeline(semaphore));
         }
         // SAFETY: `raw` is a live device; destroyed by `destroy`.

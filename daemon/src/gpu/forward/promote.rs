@@ -62,6 +62,9 @@ pub(super) struct Promoter {
     /// ([`MoeMiss::Pcie`](crate::gpu::placement::MoeMiss::Pcie)) and wait for the next step's
     /// submission, ahead of it.
     host_copies: Vec<(usize, usize, usize)>,
+    /// Whether promotions are copied by the device from the experts in system RAM (a
+    /// replayed step's), rather than staged by the host (a chained step's, or without them).
+    from_host: bool,
     /// Time spent, in all.
     time: PromotionTime,
 }
@@ -120,6 +123,7 @@ impl Promoter {
             credit_ns: 0.0,
             next: 0,
             host_copies: Vec::new(),
+            from_host,
             time: PromotionTime::default(),
         })
     }
@@ -302,7 +306,7 @@ impl GpuModel {
             return Ok(0);
         }
         ex.map_stale = true;
-        let from_host = !self.chained
+        let from_host = p.from_host
             && copies.iter().all(
             |&(il, ..)| matches!(&layers[il].ffn, super::GpuFfn::Moe(m) if m.has_host_experts()),
         );

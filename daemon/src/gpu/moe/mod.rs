@@ -505,16 +505,8 @@ impl GpuMoe {
         if self.host.is_none() {
             return self.record_indexed(rec, k, (xn, x), &s.route_host, s);
         }
-        let k32 = k as u32;
-        let summed = IdFused {
-            sum_weights_at: Some(k32),
-            ..IdFused::default()
-        };
-        let outs = [(&s.gate_all, &s.up_all), (&s.gate_host, &s.up_host)];
-        let ids = (&s.route_host, Some(route_floats(k) as u32));
-        let each = (IdFused::default(), summed);
-        self.record_stacks(rec, ids, k32, xn, outs, each, x)?;
-        self.add_shared(rec, k32, x, &s.route_host, s)
+        let plain = IdFused::default();
+        self.record_both_stacks(rec, k, (xn, plain), &s.route_host, s, x)
     }
 
     /// The k experts whose slots `route` holds (as [`route_floats`] lays them out), from the
@@ -532,19 +524,34 @@ impl GpuMoe {
         route: &Buffer,
         s: &MoeScratch,
     ) -> Result<()> {
-        let k32 = k as u32;
         let normed = IdFused {
             norm: Some(norm),
             ..IdFused::default()
         };
+        self.record_both_stacks(rec, k, (x, normed), route, s, x)
+    }
+
+    /// The k entries `route` lists ([`route_split_floats`]: slots from word 0, experts in
+    /// system RAM after the shared gate), from `input` with what `each` fuses, summed with the
+    /// weights from `route` into `y`, then the shared expert with its gate from `route`.
+    fn record_both_stacks(
+        &self,
+        rec: &mut Recorder<'_>,
+        k: usize,
+        (input, each): (&Buffer, IdFused<'_>),
+        route: &Buffer,
+        s: &MoeScratch,
+        y: &Buffer,
+    ) -> Result<()> {
+        let k32 = k as u32;
         let summed = IdFused {
             sum_weights_at: Some(k32),
             ..IdFused::default()
         };
         let outs = [(&s.gate_all, &s.up_all), (&s.gate_host, &s.up_host)];
         let ids = (route, Some(route_floats(k) as u32));
-        self.record_stacks(rec, ids, k32, x, outs, (normed, summed), x)?;
-        self.add_shared(rec, k32, x, route, s)
+        self.record_stacks(rec, ids, k32, input, outs, (each, summed), y)?;
+        self.add_shared(rec, k32, y, route, s)
     }
 
     /// The `k` entries of the slot stacks whose ids `route` lists from word 0 and, with

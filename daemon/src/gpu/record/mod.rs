@@ -308,7 +308,7 @@ impl Kernels {
     ) -> Result<(ChainRun, RecordStats)> {
         let max_range = self.device.max_storage_buffer_range();
         let mut arena = DescriptorArena::new(&self.device);
-        let (chain, parts) = Chain::start_with(&self.device, handoff, n_parts, |i, cmd| {
+        let (chain, parts) = Chain::start(&self.device, handoff, n_parts, |i, cmd| {
             self.record_into(cmd, &mut arena, max_range, None, |rec| {
                 if i > 0 {
                     rec.after_host_writes();
