@@ -7,8 +7,8 @@
 //! reused) or `qwen3-30b-a3b Q4_K_M 32 /data` (about 17 GB of real weights: the disk and RAM
 //! must hold it). Budgets are the minimum, then a quarter, half and three quarters of the way
 //! to the whole model, the whole model's bytes, and no budget; or, with `budgets=8192,1024`,
-//! those budgets in MiB. `modes=cpu` (or `fetch`) runs one miss mode only; `cpu-separate` is
-//! `cpu` with a step as separate submissions instead of one chain (`GpuModelOptions::chain`);
+//! those budgets in MiB (`no-whole` leaves out the run with no budget). `modes=cpu` (or
+//! `fetch`) runs one miss mode only; `cpu-separate` is `cpu` with a step as separate submissions instead of one chain (`GpuModelOptions::chain`);
 //! `cpu-record` is `cpu` with a step that is one submission recorded anew for every token
 //! instead of replayed (`GpuModelOptions::replay`).
 //! `cpu-noslot` is `cpu` without VRAM slots for a prompt's missing experts
@@ -18,7 +18,8 @@
 //! (`MoeMiss::Pcie`); `pcie-static` is that without promotions; `auto` is the default policy,
 //! shown as what it resolved to (`auto:pcie` or `auto:cpu`); `split` shares each layer's misses
 //! between the CPU and the bus (`MoeMiss::Split`), printing the CPU's share it settled at
-//! (`share=X` fixes it at X, `GpuModelOptions::split_cpu_share`);
+//! (`share=X` fixes it at X for every `split` mode, `GpuModelOptions::split_cpu_share`;
+//! `split@X` is `split` at X, so that several shares compare in one process);
 //! `cpu-ev` and `split-ev` are `cpu` and `split` with chains handed over by events
 //! (`GpuModelOptions::handoff`).
 //! `warmup=N` decodes N tokens before the clock starts (default 2; promotions ramp up over the
@@ -51,8 +52,8 @@ fn mib(b: u64) -> f64 {
 fn main() {
     let mut given_budgets: Option<Vec<u64>> = None;
     let mut modes = vec![
-        (MoeMiss::Cpu, true, true, true, true, false),
-        (MoeMiss::Fetch, true, true, true, true, false),
+        (MoeMiss::Cpu, true, true, true, true, false, None),
+        (MoeMiss::Fetch, true, true, true, true, false, None),
     ];
     let mut threads = 0;
     let mut pp = 0;
@@ -60,12 +61,16 @@ fn main() {
     let mut warmup = WARMUP;
     let mut ram_budget = None;
     let mut host_routing = false;
+    let mut whole_model = true;
     let mut split_share = None;
     let args: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| {
             if a == "host-routing" {
                 host_routing = true;
+                false
+            } else if a == "no-whole" {
+                whole_model = false;
                 false
             } else if let Some(list) = a.strip_prefix("budgets=") {
                 given_budgets = Some(
@@ -101,21 +106,26 @@ fn main() {
                 modes = m
                     .split(',')
                     .map(|m| match m {
-                        "cpu" => (MoeMiss::Cpu, true, true, true, true, false),
-                        "cpu-ev" => (MoeMiss::Cpu, true, true, true, true, true),
-                        "cpu-separate" => (MoeMiss::Cpu, false, true, true, true, false),
-                        "cpu-record" => (MoeMiss::Cpu, true, false, true, true, false),
-                        "cpu-noslot" => (MoeMiss::Cpu, true, true, false, true, false),
-                        "cpu-static" => (MoeMiss::Cpu, true, true, true, false, false),
-                        "fetch" => (MoeMiss::Fetch, true, true, true, true, false),
-                        "pcie" => (MoeMiss::Pcie, true, true, true, true, false),
-                        "pcie-static" => (MoeMiss::Pcie, true, true, true, false, false),
-                        "split" => (MoeMiss::Split, true, true, true, true, false),
-                        "split-ev" => (MoeMiss::Split, true, true, true, true, true),
-                        "auto" => (MoeMiss::Auto, true, true, true, true, false),
+                        _ if m.starts_with("split@") => {
+                            let x: f32 = m["split@".len()..].parse().unwrap();
+                            (MoeMiss::Split, true, true, true, true, false, Some(x))
+                        }
+                        "cpu" => (MoeMiss::Cpu, true, true, true, true, false, None),
+                        "cpu-ev" => (MoeMiss::Cpu, true, true, true, true, true, None),
+                        "cpu-separate" => (MoeMiss::Cpu, false, true, true, true, false, None),
+                        "cpu-record" => (MoeMiss::Cpu, true, false, true, true, false, None),
+                        "cpu-noslot" => (MoeMiss::Cpu, true, true, false, true, false, None),
+                        "cpu-static" => (MoeMiss::Cpu, true, true, true, false, false, None),
+                        "fetch" => (MoeMiss::Fetch, true, true, true, true, false, None),
+                        "pcie" => (MoeMiss::Pcie, true, true, true, true, false, None),
+                        "pcie-static" => (MoeMiss::Pcie, true, true, true, false, false, None),
+                        "split" => (MoeMiss::Split, true, true, true, true, false, None),
+                        "split-ev" => (MoeMiss::Split, true, true, true, true, true, None),
+                        "auto" => (MoeMiss::Auto, true, true, true, true, false, None),
                         other => panic!(
                             "modes={other}: auto, cpu, cpu-ev, cpu-separate, cpu-record, \
-                             cpu-noslot, cpu-static, fetch, pcie, pcie-static, split or split-ev"
+                             cpu-noslot, cpu-static, fetch, pcie, pcie-static, split, split@X \
+                             or split-ev"
                         ),
                     })
                     .collect();
@@ -171,7 +181,9 @@ fn main() {
             .map(|q| Some(minimum + (whole - minimum) * q / 4))
             .collect(),
     };
-    budgets.push(None);
+    if whole_model {
+        budgets.push(None);
+    }
 
     println!(
         "{:>10} {:>7} {:>9} {:>9} {:>8} {:>7} {:>9} {:>9} {:>9} {:>9} {:>11} {:>11} {:>10} {:>11} {:>13}",
@@ -195,7 +207,7 @@ fn main() {
         .map(|i| (i * 7919 + 13) % 1000)
         .collect();
     for budget in budgets {
-        for &(miss, chain, replay, stream_prompts, promote, events) in &modes {
+        for &(miss, chain, replay, stream_prompts, promote, events, share) in &modes {
             let options = GpuModelOptions {
                 vram_budget: budget,
                 moe_miss: miss,
@@ -208,11 +220,12 @@ fn main() {
                 replay,
                 stream_prompts,
                 promote_experts: promote,
-                split_cpu_share: split_share,
+                split_cpu_share: share.or(split_share),
                 ..base.clone()
             };
             let mode = match (miss, chain, replay, stream_prompts, promote) {
                 _ if events => format!("{miss}-ev"),
+                _ if share.is_some() => format!("split@{}", share.unwrap_or(0.0)),
                 (MoeMiss::Cpu, false, ..) => "cpu-sep".to_string(),
                 (MoeMiss::Cpu, true, false, ..) => "cpu-rec".to_string(),
                 (MoeMiss::Cpu, true, true, false, _) => "cpu-nos".to_string(),

@@ -7,8 +7,11 @@
 //! offloading issue's `-ngl 16` row holds about 2 GiB of VRAM). Each figure is the median of
 //! three runs of TOKENS decode steps after a 16-token prompt, the runs of every setting
 //! interleaved. Each budget runs twice: with a VRAM slot for the CPU layers' prompt chunks
-//! (`GpuModelOptions::stream_prompts`, the default) and without. `single`: the first budget's
-//! model alone in the process, decode only.
+//! (`GpuModelOptions::stream_prompts`, the default) and without (`no-noslot` leaves that out).
+//! `bus=m,0.6`: each budget also with the CPU's layers sharing their products' rows with the
+//! GPU over the bus (`GpuModelOptions::bus_rows`), the CPU's share of each group of products
+//! balanced as they run (`m`) or fixed (a number), the shares printed after. `budgets-only`: without the whole model and the CPU
+//! engine alone. `single`: the first budget's model alone in the process, decode only.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -88,6 +91,9 @@ fn main() {
     let mut ctx = 0;
     let mut pp = 0;
     let mut single = false;
+    let mut bus: Vec<Option<f32>> = Vec::new();
+    let mut no_slot = true;
+    let mut budgets_only = false;
     let args: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| {
@@ -100,6 +106,15 @@ fn main() {
                 threads = n.parse().unwrap();
             } else if a == "single" {
                 single = true;
+            } else if a == "no-noslot" {
+                no_slot = false;
+            } else if a == "budgets-only" {
+                budgets_only = true;
+            } else if let Some(list) = a.strip_prefix("bus=") {
+                bus = list
+                    .split(',')
+                    .map(|v| (v != "m").then(|| v.parse().unwrap()))
+                    .collect();
             } else if let Some(n) = a.strip_prefix("pp=") {
                 pp = n.parse().unwrap();
             } else if let Some(n) = a.strip_prefix("ctx=") {
@@ -149,13 +164,20 @@ fn main() {
     );
 
     let mut runs: Vec<(String, usize, f64, Runner)> = Vec::new();
-    let variants: &[bool] = if single { &[true] } else { &[true, false] };
-    for (&b, &stream) in budgets
+    // (prompt slot, rows over the bus: the CPU's share, `None` measured)
+    let mut variants: Vec<(bool, Option<Option<f32>>)> = vec![(true, None)];
+    if !single && no_slot {
+        variants.push((false, None));
+    }
+    variants.extend(bus.iter().map(|&b| (true, Some(b))));
+    for (&b, &(stream, bus)) in budgets
         .iter()
-        .flat_map(|b| variants.iter().map(move |s| (b, s)))
+        .flat_map(|b| variants.iter().map(move |v| (b, v)))
     {
         let opts = GpuModelOptions {
             stream_prompts: stream,
+            bus_rows: bus.is_some(),
+            split_cpu_share: bus.flatten(),
             ..options(Some(b))
         };
         match GpuModel::new(&device, &model, &opts) {
@@ -163,7 +185,12 @@ fn main() {
             Ok(g) => {
                 let held = mib(g.allocator().budget().held());
                 let cpu = g.cpu_layers();
-                let how = if stream { "" } else { ", no prompt slot" };
+                let how = match bus {
+                    _ if !stream => ", no prompt slot".to_string(),
+                    Some(Some(x)) => format!(", bus rows at {x}"),
+                    Some(None) => ", bus rows measured".to_string(),
+                    None => String::new(),
+                };
                 runs.push((
                     format!("{:.0} MiB{how}", mib(b)),
                     cpu,
@@ -190,22 +217,24 @@ fn main() {
         return;
     }
     let budgets_run = runs.len();
-    let g = GpuModel::new(&device, &model, &options(None)).unwrap();
-    let held = mib(g.allocator().budget().held());
-    runs.push((
-        "none (whole model)".into(),
-        0,
-        held,
-        Runner::new(Loaded::Gpu(Box::new(g))),
-    ));
-    let engine = Engine::new(model.clone(), &EngineOptions { threads, context });
     let n_layer = model.config.n_layer;
-    runs.push((
-        "CPU engine alone".into(),
-        n_layer,
-        0.0,
-        Runner::new(Loaded::Cpu(engine)),
-    ));
+    if !budgets_only {
+        let g = GpuModel::new(&device, &model, &options(None)).unwrap();
+        let held = mib(g.allocator().budget().held());
+        runs.push((
+            "none (whole model)".into(),
+            0,
+            held,
+            Runner::new(Loaded::Gpu(Box::new(g))),
+        ));
+        let engine = Engine::new(model.clone(), &EngineOptions { threads, context });
+        runs.push((
+            "CPU engine alone".into(),
+            n_layer,
+            0.0,
+            Runner::new(Loaded::Cpu(engine)),
+        ));
+    }
 
     let prompt: Vec<u32> = (0..PROMPT as u32).map(|i| (i * 31 + 5) % 1000).collect();
     let tokens: Vec<u32> = (0..n_tokens as u32)
@@ -277,6 +306,20 @@ fn main() {
             runs.join(", ")
         );
     }
+    for (name, _, _, r) in &runs {
+        if let Loaded::Gpu(g) = &r.model {
+            if let Some(shares) = g.bus_rows_cpu_shares() {
+                let shares: Vec<String> = shares
+                    .iter()
+                    .map(|(group, s)| format!("{group:?} {s:.3}"))
+                    .collect();
+                println!(
+                    "{name}: the CPU's shares of the rows: {}",
+                    shares.join(", ")
+                );
+            }
+        }
+    }
 
     // The device's time of each GPU model's step (timestamps; profiling records steps anew).
     println!("| VRAM budget | step GPU ms (timestamps) | step wall ms, profiled | CPU layers ms |");
@@ -322,6 +365,9 @@ fn main() {
 
     // A step of the whole model after the host has kept the device idle for a while (as the
     // CPU's layers do): its wall time and its GPU time (timestamps).
+    if budgets_only {
+        return;
+    }
     let Loaded::Gpu(whole) = &mut runs[budgets_run].3.model else {
         unreachable!("the whole model's runner")
     };

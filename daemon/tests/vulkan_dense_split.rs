@@ -221,3 +221,58 @@ fn llama_over_the_vram_budget_runs_its_first_layers_on_the_cpu() {
 fn qwen3_over_the_vram_budget_runs_its_first_layers_on_the_cpu() {
     split("tiny-qwen3");
 }
+
+/// With the CPU's layers sharing each decode step's products with the GPU, which reads its rows
+/// over the bus (`GpuModelOptions::bus_rows`), the logits stay the unconstrained run's: at the
+/// smallest budget (every layer but the last on the CPU), with the CPU taking half the rows,
+/// none of them (the GPU all but the rows past its last whole step), all of them, and shares
+/// balanced group by group.
+fn bus_rows(preset: &str) {
+    let Some(dev) = device() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let model = f16_model(tmp.path(), preset);
+    let (n_layer, n_vocab) = (model.config.n_layer, model.config.n_vocab);
+    let want = run(
+        &mut GpuModel::new(&dev, &model, &options(None, true)).unwrap(),
+        n_vocab,
+    );
+    let minimum = GpuModel::minimum_budget(&dev, &model, &options(None, true))
+        .unwrap()
+        .total();
+    for share in [Some(0.5), Some(0.0), Some(1.0), None] {
+        let opts = GpuModelOptions {
+            bus_rows: true,
+            split_cpu_share: share,
+            ..options(Some(minimum), true)
+        };
+        let mut gpu = GpuModel::new(&dev, &model, &opts).unwrap();
+        let what = format!("{preset}, the CPU's share {share:?}");
+        assert_eq!(gpu.cpu_layers(), n_layer - 1, "{what}");
+        let got = run(&mut gpu, n_vocab);
+        assert_near(&what, &got, &want);
+        let now = gpu.bus_rows_cpu_shares().expect("rows over the bus");
+        for (group, now) in now {
+            match share {
+                Some(s) => assert_eq!(now, s, "{what}: {group:?}"),
+                None => assert!((0.0..=1.0).contains(&now), "{what}: {group:?} {now}"),
+            }
+        }
+    }
+    // Without layers on the CPU there is nothing to share.
+    let whole = GpuModelOptions {
+        bus_rows: true,
+        ..options(None, true)
+    };
+    let gpu = GpuModel::new(&dev, &model, &whole).unwrap();
+    assert!(gpu.bus_rows_cpu_shares().is_none(), "{preset}");
+}
+
+#[test]
+fn llama_shares_its_cpu_layers_rows_with_the_gpu_over_the_bus() {
+    bus_rows("tiny-llama");
+}
+
+#[test]
+fn qwen3_shares_its_cpu_layers_rows_with_the_gpu_over_the_bus() {
+    bus_rows("tiny-qwen3");
+}

@@ -27,6 +27,7 @@ use super::ops::{
 use super::profile::{Laps, OpGroup, StepProfile};
 use super::ram_experts::RamExperts;
 use super::routing::{route, shared_expert_gate};
+use super::row_help::{shared_rows, LayerProducts, RowHelper};
 use super::EngineError;
 
 /// RoPE angles of every token of a batch: `half` cosines and sines per token.
@@ -140,7 +141,7 @@ pub(super) fn forward_slots(
     });
     let n_layers = model.layers.len();
     run_layers(
-        model, pool, ram, caches, &mut x, slots, &rope, n_layers, &mut laps,
+        model, pool, ram, None, caches, &mut x, slots, &rope, n_layers, &mut laps,
     )?;
     let mut out_rows = Vec::with_capacity(rows.len() * e);
     for &b in rows {
@@ -166,6 +167,7 @@ pub fn hidden_after(
     tokens: &[u32],
     start: usize,
     n_layers: usize,
+    help: Option<&mut (dyn RowHelper + 'static)>,
 ) -> Result<Vec<f32>, ModelError> {
     let e = model.config.n_embd;
     let mut x = vec![0.0f32; tokens.len() * e];
@@ -185,6 +187,7 @@ pub fn hidden_after(
         model,
         pool,
         None,
+        help,
         caches,
         &mut x,
         &slots,
@@ -197,7 +200,8 @@ pub fn hidden_after(
 }
 
 /// The first `n_layers` layers over the hidden states `x` (a row per token of `slots`, whose
-/// RoPE angles `rope` holds); routed experts come from `ram` when given, else the map.
+/// RoPE angles `rope` holds); routed experts come from `ram` when given, else the map; `help`
+/// computes the last rows of dense layers' products in passes of one token.
 ///
 /// # Errors
 /// A routed expert could not be read from the file (under a RAM tier).
@@ -206,6 +210,7 @@ fn run_layers(
     model: &Model,
     pool: &ThreadPool,
     ram: Option<&RamExperts>,
+    mut help: Option<&mut (dyn RowHelper + 'static)>,
     caches: &mut [&mut KvCache],
     x: &mut [f32],
     slots: &[Slot],
@@ -218,7 +223,17 @@ fn run_layers(
     for (il, layer) in model.layers.iter().enumerate().take(n_layers) {
         let a = &layer.attn;
         norm_rows(x, &a.norm, c.rms_eps, &mut xn);
-        let proj = attention(model, pool, caches, a, il, slots, &xn, rope, laps);
+        let proj = attention(
+            model,
+            (pool, help.as_deref_mut()),
+            caches,
+            a,
+            il,
+            slots,
+            &xn,
+            rope,
+            laps,
+        );
         add_inplace(x, &proj);
         laps.lap(Some(il), OpGroup::AttnOutput, || a.wo.bytes());
 
@@ -231,7 +246,8 @@ fn run_layers(
         norm_rows(x, &layer.ffn_norm, c.rms_eps, &mut xn);
         match &layer.ffn {
             Ffn::Dense { gate, up, down } => {
-                let out = swiglu_ffn(model, pool, (gate, up, down), &xn);
+                let help = help.as_deref_mut().map(|h| (h, il));
+                let out = swiglu_ffn(model, pool, help, (gate, up, down), &xn);
                 add_inplace(x, &out);
                 laps.lap(Some(il), OpGroup::Ffn, || {
                     gate.bytes() + up.bytes() + down.bytes()
@@ -305,7 +321,7 @@ fn add_bias_rows(x: &mut [f32], bias: &Option<Vec<f32>>) {
 #[allow(clippy::too_many_arguments)]
 fn attention(
     model: &Model,
-    pool: &ThreadPool,
+    (pool, mut help): (&ThreadPool, Option<&mut (dyn RowHelper + 'static)>),
     caches: &mut [&mut KvCache],
     a: &Attention,
     il: usize,
@@ -320,9 +336,20 @@ fn attention(
     let mut q = vec![0.0f32; n * qw];
     let mut k = vec![0.0f32; n * kvw];
     let mut v = vec![0.0f32; n * kvw];
-    matmul(pool, model.mat(&a.wq), xn, &mut q);
-    matmul(pool, model.mat(&a.wk), xn, &mut k);
-    matmul(pool, model.mat(&a.wv), xn, &mut v);
+    let qkv = [model.mat(&a.wq), model.mat(&a.wk), model.mat(&a.wv)];
+    let at = (il, LayerProducts::Qkv);
+    if !shared_rows(
+        pool,
+        help.as_deref_mut(),
+        at,
+        &qkv,
+        xn,
+        &mut [&mut q, &mut k, &mut v],
+    ) {
+        matmul(pool, qkv[0], xn, &mut q);
+        matmul(pool, qkv[1], xn, &mut k);
+        matmul(pool, qkv[2], xn, &mut v);
+    }
     add_bias_rows(&mut q, &a.bq);
     add_bias_rows(&mut k, &a.bk);
     add_bias_rows(&mut v, &a.bv);
@@ -383,19 +410,54 @@ fn attention(
     });
     laps.lap(Some(il), OpGroup::Attention, || 0);
     let mut proj = vec![0.0f32; n * c.n_embd];
-    matmul(pool, model.mat(&a.wo), &attn, &mut proj);
+    let wo = [model.mat(&a.wo)];
+    if !shared_rows(
+        pool,
+        help,
+        (il, LayerProducts::Output),
+        &wo,
+        &attn,
+        &mut [&mut proj],
+    ) {
+        matmul(pool, wo[0], &attn, &mut proj);
+    }
     proj
 }
 
 /// `down(silu(gate · x) * (up · x))` for every row of `xs` (a dense FFN, or Qwen2-MoE's shared
 /// expert), with gate and up in one job of the pool. `up` shares `gate`'s conversion of the
-/// tokens when its type takes the same format.
+/// tokens when its type takes the same format. `help`: a helper for the rows of layer `il`'s
+/// products.
 fn swiglu_ffn(
     model: &Model,
     pool: &ThreadPool,
+    help: Option<(&mut (dyn RowHelper + 'static), usize)>,
     (gate, up, down): (&Matrix, &Matrix, &Matrix),
     xs: &[f32],
 ) -> Vec<f32> {
+    if let Some((help, il)) = help {
+        let n = xs.len() / gate.n_in;
+        let (mut g, mut u) = (vec![0.0f32; n * gate.n_out], vec![0.0f32; n * up.n_out]);
+        let gate_up = [model.mat(gate), model.mat(up)];
+        let at = (il, LayerProducts::GateUp);
+        if shared_rows(
+            pool,
+            Some(&mut *help),
+            at,
+            &gate_up,
+            xs,
+            &mut [&mut g, &mut u],
+        ) {
+            swiglu_inplace(&mut g, &u);
+            let mut out = vec![0.0f32; n * down.n_out];
+            let at = (il, LayerProducts::Down);
+            let d = [model.mat(down)];
+            if !shared_rows(pool, Some(help), at, &d, &g, &mut [&mut out]) {
+                matmul(pool, d[0], &g, &mut out);
+            }
+            return out;
+        }
+    }
     let acts = activations(gate.ty, xs, gate.n_in);
     let up_acts = (ActFormat::for_weights(up.ty) != ActFormat::for_weights(gate.ty))
         .then(|| activations(up.ty, xs, up.n_in));
@@ -475,7 +537,7 @@ fn moe_ffn(
     if let Some(sh) = &moe.shared {
         let mut logit = vec![0.0f32; n];
         matmul(pool, model.mat(&sh.gate_inp), xn, &mut logit);
-        let y = swiglu_ffn(model, pool, (&sh.gate, &sh.up, &sh.down), xn);
+        let y = swiglu_ffn(model, pool, None, (&sh.gate, &sh.up, &sh.down), xn);
         for ((o, y), &l) in out.chunks_exact_mut(e).zip(y.chunks_exact(e)).zip(&logit) {
             let g = shared_expert_gate(l);
             for (o, &y) in o.iter_mut().zip(y) {

@@ -1,6 +1,7 @@
 //! The CPU inference engine: one sequence's KV cache ([`kv_cache`]), the forward pass
 //! ([`forward`]), element-wise ops ([`ops`]), MoE routing ([`routing`], shared with the GPU), routed experts ([`experts`], also the GPU's CPU experts),
-//! sampling ([`sampling`]), one sequence's decoding a token at a time ([`decode`]), several
+//! rows of dense layers' products computed by another device at the same time
+//! ([`row_help`]), sampling ([`sampling`]), one sequence's decoding a token at a time ([`decode`]), several
 //! sequences sharing decode steps ([`batch`]), one request's generation with stop strings
 //! and streamed text ([`generate`], [`stop`]), and per-layer profiling of a step ([`profile`]).
 //!
@@ -17,6 +18,7 @@ pub mod ops;
 pub mod profile;
 pub mod ram_experts;
 pub mod routing;
+pub mod row_help;
 pub mod sampling;
 pub mod stop;
 

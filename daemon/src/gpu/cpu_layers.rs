@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use crate::cpu::ThreadPool;
 use crate::engine::forward::hidden_after;
+use crate::engine::row_help::RowHelper;
 use crate::engine::KvCache;
 use crate::model::{Model, ModelError};
 
@@ -69,9 +70,15 @@ impl CpuLayers {
     }
 
     /// The hidden states of `tokens` at positions `start..` after these layers, `n_embd`
-    /// floats per token, in chunks of at most [`crate::engine::MAX_BATCH`] tokens. The caller
-    /// has checked the token ids and positions.
-    pub fn run(&mut self, tokens: &[u32], start: usize) -> Result<Vec<f32>, ModelError> {
+    /// floats per token, in chunks of at most [`crate::engine::MAX_BATCH`] tokens; `help`
+    /// computes the last rows of the products of a single token
+    /// ([`crate::engine::row_help`]). The caller has checked the token ids and positions.
+    pub fn run(
+        &mut self,
+        tokens: &[u32],
+        start: usize,
+        mut help: Option<&mut (dyn RowHelper + 'static)>,
+    ) -> Result<Vec<f32>, ModelError> {
         let mut out = Vec::with_capacity(tokens.len() * self.model.config.n_embd);
         for (i, chunk) in tokens.chunks(crate::engine::MAX_BATCH).enumerate() {
             let at = start + i * crate::engine::MAX_BATCH;
@@ -82,6 +89,7 @@ impl CpuLayers {
                 chunk,
                 at,
                 self.n_layers,
+                help.as_deref_mut(),
             )?;
             out.extend_from_slice(&x);
         }

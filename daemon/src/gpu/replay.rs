@@ -110,23 +110,46 @@ impl Replay {
     /// that the step needs, without a submission and a wait of their own. `first`'s own fence
     /// is not used.
     pub fn run_after(&self, first: Option<&Replay>) -> Result<()> {
+        self.submit(first)?;
+        self.finish()
+    }
+
+    /// [`Replay::run`], with `meanwhile` run on the host while the device runs the recording
+    /// (even when the submission fails): the host's work beside the device's. Also says
+    /// whether the device had finished when `meanwhile` returned.
+    pub fn run_with<R>(&self, meanwhile: impl FnOnce() -> R) -> (R, Result<bool>) {
+        match self.submit(None) {
+            Ok(()) => {
+                let r = meanwhile();
+                // SAFETY: the fence belongs to this device and is in use by the submission.
+                let early = unsafe { self.device.raw.get_fence_status(self.fence) };
+                let done = self.finish();
+                (r, done.map(|()| early == Ok(true)))
+            }
+            Err(e) => (meanwhile(), Err(e)),
+        }
+    }
+
+    fn submit(&self, first: Option<&Replay>) -> Result<()> {
         self.device.check_lost(LossPoint::Submit)?;
         let dev = &self.device.raw;
         let cmds: Vec<vk::CommandBuffer> = first.iter().map(|f| f.cmd).chain([self.cmd]).collect();
         let submit = [vk::SubmitInfo::default().command_buffers(&cmds)];
-        {
-            let queue = self.device.queue.lock();
-            // SAFETY: the queue is externally synchronised by its mutex; both command buffers
-            // are executable and not pending (every run waits for its fence before returning,
-            // which covers `first` too); the fence is unsignalled (created so, reset after each
-            // wait).
-            unsafe { dev.queue_submit(*queue, &submit, self.fence) }
-                .map_err(|r| self.device.map_result(r))?;
-        }
+        let queue = self.device.queue.lock();
+        // SAFETY: the queue is externally synchronised by its mutex; both command buffers are
+        // executable and not pending (every submission is waited for by `finish` before the
+        // next, which covers `first` too); the fence is unsignalled (created so, reset after
+        // each wait).
+        unsafe { dev.queue_submit(*queue, &submit, self.fence) }
+            .map_err(|r| self.device.map_result(r))
+    }
+
+    /// Waits for the submission `submit` made and resets the fence.
+    fn finish(&self) -> Result<()> {
         let waited = self.wait();
         // SAFETY: the fence is not in use by a pending submission once waited for (or once the
         // device is lost, when nothing is pending).
-        let reset = unsafe { dev.reset_fences(&[self.fence]) };
+        let reset = unsafe { self.device.raw.reset_fences(&[self.fence]) };
         waited?;
         reset.map_err(map_vk)?;
         self.device.check_lost(LossPoint::Wait)

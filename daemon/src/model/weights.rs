@@ -54,6 +54,19 @@ impl<'a> MatRef<'a> {
         let rb = self.row_bytes();
         &self.data[i * rb..(i + 1) * rb]
     }
+
+    /// Rows `range` as a matrix of their own.
+    ///
+    /// # Panics
+    /// If `range` ends past the last row.
+    pub fn rows(&self, range: std::ops::Range<usize>) -> MatRef<'a> {
+        let rb = self.row_bytes();
+        MatRef {
+            n_out: range.len(),
+            data: &self.data[range.start * rb..range.end * rb],
+            ..*self
+        }
+    }
 }
 
 fn row_bytes(ty: GgmlType, n: usize) -> usize {

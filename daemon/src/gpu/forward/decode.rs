@@ -3,6 +3,7 @@
 //! experts placed (resident, fetched, or computed on the CPU) layer by layer.
 
 use super::*;
+use crate::engine::row_help::RowHelper;
 
 impl GpuModel {
     /// Evaluates `token` at the next position; the logits of the token after it.
@@ -23,9 +24,20 @@ impl GpuModel {
             }
             (Some(front), None) => {
                 let t = Instant::now();
-                let x = front.run(&[token], self.positions[self.seq])?;
-                self.input_rows.buffer.write_f32(&x);
+                let help = self
+                    .bus_rows
+                    .as_mut()
+                    .map(|b| b as &mut (dyn RowHelper + 'static));
+                let x = front.run(&[token], self.positions[self.seq], help)?;
                 self.front_time = t.elapsed();
+                if let Some(b) = self.bus_rows.as_mut() {
+                    // The CPU computed whatever rows the GPU failed to: `x` is right, and the
+                    // device's failure is this step's.
+                    if let Some(e) = b.take_error() {
+                        return Err(e);
+                    }
+                }
+                self.input_rows.buffer.write_f32(&x);
                 0
             }
             (None, _) => token,

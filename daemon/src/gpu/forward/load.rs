@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use spillway_shaders::WeightType;
 
+use super::bus_rows::BusRows;
 use super::gate_up::GateUp;
 use super::*;
 use crate::gpu::chain::Handoff;
@@ -234,6 +235,11 @@ impl GpuModel {
             options.threads,
             capacity,
         ));
+        if options.bus_rows {
+            let device = allocator.device();
+            let share = options.split_cpu_share;
+            gpu.bus_rows = Some(BusRows::new(device, &gpu.kernels, model, n_cpu, share)?);
+        }
         Ok(gpu)
     }
 
@@ -495,6 +501,7 @@ impl GpuModel {
             output,
             front: None,
             front_time: std::time::Duration::ZERO,
+            bus_rows: None,
             stream: None,
             streamed_chunks: 0,
             expert_stream,

@@ -30,6 +30,7 @@
 //! recording, replayed. Partial: no weights are streamed through VRAM.
 
 mod batch;
+mod bus_rows;
 mod chained;
 mod decode;
 mod gate_up;
@@ -250,6 +251,9 @@ pub struct GpuModel {
     front: Option<CpuLayers>,
     /// How long `front` took in the last step or prompt chunk.
     front_time: std::time::Duration,
+    /// The GPU's rows of `front`'s products in decode steps, read over the bus
+    /// ([`GpuModelOptions::bus_rows`]).
+    bus_rows: Option<bus_rows::BusRows>,
     /// The VRAM slot that `front`'s layers take in turn for a long prompt chunk.
     stream: Option<stream::StreamSlot>,
     /// Prompt chunks that took `front`'s layers through `stream`.
@@ -398,6 +402,15 @@ impl GpuModel {
     /// takes now; `None` otherwise.
     pub fn split_cpu_share(&self) -> Option<f32> {
         self.split.as_ref().map(split::SplitShare::share)
+    }
+
+    /// With the CPU's layers sharing their products' rows with the GPU
+    /// ([`GpuModelOptions::bus_rows`]), the share of each group of products' rows the CPU
+    /// computes now; `None` otherwise.
+    pub fn bus_rows_cpu_shares(
+        &self,
+    ) -> Option<[(crate::engine::row_help::LayerProducts, f32); 4]> {
+        self.bus_rows.as_ref().map(bus_rows::BusRows::cpu_shares)
     }
 
     /// Where the host's time went in the last step, when it was a chain (some experts on the

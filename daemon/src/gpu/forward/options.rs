@@ -39,8 +39,14 @@ pub struct GpuModelOptions {
     pub handoff: crate::gpu::chain::Handoff,
     /// With misses split between the CPU and the bus ([`MoeMiss::Split`](crate::gpu::placement::MoeMiss::Split)),
     /// the share of each layer's misses the CPU takes, fixed; `None`: measured step by step
-    /// ([`split`](super::split)).
+    /// ([`split`](super::split)). With `bus_rows`, the share of each product's rows the CPU
+    /// computes.
     pub split_cpu_share: Option<f32>,
+    /// A dense model's layers on the CPU (over the VRAM budget) share each decode step's
+    /// products with the GPU, which reads its rows of them from a copy in system RAM over the
+    /// bus ([`bus_rows`](super::bus_rows)); `false`: the CPU computes them alone. The copy is
+    /// those layers' size in RAM besides the memory map.
+    pub bus_rows: bool,
     /// Record a step that is one submission (a dense model, or every expert in VRAM) once and
     /// submit that recording for every token ([`crate::gpu::replay`]); `false`: record each step
     /// anew, for comparisons.
@@ -119,6 +125,7 @@ impl Default for GpuModelOptions {
             chain: true,
             handoff: crate::gpu::chain::Handoff::configured(),
             split_cpu_share: None,
+            bus_rows: false,
             replay: true,
             coopmat: true,
             int_dot: true,

@@ -610,7 +610,7 @@ impl GpuModel {
         let (mut hidden, mut share) = (None, std::time::Duration::ZERO);
         if let Some(front) = self.front.as_mut().filter(|_| tokens.len() > 1) {
             let t = std::time::Instant::now();
-            hidden = Some(front.run(tokens, self.positions[self.seq])?);
+            hidden = Some(front.run(tokens, self.positions[self.seq], None)?);
             share = t.elapsed() / tokens.len() as u32;
         }
         let e = self.config.n_embd;
@@ -757,7 +757,7 @@ impl GpuModel {
                 let t = std::time::Instant::now();
                 if !streams {
                     let pos = self.positions[self.seq];
-                    input.buffer.write_f32(&front.run(tokens, pos)?);
+                    input.buffer.write_f32(&front.run(tokens, pos, None)?);
                 }
                 self.front_time = t.elapsed();
             }
