@@ -157,10 +157,11 @@ fn offload(preset: &str) {
                 _ => assert_eq!(miss, asked, "{what}"),
             }
             let slots = gpu.placement().slots;
-            if budget == minimum && miss != MoeMiss::Pcie {
+            let over_bus = matches!(miss, MoeMiss::Pcie | MoeMiss::Split);
+            if budget == minimum && !over_bus {
                 assert_eq!(slots, 1, "{what}: the minimum holds one slot per layer");
             }
-            if miss == MoeMiss::Pcie && slots < cfg.n_expert {
+            if over_bus && slots < cfg.n_expert {
                 // The embedding went to system RAM with the experts: the minimum of misses on
                 // the CPU holds more slots.
                 assert!(gpu.host_embedding_bytes() > 0, "{what}");

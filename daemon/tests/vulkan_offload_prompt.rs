@@ -172,9 +172,10 @@ fn check(preset: &str) {
     // Misses split between the CPU and the bus: every expert is in system RAM too, yet prompt
     // chunks run their misses on the CPU as with `cpu` (the entries the host writes list no
     // expert there), and decode steps share theirs; the same logits.
+    // (At 0.4 a layer's one miss goes over the bus, and of two the CPU takes one.)
     let split = |o: GpuModelOptions| GpuModelOptions {
         moe_miss: MoeMiss::Split,
-        split_cpu_share: Some(0.5),
+        split_cpu_share: Some(0.4),
         ..o
     };
     for (label, o) in [
@@ -197,7 +198,12 @@ fn check(preset: &str) {
         if gpu.placement().is_partial() {
             let t = gpu.expert_stats().unwrap().total();
             assert!(gpu.cpu_prompt_chunks() > 0, "{what}");
-            assert!(t.pcie > 0 && t.cpu > 0, "{what}: {t:?}");
+            // With the embedding in system RAM the larger budget leaves decode steps few
+            // misses (or none); the minimum's steps miss on both sides.
+            assert!(t.cpu > 0, "{what}: {t:?}");
+            if label == "minimum" {
+                assert!(t.pcie > 0, "{what}: {t:?}");
+            }
         }
     }
 }

@@ -434,10 +434,11 @@ pub(super) fn plan(
         return Ok(whole);
     }
     let staging = shape.staging_bytes();
-    // Misses read over PCIe keep the token embedding in system RAM too (a row a token crosses
-    // the bus), as llama.cpp keeps it on the CPU; tied to the output, it stays.
+    // Misses read over PCIe (all or some of them) keep the token embedding in system RAM too
+    // (a row a token crosses the bus), as llama.cpp keeps it on the CPU; tied to the output, it
+    // stays.
     let embedding = match miss {
-        MoeMiss::Pcie if model.output != model.token_embd => {
+        MoeMiss::Pcie | MoeMiss::Split if model.output != model.token_embd => {
             model.mat(&model.token_embd).data.len() as u64
         }
         _ => 0,

@@ -73,7 +73,7 @@ impl GpuModel {
         // over PCIe need less (the embedding goes to system RAM too); fetched ones as many.
         let capacity = Self::capacity_for(&model.config, options);
         let miss = match Self::resolve_miss(device, model, options).moe_miss {
-            MoeMiss::Pcie => MoeMiss::Pcie,
+            m @ (MoeMiss::Pcie | MoeMiss::Split) => m,
             _ => MoeMiss::Cpu,
         };
         match plan(
