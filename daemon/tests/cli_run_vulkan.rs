@@ -187,7 +187,8 @@ fn experts_beyond_the_vram_budget_give_the_same_greedy_tokens() {
 }
 
 /// A dense model under its whole size runs its first layers on the CPU, says so, and gives
-/// the unconstrained run's greedy tokens.
+/// the unconstrained run's greedy tokens; so it does with those layers' rows shared with the
+/// GPU over the bus (`--bus-rows true`).
 #[test]
 fn a_dense_model_beyond_the_vram_budget_gives_the_same_greedy_tokens() {
     let Some(device) = spillway_daemon::gpu::device_or_skip() else {
@@ -237,6 +238,18 @@ fn a_dense_model_beyond_the_vram_budget_gives_the_same_greedy_tokens() {
     assert_eq!(got, want, "--vram-budget {minimum}");
     assert!(
         stderr.contains("the VRAM budget holds layers 3..4 of 4: layers 0..3 run on the CPU"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("over the bus"), "{stderr}");
+    let mut bus = args(Some(&minimum));
+    bus.extend(["--bus-rows", "true"]);
+    let (got, stderr) = tokens(&spillwayd(&path, &bus));
+    assert_eq!(got, want, "--vram-budget {minimum} --bus-rows true");
+    assert!(
+        stderr.contains(
+            "layers 0..3 run on the CPU, sharing their decode products' rows with the GPU over \
+             the bus"
+        ),
         "{stderr}"
     );
 }

@@ -79,6 +79,12 @@ pub struct RunArgs {
     /// else `cpu`.
     #[arg(long, default_value = "auto")]
     pub moe_miss: MoeMiss,
+    /// A dense model over --vram-budget runs its first layers on the CPU; with this, each
+    /// decode product of those layers is shared with the GPU, which reads its rows from a copy
+    /// of them in system RAM over the bus while the CPU computes the rest (the shares balanced
+    /// as they run). The copy takes those layers' size in RAM.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    pub bus_rows: bool,
     /// With `--moe-miss cpu` or `pcie`, keep in VRAM the routed experts the slots were loaded with. By
     /// default the experts used most come into the slots of residents used less between steps.
     #[arg(long)]
@@ -313,13 +319,18 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 host_routing: false,
                 ram_budget: args.ram_budget.map(|b| b.0),
                 promote_experts: !args.static_experts,
+                bus_rows: args.bus_rows,
                 ..GpuModelOptions::default()
             };
             let gpu = load_on_gpu(&device, &model, &options)
                 .with_context(|| format!("loading {} onto {name}", args.model.display()))?;
             if gpu.cpu_layers() > 0 {
+                let bus = match gpu.bus_rows_cpu_shares() {
+                    Some(_) => ", sharing their decode products' rows with the GPU over the bus",
+                    None => "",
+                };
                 eprintln!(
-                    "the VRAM budget holds layers {}..{} of {}: layers 0..{} run on the CPU",
+                    "the VRAM budget holds layers {}..{} of {}: layers 0..{} run on the CPU{bus}",
                     gpu.cpu_layers(),
                     model.config.n_layer,
                     model.config.n_layer,

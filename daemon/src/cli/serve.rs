@@ -101,6 +101,12 @@ pub struct ServeArgs {
     /// `cpu`.
     #[arg(long, default_value = "auto")]
     pub moe_miss: MoeMiss,
+    /// A dense model over --vram-budget runs its first layers on the CPU; with this, each
+    /// decode product of those layers is shared with the GPU, which reads its rows from a copy
+    /// of them in system RAM over the bus while the CPU computes the rest (the shares balanced
+    /// as they run). The copy takes those layers' size in RAM.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    pub bus_rows: bool,
     /// Whether a newly admitted request's prompt goes into the running requests' decode steps,
     /// a few tokens a step, on a Vulkan device where a MoE model's misses run on the CPU (its
     /// steps and prompt chunks are then the same size); `false`: each prompt runs whole
@@ -215,6 +221,7 @@ impl ServeArgs {
                 hardware,
                 expert_layout: self.expert_layout.clone(),
                 moe_miss: self.moe_miss,
+                bus_rows: self.bus_rows,
                 step_batching: self.step_batching,
                 prompt_steps: self.prompt_steps,
             },

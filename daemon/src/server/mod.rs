@@ -247,6 +247,7 @@ async fn load_startup_models(
             predict_experts: state.defaults.predict_experts,
             expert_layout: state.defaults.expert_layout.clone(),
             moe_miss: state.defaults.moe_miss,
+            bus_rows: state.defaults.bus_rows,
             step_batching: state.defaults.step_batching,
             prompt_steps: state.defaults.prompt_steps,
             pins: Vec::new(),

@@ -83,6 +83,8 @@ pub struct LoadOptions {
     pub expert_layout: LayoutChoice,
     /// Where a MoE model's experts not in VRAM run.
     pub moe_miss: crate::gpu::placement::MoeMiss,
+    /// Whether a dense model's layers on the CPU share their rows with the GPU over the bus.
+    pub bus_rows: bool,
     /// How a model on a Vulkan device runs steps of several requests.
     pub step_batching: crate::gpu::forward::StepBatching,
     /// Whether prompts may go into the running requests' steps.
@@ -380,6 +382,7 @@ pub fn load(
                 threads: options.threads,
                 expert_layout: expert_layout(options, &device, &model)?,
                 moe_miss: options.moe_miss,
+                bus_rows: options.bus_rows,
                 sequences: options.max_batch,
                 step_batching: options.step_batching,
                 prompt_steps: options.prompt_steps,
@@ -515,6 +518,7 @@ mod tests {
             predict_experts: false,
             expert_layout: LayoutChoice::Planned,
             moe_miss: Default::default(),
+            bus_rows: false,
             step_batching: Default::default(),
             prompt_steps: true,
             pins: Vec::new(),

@@ -62,6 +62,9 @@ pub struct ModelDefaults {
     pub expert_layout: super::models::LayoutChoice,
     /// Where MoE models on a Vulkan device run their experts not in VRAM (`--moe-miss`).
     pub moe_miss: crate::gpu::placement::MoeMiss,
+    /// Whether a dense model's layers on the CPU share their rows with the GPU over the bus
+    /// (`--bus-rows`).
+    pub bus_rows: bool,
     /// How steps of several requests run on a Vulkan device (`--step-batching`).
     pub step_batching: crate::gpu::forward::StepBatching,
     /// Whether prompts may go into the running requests' steps (`--prompt-steps`).
@@ -338,6 +341,7 @@ impl SpillwayService {
             predict_experts: defaults.predict_experts,
             expert_layout: defaults.expert_layout.clone(),
             moe_miss: defaults.moe_miss,
+            bus_rows: defaults.bus_rows,
             step_batching: defaults.step_batching,
             prompt_steps: defaults.prompt_steps,
             pins,
