@@ -11,7 +11,8 @@
 //! `bus=m,0.6`: each budget also with the CPU's layers sharing their products' rows with the
 //! GPU over the bus (`GpuModelOptions::bus_rows`), the CPU's share of each group of products
 //! balanced as they run (`m`) or fixed (a number), the shares printed after. `budgets-only`: without the whole model and the CPU
-//! engine alone. `single`: the first budget's model alone in the process, decode only.
+//! engine alone. `warmup=N`: N untimed decode steps per model first (default 2). `single`:
+//! the first budget's model alone in the process, decode only.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -94,6 +95,7 @@ fn main() {
     let mut bus: Vec<Option<f32>> = Vec::new();
     let mut no_slot = true;
     let mut budgets_only = false;
+    let mut warmup = 2;
     let args: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| {
@@ -110,6 +112,8 @@ fn main() {
                 no_slot = false;
             } else if a == "budgets-only" {
                 budgets_only = true;
+            } else if let Some(n) = a.strip_prefix("warmup=") {
+                warmup = n.parse().unwrap();
             } else if let Some(list) = a.strip_prefix("bus=") {
                 bus = list
                     .split(',')
@@ -242,7 +246,7 @@ fn main() {
         .collect();
     // Pipelines, the replay's recording and the page cache: not timed.
     for (_, _, _, r) in runs.iter_mut() {
-        r.time(&prompt, &tokens[..2]);
+        r.time(&prompt, &tokens[..warmup.min(tokens.len())]);
     }
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); runs.len()];
     for _ in 0..3 {
