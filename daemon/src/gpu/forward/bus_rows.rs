@@ -19,7 +19,8 @@
 //! fixes the CPU's share of every group instead.
 //!
 //! Each (layer, group, share) has a recording of the GPU's rows, made the first time and
-//! replayed after; a share moves by steps of 1/[`STEPS`], so few are ever made.
+//! replayed after: at most `STEPS + 1` shares a group, and in practice the few around where it
+//! settles.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -36,7 +37,7 @@ use crate::model::{Ffn, Model};
 const ROW_STEP: usize = 32;
 
 /// A group's share moves by 1/`STEPS` of its rows.
-pub(super) const STEPS: u32 = 64;
+const STEPS: u32 = 64;
 
 /// The groups, in the order of [`BusRows::shares`].
 const GROUPS: [LayerProducts; 4] = [
@@ -116,11 +117,7 @@ impl BusRows {
                 gate_up: [host(gate)?, host(up)?],
                 down: host(down)?,
             };
-            for m in [LayerProducts::Qkv, LayerProducts::Output]
-                .into_iter()
-                .chain([LayerProducts::GateUp, LayerProducts::Down])
-                .flat_map(|p| rows.products(p))
-            {
+            for m in GROUPS.iter().flat_map(|&p| rows.products(p)) {
                 widest_in = widest_in.max(m.n_in);
                 widest_out = widest_out.max(m.n_out);
             }
