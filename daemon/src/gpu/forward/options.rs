@@ -44,7 +44,7 @@ pub struct GpuModelOptions {
     pub split_cpu_share: Option<f32>,
     /// A dense model's layers on the CPU (over the VRAM budget) share each decode step's
     /// products with the GPU, which reads its rows of them from a copy in system RAM over the
-    /// bus ([`bus_rows`](super::bus_rows)); `false`: the CPU computes them alone. The copy is
+    /// bus (`gpu/forward/bus_rows.rs`); `false`: the CPU computes them alone. The copy is
     /// those layers' size in RAM besides the memory map.
     pub bus_rows: bool,
     /// Record a step that is one submission (a dense model, or every expert in VRAM) once and
