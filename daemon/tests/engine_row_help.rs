@@ -119,14 +119,8 @@ fn check(preset: &str, ty: GgmlType) {
             );
         }
         assert_eq!(got, want, "{what}");
-        let groups = [
-            LayerProducts::Qkv,
-            LayerProducts::Output,
-            LayerProducts::GateUp,
-            LayerProducts::Down,
-        ];
         let expected: Vec<(usize, LayerProducts)> = (0..tokens.len())
-            .flat_map(|_| (0..n_layers).flat_map(move |l| groups.map(|g| (l, g))))
+            .flat_map(|_| (0..n_layers).flat_map(|l| LayerProducts::ALL.map(|g| (l, g))))
             .collect();
         assert_eq!(help.calls, expected, "{what}");
     }

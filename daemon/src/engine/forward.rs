@@ -246,7 +246,7 @@ fn run_layers(
         norm_rows(x, &layer.ffn_norm, c.rms_eps, &mut xn);
         match &layer.ffn {
             Ffn::Dense { gate, up, down } => {
-                let help = help.as_deref_mut().map(|h| (h, il));
+                let help = (help.as_deref_mut(), il);
                 let out = swiglu_ffn(model, pool, help, (gate, up, down), &xn);
                 add_inplace(x, &out);
                 laps.lap(Some(il), OpGroup::Ffn, || {
@@ -431,59 +431,57 @@ fn attention(
 fn swiglu_ffn(
     model: &Model,
     pool: &ThreadPool,
-    help: Option<(&mut (dyn RowHelper + 'static), usize)>,
+    (mut help, il): (Option<&mut (dyn RowHelper + 'static)>, usize),
     (gate, up, down): (&Matrix, &Matrix, &Matrix),
     xs: &[f32],
 ) -> Vec<f32> {
-    if let Some((help, il)) = help {
-        let n = xs.len() / gate.n_in;
-        let (mut g, mut u) = (vec![0.0f32; n * gate.n_out], vec![0.0f32; n * up.n_out]);
-        let gate_up = [model.mat(gate), model.mat(up)];
-        let at = (il, LayerProducts::GateUp);
-        if shared_rows(
-            pool,
-            Some(&mut *help),
-            at,
-            &gate_up,
-            xs,
-            &mut [&mut g, &mut u],
-        ) {
-            swiglu_inplace(&mut g, &u);
-            let mut out = vec![0.0f32; n * down.n_out];
-            let at = (il, LayerProducts::Down);
-            let d = [model.mat(down)];
-            if !shared_rows(pool, Some(help), at, &d, &g, &mut [&mut out]) {
-                matmul(pool, d[0], &g, &mut out);
-            }
-            return out;
-        }
-    }
-    let acts = activations(gate.ty, xs, gate.n_in);
-    let up_acts = (ActFormat::for_weights(up.ty) != ActFormat::for_weights(gate.ty))
-        .then(|| activations(up.ty, xs, up.n_in));
-    let n = acts.len();
+    let n = xs.len() / gate.n_in;
     let mut g = vec![0.0f32; n * gate.n_out];
     let mut u = vec![0.0f32; n * up.n_out];
-    matmul_group(
+    let gate_up = [model.mat(gate), model.mat(up)];
+    let at = (il, LayerProducts::GateUp);
+    if !shared_rows(
         pool,
-        &mut [
-            Product {
-                m: model.mat(gate),
-                acts: &acts,
-                out: &mut g,
-                label: None,
-            },
-            Product {
-                m: model.mat(up),
-                acts: up_acts.as_deref().unwrap_or(&acts),
-                out: &mut u,
-                label: None,
-            },
-        ],
-    );
+        help.as_deref_mut(),
+        at,
+        &gate_up,
+        xs,
+        &mut [&mut g, &mut u],
+    ) {
+        let acts = activations(gate.ty, xs, gate.n_in);
+        let up_acts = (ActFormat::for_weights(up.ty) != ActFormat::for_weights(gate.ty))
+            .then(|| activations(up.ty, xs, up.n_in));
+        matmul_group(
+            pool,
+            &mut [
+                Product {
+                    m: gate_up[0],
+                    acts: &acts,
+                    out: &mut g,
+                    label: None,
+                },
+                Product {
+                    m: gate_up[1],
+                    acts: up_acts.as_deref().unwrap_or(&acts),
+                    out: &mut u,
+                    label: None,
+                },
+            ],
+        );
+    }
     swiglu_inplace(&mut g, &u);
     let mut out = vec![0.0f32; n * down.n_out];
-    matmul(pool, model.mat(down), &g, &mut out);
+    let d = [model.mat(down)];
+    if !shared_rows(
+        pool,
+        help,
+        (il, LayerProducts::Down),
+        &d,
+        &g,
+        &mut [&mut out],
+    ) {
+        matmul(pool, d[0], &g, &mut out);
+    }
     out
 }
 
@@ -537,7 +535,7 @@ fn moe_ffn(
     if let Some(sh) = &moe.shared {
         let mut logit = vec![0.0f32; n];
         matmul(pool, model.mat(&sh.gate_inp), xn, &mut logit);
-        let y = swiglu_ffn(model, pool, None, (&sh.gate, &sh.up, &sh.down), xn);
+        let y = swiglu_ffn(model, pool, (None, il), (&sh.gate, &sh.up, &sh.down), xn);
         for ((o, y), &l) in out.chunks_exact_mut(e).zip(y.chunks_exact(e)).zip(&logit) {
             let g = shared_expert_gate(l);
             for (o, &y) in o.iter_mut().zip(y) {

@@ -23,6 +23,21 @@ pub enum LayerProducts {
     Down,
 }
 
+impl LayerProducts {
+    /// Every group, in the order a layer runs them (and of [`LayerProducts::index`]).
+    pub const ALL: [LayerProducts; 4] = [
+        LayerProducts::Qkv,
+        LayerProducts::Output,
+        LayerProducts::GateUp,
+        LayerProducts::Down,
+    ];
+
+    /// The group's place in [`LayerProducts::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
 /// Computes the last rows of a layer's products while the CPU computes the first ones.
 pub trait RowHelper {
     /// Of a product of `n_out` rows in `products`, how many the CPU computes (the first ones)

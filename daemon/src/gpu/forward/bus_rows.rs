@@ -39,18 +39,6 @@ const ROW_STEP: usize = 32;
 /// A group's share moves by 1/`STEPS` of its rows.
 const STEPS: u32 = 64;
 
-/// The groups, in the order of [`BusRows::shares`].
-const GROUPS: [LayerProducts; 4] = [
-    LayerProducts::Qkv,
-    LayerProducts::Output,
-    LayerProducts::GateUp,
-    LayerProducts::Down,
-];
-
-fn group_index(products: LayerProducts) -> usize {
-    GROUPS.iter().position(|&g| g == products).expect("a group")
-}
-
 /// One layer's matrices in system RAM.
 struct LayerRows {
     qkv: [GpuMatrix; 3],
@@ -78,7 +66,7 @@ pub(super) struct BusRows {
     /// RAM.
     x: Buffer,
     y: [Buffer; 3],
-    /// Per group (in the order of [`GROUPS`]): the GPU's share of its rows, in 1/[`STEPS`].
+    /// Per group (by [`LayerProducts::index`]): the GPU's share of its rows, in 1/[`STEPS`].
     gpu_steps: [u32; 4],
     /// The shares are given, not balanced.
     fixed: bool,
@@ -90,7 +78,7 @@ pub(super) struct BusRows {
 
 impl BusRows {
     /// Copies the matrices of `model`'s first `n_layers` layers (all dense) into system RAM
-    /// the GPU reads; `share`: the CPU's share, fixed, or `None` to search for it.
+    /// the GPU reads; `share`: the CPU's share, fixed, or `None` to balance each group's.
     pub(super) fn new(
         device: &Arc<Device>,
         kernels: &Arc<Kernels>,
@@ -117,7 +105,7 @@ impl BusRows {
                 gate_up: [host(gate)?, host(up)?],
                 down: host(down)?,
             };
-            for m in GROUPS.iter().flat_map(|&p| rows.products(p)) {
+            for m in LayerProducts::ALL.iter().flat_map(|&p| rows.products(p)) {
                 widest_in = widest_in.max(m.n_in);
                 widest_out = widest_out.max(m.n_out);
             }
@@ -140,10 +128,7 @@ impl BusRows {
 
     /// The CPU's share of each group's rows now (Q/K/V, output, gate and up, down).
     pub(super) fn cpu_shares(&self) -> [(LayerProducts, f32); 4] {
-        GROUPS.map(|g| {
-            let gpu = self.gpu_steps[group_index(g)];
-            (g, 1.0 - gpu as f32 / STEPS as f32)
-        })
+        LayerProducts::ALL.map(|g| (g, 1.0 - self.gpu_steps[g.index()] as f32 / STEPS as f32))
     }
 
     /// The GPU's failure since the last call, if any.
@@ -155,7 +140,7 @@ impl BusRows {
     /// of [`ROW_STEP`].
     fn gpu_rows(&self, products: LayerProducts, n_out: usize) -> usize {
         let steps = n_out / ROW_STEP;
-        let share = self.gpu_steps[group_index(products)] as usize;
+        let share = self.gpu_steps[products.index()] as usize;
         (steps * share + STEPS as usize / 2) / STEPS as usize * ROW_STEP
     }
 
@@ -165,7 +150,7 @@ impl BusRows {
         if self.fixed {
             return;
         }
-        let s = &mut self.gpu_steps[group_index(products)];
+        let s = &mut self.gpu_steps[products.index()];
         *s = match gpu_first {
             true => (*s + 1).min(STEPS),
             false => s.saturating_sub(1),
@@ -174,7 +159,7 @@ impl BusRows {
 
     /// The recording of `products` of `layer` at this pass's share, made now if new.
     fn replay(&mut self, layer: usize, products: LayerProducts) -> Result<&Replay> {
-        let key = (self.gpu_steps[group_index(products)], layer, products);
+        let key = (self.gpu_steps[products.index()], layer, products);
         if !self.replays.contains_key(&key) {
             let mats = self.layers[layer].products(products);
             let (x, y) = (&self.x, &self.y);
