@@ -15,8 +15,8 @@ A layer's measured time is the sum of its rows (`blk.N`); `head` is the rows out
 (embedding, output norm and head); a GPU step's host-side totals (`cpu_experts`, `host_wait`)
 overlap the layers, which wait for them, and are left out. Printed: per layer, predicted against measured; the median
 relative error over the layers (the bar is 15%); predicted against measured tokens/s (20%),
-measured by `spillway generate` (greedy, `--gen-tokens`), since profiled steps run slower than
-served ones.
+measured by `spillway generate` (greedy, `--gen-tokens`), each run right before a profile so
+that the profile finds the device at its working clocks.
 
 Not part of CI: needs release binaries and a profile from `spillwayd calibrate`.
 
@@ -106,20 +106,20 @@ def validate(args, path, bins):
     daemon = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
     try:
         wait_for(sock, daemon)
-        runs = []
+        runs, generated = [], []
         wait_loaded(spillway, sock, name, daemon)
-        for _ in range(args.reps):
-            out = run([spillway, "profile", "--addr", sock, "--no-autostart", "--model", name,
-                       "--tokens", str(args.tokens), "--steps", str(args.steps), "--json"])
-            runs.append(json.loads(out))
-        # The decode speed unprofiled: a profiled step is recorded anew with its timestamps,
-        # where a served step is replayed, so the profile's tokens/s is not the model's.
+        # The decode speed unprofiled, from `spillway generate`; each profile runs right after
+        # one, so that its steps find the device busy and at its clocks, as served steps do (a
+        # device idle since the load clocks down, and a short profile would time its ramp).
         prompt = ",".join(str(1 + (7 * i) % 1000) for i in range(args.tokens))
         gen = [spillway, "generate", "--addr", sock, "--no-autostart", "--model", name,
                "--prompt-tokens", prompt, "--max-tokens", str(args.gen_tokens),
                "--ignore-eos", "--temperature", "0", "--json"]
-        generated = [json.loads(run(gen))["timings"]["decode_tokens_per_second"]
-                     for _ in range(args.reps)]
+        for _ in range(args.reps):
+            generated.append(json.loads(run(gen))["timings"]["decode_tokens_per_second"])
+            out = run([spillway, "profile", "--addr", sock, "--no-autostart", "--model", name,
+                       "--tokens", str(args.tokens), "--steps", str(args.steps), "--json"])
+            runs.append(json.loads(out))
         resident = resident_experts(spillway, sock) if args.device != "cpu" else None
     finally:
         daemon.terminate()
@@ -143,7 +143,16 @@ def validate(args, path, bins):
     if args.device != "cpu":
         # The daemon's placement: everything in VRAM but the routed experts it has no room for.
         plan_cmd += ["--resident-experts", str(resident if resident is not None else 1 << 30)]
-    plan = json.loads(run(plan_cmd))
+    plan_text = run(plan_cmd)
+    plan = json.loads(plan_text)
+    if args.keep:
+        # The raw figures behind the table: each profile run and the plan, per model.
+        stem = os.path.join(args.keep, os.path.splitext(os.path.basename(path))[0])
+        os.makedirs(args.keep, exist_ok=True)
+        with open(stem + "-plan.json", "w") as f:
+            f.write(plan_text)
+        with open(stem + "-profiles.json", "w") as f:
+            json.dump(runs, f)
     predicted = {l["name"]: l["total_s"] * 1e6 for l in plan["layers"]}
 
     errors = []
@@ -179,12 +188,13 @@ def main():
     ap.add_argument("--ram-budget")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--gen-tokens", type=int, default=64,
                     help="tokens generated unprofiled for the measured tokens/s")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--bin", default=os.path.join(ROOT, "target", "release"))
     ap.add_argument("--json", help="also write the summary rows to this file")
+    ap.add_argument("--keep", help="also write each model's profiles and plan to this folder")
     args = ap.parse_args()
     bins = (os.path.join(args.bin, "spillwayd"), os.path.join(args.bin, "spillway"))
     rows = [validate(args, os.path.abspath(m), bins) for m in args.models]

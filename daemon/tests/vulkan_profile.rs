@@ -122,10 +122,31 @@ fn a_dense_step_times_every_layer_and_adds_up() {
             .all(|r| r.experts.is_none()));
         assert!(off.last_profile().is_none(), "step {i}: profiling off");
     }
+    // A profiled step is the served one: replayed, from a recording of its own.
+    assert_eq!(
+        on.replayed_steps(),
+        TOKENS.len() as u64,
+        "profiled steps replayed"
+    );
     on.set_profiling(false).unwrap();
     assert!(on.last_profile().is_none());
-    on.eval(9).unwrap();
+    assert_eq!(on.eval(9).unwrap(), off.eval(9).unwrap());
     assert!(on.last_profile().is_none(), "profiling turned off");
+    // Turned on again, steps write to the new queries.
+    on.set_profiling(true).unwrap();
+    let (a, wall) = timed(|| on.eval(23).unwrap());
+    assert_eq!(
+        a,
+        off.eval(23).unwrap(),
+        "profiling on again changed the logits"
+    );
+    check_step(
+        "profiling on again",
+        &model,
+        on.last_profile().unwrap(),
+        wall,
+    );
+    assert_eq!(on.replayed_steps(), TOKENS.len() as u64 + 2);
 }
 
 /// A MoE model with every expert in VRAM (routed on the device) and at the minimum budget

@@ -80,6 +80,12 @@ impl GpuModel {
         self.replayed_batches
     }
 
+    /// Single decode steps since loading replayed from their recording, profiled ones
+    /// included (`super::decode`).
+    pub fn replayed_steps(&self) -> u64 {
+        self.replayed_steps
+    }
+
     /// Prompt chunks whose routed experts that miss VRAM ran on the CPU, where the chunk's
     /// size measured that cheaper than streaming them through slots
     /// (`super::prompt_misses`).

@@ -51,7 +51,7 @@ impl GpuModel {
         if profiling {
             self.profile_before();
         }
-        let replaying = self.replays && !profiling;
+        let replaying = self.replays;
         if replaying {
             // Copies from system RAM go ahead of the step, in its submission.
             self.flush_staged_promotions()?;
@@ -84,19 +84,32 @@ impl GpuModel {
     }
 
     /// [`GpuModel::eval`] of a step that is one submission, from its recording (made now the
-    /// first time).
+    /// first time). A profiled step replays its own recording, which writes the timestamps.
     pub(super) fn eval_replay(&mut self) -> Result<Vec<f32>> {
-        if self.replay.is_none() {
+        let profiling = self.profiler.is_some();
+        let recorded = match profiling {
+            true => self.profiled_replay.is_some(),
+            false => self.replay.is_some(),
+        };
+        if !recorded {
             let mut paused_at = None;
             let replay = self
                 .kernels
                 .record_replay(|rec| self.record_part(rec, &Resume::Start, &mut paused_at))?;
             debug_assert!(paused_at.is_none(), "a replayed step is one submission");
-            self.replay = Some(replay);
+            match profiling {
+                true => self.profiled_replay = Some(replay),
+                false => self.replay = Some(replay),
+            }
         }
         let copies = self.host_copies_recording()?;
-        let replay = self.replay.as_ref().expect("recorded above");
+        let replay = match profiling {
+            true => self.profiled_replay.as_ref(),
+            false => self.replay.as_ref(),
+        };
+        let replay = replay.expect("recorded above");
         replay.run_after(copies.as_ref())?;
+        self.replayed_steps += 1;
         self.last_stats = replay.stats();
         self.last_routing = if self.routes_on_device {
             self.device_routings()

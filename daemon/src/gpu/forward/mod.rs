@@ -273,6 +273,8 @@ pub struct GpuModel {
     /// and those of them replayed from a recording.
     batched_steps: u64,
     replayed_batches: u64,
+    /// Single decode steps replayed from a recording ([`GpuModel::replayed_steps`]).
+    replayed_steps: u64,
     /// Of `batched_steps`, those run as a chain (`prefill::step_chain`).
     chained_batches: u64,
     last_stats: RecordStats,
@@ -295,6 +297,9 @@ pub struct GpuModel {
     replays: bool,
     /// The recording, made at the first step that uses it.
     replay: Option<Replay>,
+    /// The same step recorded with the profile's timestamps, made at the first profiled step
+    /// and dropped with the profiler's queries, so that a profiled step is the replayed one.
+    profiled_replay: Option<Replay>,
     last_profile: Option<GpuStepProfile>,
     /// A prompt chunk's activations, made at the first prompt ([`prefill`]).
     batch: Option<prefill::Batch>,

@@ -200,6 +200,8 @@ impl GpuModel {
     /// write no timestamps and [`GpuModel::last_profile`] is `None`.
     pub fn set_profiling(&mut self, on: bool) -> Result<()> {
         self.last_profile = None;
+        // Its timestamps go to the queries dropped or kept below: record it again with them.
+        self.profiled_replay = None;
         if let Some(cpu) = self.experts.as_ref().and_then(|e| e.cpu.as_ref()) {
             cpu.set_tracing(on);
         }
