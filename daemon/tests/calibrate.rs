@@ -24,11 +24,19 @@ fn the_quick_plan_measures_every_part_and_gives_a_valid_profile() {
     let mut steps = Vec::new();
     let profile = calibrate(&facts, &mut bench, &plan, &mut |p| steps.push(p.done)).unwrap();
     assert_eq!(steps, (1..=plan.steps()).collect::<Vec<_>>());
-    // Every weight type's experts ran as the CPU engine runs a MoE layer's.
+    // Every weight type's experts ran as the CPU engine runs a MoE layer's, and as a GPU
+    // decode step runs them.
     for t in &plan.weight_types {
-        let points = &profile.cpu.expert_points[t];
-        assert_eq!(points.len(), plan.experts.len(), "{t}");
-        assert!(points.iter().all(|p| p.seconds > 0.0), "{t}: {points:?}");
+        for (side, points) in [
+            ("CPU", &profile.cpu.expert_points[t]),
+            ("GPU", &profile.gpu.expert_points[t]),
+        ] {
+            assert_eq!(points.len(), plan.experts.len(), "{side} {t}");
+            assert!(
+                points.iter().all(|p| p.seconds > 0.0),
+                "{side} {t}: {points:?}"
+            );
+        }
     }
 
     for (what, v) in [

@@ -59,6 +59,17 @@ pub trait MicroBench {
         used: u64,
         threads: u32,
     ) -> Result<f64, Self::Error>;
+    /// One MoE layer's routed experts for one token on the GPU, as a decode step runs them
+    /// with every expert in VRAM: `used` of `n_expert` experts, each a `k`→`n` gate and up
+    /// and an `n`→`k` down of type `t`, in two expert-indexed dispatches (gate, up and SwiGLU;
+    /// the down products and their weighted sum), a barrier after each.
+    fn gpu_experts(
+        &mut self,
+        t: &WeightType,
+        k: u64,
+        n: u64,
+        used: u64,
+    ) -> Result<f64, Self::Error>;
     /// One empty job run on `threads` CPU threads and waited for.
     fn cpu_dispatch(&mut self, threads: u32) -> Result<f64, Self::Error>;
     /// Read `bytes` of host memory on `threads` threads.
@@ -88,7 +99,8 @@ pub struct CalibrationPlan {
     pub matrices: Vec<(u64, u64)>,
     /// Lengths of the GPU's chains of products (see [`MicroBench::gpu_matvec`]).
     pub chains: Vec<u64>,
-    /// (width, expert rows, experts used) of the CPU's MoE layers ([`MicroBench::cpu_experts`]).
+    /// (width, expert rows, experts used) of the MoE layers, on the CPU
+    /// ([`MicroBench::cpu_experts`]) and on the GPU ([`MicroBench::gpu_experts`]).
     pub experts: Vec<(u64, u64, u64)>,
     pub copy_sizes: Vec<u64>,
     pub ssd_tiles: Vec<u64>,
@@ -128,7 +140,8 @@ impl Default for CalibrationPlan {
 impl CalibrationPlan {
     /// Number of measurements, for progress.
     pub fn steps(&self) -> usize {
-        let gpu = self.weight_types.len() * self.matrices.len() * self.chains.len();
+        let gpu = self.weight_types.len()
+            * (self.matrices.len() * self.chains.len() + self.experts.len());
         let cpu = self.weight_types.len() * (self.matrices.len() * 2 + self.experts.len());
         4 + 3 + 1 + gpu + self.copy_sizes.len() + cpu + 1 + 2 + self.ssd_tiles.len()
     }
@@ -205,6 +218,29 @@ pub fn calibrate<B: MicroBench>(
         }
     }
 
+    // Per expert, past the layer's two dispatches: what one more chosen expert costs.
+    let mut gpu_expert_points = BTreeMap::new();
+    for t in &plan.weight_types {
+        let mut points = Vec::new();
+        for &(k, n, used) in &plan.experts {
+            let Some(bytes) = t.bytes_for(k * n) else {
+                tick("GPU experts");
+                continue;
+            };
+            let seconds = bench.gpu_experts(t, k, n, used)?;
+            tick("GPU experts");
+            // The step model charges the layer's dispatches apart (`plan::step`): the two
+            // products', and a quantizing dispatch before each where the type has one.
+            let ops = if t.gpu_quantizes_inputs() { 4.0 } else { 2.0 };
+            if let Some(p) = expert_point(k, n, bytes, seconds - ops * dispatch_s, used) {
+                points.push(p);
+            }
+        }
+        if !points.is_empty() {
+            gpu_expert_points.insert(t.clone(), points);
+        }
+    }
+
     let mut copies = Vec::new();
     for &bytes in &plan.copy_sizes {
         copies.push((Work::transfer(bytes), bench.host_to_device(bytes)?, 1.0));
@@ -262,14 +298,8 @@ pub fn calibrate<B: MicroBench>(
             };
             let seconds = bench.cpu_experts(t, k, n, used, threads)?;
             tick("CPU experts");
-            let per_expert = (seconds - 2.0 * cpu_dispatch_s) / used.max(1) as f64;
-            if per_expert > 0.0 {
-                points.push(ShapePoint {
-                    k,
-                    n,
-                    bytes: 3 * bytes,
-                    seconds: per_expert,
-                });
+            if let Some(p) = expert_point(k, n, bytes, seconds - 2.0 * cpu_dispatch_s, used) {
+                points.push(p);
             }
         }
         if !points.is_empty() {
@@ -317,6 +347,7 @@ pub fn calibrate<B: MicroBench>(
             submit_s,
             matvec: gpu_matvec,
             matvec_points: gpu_points,
+            expert_points: gpu_expert_points,
         },
         pcie: PcieProfile {
             bandwidth: copy.bandwidth,
@@ -333,6 +364,19 @@ pub fn calibrate<B: MicroBench>(
         },
         ram: RamProfile { memory: facts.ram },
         ssd: SsdProfile { request_s, reads },
+    })
+}
+
+/// One expert's share of a MoE layer's experts that took `busy` seconds past the layer's
+/// fixed costs with `used` experts of `k`→`n` matrices of `bytes` each (gate, up and down);
+/// `None` where nothing is left past the fixed costs.
+fn expert_point(k: u64, n: u64, bytes: u64, busy: f64, used: u64) -> Option<ShapePoint> {
+    let seconds = busy / used.max(1) as f64;
+    (seconds > 0.0).then_some(ShapePoint {
+        k,
+        n,
+        bytes: 3 * bytes,
+        seconds,
     })
 }
 
@@ -418,6 +462,14 @@ mod tests {
             let s = 2.0 * self.truth.cpu.dispatch_s + used as f64 * 3.0 * one;
             self.noisy(s)
         }
+        fn gpu_experts(&mut self, t: &WeightType, k: u64, n: u64, used: u64) -> Result<f64, ()> {
+            let w = Work::matvec(k, n, t.bytes_for(k * n).unwrap(), 1);
+            // Expert-indexed products stream at half a product's rate here.
+            let one = 2.0 * self.truth.gpu_matvec(t).marginal(w);
+            let ops = if t.gpu_quantizes_inputs() { 4.0 } else { 2.0 };
+            let s = ops * self.truth.gpu.dispatch_s + used as f64 * 3.0 * one;
+            self.noisy(s)
+        }
         fn cpu_read(&mut self, bytes: u64, _threads: u32) -> Result<f64, ()> {
             let s = bytes as f64 / self.truth.cpu.memory_bandwidth;
             self.noisy(s)
@@ -476,6 +528,18 @@ mod tests {
         assert!(close(p.cpu.dispatch_s, truth.cpu.dispatch_s, 0.1));
         let c = p.cpu_matvec(&q4k);
         assert!(close(c.bandwidth, 60e9, 0.1), "{c:?}");
+        // A GPU expert is what the bench's products cost it, past the layer's dispatches.
+        let (k, n) = (2048, 768);
+        let bytes = 3 * q4k.bytes_for(k * n).unwrap();
+        let want = 2.0
+            * 3.0
+            * truth
+                .gpu_matvec(&q4k)
+                .marginal(Work::matvec(k, n, bytes / 3, 1));
+        let got = p
+            .gpu_expert(&q4k, k, n, bytes)
+            .expect("GPU experts calibrated");
+        assert!(close(got, want, 0.15), "{got} against {want}");
         // The tile chosen is one the true disk reads near its best (5% of noise can move the
         // choice between tiles that close).
         let true_bw = |tile| truth.ssd_bandwidth(tile);

@@ -69,6 +69,13 @@ pub struct GpuProfile {
     /// correct its roofline by shape ([`shaped_marginal`]). Empty in described profiles.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub matvec_points: BTreeMap<WeightType, Vec<ShapePoint>>,
+    /// Routed experts as a decode step runs a MoE layer's with all of them in VRAM (every
+    /// chosen expert in two expert-indexed dispatches): per expert of `k`-wide, `n`-row gate,
+    /// up and down matrices (`bytes` the three), the seconds one more chosen expert adds past
+    /// the layer's dispatches. Empty in described profiles, whose experts are predicted as
+    /// products.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub expert_points: BTreeMap<WeightType, Vec<ShapePoint>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -312,6 +319,14 @@ impl HardwareProfile {
     /// the calibrated experts; `None` without them.
     pub fn cpu_expert(&self, t: &WeightType, k: u64, n: u64, bytes: u64) -> Option<f64> {
         let points = self.cpu.expert_points.get(t)?;
+        shaped_marginal(0.0, points, bytes, k, n)
+    }
+
+    /// Seconds one more chosen routed expert adds to a GPU MoE layer: `k` wide, `n` rows,
+    /// `bytes` its gate, up and down together, of type `t`. From the calibrated experts;
+    /// `None` without them.
+    pub fn gpu_expert(&self, t: &WeightType, k: u64, n: u64, bytes: u64) -> Option<f64> {
+        let points = self.gpu.expert_points.get(t)?;
         shaped_marginal(0.0, points, bytes, k, n)
     }
 

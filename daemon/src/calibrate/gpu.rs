@@ -8,6 +8,7 @@ use spillway_sched::model::WeightType;
 
 use super::{ggml_type, median_seconds, random_matrix, CalibrateError};
 use crate::gpu::ops::{upload_f32, GpuMatrix};
+use crate::gpu::ops_moe::IdFused;
 use crate::gpu::upload::DEFAULT_STAGING_BYTES;
 use crate::gpu::{
     Allocator, Buffer, Device, DeviceInfo, DeviceKind, Instance, Kernels, MemoryUse, Uploader,
@@ -207,6 +208,99 @@ impl GpuBench {
             Ok(())
         })?;
         Ok(total / chain.max(1) as f64)
+    }
+
+    /// Seconds of one MoE layer's routed experts for one token, as a decode step runs them
+    /// with every expert in VRAM (`GpuMoe`'s routed path): `used` experts of a stack, each a
+    /// `k`→`n` gate and up and an `n`→`k` down of type `t`; one expert-indexed dispatch takes
+    /// the input's RMSNorm, every chosen expert's gate and up and their SwiGLU, the next adds
+    /// their down products, weighted, into the input, which the next layer's experts read.
+    /// Timed over a chain of layers, each choosing experts the layers before it did not, from
+    /// a stack whose chosen experts together pass the GPU's caches.
+    pub fn experts(
+        &mut self,
+        t: &WeightType,
+        k: u64,
+        n: u64,
+        used: u64,
+    ) -> Result<f64, CalibrateError> {
+        const CHAIN: usize = 16;
+        let ty = ggml_type(t)?;
+        let unsupported = || CalibrateError::Unsupported(format!("{t} experts of {n}×{k}"));
+        let row = |width: u64| ty.row_bytes(width).ok_or_else(unsupported);
+        let expert_bytes = 2 * n * row(k)? + k * row(n)?;
+        let used = used.max(1);
+        // Experts in the stack: each layer of the chain its own `used`, or as many as pass
+        // the caches, at most a large model's count (256), within one binding for the gate
+        // and up stack.
+        let max_range = self.device.max_storage_buffer_range();
+        let wanted = (self.cold_bytes() / expert_bytes).clamp(CHAIN as u64 * used, 256);
+        let fits = max_range / (2 * n * row(k)?).max(1);
+        let n_expert = (wanted.min(fits) / used * used).max(used);
+        if n_expert > fits {
+            return Err(unsupported());
+        }
+        let mut uploader = Uploader::new(&self.allocator, DEFAULT_STAGING_BYTES)?;
+        let gate_up = random_matrix(ty, k, 2 * n_expert * n)?;
+        let down = random_matrix(ty, n, n_expert * k)?;
+        let (k_us, n_us) = (k as usize, n as usize);
+        let rows = n_expert as usize;
+        let a = &self.allocator;
+        let gate_up = GpuMatrix::upload(a, &mut uploader, ty, k_us, 2 * rows * n_us, &gate_up)?;
+        let down = GpuMatrix::upload(a, &mut uploader, ty, n_us, rows * k_us, &down)?;
+        // Routings one after another, `route_floats(used)` words each: the ids (as bits),
+        // the weights, the shared expert's gate.
+        let words = crate::gpu::ops_moe::route_floats(used as usize);
+        let routings = (n_expert / used) as usize;
+        let mut route = Vec::with_capacity(routings * words);
+        for r in 0..routings {
+            let first = r as u64 * used;
+            route.extend((first..first + used).map(|e| f32::from_bits(e as u32)));
+            route.extend((0..used).map(|_| 1.0 / used as f32));
+            route.push(0.0);
+        }
+        let route = upload_f32(&self.allocator, &mut uploader, &route)?;
+        let x = upload_f32(&self.allocator, &mut uploader, &vec![0.5; k_us])?;
+        let norm = upload_f32(&self.allocator, &mut uploader, &vec![1.0; k_us])?;
+        let h = Buffer::new_in(&self.allocator, used * n * 4, MemoryUse::DeviceLocal)?;
+        uploader.flush()?;
+        let (used32, n32) = (used as u32, n as u32);
+        let next = std::cell::Cell::new(0usize);
+        let total = self.gpu_seconds(|r| {
+            for _ in 0..CHAIN {
+                let rank = ((next.get() % routings) * words) as u32;
+                next.set(next.get() + 1);
+                let glu = IdFused {
+                    norm: Some((&norm, 1e-6)),
+                    glu_up_rows: Some(n_expert as usize * n_us),
+                    ..IdFused::default()
+                };
+                r.matvec_id_fused(
+                    &gate_up,
+                    n_us,
+                    (&route, rank),
+                    used32,
+                    (&x, 0),
+                    (&h, n32),
+                    glu,
+                )?;
+                let summed = IdFused {
+                    sum_weights_at: Some(rank + used32),
+                    ..IdFused::default()
+                };
+                r.matvec_id_fused(
+                    &down,
+                    k_us,
+                    (&route, rank),
+                    used32,
+                    (&h, n32),
+                    (&x, 0),
+                    summed,
+                )?;
+            }
+            Ok(())
+        })?;
+        Ok(total / CHAIN as f64)
     }
 
     /// Products a chain of [`GpuBench::matvec`] runs between barriers: on a GPU one, as most

@@ -126,6 +126,15 @@ impl MicroBench for Bench {
     ) -> Result<f64, CalibrateError> {
         self.host.experts(t, k, n, used, threads)
     }
+    fn gpu_experts(
+        &mut self,
+        t: &WeightType,
+        k: u64,
+        n: u64,
+        used: u64,
+    ) -> Result<f64, CalibrateError> {
+        self.gpu.experts(t, k, n, used)
+    }
     fn cpu_dispatch(&mut self, threads: u32) -> Result<f64, CalibrateError> {
         self.host.dispatch(threads)
     }

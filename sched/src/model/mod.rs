@@ -39,6 +39,12 @@ impl WeightType {
         })
     }
 
+    /// Whether the GPU's products of this type take their inputs quantized to 8 bits for
+    /// integer dot products, in a dispatch of its own before the first product that reads them.
+    pub fn gpu_quantizes_inputs(&self) -> bool {
+        matches!(self.0.as_str(), "Q4_0" | "Q8_0")
+    }
+
     /// Bytes of `n` elements, when the block layout is known and `n` is whole blocks.
     pub fn bytes_for(&self, n: u64) -> Option<u64> {
         let (elems, bytes) = self.block()?;

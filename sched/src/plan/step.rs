@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::model::{ModelDesc, TensorDesc, TensorRole};
+use crate::model::{ModelDesc, TensorDesc, TensorRole, WeightType};
 use crate::predict::Work;
 use crate::profile::HardwareProfile;
 use crate::ByteSize;
@@ -179,8 +179,12 @@ pub(super) fn units(
         }
     }
     for u in out.iter_mut().filter(|u| u.routed && u.tensors.len() == 3) {
-        if let Some(s) = expert_cpu_cost(model, profile, u) {
+        let (t, k, rows) = expert_shape(model, u);
+        if let Some(s) = profile.cpu_expert(t, k, rows, u.bytes) {
             u.cpu = s;
+        }
+        if let Some(s) = profile.gpu_expert(t, k, rows, u.bytes) {
+            u.gpu = s;
         }
     }
     if let Some(u) = tied_output(model, profile) {
@@ -189,10 +193,11 @@ pub(super) fn units(
     out
 }
 
-/// What one routed expert (its gate, up and down) adds to a CPU MoE layer, from the
-/// calibrated experts, which run as the engine runs them (all of a layer's in two jobs);
-/// `None` without them, and the products' own costs stand.
-fn expert_cpu_cost(model: &ModelDesc, profile: &HardwareProfile, u: &Unit) -> Option<f64> {
+/// A routed expert's (its gate, up and down) type, width and rows, as calibration measured
+/// experts: run as the engines run a layer's experts (on the CPU all of them in two pool
+/// jobs; on the GPU in two expert-indexed dispatches), which the products' own costs do not
+/// describe. Where a profile has no calibrated experts, those costs stand.
+fn expert_shape<'m>(model: &'m ModelDesc, u: &Unit) -> (&'m WeightType, u64, u64) {
     let tensors: Vec<&TensorDesc> = u.tensors.iter().map(|&i| &model.tensors[i]).collect();
     let gate = tensors
         .iter()
@@ -200,7 +205,7 @@ fn expert_cpu_cost(model: &ModelDesc, profile: &HardwareProfile, u: &Unit) -> Op
         .unwrap_or(&tensors[0]);
     let (a, b) = gate.matrix();
     let rows = if a == model.n_embd { b } else { a };
-    profile.cpu_expert(&gate.weight_type, model.n_embd, rows, u.bytes)
+    (&gate.weight_type, model.n_embd, rows)
 }
 
 /// A model without `output.weight` reads its embedding matrix as the output head too (tied
@@ -364,7 +369,7 @@ pub(super) fn gpu_dispatches(t: &TensorDesc) -> f64 {
         return 0.0;
     }
     let shares_inputs = t.name.contains("attn_k.") || t.name.contains("attn_v.");
-    let quantized = matches!(t.weight_type.name(), "Q4_0" | "Q8_0") && !shares_inputs;
+    let quantized = t.weight_type.gpu_quantizes_inputs() && !shares_inputs;
     if quantized {
         2.0
     } else {

@@ -1,6 +1,7 @@
 use super::*;
 use crate::model::presets::{find, Quant};
 use crate::model::{ModelDesc, TensorRole, WeightType};
+use crate::predict::ShapePoint;
 use crate::profile::HardwareProfile;
 use crate::simulate::shipped_profile;
 
@@ -532,6 +533,48 @@ fn a_layer_with_every_expert_in_vram_pays_the_expert_indexed_dispatches() {
     assert!(
         (diff - (per_expert - indexed)).abs() < 0.1 * (per_expert - indexed),
         "{all} s with every expert resident, {one_out} s with one out; dispatch {d}"
+    );
+}
+
+#[test]
+fn calibrated_gpu_experts_set_what_a_resident_expert_costs() {
+    // Calibrated GPU experts stand for the products' costs of a routed expert: a MoE layer
+    // with every expert in VRAM pays k of them, and twice the calibrated cost twice that.
+    let m = find("qwen3-30b-a3b")
+        .unwrap()
+        .describe(&Quant::Uniform(WeightType::new("Q4_0")));
+    let o = opts(gib(16.0), gib(64.0));
+    let t = m.tensors.iter().find(|t| t.role.is_routed()).unwrap();
+    let r = m.experts.as_ref().unwrap();
+    let (a, b) = t.matrix();
+    let rows = if a == m.n_embd { b } else { a };
+    let gpu_s = |per_expert: Option<f64>| {
+        let mut p = profile("h200");
+        if let Some(s) = per_expert {
+            let point = ShapePoint {
+                k: m.n_embd,
+                n: rows,
+                bytes: 3 * t.bytes / u64::from(r.count),
+                seconds: s,
+            };
+            p.gpu
+                .expert_points
+                .insert(t.weight_type.clone(), vec![point]);
+        }
+        let planned = plan(&m, &p, &o).unwrap();
+        let fixed = with_resident_experts(&planned, &m, &p, &o, r.count).unwrap();
+        fixed.layers[0].time.gpu_s
+    };
+    let (one, two) = (gpu_s(Some(10e-6)), gpu_s(Some(20e-6)));
+    let k = f64::from(r.used);
+    assert!(
+        ((two - one) - k * 10e-6).abs() < 1e-9,
+        "{one} s at 10 µs an expert, {two} s at 20 µs"
+    );
+    assert_ne!(
+        gpu_s(None),
+        one,
+        "the products' costs stand without calibrated experts"
     );
 }
 
