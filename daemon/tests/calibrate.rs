@@ -39,6 +39,12 @@ fn the_quick_plan_measures_every_part_and_gives_a_valid_profile() {
         }
     }
 
+    // Decode attention ran as a decode step runs it, at every position of the plan.
+    let attention = profile.gpu.attention.expect("GPU attention calibrated");
+    assert!(
+        attention.fixed_s >= 0.0 && attention.bandwidth > 0.0,
+        "{attention:?}"
+    );
     for (what, v) in [
         ("GPU bandwidth", profile.gpu.bandwidth),
         ("host-to-device bandwidth", profile.pcie.bandwidth),

@@ -11,8 +11,8 @@ use std::collections::BTreeMap;
 use crate::model::WeightType;
 use crate::predict::{Roofline, ShapePoint, Work};
 use crate::profile::{
-    CpuProfile, GpuProfile, HardwareProfile, PcieProfile, ProfileKey, RamProfile, SsdProfile,
-    SsdRead,
+    AttentionCost, CpuProfile, GpuProfile, HardwareProfile, PcieProfile, ProfileKey, RamProfile,
+    SsdProfile, SsdRead,
 };
 use crate::ByteSize;
 
@@ -70,12 +70,53 @@ pub trait MicroBench {
         n: u64,
         used: u64,
     ) -> Result<f64, Self::Error>;
+    /// One layer's decode attention on the GPU for one token at `position` (RoPE, QK-norm and
+    /// the KV-cache append in its dispatch, as a decode step runs it), with heads `heads`, a
+    /// barrier after it.
+    fn gpu_attention(&mut self, heads: AttentionHeads, position: u64) -> Result<f64, Self::Error>;
     /// One empty job run on `threads` CPU threads and waited for.
     fn cpu_dispatch(&mut self, threads: u32) -> Result<f64, Self::Error>;
     /// Read `bytes` of host memory on `threads` threads.
     fn cpu_read(&mut self, bytes: u64, threads: u32) -> Result<f64, Self::Error>;
     /// Read `count` tiles of `tile` bytes from the model file, uncached, kept in flight.
     fn ssd_read(&mut self, tile: u64, count: u64) -> Result<f64, Self::Error>;
+}
+
+/// The heads [`MicroBench::gpu_attention`] times: Llama-3-8B's (32 query heads, 8 KV heads of
+/// 128), the commonest shape of today's 7–70B models, and Llama-3.2-1B's (heads of 64), so
+/// that the fixed cost can follow the query's width (a GPU that computes on the CPU pays
+/// for every head; a GPU pays mostly the dispatch's dependent phases).
+pub const ATTENTION_HEADS: [AttentionHeads; 2] = [
+    AttentionHeads {
+        n_heads: 32,
+        n_kv_heads: 8,
+        head_dim: 128,
+    },
+    AttentionHeads {
+        n_heads: 32,
+        n_kv_heads: 8,
+        head_dim: 64,
+    },
+];
+
+/// Attention heads of a layer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionHeads {
+    pub n_heads: u64,
+    pub n_kv_heads: u64,
+    pub head_dim: u64,
+}
+
+impl AttentionHeads {
+    /// Bytes of one position's K and V in an f16 cache.
+    pub fn kv_bytes_per_position(&self) -> u64 {
+        2 * self.n_kv_heads * self.head_dim * 2
+    }
+
+    /// Floats of a token's query.
+    pub fn query_width(&self) -> u64 {
+        self.n_heads * self.head_dim
+    }
 }
 
 /// What the machine says about itself without measuring.
@@ -102,6 +143,8 @@ pub struct CalibrationPlan {
     /// (width, expert rows, experts used) of the MoE layers, on the CPU
     /// ([`MicroBench::cpu_experts`]) and on the GPU ([`MicroBench::gpu_experts`]).
     pub experts: Vec<(u64, u64, u64)>,
+    /// Positions of the GPU's decode attention ([`MicroBench::gpu_attention`]).
+    pub attention_positions: Vec<u64>,
     pub copy_sizes: Vec<u64>,
     pub ssd_tiles: Vec<u64>,
     /// Bytes read per tile size.
@@ -130,6 +173,7 @@ impl Default for CalibrationPlan {
             chains: vec![16, 64],
             // A small MoE's, Qwen3-30B-A3B's and Qwen3-235B-A22B's experts.
             experts: vec![(1024, 512, 8), (2048, 768, 8), (4096, 1536, 8)],
+            attention_positions: vec![64, 512, 2048, 8192],
             copy_sizes: vec![64 << 10, 1 << 20, 8 << 20, 64 << 20],
             ssd_tiles: vec![256 << 10, 1 << 20, 4 << 20, 16 << 20],
             ssd_bytes: 64 << 20,
@@ -141,7 +185,8 @@ impl CalibrationPlan {
     /// Number of measurements, for progress.
     pub fn steps(&self) -> usize {
         let gpu = self.weight_types.len()
-            * (self.matrices.len() * self.chains.len() + self.experts.len());
+            * (self.matrices.len() * self.chains.len() + self.experts.len())
+            + ATTENTION_HEADS.len() * self.attention_positions.len();
         let cpu = self.weight_types.len() * (self.matrices.len() * 2 + self.experts.len());
         4 + 3 + 1 + gpu + self.copy_sizes.len() + cpu + 1 + 2 + self.ssd_tiles.len()
     }
@@ -240,6 +285,33 @@ pub fn calibrate<B: MicroBench>(
             gpu_expert_points.insert(t.clone(), points);
         }
     }
+
+    // Decode attention at each reference shape: the dispatch's fixed cost (its dependent
+    // phases: RoPE, scores, the softmax, the join of its runs) and its read of the cache.
+    let mut fits = Vec::new();
+    for heads in ATTENTION_HEADS {
+        let mut obs = Vec::new();
+        for &position in &plan.attention_positions {
+            let bytes = (position + 1) * heads.kv_bytes_per_position();
+            obs.push((
+                Work::transfer(bytes),
+                bench.gpu_attention(heads, position)?,
+                1.0,
+            ));
+            tick("GPU attention");
+        }
+        let fit = match obs.len() {
+            0 => continue,
+            // Too few positions to fit a rate: the stream's, with the measured fixed cost.
+            1 | 2 => Roofline::memory_bound(
+                gpu_read.bandwidth,
+                (obs[0].1 - gpu_read.marginal(obs[0].0)).max(0.0),
+            ),
+            _ => guess(&obs).fit(&obs),
+        };
+        fits.push((heads.query_width(), fit));
+    }
+    let gpu_attention = AttentionCost::between(&fits);
 
     let mut copies = Vec::new();
     for &bytes in &plan.copy_sizes {
@@ -348,6 +420,7 @@ pub fn calibrate<B: MicroBench>(
             matvec: gpu_matvec,
             matvec_points: gpu_points,
             expert_points: gpu_expert_points,
+            attention: gpu_attention,
         },
         pcie: PcieProfile {
             bandwidth: copy.bandwidth,
@@ -470,6 +543,11 @@ mod tests {
             let s = ops * self.truth.gpu.dispatch_s + used as f64 * 3.0 * one;
             self.noisy(s)
         }
+        fn gpu_attention(&mut self, heads: AttentionHeads, position: u64) -> Result<f64, ()> {
+            let bytes = (position + 1) * heads.kv_bytes_per_position();
+            let s = self.truth.gpu_attention(heads.query_width(), bytes);
+            self.noisy(s)
+        }
         fn cpu_read(&mut self, bytes: u64, _threads: u32) -> Result<f64, ()> {
             let s = bytes as f64 / self.truth.cpu.memory_bandwidth;
             self.noisy(s)
@@ -482,7 +560,13 @@ mod tests {
 
     #[test]
     fn calibration_recovers_the_machine_it_measures() {
-        let truth = test_profile();
+        let mut truth = test_profile();
+        // An attention dispatch slower than a dispatch, reading its cache at half the stream's.
+        truth.gpu.attention = Some(AttentionCost {
+            fixed_s: 12e-6,
+            per_query_s: 2e-9,
+            bandwidth: 150e9,
+        });
         let facts = MachineFacts {
             key: truth.key.clone(),
             vram: truth.gpu.memory,
@@ -528,6 +612,18 @@ mod tests {
         assert!(close(p.cpu.dispatch_s, truth.cpu.dispatch_s, 0.1));
         let c = p.cpu_matvec(&q4k);
         assert!(close(c.bandwidth, 60e9, 0.1), "{c:?}");
+        // Decode attention: the dispatch's fixed cost is recovered.
+        let a = p.gpu.attention.expect("GPU attention calibrated");
+        for width in [2048, 4096, 8192] {
+            let (got, want) = (
+                p.gpu_attention(width, 1 << 20),
+                truth.gpu_attention(width, 1 << 20),
+            );
+            assert!(
+                close(got, want, 0.1),
+                "{width}: {got} against {want} ({a:?})"
+            );
+        }
         // A GPU expert is what the bench's products cost it, past the layer's dispatches.
         let (k, n) = (2048, 768);
         let bytes = 3 * q4k.bytes_for(k * n).unwrap();

@@ -76,6 +76,50 @@ pub struct GpuProfile {
     /// products.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub expert_points: BTreeMap<WeightType, Vec<ShapePoint>>,
+    /// Decode attention of one layer as a decode step runs it (RoPE, QK-norm and the KV-cache
+    /// append in one dispatch): its fixed cost and its read rate of the cache, from
+    /// calibration. `None` in described profiles: the cache is then read at `bandwidth` after
+    /// one dispatch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention: Option<AttentionCost>,
+}
+
+/// A layer's decode attention on the GPU (one dispatch): a fixed cost that grows with the
+/// query's width, and the read of the KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AttentionCost {
+    /// Seconds at no width: the dispatch and its dependent phases.
+    pub fixed_s: f64,
+    /// Seconds per float of a token's query (its heads' RoPE, norms and sums).
+    pub per_query_s: f64,
+    /// Bytes of the cache read per second.
+    pub bandwidth: f64,
+}
+
+impl AttentionCost {
+    /// Seconds for a query `query_width` floats wide over `kv_bytes` of cache.
+    pub fn seconds(&self, query_width: u64, kv_bytes: u64) -> f64 {
+        self.fixed_s + self.per_query_s * query_width as f64 + kv_bytes as f64 / self.bandwidth
+    }
+
+    /// From fits at several query widths (`(width, fit)`): the fixed costs on a line in the
+    /// width (not falling with it), and the mean of the fits' bandwidths. `None` without fits.
+    pub fn between(fits: &[(u64, Roofline)]) -> Option<AttentionCost> {
+        let n = fits.len() as f64;
+        if fits.is_empty() {
+            return None;
+        }
+        let mean = |f: &dyn Fn(&(u64, Roofline)) -> f64| fits.iter().map(f).sum::<f64>() / n;
+        let (mw, mf) = (mean(&|p| p.0 as f64), mean(&|p| p.1.fixed_s));
+        let var = mean(&|p| (p.0 as f64 - mw).powi(2));
+        let cov = mean(&|p| (p.0 as f64 - mw) * (p.1.fixed_s - mf));
+        let per_query_s = if var > 0.0 { (cov / var).max(0.0) } else { 0.0 };
+        Some(AttentionCost {
+            fixed_s: (mf - per_query_s * mw).max(0.0),
+            per_query_s,
+            bandwidth: mean(&|p| p.1.bandwidth),
+        })
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -253,6 +297,16 @@ impl HardwareProfile {
     /// cache): the plain read bandwidth.
     pub fn gpu_stream(&self) -> Roofline {
         Roofline::memory_bound(self.gpu.bandwidth, self.gpu.dispatch_s)
+    }
+
+    /// Seconds of a layer's decode attention on the GPU, its dispatch included, for a query
+    /// `query_width` floats wide over `kv_bytes` of cache: calibrated, or the cache read at
+    /// the stream's bandwidth after one dispatch.
+    pub fn gpu_attention(&self, query_width: u64, kv_bytes: u64) -> f64 {
+        match self.gpu.attention {
+            Some(a) => a.seconds(query_width, kv_bytes),
+            None => self.gpu_stream().predict(Work::transfer(kv_bytes)),
+        }
     }
 
     /// A matrix-vector product of weights of type `t` on all CPU threads: measured, or `threads`

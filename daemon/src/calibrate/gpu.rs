@@ -7,12 +7,18 @@ use ash::vk;
 use spillway_sched::model::WeightType;
 
 use super::{ggml_type, median_seconds, random_matrix, CalibrateError};
+use crate::gpu::ops::{
+    attention_counters, attention_scratch_floats, rope_table, AttentionArgs, RopeArgs, StepWord,
+};
 use crate::gpu::ops::{upload_f32, GpuMatrix};
+use crate::gpu::ops_attention::{attention_grid, Unroped};
 use crate::gpu::ops_moe::IdFused;
 use crate::gpu::upload::DEFAULT_STAGING_BYTES;
 use crate::gpu::{
     Allocator, Buffer, Device, DeviceInfo, DeviceKind, Instance, Kernels, MemoryUse, Uploader,
 };
+use crate::model::RopeLayout;
+use spillway_sched::calibrate::AttentionHeads;
 
 /// The least a GPU runs a case before it is timed ([`GpuBench::gpu_seconds`]).
 const WARM_UP: Duration = Duration::from_millis(30);
@@ -296,6 +302,94 @@ impl GpuBench {
                     (&h, n32),
                     (&x, 0),
                     summed,
+                )?;
+            }
+            Ok(())
+        })?;
+        Ok(total / CHAIN as f64)
+    }
+
+    /// Seconds of one layer's decode attention for a token at `position`, as a decode step
+    /// runs it ([`Recorder::attention_rope`](crate::gpu::Recorder::attention_rope): the
+    /// QK-norm, RoPE and the KV-cache append in its dispatch, the grid read from the step's
+    /// words, which live in host-visible memory as decode's do), with heads `h`. Timed over a
+    /// chain of layers, each with its own cache, one after another.
+    pub fn attention(&mut self, h: AttentionHeads, position: u64) -> Result<f64, CalibrateError> {
+        const CHAIN: usize = 16;
+        let (n_heads, n_kv, hd) = (
+            h.n_heads as usize,
+            h.n_kv_heads as usize,
+            h.head_dim as usize,
+        );
+        let capacity = position as usize + 1;
+        let args = AttentionArgs {
+            n_heads: n_heads as u32,
+            n_kv_heads: n_kv as u32,
+            head_dim: hd as u32,
+            capacity: capacity as u32,
+        };
+        let rope = |n: usize| RopeArgs {
+            layout: RopeLayout::Neox,
+            n_heads: n as u32,
+            head_dim: hd as u32,
+            n_rot: hd as u32,
+            eps: 1e-6,
+        };
+        let mut uploader = Uploader::new(&self.allocator, DEFAULT_STAGING_BYTES)?;
+        let mut f32s = |v: &[f32]| upload_f32(&self.allocator, &mut uploader, v);
+        let table = f32s(&rope_table(capacity + 4, hd, 10_000.0, 1.0, None))?;
+        let (q, k, v) = (
+            f32s(&vec![0.1; n_heads * hd])?,
+            f32s(&vec![0.1; n_kv * hd])?,
+            f32s(&vec![0.1; n_kv * hd])?,
+        );
+        let norms = (f32s(&vec![1.0; hd])?, f32s(&vec![1.0; hd])?);
+        let out = f32s(&vec![0.0; n_heads * hd])?;
+        let scores = f32s(&vec![0.0; attention_scratch_floats(n_heads, hd, capacity)])?;
+        // Each layer's K and V caches, f16 (two to a float), of small values.
+        let cache_floats = capacity * n_kv * hd / 2;
+        let caches = (0..CHAIN)
+            .map(|_| {
+                Ok((
+                    f32s(&vec![0.01; cache_floats])?,
+                    f32s(&vec![0.01; cache_floats])?,
+                ))
+            })
+            .collect::<Result<Vec<_>, CalibrateError>>()?;
+        uploader.flush()?;
+        let done = attention_counters(&self.allocator, n_heads, 1)?;
+        // The position, the sequence's first cache row, the grid of the position's runs.
+        let mut step = Buffer::new_in(&self.allocator, 24, MemoryUse::DeviceMapped)?;
+        let words: Vec<f32> = [position as u32, 0]
+            .into_iter()
+            .chain(attention_grid(args, position as u32))
+            .map(f32::from_bits)
+            .collect();
+        step.write_f32(&words);
+        let total = self.gpu_seconds(|r| {
+            for (kc, vc) in &caches {
+                let new = Unroped {
+                    q: &q,
+                    k: &k,
+                    v: &v,
+                    qk_norm: Some((&norms.0, &norms.1)),
+                };
+                let pos = StepWord {
+                    buffer: &step,
+                    index: 0,
+                };
+                let grid = StepWord {
+                    buffer: &step,
+                    index: 2,
+                };
+                r.attention_rope(
+                    new,
+                    (&table, rope(n_heads)),
+                    (kc, vc),
+                    (&scores, &done),
+                    &out,
+                    args,
+                    (pos, Some(grid)),
                 )?;
             }
             Ok(())

@@ -70,6 +70,7 @@ pub fn quick_plan() -> CalibrationPlan {
         matrices: vec![(256, 256), (512, 1024), (1024, 1024)],
         chains: vec![4, 16],
         experts: vec![(512, 256, 4)],
+        attention_positions: vec![16, 64, 256],
         copy_sizes: vec![64 << 10, 1 << 20, 4 << 20],
         ssd_tiles: vec![256 << 10, 1 << 20, 4 << 20],
         ssd_bytes: 16 << 20,
@@ -134,6 +135,13 @@ impl MicroBench for Bench {
         used: u64,
     ) -> Result<f64, CalibrateError> {
         self.gpu.experts(t, k, n, used)
+    }
+    fn gpu_attention(
+        &mut self,
+        heads: spillway_sched::calibrate::AttentionHeads,
+        position: u64,
+    ) -> Result<f64, CalibrateError> {
+        self.gpu.attention(heads, position)
     }
     fn cpu_dispatch(&mut self, threads: u32) -> Result<f64, CalibrateError> {
         self.host.dispatch(threads)

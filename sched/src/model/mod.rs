@@ -314,6 +314,14 @@ impl ModelDesc {
     }
 
     /// KV-cache bytes per token of context, keys and values in f16.
+    /// Floats of a token's query: the rows of the first layer's Q projection, else the width.
+    pub fn query_width(&self) -> u64 {
+        self.tensors
+            .iter()
+            .find(|t| t.name.starts_with("blk.0.attn_q."))
+            .map_or(self.n_embd, |t| t.matrix().1)
+    }
+
     pub fn kv_bytes_per_token(&self) -> u64 {
         2 * u64::from(self.n_layer) * self.n_head_kv * self.head_dim * 2
     }

@@ -430,7 +430,9 @@ impl KvRead {
         if cpu_only {
             KvRead::Cpu(per_layer as f64 / profile.cpu.memory_bandwidth)
         } else {
-            KvRead::Gpu(profile.gpu_stream().marginal(Work::transfer(per_layer)))
+            // The attention's own dispatch is one of the layer's weightless ops.
+            let a = profile.gpu_attention(model.query_width(), per_layer);
+            KvRead::Gpu((a - profile.gpu.dispatch_s).max(0.0))
         }
     }
 }

@@ -2,7 +2,7 @@ use super::*;
 use crate::model::presets::{find, Quant};
 use crate::model::{ModelDesc, TensorRole, WeightType};
 use crate::predict::ShapePoint;
-use crate::profile::HardwareProfile;
+use crate::profile::{AttentionCost, HardwareProfile};
 use crate::simulate::shipped_profile;
 
 fn profile(name: &str) -> HardwareProfile {
@@ -575,6 +575,37 @@ fn calibrated_gpu_experts_set_what_a_resident_expert_costs() {
         gpu_s(None),
         one,
         "the products' costs stand without calibrated experts"
+    );
+}
+
+#[test]
+fn calibrated_gpu_attention_sets_a_layers_attention() {
+    // A layer on the GPU pays the calibrated attention's time, in place of one dispatch and
+    // the cache read at the stream's rate.
+    let m = model("llama-3-8b");
+    let o = opts(gib(16.0), gib(64.0));
+    let layer_gpu = |attention: Option<AttentionCost>| {
+        let mut p = profile("h200");
+        p.gpu.attention = attention;
+        plan(&m, &p, &o).unwrap().layers[0].time.gpu_s
+    };
+    let cost = |fixed_s| AttentionCost {
+        fixed_s,
+        per_query_s: 1e-9,
+        bandwidth: 1e12,
+    };
+    let (a, b) = (layer_gpu(Some(cost(10e-6))), layer_gpu(Some(cost(30e-6))));
+    assert!(((b - a) - 20e-6).abs() < 1e-9, "{a} s, then {b} s");
+    // The query's width counts: Llama-3-8B's is 4096 floats.
+    assert_eq!(m.query_width(), 4096);
+    let wide = AttentionCost {
+        per_query_s: 2e-9,
+        ..cost(10e-6)
+    };
+    assert!((layer_gpu(Some(wide)) - a - 4096e-9).abs() < 1e-9);
+    assert!(
+        layer_gpu(None) < a,
+        "a dispatch and a stream read cost less here"
     );
 }
 

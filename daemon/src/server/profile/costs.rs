@@ -269,12 +269,17 @@ impl Costs {
                         cpu_seconds += c;
                     }
                     let gpu_side = hw.map(|h| {
-                        let run: f64 = l
-                            .expert
-                            .iter()
-                            .map(|m| h.gpu_product_marginal(&m.ty, m.n_in, m.n_out, m.bytes))
-                            .sum::<f64>()
-                            * split.gpu as f64;
+                        let gate = l.expert.first();
+                        let calibrated = gate.and_then(|g| {
+                            h.gpu_expert(&g.ty, g.n_in, g.n_out, bytes(&l.expert))
+                        });
+                        let one = calibrated.unwrap_or_else(|| {
+                            l.expert
+                                .iter()
+                                .map(|m| h.gpu_product_marginal(&m.ty, m.n_in, m.n_out, m.bytes))
+                                .sum::<f64>()
+                        });
+                        let run = one * split.gpu as f64;
                         let copy = if fetched > 0 {
                             h.host_to_device().predict(Work::transfer(fetched))
                         } else {
