@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use crate::model::WeightType;
 use crate::predict::{Roofline, ShapePoint, Work};
 use crate::profile::{
-    AttentionCost, CpuProfile, GpuProfile, HardwareProfile, PcieProfile, ProfileKey, RamProfile,
+    AttentionPoint, CpuProfile, GpuProfile, HardwareProfile, PcieProfile, ProfileKey, RamProfile,
     SsdProfile, SsdRead,
 };
 use crate::ByteSize;
@@ -173,7 +173,7 @@ impl Default for CalibrationPlan {
             chains: vec![16, 64],
             // A small MoE's, Qwen3-30B-A3B's and Qwen3-235B-A22B's experts.
             experts: vec![(1024, 512, 8), (2048, 768, 8), (4096, 1536, 8)],
-            attention_positions: vec![64, 512, 2048, 8192],
+            attention_positions: vec![16, 48, 128, 512, 2048, 8192],
             copy_sizes: vec![64 << 10, 1 << 20, 8 << 20, 64 << 20],
             ssd_tiles: vec![256 << 10, 1 << 20, 4 << 20, 16 << 20],
             ssd_bytes: 64 << 20,
@@ -286,32 +286,19 @@ pub fn calibrate<B: MicroBench>(
         }
     }
 
-    // Decode attention at each reference shape: the dispatch's fixed cost (its dependent
-    // phases: RoPE, scores, the softmax, the join of its runs) and its read of the cache.
-    let mut fits = Vec::new();
+    // Decode attention at each reference shape and position, as measured: its time does not
+    // follow a fixed cost and a bandwidth (`profile::attention_seconds`).
+    let mut gpu_attention = Vec::new();
     for heads in ATTENTION_HEADS {
-        let mut obs = Vec::new();
         for &position in &plan.attention_positions {
-            let bytes = (position + 1) * heads.kv_bytes_per_position();
-            obs.push((
-                Work::transfer(bytes),
-                bench.gpu_attention(heads, position)?,
-                1.0,
-            ));
+            gpu_attention.push(AttentionPoint {
+                query_width: heads.query_width(),
+                position,
+                seconds: bench.gpu_attention(heads, position)?,
+            });
             tick("GPU attention");
         }
-        let fit = match obs.len() {
-            0 => continue,
-            // Too few positions to fit a rate: the stream's, with the measured fixed cost.
-            1 | 2 => Roofline::memory_bound(
-                gpu_read.bandwidth,
-                (obs[0].1 - gpu_read.marginal(obs[0].0)).max(0.0),
-            ),
-            _ => guess(&obs).fit(&obs),
-        };
-        fits.push((heads.query_width(), fit));
     }
-    let gpu_attention = AttentionCost::between(&fits);
 
     let mut copies = Vec::new();
     for &bytes in &plan.copy_sizes {
@@ -545,7 +532,9 @@ mod tests {
         }
         fn gpu_attention(&mut self, heads: AttentionHeads, position: u64) -> Result<f64, ()> {
             let bytes = (position + 1) * heads.kv_bytes_per_position();
-            let s = self.truth.gpu_attention(heads.query_width(), bytes);
+            let s = self
+                .truth
+                .gpu_attention(heads.query_width(), position, bytes);
             self.noisy(s)
         }
         fn cpu_read(&mut self, bytes: u64, _threads: u32) -> Result<f64, ()> {
@@ -562,11 +551,17 @@ mod tests {
     fn calibration_recovers_the_machine_it_measures() {
         let mut truth = test_profile();
         // An attention dispatch slower than a dispatch, reading its cache at half the stream's.
-        truth.gpu.attention = Some(AttentionCost {
-            fixed_s: 12e-6,
-            per_query_s: 2e-9,
-            bandwidth: 150e9,
-        });
+        // Attention that grows with the position up to a run's length, then slowly.
+        for query_width in [1024, 8192] {
+            for (position, us) in [(1, 6.0), (128, 20.0), (8192, 60.0)] {
+                let seconds = us * 1e-6 * query_width as f64 / 4096.0;
+                truth.gpu.attention.push(AttentionPoint {
+                    query_width,
+                    position,
+                    seconds,
+                });
+            }
+        }
         let facts = MachineFacts {
             key: truth.key.clone(),
             vram: truth.gpu.memory,
@@ -613,15 +608,15 @@ mod tests {
         let c = p.cpu_matvec(&q4k);
         assert!(close(c.bandwidth, 60e9, 0.1), "{c:?}");
         // Decode attention: the dispatch's fixed cost is recovered.
-        let a = p.gpu.attention.expect("GPU attention calibrated");
-        for width in [2048, 4096, 8192] {
+        assert_eq!(p.gpu.attention.len(), 2 * plan.attention_positions.len());
+        for (width, position) in [(2048, 32), (4096, 64), (4096, 300), (8192, 4000)] {
             let (got, want) = (
-                p.gpu_attention(width, 1 << 20),
-                truth.gpu_attention(width, 1 << 20),
+                p.gpu_attention(width, position, 0),
+                truth.gpu_attention(width, position, 0),
             );
             assert!(
                 close(got, want, 0.1),
-                "{width}: {got} against {want} ({a:?})"
+                "{width}, {position}: {got} against {want}"
             );
         }
         // A GPU expert is what the bench's products cost it, past the layer's dispatches.

@@ -77,48 +77,67 @@ pub struct GpuProfile {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub expert_points: BTreeMap<WeightType, Vec<ShapePoint>>,
     /// Decode attention of one layer as a decode step runs it (RoPE, QK-norm and the KV-cache
-    /// append in one dispatch): its fixed cost and its read rate of the cache, from
-    /// calibration. `None` in described profiles: the cache is then read at `bandwidth` after
-    /// one dispatch.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub attention: Option<AttentionCost>,
+    /// append in one dispatch), timed at a few query widths and positions by calibration.
+    /// Empty in described profiles: the cache is then read at `bandwidth` after one dispatch.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub attention: Vec<AttentionPoint>,
 }
 
-/// A layer's decode attention on the GPU (one dispatch): a fixed cost that grows with the
-/// query's width, and the read of the KV cache.
+/// One calibrated decode attention: a layer's for a token at `position` with a query of
+/// `query_width` floats (heads times head size).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct AttentionCost {
-    /// Seconds at no width: the dispatch and its dependent phases.
-    pub fixed_s: f64,
-    /// Seconds per float of a token's query (its heads' RoPE, norms and sums).
-    pub per_query_s: f64,
-    /// Bytes of the cache read per second.
-    pub bandwidth: f64,
+pub struct AttentionPoint {
+    pub query_width: u64,
+    pub position: u64,
+    pub seconds: f64,
 }
 
-impl AttentionCost {
-    /// Seconds for a query `query_width` floats wide over `kv_bytes` of cache.
-    pub fn seconds(&self, query_width: u64, kv_bytes: u64) -> f64 {
-        self.fixed_s + self.per_query_s * query_width as f64 + kv_bytes as f64 / self.bandwidth
-    }
-
-    /// From fits at several query widths (`(width, fit)`): the fixed costs on a line in the
-    /// width (not falling with it), and the mean of the fits' bandwidths. `None` without fits.
-    pub fn between(fits: &[(u64, Roofline)]) -> Option<AttentionCost> {
-        let n = fits.len() as f64;
-        if fits.is_empty() {
-            return None;
+/// Seconds of decode attention at (`query_width`, `position`) from calibrated `points`. At
+/// each calibrated width, piecewise linear in the position between its points, the first
+/// point's time below them and, past the last, the last segment's slope (not falling): a
+/// GPU's attention is not a bandwidth and a fixed cost, since up to a run's length of
+/// positions (128) each head's workgroup walks them one after another, and past it the runs
+/// spread over the device. Across widths, linear in the width between the two nearest
+/// calibrated ones, at least half the lesser of their times. `None` without points.
+pub fn attention_seconds(
+    points: &[AttentionPoint],
+    query_width: u64,
+    position: u64,
+) -> Option<f64> {
+    let mut widths: Vec<u64> = points.iter().map(|p| p.query_width).collect();
+    widths.sort_unstable();
+    widths.dedup();
+    let at_width = |w: u64| -> f64 {
+        let mut ps: Vec<(f64, f64)> = points
+            .iter()
+            .filter(|p| p.query_width == w)
+            .map(|p| (p.position as f64, p.seconds))
+            .collect();
+        ps.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let x = position as f64;
+        if ps.len() == 1 || x <= ps[0].0 {
+            return ps[0].1;
         }
-        let mean = |f: &dyn Fn(&(u64, Roofline)) -> f64| fits.iter().map(f).sum::<f64>() / n;
-        let (mw, mf) = (mean(&|p| p.0 as f64), mean(&|p| p.1.fixed_s));
-        let var = mean(&|p| (p.0 as f64 - mw).powi(2));
-        let cov = mean(&|p| (p.0 as f64 - mw) * (p.1.fixed_s - mf));
-        let per_query_s = if var > 0.0 { (cov / var).max(0.0) } else { 0.0 };
-        Some(AttentionCost {
-            fixed_s: (mf - per_query_s * mw).max(0.0),
-            per_query_s,
-            bandwidth: mean(&|p| p.1.bandwidth),
-        })
+        for s in ps.windows(2) {
+            let ((x0, y0), (x1, y1)) = (s[0], s[1]);
+            if x <= x1 {
+                return y0 + (y1 - y0) * (x - x0) / (x1 - x0).max(1.0);
+            }
+        }
+        let ((x0, y0), (x1, y1)) = (ps[ps.len() - 2], ps[ps.len() - 1]);
+        y1 + ((y1 - y0) / (x1 - x0).max(1.0)).max(0.0) * (x - x1)
+    };
+    match widths.len() {
+        0 => None,
+        1 => Some(at_width(widths[0])),
+        n => {
+            // The two calibrated widths nearest `query_width`, bracketing it where they can.
+            let i = widths.partition_point(|&w| w < query_width).clamp(1, n - 1);
+            let (w0, w1) = (widths[i - 1], widths[i]);
+            let (t0, t1) = (at_width(w0), at_width(w1));
+            let f = (query_width as f64 - w0 as f64) / (w1 - w0) as f64;
+            Some((t0 + (t1 - t0) * f).max(0.5 * t0.min(t1)))
+        }
     }
 }
 
@@ -300,13 +319,11 @@ impl HardwareProfile {
     }
 
     /// Seconds of a layer's decode attention on the GPU, its dispatch included, for a query
-    /// `query_width` floats wide over `kv_bytes` of cache: calibrated, or the cache read at
-    /// the stream's bandwidth after one dispatch.
-    pub fn gpu_attention(&self, query_width: u64, kv_bytes: u64) -> f64 {
-        match self.gpu.attention {
-            Some(a) => a.seconds(query_width, kv_bytes),
-            None => self.gpu_stream().predict(Work::transfer(kv_bytes)),
-        }
+    /// `query_width` floats wide at `position`, over `kv_bytes` of cache: calibrated
+    /// ([`attention_seconds`]), or the cache read at the stream's bandwidth after one dispatch.
+    pub fn gpu_attention(&self, query_width: u64, position: u64, kv_bytes: u64) -> f64 {
+        attention_seconds(&self.gpu.attention, query_width, position)
+            .unwrap_or_else(|| self.gpu_stream().predict(Work::transfer(kv_bytes)))
     }
 
     /// A matrix-vector product of weights of type `t` on all CPU threads: measured, or `threads`
@@ -487,6 +504,38 @@ pub(crate) mod tests {
             "#,
         )
         .unwrap()
+    }
+
+    #[test]
+    fn attention_follows_its_calibrated_positions_and_widths() {
+        let pt = |query_width, position, us: f64| AttentionPoint {
+            query_width,
+            position,
+            seconds: us * 1e-6,
+        };
+        let points = [
+            pt(2048, 16, 5.0),
+            pt(2048, 128, 15.0),
+            pt(2048, 1024, 17.0),
+            pt(4096, 16, 10.0),
+            pt(4096, 128, 30.0),
+            pt(4096, 1024, 34.0),
+        ];
+        let us = |w, p| attention_seconds(&points, w, p).unwrap() * 1e6;
+        let near = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        assert!(
+            near(us(2048, 1), 5.0),
+            "below the first position: the first's"
+        );
+        assert!(near(us(2048, 72), 10.0), "between positions: linear");
+        assert!(
+            near(us(2048, 1920), 19.0),
+            "past the last: the last segment's slope"
+        );
+        assert!(near(us(3072, 128), 22.5), "between widths: linear");
+        assert!(near(us(8192, 128), 60.0), "past the widest: the trend");
+        assert!(near(us(1024, 16), 2.5), "never under half the least");
+        assert_eq!(attention_seconds(&[], 4096, 64), None);
     }
 
     #[test]

@@ -431,7 +431,7 @@ impl KvRead {
             KvRead::Cpu(per_layer as f64 / profile.cpu.memory_bandwidth)
         } else {
             // The attention's own dispatch is one of the layer's weightless ops.
-            let a = profile.gpu_attention(model.query_width(), per_layer);
+            let a = profile.gpu_attention(model.query_width(), context, per_layer);
             KvRead::Gpu((a - profile.gpu.dispatch_s).max(0.0))
         }
     }

@@ -2,7 +2,7 @@ use super::*;
 use crate::model::presets::{find, Quant};
 use crate::model::{ModelDesc, TensorRole, WeightType};
 use crate::predict::ShapePoint;
-use crate::profile::{AttentionCost, HardwareProfile};
+use crate::profile::{AttentionPoint, HardwareProfile};
 use crate::simulate::shipped_profile;
 
 fn profile(name: &str) -> HardwareProfile {
@@ -580,31 +580,33 @@ fn calibrated_gpu_experts_set_what_a_resident_expert_costs() {
 
 #[test]
 fn calibrated_gpu_attention_sets_a_layers_attention() {
-    // A layer on the GPU pays the calibrated attention's time, in place of one dispatch and
-    // the cache read at the stream's rate.
+    // A layer on the GPU pays the calibrated attention's time at the plan's context, in place
+    // of one dispatch and the cache read at the stream's rate.
     let m = model("llama-3-8b");
+    assert_eq!(m.query_width(), 4096);
     let o = opts(gib(16.0), gib(64.0));
-    let layer_gpu = |attention: Option<AttentionCost>| {
+    let layer_gpu = |points: Vec<AttentionPoint>| {
         let mut p = profile("h200");
-        p.gpu.attention = attention;
+        p.gpu.attention = points;
         plan(&m, &p, &o).unwrap().layers[0].time.gpu_s
     };
-    let cost = |fixed_s| AttentionCost {
-        fixed_s,
-        per_query_s: 1e-9,
-        bandwidth: 1e12,
+    // The same time at every position, at the model's width and twice it.
+    let flat = |us: f64| {
+        [4096, 8192]
+            .into_iter()
+            .flat_map(|query_width| {
+                [1, 100_000].map(|position| AttentionPoint {
+                    query_width,
+                    position,
+                    seconds: us * 1e-6 * query_width as f64 / 4096.0,
+                })
+            })
+            .collect::<Vec<_>>()
     };
-    let (a, b) = (layer_gpu(Some(cost(10e-6))), layer_gpu(Some(cost(30e-6))));
+    let (a, b) = (layer_gpu(flat(10.0)), layer_gpu(flat(30.0)));
     assert!(((b - a) - 20e-6).abs() < 1e-9, "{a} s, then {b} s");
-    // The query's width counts: Llama-3-8B's is 4096 floats.
-    assert_eq!(m.query_width(), 4096);
-    let wide = AttentionCost {
-        per_query_s: 2e-9,
-        ..cost(10e-6)
-    };
-    assert!((layer_gpu(Some(wide)) - a - 4096e-9).abs() < 1e-9);
     assert!(
-        layer_gpu(None) < a,
+        layer_gpu(Vec::new()) < a,
         "a dispatch and a stream read cost less here"
     );
 }

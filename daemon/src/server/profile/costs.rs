@@ -270,9 +270,8 @@ impl Costs {
                     }
                     let gpu_side = hw.map(|h| {
                         let gate = l.expert.first();
-                        let calibrated = gate.and_then(|g| {
-                            h.gpu_expert(&g.ty, g.n_in, g.n_out, bytes(&l.expert))
-                        });
+                        let calibrated = gate
+                            .and_then(|g| h.gpu_expert(&g.ty, g.n_in, g.n_out, bytes(&l.expert)));
                         let one = calibrated.unwrap_or_else(|| {
                             l.expert
                                 .iter()
