@@ -59,10 +59,11 @@ pub trait MicroBench {
         used: u64,
         threads: u32,
     ) -> Result<f64, Self::Error>;
-    /// One MoE layer's routed experts for one token on the GPU, as a decode step runs them
-    /// with every expert in VRAM: `used` of `n_expert` experts, each a `k`→`n` gate and up
-    /// and an `n`→`k` down of type `t`, in two expert-indexed dispatches (gate, up and SwiGLU;
-    /// the down products and their weighted sum), a barrier after each.
+    /// What one more chosen expert adds to a MoE layer's routed experts for one token on the
+    /// GPU, as a decode step runs them with every expert in VRAM: `used` experts, each a
+    /// `k`→`n` gate and up and an `n`→`k` down of type `t`, in two expert-indexed dispatches
+    /// (gate, up and SwiGLU; the down products and their weighted sum), a barrier after each;
+    /// the layer's fixed costs left out (timed against fewer experts, say).
     fn gpu_experts(
         &mut self,
         t: &WeightType,
@@ -263,7 +264,7 @@ pub fn calibrate<B: MicroBench>(
         }
     }
 
-    // Per expert, past the layer's two dispatches: what one more chosen expert costs.
+    // What one more chosen expert costs, past the layer's dispatches.
     let mut gpu_expert_points = BTreeMap::new();
     for t in &plan.weight_types {
         let mut points = Vec::new();
@@ -274,10 +275,7 @@ pub fn calibrate<B: MicroBench>(
             };
             let seconds = bench.gpu_experts(t, k, n, used)?;
             tick("GPU experts");
-            // The step model charges the layer's dispatches apart (`plan::step`): the two
-            // products', and a quantizing dispatch before each where the type has one.
-            let ops = if t.gpu_quantizes_inputs() { 4.0 } else { 2.0 };
-            if let Some(p) = expert_point(k, n, bytes, seconds - ops * dispatch_s, used) {
+            if let Some(p) = expert_point(k, n, bytes, seconds * used as f64, used) {
                 points.push(p);
             }
         }
@@ -522,13 +520,11 @@ mod tests {
             let s = 2.0 * self.truth.cpu.dispatch_s + used as f64 * 3.0 * one;
             self.noisy(s)
         }
-        fn gpu_experts(&mut self, t: &WeightType, k: u64, n: u64, used: u64) -> Result<f64, ()> {
+        fn gpu_experts(&mut self, t: &WeightType, k: u64, n: u64, _used: u64) -> Result<f64, ()> {
             let w = Work::matvec(k, n, t.bytes_for(k * n).unwrap(), 1);
             // Expert-indexed products stream at half a product's rate here.
             let one = 2.0 * self.truth.gpu_matvec(t).marginal(w);
-            let ops = if t.gpu_quantizes_inputs() { 4.0 } else { 2.0 };
-            let s = ops * self.truth.gpu.dispatch_s + used as f64 * 3.0 * one;
-            self.noisy(s)
+            self.noisy(3.0 * one)
         }
         fn gpu_attention(&mut self, heads: AttentionHeads, position: u64) -> Result<f64, ()> {
             let bytes = (position + 1) * heads.kv_bytes_per_position();

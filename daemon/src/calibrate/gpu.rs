@@ -23,6 +23,12 @@ use spillway_sched::calibrate::AttentionHeads;
 /// The least a GPU runs a case before it is timed ([`GpuBench::gpu_seconds`]).
 const WARM_UP: Duration = Duration::from_millis(30);
 
+/// The least for the cases that follow a long setup on the host (a MoE layer's stacks, made
+/// and uploaded while the device idles): on an H100 the clocks climbed for longer than
+/// [`WARM_UP`] after them, and three runs in a row could agree on the way up (an expert's
+/// share of the same layer timed at 1.6, 3.7 and 9.5 µs in three calibrations).
+const LONG_WARM_UP: Duration = Duration::from_millis(300);
+
 /// The most: an idle GPU's clocks took about a second to come back on the H100.
 const MAX_WARM_UP: Duration = Duration::from_millis(1500);
 
@@ -124,6 +130,15 @@ impl GpuBench {
         &self,
         f: impl Fn(&mut crate::gpu::Recorder<'_>) -> Result<(), crate::gpu::GpuError>,
     ) -> Result<f64, CalibrateError> {
+        self.gpu_seconds_after(WARM_UP, f)
+    }
+
+    /// [`GpuBench::gpu_seconds`] with at least `least` of warm-up on a GPU.
+    fn gpu_seconds_after(
+        &self,
+        least: Duration,
+        f: impl Fn(&mut crate::gpu::Recorder<'_>) -> Result<(), crate::gpu::GpuError>,
+    ) -> Result<f64, CalibrateError> {
         let warm = self.device.info().kind != DeviceKind::Cpu;
         let mut reps = 1usize;
         let repeated = |reps: usize| {
@@ -144,7 +159,7 @@ impl GpuBench {
                 let each = ns as f64 / reps as f64;
                 settled = if each < 0.97 * best { 0 } else { settled + 1 };
                 best = best.min(each);
-                if settled >= 3 && start.elapsed() >= WARM_UP {
+                if settled >= 3 && start.elapsed() >= least {
                     break;
                 }
             }
@@ -216,8 +231,9 @@ impl GpuBench {
         Ok(total / chain.max(1) as f64)
     }
 
-    /// Seconds of one MoE layer's routed experts for one token, as a decode step runs them
-    /// with every expert in VRAM (`GpuMoe`'s routed path): `used` experts of a stack, each a
+    /// Seconds one more chosen expert adds to a MoE layer's routed experts for one token, as a
+    /// decode step runs them with every expert in VRAM (`GpuMoe`'s routed path): `used`
+    /// experts of a stack against a quarter as many (the slope), each a
     /// `k`→`n` gate and up and an `n`→`k` down of type `t`; one expert-indexed dispatch takes
     /// the input's RMSNorm, every chosen expert's gate and up and their SwiGLU, the next adds
     /// their down products, weighted, into the input, which the next layer's experts read.
@@ -270,43 +286,40 @@ impl GpuBench {
         let norm = upload_f32(&self.allocator, &mut uploader, &vec![1.0; k_us])?;
         let h = Buffer::new_in(&self.allocator, used * n * 4, MemoryUse::DeviceLocal)?;
         uploader.flush()?;
-        let (used32, n32) = (used as u32, n as u32);
+        let n32 = n as u32;
         let next = std::cell::Cell::new(0usize);
-        let total = self.gpu_seconds(|r| {
-            for _ in 0..CHAIN {
-                let rank = ((next.get() % routings) * words) as u32;
-                next.set(next.get() + 1);
-                let glu = IdFused {
-                    norm: Some((&norm, 1e-6)),
-                    glu_up_rows: Some(n_expert as usize * n_us),
-                    ..IdFused::default()
-                };
-                r.matvec_id_fused(
-                    &gate_up,
-                    n_us,
-                    (&route, rank),
-                    used32,
-                    (&x, 0),
-                    (&h, n32),
-                    glu,
-                )?;
-                let summed = IdFused {
-                    sum_weights_at: Some(rank + used32),
-                    ..IdFused::default()
-                };
-                r.matvec_id_fused(
-                    &down,
-                    k_us,
-                    (&route, rank),
-                    used32,
-                    (&h, n32),
-                    (&x, 0),
-                    summed,
-                )?;
-            }
-            Ok(())
-        })?;
-        Ok(total / CHAIN as f64)
+        // A chain of layers each running `count` of its routing's experts.
+        let layer_seconds = |count: u32| {
+            let total = self.gpu_seconds_after(LONG_WARM_UP, |r| {
+                for _ in 0..CHAIN {
+                    let rank = ((next.get() % routings) * words) as u32;
+                    next.set(next.get() + 1);
+                    let glu = IdFused {
+                        norm: Some((&norm, 1e-6)),
+                        glu_up_rows: Some(rows * n_us),
+                        ..IdFused::default()
+                    };
+                    let (ids, h_out) = ((&route, rank), (&h, n32));
+                    r.matvec_id_fused(&gate_up, n_us, ids, count, (&x, 0), h_out, glu)?;
+                    let summed = IdFused {
+                        sum_weights_at: Some(rank + used as u32),
+                        ..IdFused::default()
+                    };
+                    r.matvec_id_fused(&down, k_us, ids, count, h_out, (&x, 0), summed)?;
+                }
+                Ok(())
+            })?;
+            Ok::<f64, CalibrateError>(total / CHAIN as f64)
+        };
+        // What one more expert adds: the slope between a quarter of `used` and `used`, so that
+        // the layer's fixed costs (its dispatches, their barriers) cancel.
+        let few = (used / 4).max(1);
+        let all = layer_seconds(used as u32)?;
+        if few == used {
+            return Ok(all / used as f64);
+        }
+        let some = layer_seconds(few as u32)?;
+        Ok(((all - some) / (used - few) as f64).max(0.0))
     }
 
     /// Seconds of one layer's decode attention for a token at `position`, as a decode step
@@ -366,7 +379,7 @@ impl GpuBench {
             .map(f32::from_bits)
             .collect();
         step.write_f32(&words);
-        let total = self.gpu_seconds(|r| {
+        let total = self.gpu_seconds_after(LONG_WARM_UP, |r| {
             for (kc, vc) in &caches {
                 let new = Unroped {
                     q: &q,
