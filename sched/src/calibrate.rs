@@ -63,14 +63,15 @@ pub trait MicroBench {
     /// GPU, as a decode step runs them with every expert in VRAM: `used` experts, each a
     /// `k`→`n` gate and up and an `n`→`k` down of type `t`, in two expert-indexed dispatches
     /// (gate, up and SwiGLU; the down products and their weighted sum), a barrier after each;
-    /// the layer's fixed costs left out (timed against fewer experts, say).
+    /// the layer's fixed costs left out (timed against fewer experts, say). `None` where the
+    /// device cannot run experts this large that way (their stack past one binding).
     fn gpu_experts(
         &mut self,
         t: &WeightType,
         k: u64,
         n: u64,
         used: u64,
-    ) -> Result<f64, Self::Error>;
+    ) -> Result<Option<f64>, Self::Error>;
     /// One layer's decode attention on the GPU for one token at `position` (RoPE, QK-norm and
     /// the KV-cache append in its dispatch, as a decode step runs it), with heads `heads`, a
     /// barrier after it.
@@ -275,7 +276,8 @@ pub fn calibrate<B: MicroBench>(
             };
             let seconds = bench.gpu_experts(t, k, n, used)?;
             tick("GPU experts");
-            if let Some(p) = expert_point(k, n, bytes, seconds * used as f64, used) {
+            if let Some(p) = seconds.and_then(|s| expert_point(k, n, bytes, s * used as f64, used))
+            {
                 points.push(p);
             }
         }
@@ -520,11 +522,17 @@ mod tests {
             let s = 2.0 * self.truth.cpu.dispatch_s + used as f64 * 3.0 * one;
             self.noisy(s)
         }
-        fn gpu_experts(&mut self, t: &WeightType, k: u64, n: u64, _used: u64) -> Result<f64, ()> {
+        fn gpu_experts(
+            &mut self,
+            t: &WeightType,
+            k: u64,
+            n: u64,
+            _used: u64,
+        ) -> Result<Option<f64>, ()> {
             let w = Work::matvec(k, n, t.bytes_for(k * n).unwrap(), 1);
             // Expert-indexed products stream at half a product's rate here.
             let one = 2.0 * self.truth.gpu_matvec(t).marginal(w);
-            self.noisy(3.0 * one)
+            self.noisy(3.0 * one).map(Some)
         }
         fn gpu_attention(&mut self, heads: AttentionHeads, position: u64) -> Result<f64, ()> {
             let bytes = (position + 1) * heads.kv_bytes_per_position();

@@ -133,7 +133,7 @@ impl MicroBench for Bench {
         k: u64,
         n: u64,
         used: u64,
-    ) -> Result<f64, CalibrateError> {
+    ) -> Result<Option<f64>, CalibrateError> {
         self.gpu.experts(t, k, n, used)
     }
     fn gpu_attention(
