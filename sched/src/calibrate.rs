@@ -266,25 +266,9 @@ pub fn calibrate<B: MicroBench>(
     }
 
     // What one more chosen expert costs, past the layer's dispatches.
-    let mut gpu_expert_points = BTreeMap::new();
-    for t in &plan.weight_types {
-        let mut points = Vec::new();
-        for &(k, n, used) in &plan.experts {
-            let Some(bytes) = t.bytes_for(k * n) else {
-                tick("GPU experts");
-                continue;
-            };
-            let seconds = bench.gpu_experts(t, k, n, used)?;
-            tick("GPU experts");
-            if let Some(p) = seconds.and_then(|s| expert_point(k, n, bytes, s * used as f64, used))
-            {
-                points.push(p);
-            }
-        }
-        if !points.is_empty() {
-            gpu_expert_points.insert(t.clone(), points);
-        }
-    }
+    let gpu_expert_points = expert_points(plan, &mut tick, "GPU experts", |t, k, n, used| {
+        bench.gpu_experts(t, k, n, used)
+    })?;
 
     // Decode attention at each reference shape and position, as measured: its time does not
     // follow a fixed cost and a bandwidth (`profile::attention_seconds`).
@@ -347,24 +331,10 @@ pub fn calibrate<B: MicroBench>(
     let cpu_dispatch_s = bench.cpu_dispatch(threads)?;
     tick("CPU dispatch");
     // Per expert, past the layer's two jobs: what one more chosen expert costs.
-    let mut expert_points = BTreeMap::new();
-    for t in &plan.weight_types {
-        let mut points = Vec::new();
-        for &(k, n, used) in &plan.experts {
-            let Some(bytes) = t.bytes_for(k * n) else {
-                tick("CPU experts");
-                continue;
-            };
-            let seconds = bench.cpu_experts(t, k, n, used, threads)?;
-            tick("CPU experts");
-            if let Some(p) = expert_point(k, n, bytes, seconds - 2.0 * cpu_dispatch_s, used) {
-                points.push(p);
-            }
-        }
-        if !points.is_empty() {
-            expert_points.insert(t.clone(), points);
-        }
-    }
+    let expert_points = expert_points(plan, &mut tick, "CPU experts", |t, k, n, used| {
+        let seconds = bench.cpu_experts(t, k, n, used, threads)?;
+        Ok(Some((seconds - 2.0 * cpu_dispatch_s) / used.max(1) as f64))
+    })?;
     let mem_bytes = 256u64 << 20;
     let t1 = bench.cpu_read(mem_bytes, threads)?;
     tick("CPU memory bandwidth");
@@ -427,17 +397,40 @@ pub fn calibrate<B: MicroBench>(
     })
 }
 
-/// One expert's share of a MoE layer's experts that took `busy` seconds past the layer's
-/// fixed costs with `used` experts of `k`→`n` matrices of `bytes` each (gate, up and down);
-/// `None` where nothing is left past the fixed costs.
-fn expert_point(k: u64, n: u64, bytes: u64, busy: f64, used: u64) -> Option<ShapePoint> {
-    let seconds = busy / used.max(1) as f64;
-    (seconds > 0.0).then_some(ShapePoint {
-        k,
-        n,
-        bytes: 3 * bytes,
-        seconds,
-    })
+/// Per weight type, the plan's MoE layers' experts as `per_expert` times them: the seconds
+/// one more chosen expert adds (`None`, or none past the layer's fixed costs: no point). A
+/// type without points is left out.
+fn expert_points<E>(
+    plan: &CalibrationPlan,
+    tick: &mut dyn FnMut(&str),
+    what: &str,
+    mut per_expert: impl FnMut(&WeightType, u64, u64, u64) -> Result<Option<f64>, E>,
+) -> Result<BTreeMap<WeightType, Vec<ShapePoint>>, E> {
+    let mut out = BTreeMap::new();
+    for t in &plan.weight_types {
+        let mut points = Vec::new();
+        for &(k, n, used) in &plan.experts {
+            let Some(bytes) = t.bytes_for(k * n) else {
+                tick(what);
+                continue;
+            };
+            let seconds = per_expert(t, k, n, used)?;
+            tick(what);
+            if let Some(seconds) = seconds.filter(|&s| s > 0.0) {
+                // Gate, up and down.
+                points.push(ShapePoint {
+                    k,
+                    n,
+                    bytes: 3 * bytes,
+                    seconds,
+                });
+            }
+        }
+        if !points.is_empty() {
+            out.insert(t.clone(), points);
+        }
+    }
+    Ok(out)
 }
 
 /// A starting point for a fit: the bandwidth of the largest observation, no fixed cost.

@@ -237,8 +237,8 @@ impl GpuBench {
     /// `k`→`n` gate and up and an `n`→`k` down of type `t`; one expert-indexed dispatch takes
     /// the input's RMSNorm, every chosen expert's gate and up and their SwiGLU, the next adds
     /// their down products, weighted, into the input, which the next layer's experts read.
-    /// Timed over a chain of layers, each choosing experts the layers before it did not, from
-    /// a stack whose chosen experts together pass the GPU's caches. `None` where `used` such
+    /// Timed over a chain of layers, each choosing other experts than the layer before it,
+    /// from a stack whose experts together pass the GPU's caches. `None` where `used` such
     /// experts' gate and up stack would pass one binding (`maxStorageBufferRange`).
     pub fn experts(
         &mut self,
@@ -253,11 +253,16 @@ impl GpuBench {
         let row = |width: u64| ty.row_bytes(width).ok_or_else(unsupported);
         let expert_bytes = 2 * n * row(k)? + k * row(n)?;
         let used = used.max(1);
-        // Experts in the stack: each layer of the chain its own `used`, or as many as pass
-        // the caches, at most a large model's count (256), within one binding for the gate
-        // and up stack.
+        // Experts in the stack: as many as pass the caches, at least two layers' worth (so that
+        // a layer's experts are not the one's before it), at most a large model's count (256),
+        // within one binding for the gate and up stack.
         let max_range = self.device.max_storage_buffer_range();
-        let wanted = (self.cold_bytes() / expert_bytes).clamp(CHAIN as u64 * used, 256);
+        let wanted = self
+            .cold_bytes()
+            .div_ceil(expert_bytes)
+            .clamp(2 * used, 256)
+            .div_ceil(used)
+            * used;
         let fits = max_range / (2 * n * row(k)?).max(1);
         let n_expert = (wanted.min(fits) / used * used).max(used);
         if n_expert > fits {
