@@ -233,7 +233,7 @@ impl GpuBench {
 
     /// Seconds one more chosen expert adds to a MoE layer's routed experts for one token, as a
     /// decode step runs them with every expert in VRAM (`GpuMoe`'s routed path): `used`
-    /// experts of a stack against a quarter as many (the slope), each a
+    /// experts of a stack against a quarter and half as many (the slope), each a
     /// `k`→`n` gate and up and an `n`→`k` down of type `t`; one expert-indexed dispatch takes
     /// the input's RMSNorm, every chosen expert's gate and up and their SwiGLU, the next adds
     /// their down products, weighted, into the input, which the next layer's experts read.
@@ -319,15 +319,28 @@ impl GpuBench {
             })?;
             Ok::<f64, CalibrateError>(total / CHAIN as f64)
         };
-        // What one more expert adds: the slope between a quarter of `used` and `used`, so that
-        // the layer's fixed costs (its dispatches, their barriers) cancel.
-        let few = (used / 4).max(1);
-        let all = layer_seconds(used as u32)?;
-        if few == used {
-            return Ok(Some(all / used as f64));
+        // What one more expert adds: the least-squares slope over a quarter, half and all of
+        // `used`, so that the layer's fixed costs (its dispatches, their barriers) cancel. On
+        // lavapipe single timings of the same layer scatter by a fifth, which a slope between
+        // two counts magnified.
+        let mut counts = vec![(used / 4).max(1), (used / 2).max(1), used];
+        counts.dedup();
+        let times = counts
+            .iter()
+            .map(|&c| layer_seconds(c as u32))
+            .collect::<Result<Vec<_>, _>>()?;
+        if counts.len() == 1 {
+            return Ok(Some(times[0] / used as f64));
         }
-        let some = layer_seconds(few as u32)?;
-        Ok(Some(((all - some) / (used - few) as f64).max(0.0)))
+        let n = counts.len() as f64;
+        let mc = counts.iter().sum::<u64>() as f64 / n;
+        let mt = times.iter().sum::<f64>() / n;
+        let (mut cov, mut var) = (0.0, 0.0);
+        for (&c, &t) in counts.iter().zip(&times) {
+            cov += (c as f64 - mc) * (t - mt);
+            var += (c as f64 - mc).powi(2);
+        }
+        Ok(Some((cov / var).max(0.0)))
     }
 
     /// Seconds of one layer's decode attention for a token at `position`, as a decode step
