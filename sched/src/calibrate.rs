@@ -86,8 +86,7 @@ pub trait MicroBench {
 
 /// The heads [`MicroBench::gpu_attention`] times: Llama-3-8B's (32 query heads, 8 KV heads of
 /// 128), the commonest shape of today's 7–70B models, and Llama-3.2-1B's (heads of 64), so
-/// that the fixed cost can follow the query's width (a GPU that computes on the CPU pays
-/// for every head; a GPU pays mostly the dispatch's dependent phases).
+/// that the time can follow the query's width (`profile::attention_seconds`).
 pub const ATTENTION_HEADS: [AttentionHeads; 2] = [
     AttentionHeads {
         n_heads: 32,
