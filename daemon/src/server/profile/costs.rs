@@ -60,11 +60,15 @@ impl Mat {
     }
 }
 
-/// What one routed expert (gate, up, down in `mats`) adds to a CPU MoE layer, from the
-/// profile's calibrated experts; `None` without them.
-fn expert_seconds(hw: &HardwareProfile, mats: &[Mat]) -> Option<f64> {
+/// What one routed expert (gate, up, down in `mats`) adds to a MoE layer, from the profile's
+/// experts calibrated on one side (`calibrated`: [`HardwareProfile::cpu_expert`] or
+/// [`HardwareProfile::gpu_expert`]); `None` without them.
+fn expert_seconds(
+    mats: &[Mat],
+    calibrated: impl Fn(&WeightType, u64, u64, u64) -> Option<f64>,
+) -> Option<f64> {
     let gate = mats.first()?;
-    hw.cpu_expert(&gate.ty, gate.n_in, gate.n_out, bytes(mats))
+    calibrated(&gate.ty, gate.n_in, gate.n_out, bytes(mats))
 }
 
 fn bytes(mats: &[Mat]) -> u64 {
@@ -197,7 +201,7 @@ impl Costs {
                     let batch = (tokens * self.k).div_ceil(n).max(1);
                     // One token: the layer's two jobs and its experts as calibrated.
                     let calibrated = (batch == 1)
-                        .then(|| expert_seconds(hw, &l.expert))
+                        .then(|| expert_seconds(&l.expert, |t, k, n, b| hw.cpu_expert(t, k, n, b)))
                         .flatten()
                         .map(|one| 2.0 * hw.cpu.dispatch_s + n as f64 * one);
                     Some(calibrated.unwrap_or_else(|| n as f64 * cpu(&l.expert, batch)))
@@ -253,7 +257,8 @@ impl Costs {
                     r.ssd_to_ram_bytes = ssd_bytes.get(il).copied().flatten();
                     cpu_bytes += split.cpu * expert;
                     let cpu_side = hw.map(|h| {
-                        let one = expert_seconds(h, &l.expert).unwrap_or_else(|| {
+                        let calibrated = |t: &_, k, n, b| h.cpu_expert(t, k, n, b);
+                        let one = expert_seconds(&l.expert, calibrated).unwrap_or_else(|| {
                             l.expert
                                 .iter()
                                 .map(|m| h.cpu_product_marginal(&m.ty, m.n_in, m.n_out, m.bytes))
@@ -269,10 +274,8 @@ impl Costs {
                         cpu_seconds += c;
                     }
                     let gpu_side = hw.map(|h| {
-                        let gate = l.expert.first();
-                        let calibrated = gate
-                            .and_then(|g| h.gpu_expert(&g.ty, g.n_in, g.n_out, bytes(&l.expert)));
-                        let one = calibrated.unwrap_or_else(|| {
+                        let calibrated = |t: &_, k, n, b| h.gpu_expert(t, k, n, b);
+                        let one = expert_seconds(&l.expert, calibrated).unwrap_or_else(|| {
                             l.expert
                                 .iter()
                                 .map(|m| h.gpu_product_marginal(&m.ty, m.n_in, m.n_out, m.bytes))
