@@ -37,6 +37,9 @@ const MAX_WARM_UP: Duration = Duration::from_millis(1500);
 const BUSY: Duration = Duration::from_millis(10);
 const MAX_REPS: usize = 256;
 
+/// Experts of random rows a calibration stack repeats ([`GpuBench::experts`]).
+const POOL_EXPERTS: u64 = 8;
+
 /// The widest input whose quantization products share (wider ones quantize in each product).
 const MAX_INPUTS: usize = 65536;
 
@@ -271,8 +274,14 @@ impl GpuBench {
             return Ok(None);
         }
         let mut uploader = Uploader::new(&self.allocator, DEFAULT_STAGING_BYTES)?;
-        let gate_up = random_matrix(ty, k, 2 * n_expert * n)?;
-        let down = random_matrix(ty, n, n_expert * k)?;
+        // A few experts' random rows, repeated through the stack: making every expert's own
+        // took seconds a case on the host (a stack of 512 MiB), and the GPU reads them the same.
+        let pool = n_expert.min(POOL_EXPERTS);
+        let tiled = |one: Vec<u8>| one.repeat(n_expert.div_ceil(pool) as usize);
+        let mut gate_up = tiled(random_matrix(ty, k, 2 * pool * n)?);
+        gate_up.truncate((2 * n_expert * n * row(k)?) as usize);
+        let mut down = tiled(random_matrix(ty, n, pool * k)?);
+        down.truncate((n_expert * k * row(n)?) as usize);
         let (k_us, n_us) = (k as usize, n as usize);
         let rows = n_expert as usize;
         let a = &self.allocator;
@@ -297,8 +306,8 @@ impl GpuBench {
         let n32 = n as u32;
         let next = std::cell::Cell::new(0usize);
         // A chain of layers each running `count` of its routing's experts.
-        let layer_seconds = |count: u32| {
-            let total = self.gpu_seconds_after(LONG_WARM_UP, |r| {
+        let layer_seconds = |count: u32, least: Duration| {
+            let total = self.gpu_seconds_after(least, |r| {
                 for _ in 0..CHAIN {
                     let rank = ((next.get() % routings) * words) as u32;
                     next.set(next.get() + 1);
@@ -325,9 +334,11 @@ impl GpuBench {
         // two counts magnified.
         let mut counts = vec![(used / 4).max(1), (used / 2).max(1), used];
         counts.dedup();
+        // Only the first count follows the setup's idle device; the others follow it.
         let times = counts
             .iter()
-            .map(|&c| layer_seconds(c as u32))
+            .enumerate()
+            .map(|(i, &c)| layer_seconds(c as u32, if i == 0 { LONG_WARM_UP } else { WARM_UP }))
             .collect::<Result<Vec<_>, _>>()?;
         if counts.len() == 1 {
             return Ok(Some(times[0] / used as f64));

@@ -211,3 +211,64 @@ pub fn machine_facts(gpu: &crate::gpu::DeviceInfo) -> spillway_sched::calibrate:
         cpu_threads: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
     }
 }
+
+/// Seconds spent in each stage of a calibration, from its progress reports: a stage runs from
+/// the report that names it first until the next stage's first report.
+#[derive(Debug, Default)]
+pub struct StageClock {
+    last: Option<Instant>,
+    stages: Vec<(String, f64)>,
+}
+
+impl StageClock {
+    /// Starts the clock: the first stage's time counts from here.
+    pub fn start() -> StageClock {
+        StageClock {
+            last: Some(Instant::now()),
+            stages: Vec::new(),
+        }
+    }
+
+    /// Counts the time since the last report toward `what`, the stage just finished a step.
+    pub fn report(&mut self, what: &str) {
+        let now = Instant::now();
+        let spent = self.last.map_or(0.0, |t| (now - t).as_secs_f64());
+        self.last = Some(now);
+        match self.stages.last_mut() {
+            Some((name, s)) if name == what => *s += spent,
+            _ => self.stages.push((what.to_string(), spent)),
+        }
+    }
+
+    /// Each stage with its seconds, in the order they ran.
+    pub fn stages(&self) -> &[(String, f64)] {
+        &self.stages
+    }
+
+    /// One line: `stage 1.2 s, stage 0.3 s, ...`.
+    pub fn summary(&self) -> String {
+        self.stages
+            .iter()
+            .map(|(name, s)| format!("{name} {s:.1} s"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StageClock;
+
+    #[test]
+    fn a_stage_gathers_its_consecutive_reports() {
+        let mut c = StageClock::start();
+        for what in ["a", "a", "b", "a"] {
+            std::thread::sleep(std::time::Duration::from_millis(2));
+            c.report(what);
+        }
+        let names: Vec<&str> = c.stages().iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["a", "b", "a"]);
+        assert!(c.stages()[0].1 >= 0.004 && c.stages()[1].1 >= 0.002);
+        assert!(c.summary().starts_with("a "));
+    }
+}

@@ -1,4 +1,5 @@
-//! `spillwayd calibrate [--device vulkan[:N]] [--file MODEL.gguf] [--quick] [--out FILE]`:
+//! `spillwayd calibrate [--device vulkan[:N]] [--file MODEL.gguf] [--quick | --first-start]
+//! [--out FILE]`:
 //! measures this machine (GPU kernels and memory, host-to-device copies, CPU kernels and memory,
 //! disk reads) and writes the hardware profile that `spillwayd plan --profile FILE` uses.
 
@@ -7,7 +8,9 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use spillway_daemon::calibrate::{first_start, full_plan, machine_facts, quick_plan, Bench};
+use spillway_daemon::calibrate::{
+    first_start, full_plan, machine_facts, quick_plan, Bench, StageClock,
+};
 use spillway_daemon::calibrate::{gpu::GpuBench, host::HostBench};
 use spillway_daemon::server::default_model::cache_dir;
 use spillway_sched::calibrate::calibrate;
@@ -24,8 +27,11 @@ pub struct CalibrateArgs {
     #[arg(long)]
     pub file: Option<PathBuf>,
     /// A few seconds of small cases instead of the full plan (coarse figures).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "first_start")]
     pub quick: bool,
+    /// The plan the daemon runs at its first start (fewer shapes than the full plan).
+    #[arg(long)]
+    pub first_start: bool,
     /// Where the profile goes; default: `$XDG_CACHE_HOME/spillway/profiles/<machine>.toml`.
     /// `-` prints it.
     #[arg(long)]
@@ -46,6 +52,8 @@ pub fn run(args: &CalibrateArgs) -> anyhow::Result<()> {
     .context("no cache directory: set XDG_CACHE_HOME or HOME, or give --out and --file")?;
     let plan = if args.quick {
         quick_plan()
+    } else if args.first_start {
+        first_start::first_start_plan()
     } else {
         full_plan()
     };
@@ -58,10 +66,14 @@ pub fn run(args: &CalibrateArgs) -> anyhow::Result<()> {
         facts.key.device, facts.key.cpu, facts.cpu_threads
     );
     let mut stderr = std::io::stderr();
+    let mut clock = StageClock::start();
     let profile = calibrate(&facts, &mut bench, &plan, &mut |p| {
+        clock.report(p.what);
         let _ = write!(stderr, "\r{:>3}/{} {:<24}", p.done, p.total, p.what);
     })?;
     eprintln!();
+    let seconds: f64 = clock.stages().iter().map(|s| s.1).sum();
+    eprintln!("calibrated in {seconds:.1} s: {}", clock.summary());
     let text = profile.to_toml();
     match args.out.as_deref() {
         Some(p) if p.as_os_str() == "-" => print!("{text}"),

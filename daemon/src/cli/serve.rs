@@ -272,7 +272,9 @@ fn first_start_profile(
 
     let terminal = std::io::stderr().is_terminal();
     let mut stage = String::new();
+    let mut clock = spillway_daemon::calibrate::StageClock::start();
     let mut progress = |p: spillway_sched::calibrate::Progress<'_>| {
+        clock.report(p.what);
         if terminal {
             let mut e = std::io::stderr();
             let _ = write!(
@@ -299,6 +301,7 @@ fn first_start_profile(
             Some((profile, Some(path)))
         }
         Ok((profile, Outcome::Calibrated { path, seconds })) => {
+            tracing::info!("calibration stages: {}", clock.summary());
             tracing::info!(
                 "calibrated this machine in {seconds:.1} s; hardware profile stored in {} \
                  (`spillwayd calibrate` measures more shapes)",
