@@ -72,10 +72,14 @@ pub trait MicroBench {
         n: u64,
         used: u64,
     ) -> Result<Option<f64>, Self::Error>;
-    /// One layer's decode attention on the GPU for one token at `position` (RoPE, QK-norm and
-    /// the KV-cache append in its dispatch, as a decode step runs it), with heads `heads`, a
-    /// barrier after it.
-    fn gpu_attention(&mut self, heads: AttentionHeads, position: u64) -> Result<f64, Self::Error>;
+    /// One layer's decode attention on the GPU for one token at each of `positions`
+    /// (ascending; RoPE, QK-norm and the KV-cache append in its dispatch, as a decode step runs
+    /// it), with heads `heads`, a barrier after it: seconds per position.
+    fn gpu_attention(
+        &mut self,
+        heads: AttentionHeads,
+        positions: &[u64],
+    ) -> Result<Vec<f64>, Self::Error>;
     /// One empty job run on `threads` CPU threads and waited for.
     fn cpu_dispatch(&mut self, threads: u32) -> Result<f64, Self::Error>;
     /// Read `bytes` of host memory on `threads` threads.
@@ -272,13 +276,19 @@ pub fn calibrate<B: MicroBench>(
     // Decode attention at each reference shape and position, as measured: its time does not
     // follow a fixed cost and a bandwidth (`profile::attention_seconds`).
     let mut gpu_attention = Vec::new();
+    let mut positions = plan.attention_positions.clone();
+    positions.sort_unstable();
+    positions.dedup();
     for heads in ATTENTION_HEADS {
-        for &position in &plan.attention_positions {
+        let seconds = bench.gpu_attention(heads, &positions)?;
+        for (&position, seconds) in positions.iter().zip(seconds) {
             gpu_attention.push(AttentionPoint {
                 query_width: heads.query_width(),
                 position,
-                seconds: bench.gpu_attention(heads, position)?,
+                seconds,
             });
+        }
+        for _ in &plan.attention_positions {
             tick("GPU attention");
         }
     }
@@ -526,12 +536,21 @@ mod tests {
             let one = 2.0 * self.truth.gpu_matvec(t).marginal(w);
             self.noisy(3.0 * one).map(Some)
         }
-        fn gpu_attention(&mut self, heads: AttentionHeads, position: u64) -> Result<f64, ()> {
-            let bytes = (position + 1) * heads.kv_bytes_per_position();
-            let s = self
-                .truth
-                .gpu_attention(heads.query_width(), position, bytes);
-            self.noisy(s)
+        fn gpu_attention(
+            &mut self,
+            heads: AttentionHeads,
+            positions: &[u64],
+        ) -> Result<Vec<f64>, ()> {
+            positions
+                .iter()
+                .map(|&position| {
+                    let bytes = (position + 1) * heads.kv_bytes_per_position();
+                    let s = self
+                        .truth
+                        .gpu_attention(heads.query_width(), position, bytes);
+                    self.noisy(s)
+                })
+                .collect()
         }
         fn cpu_read(&mut self, bytes: u64, _threads: u32) -> Result<f64, ()> {
             let s = bytes as f64 / self.truth.cpu.memory_bandwidth;

@@ -244,7 +244,8 @@ fn solve(rows: &[([f64; 3], f64, f64)], cols: &[usize]) -> Option<[f64; 3]> {
     // Gaussian elimination with partial pivoting.
     for c in 0..n {
         let p = (c..n).max_by(|&i, &j| a[i][c].abs().total_cmp(&a[j][c].abs()))?;
-        if a[p][c].abs() < 1e-12 * a.iter().map(|r| r[c].abs()).fold(0.0, f64::max) {
+        // `<=`: a column of zeros (every point at the query's width, say) is singular too.
+        if a[p][c].abs() <= 1e-12 * a.iter().map(|r| r[c].abs()).fold(0.0, f64::max) {
             return None;
         }
         a.swap(c, p);
@@ -483,6 +484,25 @@ pub(crate) mod tests {
         );
         // No points: nothing to say.
         assert_eq!(shaped_marginal(4e-6, &[], 1 << 20, 4096, 4096), None);
+    }
+
+    #[test]
+    fn points_of_one_width_predict_that_width() {
+        // Three products 2048 wide, asked about another 2048-wide one: the width column of
+        // the local fit is all zeros, which once made the fit NaN.
+        let point = |n: u64, gbps: f64| {
+            let bytes = 2048 * n * 9 / 16;
+            ShapePoint {
+                k: 2048,
+                n,
+                bytes,
+                seconds: bytes as f64 / (gbps * 1e9),
+            }
+        };
+        let points = [point(512, 1000.0), point(2048, 1500.0), point(8192, 2000.0)];
+        let s = shaped_marginal(0.0, &points, 2048 * 768 * 9 / 16, 2048, 768).unwrap();
+        let gbps = (2048 * 768 * 9 / 16) as f64 / s / 1e9;
+        assert!((1000.0..=2000.0).contains(&gbps), "{gbps} GB/s");
     }
 
     #[test]

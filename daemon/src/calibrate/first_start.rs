@@ -20,7 +20,8 @@ pub fn profile_path(cache: &Path, key: &ProfileKey) -> PathBuf {
 }
 
 /// The plan of a first start: every weight type the GPU reads, at three shapes (an expert's,
-/// a projection's, a feed-forward matrix's) in one chain length, one MoE layer's experts (a
+/// a projection's, a feed-forward matrix's, of three widths: a shape's local fit needs
+/// products of more than one width) in one chain length, one MoE layer's experts (a
 /// Qwen3-30B-A3B layer's) on the CPU and the GPU, decode attention at four positions, three
 /// copy sizes and three tile sizes of 16 MiB each. Fewer shapes than [`super::full_plan`], so
 /// its shaped corrections are coarser; `spillwayd calibrate --first-start` runs it and says
@@ -28,7 +29,7 @@ pub fn profile_path(cache: &Path, key: &ProfileKey) -> PathBuf {
 pub fn first_start_plan() -> CalibrationPlan {
     CalibrationPlan {
         weight_types: TYPES.into_iter().map(WeightType::new).collect(),
-        matrices: vec![(2048, 512), (2048, 2048), (2048, 8192)],
+        matrices: vec![(2048, 512), (4096, 4096), (14336, 4096)],
         chains: vec![32],
         experts: vec![(2048, 768, 8)],
         attention_positions: vec![16, 128, 1024, 4096],

@@ -200,18 +200,36 @@ impl GpuBench {
         let data = random_matrix(ty, k, n)?;
         let mut uploader = Uploader::new(&self.allocator, DEFAULT_STAGING_BYTES)?;
         let copies = super::cold::copies(data.len() as u64, self.cold_bytes());
-        let w = (0..copies)
+        // One upload, the other copies made on the device: through the host they took a
+        // first start seconds while the GPU idled.
+        let first = GpuMatrix::upload(
+            &self.allocator,
+            &mut uploader,
+            ty,
+            k as usize,
+            n as usize,
+            &data,
+        )?;
+        let w = (1..copies)
             .map(|_| {
-                GpuMatrix::upload(
-                    &self.allocator,
-                    &mut uploader,
-                    ty,
-                    k as usize,
-                    n as usize,
-                    &data,
-                )
+                let buffer =
+                    Buffer::new_in(&self.allocator, data.len() as u64, MemoryUse::DeviceLocal)?;
+                Ok(GpuMatrix {
+                    buffer,
+                    wtype: first.wtype,
+                    n_in: first.n_in,
+                    n_out: first.n_out,
+                    row_bytes: first.row_bytes,
+                })
             })
-            .collect::<Result<Vec<_>, _>>()?;
+            .collect::<Result<Vec<_>, CalibrateError>>()?;
+        uploader.flush()?;
+        self.device_copies(
+            &first.buffer,
+            data.len() as u64,
+            w.iter().map(|m| (&m.buffer, 0)),
+        )?;
+        let w: Vec<GpuMatrix> = std::iter::once(first).chain(w).collect();
         // The vector in device memory, as decode keeps its activations: read from host-visible
         // memory, every workgroup's read of it would cross the bus.
         let x = upload_f32(&self.allocator, &mut uploader, &vec![0.5; k as usize])?;
@@ -276,17 +294,14 @@ impl GpuBench {
         let mut uploader = Uploader::new(&self.allocator, DEFAULT_STAGING_BYTES)?;
         // A few experts' random rows, repeated through the stack: making every expert's own
         // took seconds a case on the host (a stack of 512 MiB), and the GPU reads them the same.
+        // Copied on the device from one upload.
         let pool = n_expert.min(POOL_EXPERTS);
-        let tiled = |one: Vec<u8>| one.repeat(n_expert.div_ceil(pool) as usize);
-        let mut gate_up = tiled(random_matrix(ty, k, 2 * pool * n)?);
-        gate_up.truncate((2 * n_expert * n * row(k)?) as usize);
-        let mut down = tiled(random_matrix(ty, n, pool * k)?);
-        down.truncate((n_expert * k * row(n)?) as usize);
         let (k_us, n_us) = (k as usize, n as usize);
         let rows = n_expert as usize;
-        let a = &self.allocator;
-        let gate_up = GpuMatrix::upload(a, &mut uploader, ty, k_us, 2 * rows * n_us, &gate_up)?;
-        let down = GpuMatrix::upload(a, &mut uploader, ty, n_us, rows * k_us, &down)?;
+        let gate_up = random_matrix(ty, k, 2 * pool * n)?;
+        let gate_up = self.repeated(&mut uploader, ty, k_us, 2 * rows * n_us, &gate_up)?;
+        let down = random_matrix(ty, n, pool * k)?;
+        let down = self.repeated(&mut uploader, ty, n_us, rows * k_us, &down)?;
         // Routings one after another, `route_floats(used)` words each: the ids (as bits),
         // the weights, the shared expert's gate.
         let words = crate::gpu::ops_moe::route_floats(used as usize);
@@ -354,19 +369,28 @@ impl GpuBench {
         Ok(Some((cov / var).max(0.0)))
     }
 
-    /// Seconds of one layer's decode attention for a token at `position`, as a decode step
-    /// runs it ([`Recorder::attention_rope`](crate::gpu::Recorder::attention_rope): the
-    /// QK-norm, RoPE and the KV-cache append in its dispatch, the grid read from the step's
-    /// words, which live in host-visible memory as decode's do), with heads `h`. Timed over a
-    /// chain of layers, each with its own cache, one after another.
-    pub fn attention(&mut self, h: AttentionHeads, position: u64) -> Result<f64, CalibrateError> {
+    /// Seconds of one layer's decode attention for a token at each of `positions`, as a
+    /// decode step runs it ([`Recorder::attention_rope`](crate::gpu::Recorder::attention_rope):
+    /// the QK-norm, RoPE and the KV-cache append in its dispatch, the grid read from the
+    /// step's words, which live in host-visible memory as decode's do), with heads `h`. Timed
+    /// over a chain of layers, each with its own cache (as long as the last position needs),
+    /// one after another. Only the first position follows the setup's idle device, so only it
+    /// gets the long warm-up.
+    pub fn attention(
+        &mut self,
+        h: AttentionHeads,
+        positions: &[u64],
+    ) -> Result<Vec<f64>, CalibrateError> {
         const CHAIN: usize = 16;
+        let Some(&last) = positions.iter().max() else {
+            return Ok(Vec::new());
+        };
         let (n_heads, n_kv, hd) = (
             h.n_heads as usize,
             h.n_kv_heads as usize,
             h.head_dim as usize,
         );
-        let capacity = position as usize + 1;
+        let capacity = last as usize + 1;
         let args = AttentionArgs {
             n_heads: n_heads as u32,
             n_kv_heads: n_kv as u32,
@@ -391,55 +415,131 @@ impl GpuBench {
         let norms = (f32s(&vec![1.0; hd])?, f32s(&vec![1.0; hd])?);
         let out = f32s(&vec![0.0; n_heads * hd])?;
         let scores = f32s(&vec![0.0; attention_scratch_floats(n_heads, hd, capacity)])?;
-        // Each layer's K and V caches, f16 (two to a float), of small values.
+        // Each layer's K and V caches, f16 (two to a float), of small values: one uploaded,
+        // the others copied from it on the device.
         let cache_floats = capacity * n_kv * hd / 2;
+        let first = f32s(&vec![0.01; cache_floats])?;
+        uploader.flush()?;
+        let cache_bytes = cache_floats as u64 * 4;
         let caches = (0..CHAIN)
             .map(|_| {
-                Ok((
-                    f32s(&vec![0.01; cache_floats])?,
-                    f32s(&vec![0.01; cache_floats])?,
-                ))
+                let new = || Buffer::new_in(&self.allocator, cache_bytes, MemoryUse::DeviceLocal);
+                Ok((new()?, new()?))
             })
             .collect::<Result<Vec<_>, CalibrateError>>()?;
-        uploader.flush()?;
+        let copies = caches.iter().flat_map(|(kc, vc)| [(kc, 0), (vc, 0)]);
+        self.device_copies(&first, cache_bytes, copies)?;
+        drop(first);
         let done = attention_counters(&self.allocator, n_heads, 1)?;
         // The position, the sequence's first cache row, the grid of the position's runs.
         let mut step = Buffer::new_in(&self.allocator, 24, MemoryUse::DeviceMapped)?;
-        let words: Vec<f32> = [position as u32, 0]
-            .into_iter()
-            .chain(attention_grid(args, position as u32))
-            .map(f32::from_bits)
-            .collect();
-        step.write_f32(&words);
-        let total = self.gpu_seconds_after(LONG_WARM_UP, |r| {
-            for (kc, vc) in &caches {
-                let new = Unroped {
-                    q: &q,
-                    k: &k,
-                    v: &v,
-                    qk_norm: Some((&norms.0, &norms.1)),
-                };
-                let pos = StepWord {
-                    buffer: &step,
-                    index: 0,
-                };
-                let grid = StepWord {
-                    buffer: &step,
-                    index: 2,
-                };
-                r.attention_rope(
-                    new,
-                    (&table, rope(n_heads)),
-                    (kc, vc),
-                    (&scores, &done),
-                    &out,
-                    args,
-                    (pos, Some(grid)),
-                )?;
+        let mut seconds = Vec::with_capacity(positions.len());
+        for (i, &position) in positions.iter().enumerate() {
+            let words: Vec<f32> = [position as u32, 0]
+                .into_iter()
+                .chain(attention_grid(args, position as u32))
+                .map(f32::from_bits)
+                .collect();
+            step.write_f32(&words);
+            let least = if i == 0 { LONG_WARM_UP } else { WARM_UP };
+            let total = self.gpu_seconds_after(least, |r| {
+                for (kc, vc) in &caches {
+                    let new = Unroped {
+                        q: &q,
+                        k: &k,
+                        v: &v,
+                        qk_norm: Some((&norms.0, &norms.1)),
+                    };
+                    let pos = StepWord {
+                        buffer: &step,
+                        index: 0,
+                    };
+                    let grid = StepWord {
+                        buffer: &step,
+                        index: 2,
+                    };
+                    r.attention_rope(
+                        new,
+                        (&table, rope(n_heads)),
+                        (kc, vc),
+                        (&scores, &done),
+                        &out,
+                        args,
+                        (pos, Some(grid)),
+                    )?;
+                }
+                Ok(())
+            })?;
+            seconds.push(total / CHAIN as f64);
+        }
+        Ok(seconds)
+    }
+
+    /// A matrix of `n_out` rows of `n_in` weights of `ty` whose rows repeat `pool` (whole
+    /// rows): `pool` uploaded once, then copied on the device until the rows are filled.
+    fn repeated(
+        &self,
+        uploader: &mut Uploader,
+        ty: crate::gguf::GgmlType,
+        n_in: usize,
+        n_out: usize,
+        pool: &[u8],
+    ) -> Result<GpuMatrix, CalibrateError> {
+        let row = ty
+            .row_bytes(n_in as u64)
+            .ok_or_else(|| CalibrateError::Unsupported(format!("rows of {n_in} {ty} weights")))?;
+        let total = row * n_out as u64;
+        let mut m = GpuMatrix::upload(
+            &self.allocator,
+            uploader,
+            ty,
+            n_in,
+            pool.len() / row as usize,
+            pool,
+        )?;
+        uploader.flush()?;
+        let buffer = Buffer::new_in(&self.allocator, total, MemoryUse::DeviceLocal)?;
+        let at = (0..total).step_by(pool.len()).map(|o| (&buffer, o));
+        self.device_copies_clamped(&m.buffer, pool.len() as u64, total, at)?;
+        m.buffer = buffer;
+        m.n_out = n_out;
+        Ok(m)
+    }
+
+    /// Copies `bytes` of `from` to each `(buffer, offset)` of `to`, on the device, and waits.
+    fn device_copies<'a>(
+        &self,
+        from: &Buffer,
+        bytes: u64,
+        to: impl Iterator<Item = (&'a Buffer, u64)>,
+    ) -> Result<(), CalibrateError> {
+        self.device_copies_clamped(from, bytes, u64::MAX, to)
+    }
+
+    /// [`GpuBench::device_copies`], each copy cut short at `end` bytes of its destination.
+    fn device_copies_clamped<'a>(
+        &self,
+        from: &Buffer,
+        bytes: u64,
+        end: u64,
+        to: impl Iterator<Item = (&'a Buffer, u64)>,
+    ) -> Result<(), CalibrateError> {
+        let to: Vec<(&Buffer, u64)> = to.collect();
+        let raw = &self.device.raw;
+        self.device.run_once(|cmd| {
+            for &(dst, at) in &to {
+                let region = [vk::BufferCopy {
+                    src_offset: 0,
+                    dst_offset: at,
+                    size: bytes.min(end - at),
+                }];
+                // SAFETY: `cmd` is recording; both buffers outlive the submission (run_once
+                // waits for it); the source holds `bytes` and the region ends within the
+                // destination (at most `end`, its size, or `bytes` past `at`).
+                unsafe { raw.cmd_copy_buffer(cmd, from.raw, dst.raw, &region) };
             }
-            Ok(())
         })?;
-        Ok(total / CHAIN as f64)
+        Ok(())
     }
 
     /// Products a chain of [`GpuBench::matvec`] runs between barriers: on a GPU one, as most

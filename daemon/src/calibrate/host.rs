@@ -18,9 +18,11 @@ const IN_FLIGHT: usize = 32;
 
 pub struct HostBench {
     pools: HashMap<u32, ThreadPool>,
-    /// The last matrix made, in copies for a cold rotation ([`super::cold`]), reused while the
-    /// shape and type stay the same.
-    matrix: Option<((String, u64, u64), Vec<u8>)>,
+    /// The cold rotation ([`super::cold`]): copies of the last case's data, its allocation
+    /// kept for the next case (fresh pages cost more to fault in than to fill); and the
+    /// matrix it holds, reused while the shape and type stay the same.
+    rotation: Vec<u8>,
+    matrix: Option<(String, u64, u64)>,
     /// Bytes a rotation covers.
     cold: u64,
     /// The file the disk is read from, and whether it is ours to delete.
@@ -50,6 +52,7 @@ impl HostBench {
         };
         Ok(HostBench {
             pools: HashMap::new(),
+            rotation: Vec::new(),
             matrix: None,
             cold: super::cold::host_cold_bytes(),
             file,
@@ -68,18 +71,15 @@ impl HostBench {
     ) -> Result<f64, CalibrateError> {
         let ty = ggml_type(t)?;
         let key = (t.name().to_string(), k, n);
-        if self.matrix.as_ref().is_none_or(|(k2, _)| *k2 != key) {
+        let bytes = ty.row_bytes(k).expect("random_matrix sized it") as usize * n as usize;
+        let copies = super::cold::copies(bytes as u64, self.cold);
+        if self.matrix.as_ref() != Some(&key) {
             self.matrix = None;
             let one = random_matrix(ty, k, n)?;
-            let copies = super::cold::copies(one.len() as u64, self.cold);
-            let mut all = Vec::with_capacity(one.len() * copies);
-            for _ in 0..copies {
-                all.extend_from_slice(&one);
-            }
-            self.matrix = Some((key, all));
+            repeat_into(&mut self.rotation, &[&one], copies);
+            self.matrix = Some(key);
         }
-        let all = &self.matrix.as_ref().expect("made above").1;
-        let bytes = ty.row_bytes(k).expect("random_matrix sized it") as usize * n as usize;
+        let all = &self.rotation[..bytes * copies];
         let mut copy = all.chunks_exact(bytes).cycle();
         let x = vec![0.5f32; k as usize];
         let mut out = vec![0f32; n as usize];
@@ -113,12 +113,13 @@ impl HostBench {
         let expert = 2 * gate.len() + down.len();
         let group = expert * used as usize;
         let copies = super::cold::copies(group as u64, self.cold);
-        let mut all = Vec::with_capacity(group * copies);
-        for _ in 0..copies * used as usize {
-            all.extend_from_slice(&gate);
-            all.extend_from_slice(&gate);
-            all.extend_from_slice(&down);
-        }
+        self.matrix = None;
+        repeat_into(
+            &mut self.rotation,
+            &[&gate, &gate, &down],
+            copies * used as usize,
+        );
+        let all = &self.rotation[..group * copies];
         let mut groups = all.chunks_exact(group).cycle();
         let x = vec![0.5f32; k as usize];
         let chosen: Vec<usize> = (0..used as usize).collect();
@@ -161,19 +162,20 @@ impl HostBench {
     /// Sums `bytes` of host memory as 8-byte words on `threads` threads, each run over a
     /// window of a larger buffer the runs before it did not read.
     pub fn read(&mut self, bytes: u64, threads: u32) -> Result<f64, CalibrateError> {
-        let window = (bytes / 8).max(1) as usize;
+        // Windows of fresh memory (what they hold does not matter), read as words: here the
+        // rotation's pages, or fresh ones after it was let go, read a third slower.
+        let window = 8 * (bytes / 8).max(1) as usize;
         let copies = super::cold::copies(bytes, self.cold);
-        let words = vec![1u64; window * copies];
-        let mut windows = words.chunks_exact(window).cycle();
+        let fresh = vec![1u8; window * copies];
+        let mut windows = fresh.chunks_exact(window).cycle();
         let pool = pool(&mut self.pools, threads);
         let tasks = threads.max(1) as usize;
-        let chunk = window.div_ceil(tasks);
+        let chunk = (window / 8).div_ceil(tasks) * 8;
         median_seconds(|| {
-            let words = windows.next().expect("a cycle of at least two windows");
+            let bytes = windows.next().expect("a cycle of at least two windows");
             pool.run(tasks, &|i| {
-                let part = &words[(i * chunk).min(words.len())..((i + 1) * chunk).min(words.len())];
-                let sum = part.iter().fold(0u64, |a, &w| a.wrapping_add(w));
-                std::hint::black_box(sum);
+                let part = &bytes[(i * chunk).min(bytes.len())..((i + 1) * chunk).min(bytes.len())];
+                std::hint::black_box(sum_words(part));
             });
             Ok::<(), CalibrateError>(())
         })
@@ -237,5 +239,69 @@ impl Drop for HostBench {
         if self.owned {
             let _ = std::fs::remove_file(&self.file);
         }
+    }
+}
+
+/// The wrapping sum of `bytes` as little-endian 8-byte words (a tail under 64 bytes is
+/// skipped), in eight independent sums so that the loads are not one chain of adds.
+fn sum_words(bytes: &[u8]) -> u64 {
+    let mut acc = [0u64; 8];
+    for line in bytes.chunks_exact(64) {
+        for (j, a) in acc.iter_mut().enumerate() {
+            let w: [u8; 8] = line[8 * j..8 * j + 8].try_into().expect("8 bytes");
+            *a = a.wrapping_add(u64::from_le_bytes(w));
+        }
+    }
+    acc.iter().fold(0, |s, &a| s.wrapping_add(a))
+}
+
+/// Fills the start of `buf` with `copies` repetitions of `parts` laid one after another,
+/// written by the machine's threads; `buf` grows when it is too short and keeps its length
+/// otherwise.
+fn repeat_into(buf: &mut Vec<u8>, parts: &[&[u8]], copies: usize) {
+    let one: usize = parts.iter().map(|p| p.len()).sum();
+    let total = one * copies;
+    if total == 0 {
+        return;
+    }
+    if buf.len() < total {
+        buf.resize(total, 0);
+    }
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per_thread = copies.div_ceil(threads).max(1) * one;
+    std::thread::scope(|s| {
+        for chunk in buf[..total].chunks_mut(per_thread) {
+            s.spawn(move || {
+                for copy in chunk.chunks_exact_mut(one) {
+                    let mut at = 0;
+                    for p in parts {
+                        copy[at..at + p.len()].copy_from_slice(p);
+                        at += p.len();
+                    }
+                }
+            });
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{repeat_into, sum_words};
+
+    #[test]
+    fn words_sum_by_lines() {
+        let bytes: Vec<u8> = (0..128u64).flat_map(|w| (w % 16).to_le_bytes()).collect();
+        assert_eq!(sum_words(&bytes[..1024]), 8 * (0..16).sum::<u64>());
+    }
+
+    #[test]
+    fn a_rotation_repeats_its_parts_and_keeps_its_allocation() {
+        let mut buf = Vec::new();
+        repeat_into(&mut buf, &[&[1, 2], &[3]], 5);
+        assert_eq!(buf, [1, 2, 3].repeat(5));
+        let at = buf.as_ptr();
+        repeat_into(&mut buf, &[&[9]], 4);
+        assert_eq!(&buf[..4], [9; 4]);
+        assert_eq!(buf.as_ptr(), at, "a shorter rotation reuses the buffer");
     }
 }

@@ -139,9 +139,9 @@ impl MicroBench for Bench {
     fn gpu_attention(
         &mut self,
         heads: spillway_sched::calibrate::AttentionHeads,
-        position: u64,
-    ) -> Result<f64, CalibrateError> {
-        self.gpu.attention(heads, position)
+        positions: &[u64],
+    ) -> Result<Vec<f64>, CalibrateError> {
+        self.gpu.attention(heads, positions)
     }
     fn cpu_dispatch(&mut self, threads: u32) -> Result<f64, CalibrateError> {
         self.host.dispatch(threads)
