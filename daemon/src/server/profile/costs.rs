@@ -7,15 +7,17 @@
 //! tokens on the CPU; once per token on the GPU, which evaluates a prompt token by token), each
 //! expert copied into VRAM one host-to-device copy, each expert read from the SSD one read. A
 //! MoE layer's experts on the GPU and on the CPU run at the same time, so its prediction is the
-//! router's plus the longer of the two sides. Groups that read no weights (RoPE and the KV
-//! cache, attention over the cache) get no prediction: the profile has no model of them yet.
+//! router's plus the longer of the two sides. A GPU attention row adds decode attention at
+//! each of its tokens' positions, from the profile's calibrated points
+//! (`profile::attention_seconds`; nothing where the profile has none). Groups that read no
+//! weights on the CPU (RoPE and the KV cache, attention over the cache) get no prediction.
 
 use std::sync::Arc;
 
 use spillway_proto::v1 as pb;
 use spillway_sched::model::WeightType;
 use spillway_sched::predict::{Roofline, Work};
-use spillway_sched::profile::HardwareProfile;
+use spillway_sched::profile::{attention_seconds, HardwareProfile};
 use spillway_sched::refine::{ObservedProducts, Side};
 
 use crate::gpu::expert_cache::LayerExpertStats;
@@ -212,12 +214,14 @@ impl Costs {
         }
     }
 
-    /// Weight bytes, bytes moved and predicted time of a GPU step's rows. `splits` gives each
-    /// MoE layer's experts by side (`None` for dense layers); `ssd_bytes` the bytes the RAM
-    /// tier read per layer. A host row `cpu_experts` gets the CPU's share of every layer.
+    /// Weight bytes, bytes moved and predicted time of a GPU step's rows. `position` is the
+    /// step's first token's; `splits` gives each MoE layer's experts by side (`None` for dense
+    /// layers); `ssd_bytes` the bytes the RAM tier read per layer. A host row `cpu_experts`
+    /// gets the CPU's share of every layer.
     pub fn annotate_gpu(
         &self,
         step: &mut pb::ProfileStep,
+        position: u64,
         splits: &[Option<ExpertSplit>],
         ssd_bytes: &[Option<u64>],
     ) {
@@ -244,7 +248,16 @@ impl Costs {
                 ("output_head", _) => (bytes(&self.output) * tokens, gpu(&self.output)),
                 ("attention", Some(l)) => {
                     let mats: Vec<Mat> = l.qkv.iter().chain(&l.wo).cloned().collect();
-                    (bytes(&mats) * tokens, gpu(&mats))
+                    // Each token's attention over the cache, where calibrated.
+                    let width = l.qkv.first().map_or(0, |q| q.n_out);
+                    let attend = hw
+                        .and_then(|h| {
+                            (position..position + tokens)
+                                .map(|p| attention_seconds(&h.gpu.attention, width, p))
+                                .sum::<Option<f64>>()
+                        })
+                        .unwrap_or(0.0);
+                    (bytes(&mats) * tokens, gpu(&mats).map(|s| s + attend))
                 }
                 ("ffn", Some(l)) => (bytes(&l.ffn) * tokens, gpu(&l.ffn)),
                 ("experts", Some(l)) => {
@@ -502,6 +515,51 @@ pub(crate) mod tests {
         )
     }
 
+    /// A GPU attention row adds each token's calibrated attention at its position to its
+    /// products; without calibrated points it predicts the products alone.
+    #[test]
+    fn gpu_attention_rows_add_calibrated_attention_at_their_positions() {
+        use spillway_sched::profile::AttentionPoint;
+        let (_dir, model) = tiny_moe();
+        let width = model.layers[0].attn.wq.n_out as u64;
+        let plain = h200();
+        let mut hw = (*plain).clone();
+        hw.gpu.attention = [(16, 10e-6), (1024, 30e-6)]
+            .into_iter()
+            .map(|(position, seconds)| AttentionPoint {
+                query_width: width,
+                position,
+                seconds,
+            })
+            .collect();
+        let n_layer = model.layers.len();
+        let attention_ns = |hw: &Arc<HardwareProfile>, position: u64, tokens: u32| {
+            let mut step = gpu_step(tokens);
+            let costs = Costs::new(&model, Some(hw.clone()));
+            costs.annotate_gpu(
+                &mut step,
+                position,
+                &vec![None; n_layer],
+                &vec![None; n_layer],
+            );
+            step.rows[1].predicted_ns.unwrap() as f64 * 1e-9
+        };
+        let hw = Arc::new(hw);
+        let products = attention_ns(&plain, 520, 1);
+        assert_eq!(
+            products,
+            attention_ns(&plain, 16, 1),
+            "no points: products only"
+        );
+        // Halfway between the points: 20 µs.
+        let at = attention_ns(&hw, 520, 1) - products;
+        assert!((at - 20e-6).abs() < 1e-8, "{at}");
+        // Two tokens: positions 16 and 17.
+        let two = attention_ns(&hw, 16, 2) - 2.0 * products;
+        let want = 10e-6 + (10e-6 + 20e-6 / 1008.0);
+        assert!((two - want).abs() < 1e-8, "{two} against {want}");
+    }
+
     /// A GPU row's weight bytes are the file's bytes of the matrices the group read on the
     /// GPU, per token; a MoE row's are the router and the experts run from VRAM; the CPU's
     /// experts go to the host row; copies into VRAM and SSD reads land on the MoE row.
@@ -528,7 +586,7 @@ pub(crate) mod tests {
         ssd[0] = Some(12_345);
         for tokens in [1, 3] {
             let mut step = gpu_step(tokens);
-            costs.annotate_gpu(&mut step, &splits, &ssd);
+            costs.annotate_gpu(&mut step, 0, &splits, &ssd);
             let t = u64::from(tokens);
             let r = &step.rows;
             let attn = file_bytes(&model, 0, &["attn_q", "attn_k", "attn_v", "attn_output"]);
@@ -561,7 +619,7 @@ pub(crate) mod tests {
             let mut splits = vec![None; n_layer];
             splits[0] = Some(split);
             let mut step = gpu_step(1);
-            costs.annotate_gpu(&mut step, &splits, &vec![None; n_layer]);
+            costs.annotate_gpu(&mut step, 0, &splits, &vec![None; n_layer]);
             step
         };
         let gpu_only = predict(ExpertSplit {

@@ -40,6 +40,8 @@ const ENGINE_TRACK: &str = "engine";
 /// One profiled step (or a prompt's steps summed).
 #[derive(Debug, Clone)]
 pub struct GpuStep {
+    /// The (first) token's position.
+    pub position: usize,
     pub tokens: usize,
     pub started: Instant,
     pub duration: Duration,
@@ -145,7 +147,7 @@ pub fn gpu_step_message(
             ssd[l] = r.ssd_bytes;
         }
     }
-    costs.annotate_gpu(&mut msg, &splits, &ssd);
+    costs.annotate_gpu(&mut msg, s.position as u64, &splits, &ssd);
     if partial {
         // Some of these layers' experts run on the CPU.
         for r in msg.rows.iter_mut().filter(|r| r.op == "experts") {
@@ -333,6 +335,7 @@ pub(crate) fn run(
 }
 
 fn step(seq: &mut GpuSequence, token: u32) -> Result<(Vec<f32>, GpuStep), Interrupt> {
+    let position = seq.gpu_mut().map_err(fail)?.position();
     let started = Instant::now();
     let logits = seq.eval_one(token).map_err(fail)?;
     let duration = started.elapsed();
@@ -346,6 +349,7 @@ fn step(seq: &mut GpuSequence, token: u32) -> Result<(Vec<f32>, GpuStep), Interr
         experts[r.layer].extend(r.experts.iter().map(|e| e.expert as u32));
     }
     let s = GpuStep {
+        position,
         tokens: 1,
         started,
         duration,
@@ -390,6 +394,7 @@ mod tests {
             ssd_bytes: None,
         };
         GpuStep {
+            position: 0,
             tokens: 1,
             started: origin + Duration::from_micros(3),
             duration: Duration::from_micros(10),
