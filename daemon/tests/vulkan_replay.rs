@@ -93,3 +93,36 @@ fn qwen3moe_replayed_steps_equal_recorded_ones() {
 fn qwen3_replayed_steps_equal_recorded_ones() {
     replay_matches_recording("tiny-qwen3", "Q4_K_M");
 }
+
+/// A timed replay runs its warm-up and its timed part every time it is run: `a += b` three
+/// times as warm-up and once timed, run twice, adds `b` eight times.
+#[test]
+fn a_timed_replay_runs_everything_it_recorded_each_time() {
+    use spillway_daemon::gpu::ops::upload_f32;
+    use spillway_daemon::gpu::{Allocator, Kernels, Uploader};
+    let Some(dev) = spillway_daemon::gpu::device_or_skip() else {
+        return;
+    };
+    let alloc = Allocator::new(&dev, None);
+    let kernels = Kernels::new(&dev);
+    let mut up = Uploader::new(&alloc, 1 << 20).unwrap();
+    let n = 1000;
+    let a = upload_f32(&alloc, &mut up, &vec![1.0; n]).unwrap();
+    let b = upload_f32(&alloc, &mut up, &vec![0.5; n]).unwrap();
+    up.flush().unwrap();
+    let add = |r: &mut spillway_daemon::gpu::Recorder<'_>| r.add(&a, &b, n as u32);
+    let replay = kernels
+        .record_timed_replay(|r| (0..3).try_for_each(|_| add(r)), add)
+        .unwrap();
+    for _ in 0..2 {
+        if let Some((whole, timed)) = replay.run().unwrap() {
+            assert!(whole >= timed, "{whole} ns in all, {timed} ns timed");
+        }
+    }
+    let out = spillway_daemon::gpu::upload::download(&alloc, &a, 0, 4 * n as u64).unwrap();
+    let out: Vec<f32> = out
+        .chunks_exact(4)
+        .map(|w| f32::from_le_bytes(w.try_into().unwrap()))
+        .collect();
+    assert!(out.iter().all(|&v| v == 5.0), "{:?}", &out[..4]);
+}

@@ -23,17 +23,31 @@ use spillway_sched::calibrate::AttentionHeads;
 /// The least a GPU runs a case before it is timed ([`GpuBench::gpu_seconds`]).
 const WARM_UP: Duration = Duration::from_millis(30);
 
-/// The least for the cases that follow a long setup on the host (a MoE layer's stacks, made
-/// and uploaded while the device idles): on an H100 the clocks climbed for longer than
-/// [`WARM_UP`] after them, and three runs in a row could agree on the way up (an expert's
-/// share of the same layer timed at 1.6, 3.7 and 9.5 µs in three calibrations).
-const LONG_WARM_UP: Duration = Duration::from_millis(300);
+/// The least for the cases that follow a long setup on the host (a MoE layer's stacks,
+/// attention's caches): on an H100 the clocks climbed for longer than [`WARM_UP`] after
+/// them, and three runs in a row could agree on the way up (an expert's share of the same
+/// layer timed at 1.6, 3.7 and 9.5 µs in three calibrations, when its stack's rows were all
+/// made on one host thread for seconds; 300 ms fixed that, and 150 ms, with the setups now
+/// a tenth as long, kept those figures).
+const LONG_WARM_UP: Duration = Duration::from_millis(150);
+
+/// How a timing warms the device up ([`GpuBench::gpu_seconds_warm`]).
+#[derive(Debug, Clone, Copy)]
+enum WarmUp {
+    /// After the host set a case up, the device idle meanwhile: recordings of the case,
+    /// repeated until each keeps the device busy, for at least this long and until three in
+    /// a row agree.
+    AfterSetup(Duration),
+    /// Right after a timing of the same case that ran these repetitions before its own and
+    /// left the clocks up: from them, until two recordings agree.
+    Following(usize),
+}
 
 /// The most: an idle GPU's clocks took about a second to come back on the H100.
 const MAX_WARM_UP: Duration = Duration::from_millis(1500);
 
-/// GPU time each warm-up recording keeps the device busy for, its case repeated (at most
-/// [`MAX_REPS`] times).
+/// GPU time the repetitions before a timed case take at an idle device's pace (at most
+/// [`MAX_REPS`] of them).
 const BUSY: Duration = Duration::from_millis(10);
 const MAX_REPS: usize = 256;
 
@@ -125,10 +139,12 @@ impl GpuBench {
     /// seconds) lowers its clocks, and short recordings do not bring them back: on the H100
     /// the SM clock fell from 1980 to 345 MHz during the calibration's largest cases and
     /// stayed there, and every later product ran three times slower than in decode. So the
-    /// warm-up runs recordings of `f` repeated until each keeps the device busy for
-    /// [`BUSY`], back to back, until the time of one `f` stops falling (three runs in a row
-    /// within 3% of the best, for at least [`WARM_UP`]); each timed recording then runs those
-    /// repetitions before the `f` it times. A device that is the CPU is timed as before.
+    /// timing records `f` repeated for about [`BUSY`] at the pace of one `f` on the idle
+    /// device, then `f` alone between timestamps, once (recording thousands of dispatches
+    /// anew for every run left the device idle as long as it ran); it runs that recording
+    /// until the pace of the repetitions stops falling (three runs in a row within 3% of the
+    /// best, for at least [`WARM_UP`]), then times `f` in [`super::REPEATS`] more runs. A
+    /// device that is the CPU is timed one recording of `f` at a time.
     fn gpu_seconds(
         &self,
         f: impl Fn(&mut crate::gpu::Recorder<'_>) -> Result<(), crate::gpu::GpuError>,
@@ -142,46 +158,86 @@ impl GpuBench {
         least: Duration,
         f: impl Fn(&mut crate::gpu::Recorder<'_>) -> Result<(), crate::gpu::GpuError>,
     ) -> Result<f64, CalibrateError> {
-        let warm = self.device.info().kind != DeviceKind::Cpu;
-        let mut reps = 1usize;
+        Ok(self.gpu_seconds_warm(WarmUp::AfterSetup(least), f)?.0)
+    }
+
+    /// [`GpuBench::gpu_seconds`] warmed up as `warm_up` says; also the repetitions the timed
+    /// recordings ran before `f`, for a [`WarmUp::Following`] timing of the same case.
+    fn gpu_seconds_warm(
+        &self,
+        warm_up: WarmUp,
+        f: impl Fn(&mut crate::gpu::Recorder<'_>) -> Result<(), crate::gpu::GpuError>,
+    ) -> Result<(f64, usize), CalibrateError> {
         let repeated = |reps: usize| {
             let f = &f;
             move |r: &mut crate::gpu::Recorder<'_>| (0..reps).try_for_each(|_| f(r))
         };
-        if warm {
-            let (start, mut best, mut settled) = (Instant::now(), f64::MAX, 0);
-            while start.elapsed() < MAX_WARM_UP {
-                let Some(ns) = self.kernels.record_timed(repeated(reps))?.gpu_ns else {
-                    break;
+        // A device that is the CPU, or a queue without timestamps: each run recorded and
+        // timed alone (wall time without timestamps).
+        let untimed = || -> Result<(f64, usize), CalibrateError> {
+            let mut gpu_s = Vec::new();
+            let wall = median_seconds(|| {
+                if let Some(ns) = self.kernels.record_timed(&f)?.gpu_ns {
+                    gpu_s.push(ns as f64 * 1e-9);
+                }
+                Ok::<(), CalibrateError>(())
+            })?;
+            // The first entry is the warm-up's.
+            let mut timed: Vec<f64> = gpu_s.into_iter().skip(1).collect();
+            timed.sort_by(f64::total_cmp);
+            Ok((timed.get(timed.len() / 2).copied().unwrap_or(wall), 0))
+        };
+        if self.device.info().kind == DeviceKind::Cpu {
+            return untimed();
+        }
+        let (reps, least, agree) = match warm_up {
+            WarmUp::AfterSetup(least) => {
+                // Enough repetitions to keep the device busy for `BUSY` at the pace of one run
+                // now (an idle device's clocks make it slow; the runs follow each other closely
+                // enough to keep it busy once they are up).
+                let Some(ns) = self.kernels.record_timed(&f)?.gpu_ns else {
+                    return untimed();
                 };
-                let busy = Duration::from_nanos(ns);
-                if busy < BUSY && reps < MAX_REPS {
-                    reps = (reps * 2).min(MAX_REPS);
-                    continue;
-                }
-                let each = ns as f64 / reps as f64;
-                settled = if each < 0.97 * best { 0 } else { settled + 1 };
-                best = best.min(each);
-                if settled >= 3 && start.elapsed() >= least {
-                    break;
-                }
+                let reps = (BUSY.as_nanos() as u64).div_ceil(ns.max(1)) as usize;
+                (reps.clamp(1, MAX_REPS), least, 3)
+            }
+            WarmUp::Following(reps) => (reps.clamp(1, MAX_REPS), Duration::ZERO, 1),
+        };
+        // Recorded once, run until the pace of the repetitions settles, then timed.
+        let replay = self.kernels.record_timed_replay(repeated(reps), &f)?;
+        let (start, mut best, mut settled, mut runs) = (Instant::now(), f64::MAX, 0, 0);
+        while start.elapsed() < MAX_WARM_UP {
+            let Some((whole, _)) = replay.run()? else {
+                return untimed();
+            };
+            runs += 1;
+            let each = whole as f64 / (reps + 1) as f64;
+            settled = if each < 0.97 * best { 0 } else { settled + 1 };
+            best = best.min(each);
+            if settled >= agree && start.elapsed() >= least {
+                break;
             }
         }
-        let mut gpu_s = Vec::new();
-        let wall = median_seconds(|| {
-            let stats = match warm {
-                true => self.kernels.record_timed_after(repeated(reps), &f)?,
-                false => self.kernels.record_timed(&f)?,
-            };
-            if let Some(ns) = stats.gpu_ns {
-                gpu_s.push(ns as f64 * 1e-9);
+        tracing::debug!(
+            "calibration warm-up: {:.0} ms, {runs} runs of {reps}, {}",
+            start.elapsed().as_secs_f64() * 1e3,
+            if settled >= agree {
+                "settled"
+            } else {
+                "did not settle"
             }
-            Ok::<(), CalibrateError>(())
-        })?;
-        // The first entry is the warm-up's.
-        let mut timed: Vec<f64> = gpu_s.into_iter().skip(1).collect();
+        );
+        let mut timed = Vec::with_capacity(super::REPEATS);
+        for _ in 0..super::REPEATS {
+            if let Some((_, ns)) = replay.run()? {
+                timed.push(ns as f64 * 1e-9);
+            }
+        }
         timed.sort_by(f64::total_cmp);
-        Ok(timed.get(timed.len() / 2).copied().unwrap_or(wall))
+        match timed.get(timed.len() / 2) {
+            Some(&s) => Ok((s, reps)),
+            None => untimed(),
+        }
     }
 
     /// Seconds per product of a chain of `chain` products of a `k`-wide, `n`-tall matrix of
@@ -321,8 +377,8 @@ impl GpuBench {
         let n32 = n as u32;
         let next = std::cell::Cell::new(0usize);
         // A chain of layers each running `count` of its routing's experts.
-        let layer_seconds = |count: u32, least: Duration| {
-            let total = self.gpu_seconds_after(least, |r| {
+        let layer_seconds = |count: u32, warm_up: WarmUp| {
+            let (total, reps) = self.gpu_seconds_warm(warm_up, |r| {
                 for _ in 0..CHAIN {
                     let rank = ((next.get() % routings) * words) as u32;
                     next.set(next.get() + 1);
@@ -341,7 +397,7 @@ impl GpuBench {
                 }
                 Ok(())
             })?;
-            Ok::<f64, CalibrateError>(total / CHAIN as f64)
+            Ok::<(f64, usize), CalibrateError>((total / CHAIN as f64, reps))
         };
         // What one more expert adds: the least-squares slope over a quarter, half and all of
         // `used`, so that the layer's fixed costs (its dispatches, their barriers) cancel. On
@@ -349,12 +405,14 @@ impl GpuBench {
         // two counts magnified.
         let mut counts = vec![(used / 4).max(1), (used / 2).max(1), used];
         counts.dedup();
-        // Only the first count follows the setup's idle device; the others follow it.
-        let times = counts
-            .iter()
-            .enumerate()
-            .map(|(i, &c)| layer_seconds(c as u32, if i == 0 { LONG_WARM_UP } else { WARM_UP }))
-            .collect::<Result<Vec<_>, _>>()?;
+        // Only the first count follows the setup's idle device; the others follow it, busy.
+        let mut warm_up = WarmUp::AfterSetup(LONG_WARM_UP);
+        let mut times = Vec::with_capacity(counts.len());
+        for &c in &counts {
+            let (seconds, reps) = layer_seconds(c as u32, warm_up)?;
+            times.push(seconds);
+            warm_up = WarmUp::Following(reps);
+        }
         if counts.len() == 1 {
             return Ok(Some(times[0] / used as f64));
         }
@@ -434,15 +492,16 @@ impl GpuBench {
         // The position, the sequence's first cache row, the grid of the position's runs.
         let mut step = Buffer::new_in(&self.allocator, 24, MemoryUse::DeviceMapped)?;
         let mut seconds = Vec::with_capacity(positions.len());
-        for (i, &position) in positions.iter().enumerate() {
+        // Only the first position follows the setup's idle device.
+        let mut warm_up = WarmUp::AfterSetup(LONG_WARM_UP);
+        for &position in positions {
             let words: Vec<f32> = [position as u32, 0]
                 .into_iter()
                 .chain(attention_grid(args, position as u32))
                 .map(f32::from_bits)
                 .collect();
             step.write_f32(&words);
-            let least = if i == 0 { LONG_WARM_UP } else { WARM_UP };
-            let total = self.gpu_seconds_after(least, |r| {
+            let (total, reps) = self.gpu_seconds_warm(warm_up, |r| {
                 for (kc, vc) in &caches {
                     let new = Unroped {
                         q: &q,
@@ -471,6 +530,7 @@ impl GpuBench {
                 Ok(())
             })?;
             seconds.push(total / CHAIN as f64);
+            warm_up = WarmUp::Following(reps);
         }
         Ok(seconds)
     }

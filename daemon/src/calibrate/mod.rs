@@ -173,9 +173,27 @@ pub fn random_matrix(ty: GgmlType, n_in: u64, n_out: u64) -> Result<Vec<u8>, Cal
         .and_then(|r| r.checked_mul(n_out))
         .ok_or_else(|| CalibrateError::Unsupported(format!("{n_out}×{n_in} {ty}")))?;
     let mut data = vec![0u8; bytes as usize];
-    let mut rng = crate::synth::rng::Xoshiro256::seed_from(n_in ^ (n_out << 20));
-    crate::synth::weights::fill_blocks(ty, 0.02, &mut rng, &mut data)
-        .map_err(|e| CalibrateError::Unsupported(e.to_string()))?;
+    // Rows made on every thread, each run of rows from its own stream: the largest cases
+    // (58 M weights of F16) took the host most of a second on one.
+    let row = (bytes / n_out.max(1)) as usize;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per_thread = (n_out as usize).div_ceil(threads).max(1) * row;
+    let seed = n_in ^ (n_out << 20);
+    std::thread::scope(|s| {
+        let runs = data.chunks_mut(per_thread.max(1)).enumerate();
+        let made: Vec<_> = runs
+            .map(|(i, rows)| {
+                s.spawn(move || {
+                    let mut rng =
+                        crate::synth::rng::Xoshiro256::seed_from(seed ^ ((i as u64) << 48));
+                    crate::synth::weights::fill_blocks(ty, 0.02, &mut rng, rows)
+                })
+            })
+            .collect();
+        made.into_iter()
+            .try_for_each(|h| h.join().expect("a filling thread panicked"))
+            .map_err(|e| CalibrateError::Unsupported(e.to_string()))
+    })?;
     Ok(data)
 }
 

@@ -273,8 +273,17 @@ fn first_start_profile(
     let terminal = std::io::stderr().is_terminal();
     let mut stage = String::new();
     let mut clock = spillway_daemon::calibrate::StageClock::start();
+    let mut last = std::time::Instant::now();
     let mut progress = |p: spillway_sched::calibrate::Progress<'_>| {
         clock.report(p.what);
+        tracing::debug!(
+            "calibration step {}/{} {}: {:.0} ms",
+            p.done,
+            p.total,
+            p.what,
+            last.elapsed().as_secs_f64() * 1e3
+        );
+        last = std::time::Instant::now();
         if terminal {
             let mut e = std::io::stderr();
             let _ = write!(

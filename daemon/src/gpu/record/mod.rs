@@ -370,6 +370,41 @@ impl Kernels {
         Ok(stats)
     }
 
+    /// [`Kernels::record_timed_after`] recorded once into a [`TimedReplay`] that can be run
+    /// again and again: a benchmark's repetitions then cost the host one recording, and the
+    /// device runs them back to back.
+    pub fn record_timed_replay(
+        &self,
+        warm: impl FnOnce(&mut Recorder<'_>) -> Result<()>,
+        f: impl FnOnce(&mut Recorder<'_>) -> Result<()>,
+    ) -> Result<TimedReplay> {
+        let (whole, timer) = (Timer::new(&self.device)?, Timer::new(&self.device)?);
+        let max_range = self.device.max_storage_buffer_range();
+        let replay = Replay::new(&self.device, |cmd| {
+            let mut arena = DescriptorArena::new(&self.device);
+            let mut pipelines = Vec::new();
+            let stats =
+                self.record_keeping(cmd, &mut arena, max_range, None, &mut pipelines, |rec| {
+                    // A run reads what the run before it wrote.
+                    rec.after_earlier_submissions();
+                    whole.begin(rec.cmd);
+                    warm(rec)?;
+                    rec.after_earlier_submissions();
+                    timer.begin_after(rec.cmd);
+                    f(rec)?;
+                    timer.end(rec.cmd);
+                    whole.end(rec.cmd);
+                    Ok(())
+                })?;
+            Ok((stats, arena, pipelines))
+        })?;
+        Ok(TimedReplay {
+            replay,
+            whole,
+            timer,
+        })
+    }
+
     /// [`Kernels::record`] binding at most `max_range` bytes of a buffer at once (tests use a
     /// small limit to exercise splitting without huge buffers).
     pub fn record_with_max_range(
@@ -838,5 +873,23 @@ impl Recorder<'_> {
                 &[],
             );
         }
+    }
+}
+
+/// A recording of a warm-up and a timed part, run as often as wanted
+/// ([`Kernels::record_timed_replay`]).
+pub struct TimedReplay {
+    // Dropped first: the command buffer refers to the timers' query pools.
+    replay: Replay,
+    whole: Timer,
+    timer: Timer,
+}
+
+impl TimedReplay {
+    /// Runs the recording and waits: nanoseconds of the whole recording and of the timed part
+    /// (`None` where the queue has no timestamps).
+    pub fn run(&self) -> Result<Option<(u64, u64)>> {
+        self.replay.run()?;
+        Ok(self.whole.elapsed_ns()?.zip(self.timer.elapsed_ns()?))
     }
 }
