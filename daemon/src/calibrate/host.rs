@@ -42,6 +42,7 @@ impl HostBench {
             Some(f) => (f.to_path_buf(), false),
             None => {
                 std::fs::create_dir_all(scratch_dir)?;
+                remove_stale_scratch(scratch_dir);
                 let path = scratch_dir.join(format!("calibrate-{}.bin", std::process::id()));
                 let mut rng = crate::synth::rng::Xoshiro256::seed_from(1);
                 let mut data = vec![0u8; scratch_bytes as usize];
@@ -242,6 +243,28 @@ impl Drop for HostBench {
     }
 }
 
+/// Deletes the scratch files in `dir` of calibrations whose process is gone (a daemon killed
+/// during its first start leaves its file behind): `calibrate-PID.bin` where `/proc/PID`
+/// does not exist.
+fn remove_stale_scratch(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let pid = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("calibrate-"))
+            .and_then(|n| n.strip_suffix(".bin"))
+            .and_then(|n| n.parse::<u32>().ok());
+        if let Some(pid) = pid {
+            if !Path::new("/proc").join(pid.to_string()).exists() {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+}
+
 /// The wrapping sum of `bytes` as little-endian 8-byte words (a tail under 64 bytes is
 /// skipped), in eight independent sums so that the loads are not one chain of adds.
 fn sum_words(bytes: &[u8]) -> u64 {
@@ -287,6 +310,26 @@ fn repeat_into(buf: &mut Vec<u8>, parts: &[&[u8]], copies: usize) {
 #[cfg(test)]
 mod tests {
     use super::{repeat_into, sum_words};
+
+    #[test]
+    fn scratch_of_gone_processes_is_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let mine = format!("calibrate-{}.bin", std::process::id());
+        // No process has this id (pid_max is at most 2^22).
+        let gone = "calibrate-4294967295.bin";
+        for name in [mine.as_str(), gone, "calibrate-notes.bin", "other.bin"] {
+            std::fs::write(dir.path().join(name), b"x").unwrap();
+        }
+        super::remove_stale_scratch(dir.path());
+        let mut left: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        left.sort();
+        let mut want = vec![mine, "calibrate-notes.bin".into(), "other.bin".into()];
+        want.sort();
+        assert_eq!(left, want);
+    }
 
     #[test]
     fn words_sum_by_lines() {
