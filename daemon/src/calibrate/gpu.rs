@@ -149,16 +149,7 @@ impl GpuBench {
         &self,
         f: impl Fn(&mut crate::gpu::Recorder<'_>) -> Result<(), crate::gpu::GpuError>,
     ) -> Result<f64, CalibrateError> {
-        self.gpu_seconds_after(WARM_UP, f)
-    }
-
-    /// [`GpuBench::gpu_seconds`] with at least `least` of warm-up on a GPU.
-    fn gpu_seconds_after(
-        &self,
-        least: Duration,
-        f: impl Fn(&mut crate::gpu::Recorder<'_>) -> Result<(), crate::gpu::GpuError>,
-    ) -> Result<f64, CalibrateError> {
-        Ok(self.gpu_seconds_warm(WarmUp::AfterSetup(least), f)?.0)
+        Ok(self.gpu_seconds_warm(WarmUp::AfterSetup(WARM_UP), f)?.0)
     }
 
     /// [`GpuBench::gpu_seconds`] warmed up as `warm_up` says; also the repetitions the timed
@@ -280,11 +271,8 @@ impl GpuBench {
             })
             .collect::<Result<Vec<_>, CalibrateError>>()?;
         uploader.flush()?;
-        self.device_copies(
-            &first.buffer,
-            data.len() as u64,
-            w.iter().map(|m| (&m.buffer, 0)),
-        )?;
+        let bytes = data.len() as u64;
+        self.device_copies(&first.buffer, w.iter().map(|m| (&m.buffer, 0, bytes)))?;
         let w: Vec<GpuMatrix> = std::iter::once(first).chain(w).collect();
         // The vector in device memory, as decode keeps its activations: read from host-visible
         // memory, every workgroup's read of it would cross the bus.
@@ -485,8 +473,8 @@ impl GpuBench {
                 Ok((new()?, new()?))
             })
             .collect::<Result<Vec<_>, CalibrateError>>()?;
-        let copies = caches.iter().flat_map(|(kc, vc)| [(kc, 0), (vc, 0)]);
-        self.device_copies(&first, cache_bytes, copies)?;
+        let copies = caches.iter().flat_map(|(kc, vc)| [kc, vc]);
+        self.device_copies(&first, copies.map(|c| (c, 0, cache_bytes)))?;
         drop(first);
         let done = attention_counters(&self.allocator, n_heads, 1)?;
         // The position, the sequence's first cache row, the grid of the position's runs.
@@ -559,43 +547,36 @@ impl GpuBench {
         )?;
         uploader.flush()?;
         let buffer = Buffer::new_in(&self.allocator, total, MemoryUse::DeviceLocal)?;
-        let at = (0..total).step_by(pool.len()).map(|o| (&buffer, o));
-        self.device_copies_clamped(&m.buffer, pool.len() as u64, total, at)?;
+        let pool_bytes = pool.len() as u64;
+        let at = (0..total).step_by(pool.len());
+        self.device_copies(
+            &m.buffer,
+            at.map(|o| (&buffer, o, pool_bytes.min(total - o))),
+        )?;
         m.buffer = buffer;
         m.n_out = n_out;
         Ok(m)
     }
 
-    /// Copies `bytes` of `from` to each `(buffer, offset)` of `to`, on the device, and waits.
+    /// Copies the start of `from` to each `(buffer, offset, bytes)` of `to`, on the device,
+    /// and waits.
     fn device_copies<'a>(
         &self,
         from: &Buffer,
-        bytes: u64,
-        to: impl Iterator<Item = (&'a Buffer, u64)>,
+        to: impl Iterator<Item = (&'a Buffer, u64, u64)>,
     ) -> Result<(), CalibrateError> {
-        self.device_copies_clamped(from, bytes, u64::MAX, to)
-    }
-
-    /// [`GpuBench::device_copies`], each copy cut short at `end` bytes of its destination.
-    fn device_copies_clamped<'a>(
-        &self,
-        from: &Buffer,
-        bytes: u64,
-        end: u64,
-        to: impl Iterator<Item = (&'a Buffer, u64)>,
-    ) -> Result<(), CalibrateError> {
-        let to: Vec<(&Buffer, u64)> = to.collect();
+        let to: Vec<(&Buffer, u64, u64)> = to.collect();
         let raw = &self.device.raw;
         self.device.run_once(|cmd| {
-            for &(dst, at) in &to {
+            for &(dst, at, size) in &to {
                 let region = [vk::BufferCopy {
                     src_offset: 0,
                     dst_offset: at,
-                    size: bytes.min(end - at),
+                    size,
                 }];
                 // SAFETY: `cmd` is recording; both buffers outlive the submission (run_once
-                // waits for it); the source holds `bytes` and the region ends within the
-                // destination (at most `end`, its size, or `bytes` past `at`).
+                // waits for it); the callers keep each region within `from` and its
+                // destination.
                 unsafe { raw.cmd_copy_buffer(cmd, from.raw, dst.raw, &region) };
             }
         })?;

@@ -290,21 +290,16 @@ fn repeat_into(buf: &mut Vec<u8>, parts: &[&[u8]], copies: usize) {
     if buf.len() < total {
         buf.resize(total, 0);
     }
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let per_thread = copies.div_ceil(threads).max(1) * one;
-    std::thread::scope(|s| {
-        for chunk in buf[..total].chunks_mut(per_thread) {
-            s.spawn(move || {
-                for copy in chunk.chunks_exact_mut(one) {
-                    let mut at = 0;
-                    for p in parts {
-                        copy[at..at + p.len()].copy_from_slice(p);
-                        at += p.len();
-                    }
-                }
-            });
+    let mut pairs = Vec::with_capacity(copies * parts.len());
+    for copy in buf[..total].chunks_exact_mut(one) {
+        let mut rest = copy;
+        for p in parts {
+            let (dst, after) = rest.split_at_mut(p.len());
+            pairs.push((dst, *p));
+            rest = after;
         }
-    });
+    }
+    crate::gpu::matrix::copy_parallel(pairs);
 }
 
 #[cfg(test)]

@@ -125,7 +125,7 @@ fn stack_layout(ty: GgmlType, n_in: usize, parts: &[&[u8]]) -> Result<(WeightTyp
 
 /// Copies each `(destination, source)` pair, large ones cut into pieces spread over the
 /// machine's threads (one thread copies from a memory map at a fraction of memory speed).
-fn copy_parallel(pairs: Vec<(&mut [u8], &[u8])>) {
+pub(crate) fn copy_parallel(pairs: Vec<(&mut [u8], &[u8])>) {
     const PIECE: usize = 8 << 20;
     let mut jobs: Vec<(&mut [u8], &[u8])> = Vec::new();
     for (d, s) in pairs {

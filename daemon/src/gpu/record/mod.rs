@@ -347,32 +347,11 @@ impl Kernels {
         Ok(stats)
     }
 
-    /// [`Kernels::record_timed`] of `f` after `warm`, in the same command buffer: the
-    /// timestamps go around `f` alone, which starts once `warm`'s dispatches are done. A GPU
-    /// that idled before the submission may run its first dispatches slower than a decode
+    /// `warm`, then `f` between timestamps (which start once `warm`'s dispatches are done),
+    /// recorded once into a [`TimedReplay`] that can be run again and again: a benchmark's
+    /// repetitions then cost the host one recording, and the device runs them back to back.
+    /// A GPU that idled before a submission may run its first dispatches slower than a decode
     /// step, which keeps it busy, sees; `warm` takes those.
-    pub fn record_timed_after(
-        &self,
-        warm: impl FnOnce(&mut Recorder<'_>) -> Result<()>,
-        f: impl FnOnce(&mut Recorder<'_>) -> Result<()>,
-    ) -> Result<RecordStats> {
-        let timer = Timer::new(&self.device)?;
-        let max_range = self.device.max_storage_buffer_range();
-        let mut stats = self.record_inner(max_range, None, |rec| {
-            warm(rec)?;
-            rec.after_earlier_submissions();
-            timer.begin_after(rec.cmd);
-            f(rec)?;
-            timer.end(rec.cmd);
-            Ok(())
-        })?;
-        stats.gpu_ns = timer.elapsed_ns()?;
-        Ok(stats)
-    }
-
-    /// [`Kernels::record_timed_after`] recorded once into a [`TimedReplay`] that can be run
-    /// again and again: a benchmark's repetitions then cost the host one recording, and the
-    /// device runs them back to back.
     pub fn record_timed_replay(
         &self,
         warm: impl FnOnce(&mut Recorder<'_>) -> Result<()>,

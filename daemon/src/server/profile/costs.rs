@@ -73,6 +73,23 @@ fn expert_seconds(
     calibrated(&gate.ty, gate.n_in, gate.n_out, bytes(mats))
 }
 
+/// What one routed expert (gate, up, down in `mats`) adds to a MoE layer on `side`: as
+/// calibrated ([`expert_seconds`]), else the sum of its products' marginal times.
+fn one_expert(h: &HardwareProfile, side: Side, mats: &[Mat]) -> f64 {
+    let calibrated = |t: &WeightType, k, n, b| match side {
+        Side::Cpu => h.cpu_expert(t, k, n, b),
+        Side::Gpu => h.gpu_expert(t, k, n, b),
+    };
+    expert_seconds(mats, calibrated).unwrap_or_else(|| {
+        mats.iter()
+            .map(|m| match side {
+                Side::Cpu => h.cpu_product_marginal(&m.ty, m.n_in, m.n_out, m.bytes),
+                Side::Gpu => h.gpu_product_marginal(&m.ty, m.n_in, m.n_out, m.bytes),
+            })
+            .sum()
+    })
+}
+
 fn bytes(mats: &[Mat]) -> u64 {
     mats.iter().map(|m| m.bytes).sum()
 }
@@ -270,14 +287,7 @@ impl Costs {
                     r.ssd_to_ram_bytes = ssd_bytes.get(il).copied().flatten();
                     cpu_bytes += split.cpu * expert;
                     let cpu_side = hw.map(|h| {
-                        let calibrated = |t: &_, k, n, b| h.cpu_expert(t, k, n, b);
-                        let one = expert_seconds(&l.expert, calibrated).unwrap_or_else(|| {
-                            l.expert
-                                .iter()
-                                .map(|m| h.cpu_product_marginal(&m.ty, m.n_in, m.n_out, m.bytes))
-                                .sum::<f64>()
-                        });
-                        let run = one * split.cpu as f64;
+                        let run = one_expert(h, Side::Cpu, &l.expert) * split.cpu as f64;
                         let read = r.ssd_to_ram_bytes.filter(|&b| b > 0).map_or(0.0, |b| {
                             h.ssd_read(h.best_tile()).predict(Work::transfer(b))
                         });
@@ -287,14 +297,7 @@ impl Costs {
                         cpu_seconds += c;
                     }
                     let gpu_side = hw.map(|h| {
-                        let calibrated = |t: &_, k, n, b| h.gpu_expert(t, k, n, b);
-                        let one = expert_seconds(&l.expert, calibrated).unwrap_or_else(|| {
-                            l.expert
-                                .iter()
-                                .map(|m| h.gpu_product_marginal(&m.ty, m.n_in, m.n_out, m.bytes))
-                                .sum::<f64>()
-                        });
-                        let run = one * split.gpu as f64;
+                        let run = one_expert(h, Side::Gpu, &l.expert) * split.gpu as f64;
                         let copy = if fetched > 0 {
                             h.host_to_device().predict(Work::transfer(fetched))
                         } else {
