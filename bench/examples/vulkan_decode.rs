@@ -2,9 +2,12 @@
 //! compares the first tokens' logits with the CPU engine, then times decode.
 //!
 //! `cargo run --release -p spillway-bench --example vulkan_decode -- PRESET TYPE TOKENS [DIR]
-//! [host-routing]` e.g. `llama-3.2-1b Q4_K_M 64 /tmp`; `host-routing` routes MoE layers on the
+//! [host-routing|one]` e.g. `llama-3.2-1b Q4_K_M 64 /tmp`; `host-routing` routes MoE layers on the
 //! host (a read-back per layer) even with every expert in VRAM, to compare with the device's
-//! routing. Decode is timed three times each way, alternating: steps replayed from one recording,
+//! routing; `one` times the first way only (a model too large for four copies in VRAM);
+//! `q8weights=A,B,...` times models whose products of fewer weights than A (then B, ...) quantize
+//! their inputs themselves (`GpuModelOptions::q8_min_weights`) besides. A model file already in
+//! DIR is reused. Decode is timed three times each way, alternating: steps replayed from one recording,
 //! steps recorded anew (`GpuModelOptions::replay`), and steps replayed with f32 dots for every
 //! weight type (`GpuModelOptions::int_dot` off: Q4_0 and Q8_0 products without integer dot products),
 //! and steps replayed with the integer-dot products quantizing their inputs in each workgroup
@@ -30,10 +33,12 @@ fn main() {
     let n_tokens: usize = args.get(2).map_or(64, |s| s.parse().unwrap());
     let dir = std::path::PathBuf::from(args.get(3).map_or("/tmp", String::as_str));
     let path = dir.join(format!("{preset}-synth.gguf"));
-    SynthModel::from_name(preset, weights, 7)
-        .unwrap()
-        .write(&path, false, |_, _| {})
-        .unwrap();
+    if !path.exists() {
+        SynthModel::from_name(preset, weights, 7)
+            .unwrap()
+            .write(&path, false, |_, _| {})
+            .unwrap();
+    }
     let model = Arc::new(Model::open(&path).unwrap());
     let device = Device::open(Instance::new().unwrap(), None).unwrap();
     let context = n_tokens + 8;
@@ -43,34 +48,38 @@ fn main() {
         host_routing: args.get(4).is_some_and(|a| a == "host-routing"),
         ..GpuModelOptions::default()
     };
+    let one = args.get(4).is_some_and(|a| a == "one");
     let mut gpu = GpuModel::new(&device, &model, &options).unwrap();
-    let mut recorded = GpuModel::new(
-        &device,
-        &model,
-        &GpuModelOptions {
-            replay: false,
-            ..options.clone()
-        },
-    )
-    .unwrap();
-    let mut float_dots = GpuModel::new(
-        &device,
-        &model,
-        &GpuModelOptions {
-            int_dot: false,
-            ..options.clone()
-        },
-    )
-    .unwrap();
-    let mut in_product = GpuModel::new(
-        &device,
-        &model,
-        &GpuModelOptions {
-            q8_inputs: false,
-            ..options.clone()
-        },
-    )
-    .unwrap();
+    let others = (!one).then(|| {
+        let recorded = GpuModel::new(
+            &device,
+            &model,
+            &GpuModelOptions {
+                replay: false,
+                ..options.clone()
+            },
+        )
+        .unwrap();
+        let float_dots = GpuModel::new(
+            &device,
+            &model,
+            &GpuModelOptions {
+                int_dot: false,
+                ..options.clone()
+            },
+        )
+        .unwrap();
+        let in_product = GpuModel::new(
+            &device,
+            &model,
+            &GpuModelOptions {
+                q8_inputs: false,
+                ..options.clone()
+            },
+        )
+        .unwrap();
+        (recorded, float_dots, in_product)
+    });
     let budget = gpu.allocator().budget();
     println!(
         "{preset} {}: uploaded in {:.2} s, {:.0} MiB of device memory held, on {}, MoE routed on the {}, integer dots {}",
@@ -118,15 +127,47 @@ fn main() {
     };
     let (mut replayed, mut anew, mut floats, mut apart) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let q8weights: Vec<usize> = args
+        .iter()
+        .find_map(|a| a.strip_prefix("q8weights="))
+        .map(|m| m.split(',').map(|v| v.parse().unwrap()).collect())
+        .unwrap_or_default();
+    let mut by_rows: Vec<(usize, GpuModel, Vec<f64>)> = q8weights
+        .iter()
+        .map(|&r| {
+            let o = GpuModelOptions {
+                q8_min_weights: r,
+                ..options.clone()
+            };
+            (r, GpuModel::new(&device, &model, &o).unwrap(), Vec::new())
+        })
+        .collect();
+    let mut others = others;
     for _ in 0..3 {
         replayed.push(time(&mut gpu));
-        anew.push(time(&mut recorded));
-        floats.push(time(&mut float_dots));
-        apart.push(time(&mut in_product));
+        for (_, g, runs) in by_rows.iter_mut() {
+            runs.push(time(g));
+        }
+        if let Some((recorded, float_dots, in_product)) = others.as_mut() {
+            anew.push(time(recorded));
+            floats.push(time(float_dots));
+            apart.push(time(in_product));
+        }
+    }
+    println!("replayed runs: {replayed:.1?}");
+    for (r, g, runs) in by_rows.iter_mut() {
+        runs.sort_by(f64::total_cmp);
+        let st = g.last_stats();
+        println!(
+            "products of fewer than {r} weights quantizing their own inputs: median {:.1} tok/s of {runs:.1?} ({} dispatches, {} barriers)",
+            runs[runs.len() / 2],
+            st.dispatches,
+            st.barriers
+        );
     }
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
+        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
     };
     let st = gpu.last_stats();
     println!(

@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions};
+use spillway_daemon::gpu::forward::{GpuModel, GpuModelOptions, SMALL_PRODUCT_WEIGHTS};
 use spillway_daemon::gpu::moe::LayerRouting;
 use spillway_daemon::model::Model;
 use spillway_daemon::synth::SynthModel;
@@ -125,4 +125,55 @@ fn a_timed_replay_runs_everything_it_recorded_each_time() {
         .map(|w| f32::from_le_bytes(w.try_into().unwrap()))
         .collect();
     assert!(out.iter().all(|&v| v == 5.0), "{:?}", &out[..4]);
+}
+
+/// Small products quantize their inputs in their own workgroups
+/// (`GpuModelOptions::q8_min_weights`; the tiny models' products are all small), larger ones
+/// read them quantized once by a dispatch before them: the same logits either way within the
+/// order of Σ x² (the quantized values are the same), and the second way records that dispatch.
+#[test]
+fn small_products_quantize_their_own_inputs() {
+    let Some(dev) = spillway_daemon::gpu::device_or_skip() else {
+        return;
+    };
+    if !dev.integer_dot_product() {
+        return; // no integer-dot products: nothing is quantized
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("tiny-llama.gguf");
+    SynthModel::from_name("tiny-llama", "Q4_0".parse().unwrap(), 3)
+        .unwrap()
+        .write(&path, false, |_, _| {})
+        .unwrap();
+    let model = Arc::new(Model::open(&path).unwrap());
+    let options = |q8_min_weights| GpuModelOptions {
+        context: 16,
+        q8_min_weights,
+        ..Default::default()
+    };
+    let mut own = GpuModel::new(&dev, &model, &options(usize::MAX)).unwrap();
+    let mut once = GpuModel::new(&dev, &model, &options(0)).unwrap();
+    for (i, &t) in TOKENS.iter().enumerate() {
+        let a = own.eval(t).unwrap();
+        let b = once.eval(t).unwrap();
+        let range = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let diff = a
+            .iter()
+            .zip(&b)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(diff <= 1e-3 * range, "token {i}: {diff} of {range}");
+        let (sa, sb) = (own.last_stats(), once.last_stats());
+        assert!(
+            sb.dispatches > sa.dispatches,
+            "token {i}: {} dispatches quantizing once, {} in the products",
+            sb.dispatches,
+            sa.dispatches
+        );
+    }
+    // The default quantizes the tiny model's products in place, as `own` does.
+    let mut default = GpuModel::new(&dev, &model, &options(SMALL_PRODUCT_WEIGHTS)).unwrap();
+    default.eval(TOKENS[0]).unwrap();
+    own.reset();
+    own.eval(TOKENS[0]).unwrap();
+    assert_eq!(default.last_stats().dispatches, own.last_stats().dispatches);
 }

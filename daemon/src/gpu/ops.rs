@@ -213,7 +213,7 @@ impl Recorder<'_> {
         }
         let norm = fused.norm.map(|(b, _)| b);
         let inputs = self.product_inputs(
-            (Op::MatVec, w.wtype),
+            (Op::MatVec, w.wtype, n),
             x,
             fused.x_offset,
             (w.n_in, 1, w.n_in),

@@ -341,7 +341,8 @@ impl Recorder<'_> {
             )));
         }
         let vectors = (w.n_in, n_tok, w.n_in);
-        let inputs = self.product_inputs((Op::MatVecCols, w.wtype), x, 0, vectors, None)?;
+        let inputs =
+            self.product_inputs((Op::MatVecCols, w.wtype, usize::MAX), x, 0, vectors, None)?;
         let (id, x_stride) = (inputs.id, inputs.x_stride);
         let n: usize = chunks.iter().map(|c| c.rows as usize).sum();
         let (spec, rows) = self.cols_shape((Op::MatVecCols, w), n, cols, accumulate);
@@ -380,7 +381,8 @@ impl Recorder<'_> {
         (rows, span, max_count): (usize, usize, usize),
     ) -> Result<()> {
         let vectors = (w.n_in, span, w.n_in);
-        let inputs = self.product_inputs((Op::MatVecRuns, w.wtype), x, 0, vectors, None)?;
+        let inputs =
+            self.product_inputs((Op::MatVecRuns, w.wtype, usize::MAX), x, 0, vectors, None)?;
         let (id, x_stride) = (inputs.id, inputs.x_stride);
         let (spec, per_group) = self.cols_shape((Op::MatVecRuns, w), rows, max_count as u32, false);
         let push = MatVecRunsParams {

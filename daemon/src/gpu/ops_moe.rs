@@ -220,7 +220,7 @@ impl Recorder<'_> {
         };
         let norm = fused.norm.map(|(b, _)| b);
         let inputs = self.product_inputs(
-            (Op::MatVecId, w.wtype),
+            (Op::MatVecId, w.wtype, usize::MAX),
             x,
             0,
             (w.n_in, n_vec, vec_stride),

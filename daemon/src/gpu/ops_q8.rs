@@ -44,6 +44,23 @@ pub(crate) struct Held {
     norm: Option<vk::Buffer>,
 }
 
+/// What the scratch holds once it quantized those inputs.
+fn held(
+    x: &Buffer,
+    x_offset: u64,
+    (n_in, n_vec, x_stride): (usize, usize, usize),
+    norm: Option<&Buffer>,
+) -> Held {
+    Held {
+        x: x.raw,
+        x_offset,
+        n_in,
+        n_vec,
+        x_stride,
+        norm: norm.map(|b| b.raw),
+    }
+}
+
 /// A recording's scratch for quantized inputs and what it holds.
 pub(crate) struct Q8Scratch {
     pub(crate) buffer: Arc<Buffer>,
@@ -87,20 +104,29 @@ impl ProductInputs {
 
 impl Recorder<'_> {
     /// How product `op` ([`Op::MatVec`], [`Op::MatVecId`], [`Op::MatVecCols`] or
-    /// [`Op::MatVecRuns`]) of `wtype` rows reads `n_vec` vectors of `n_in` floats of `x` (from
-    /// byte `x_offset`, `x_stride` floats apart; 0: one vector for all), times `norm` if given:
-    /// where it runs in integer dot products and the kernels have a scratch that fits them, the
-    /// vectors quantized there (now, unless it holds them already) and its `*Q8` variant;
-    /// otherwise its own variant over the floats.
+    /// [`Op::MatVecRuns`]) of `rows` rows of `wtype` reads `n_vec` vectors of `n_in` floats of
+    /// `x` (from byte `x_offset`, `x_stride` floats apart; 0: one vector for all), times `norm`
+    /// if given: where it runs in integer dot products, the kernels have a scratch that fits
+    /// them and it has at least [`Kernels::set_q8_min_weights`](super::Kernels::set_q8_min_weights)
+    /// weights (`rows` × `n_in`) or the scratch holds them already, the vectors quantized
+    /// there (now, unless it holds them) and its `*Q8` variant; otherwise its own variant over
+    /// the floats.
     pub(crate) fn product_inputs(
         &mut self,
-        (op, wtype): (Op, WeightType),
+        (op, wtype, rows): (Op, WeightType, usize),
         x: &Buffer,
         x_offset: u64,
         (n_in, n_vec, x_stride): (usize, usize, usize),
         norm: Option<&Buffer>,
     ) -> Result<ProductInputs> {
-        match self.quantize_inputs((op, wtype), x, x_offset, (n_in, n_vec, x_stride), norm)? {
+        let dims = (n_in, n_vec, x_stride);
+        let small = rows.saturating_mul(n_in) < self.q8_min_weights();
+        let held = self.q8.as_ref().and_then(|q| q.holds) == Some(held(x, x_offset, dims, norm));
+        let quantized = match small && !held {
+            true => None,
+            false => self.quantize_inputs((op, wtype), x, x_offset, dims, norm)?,
+        };
+        match quantized {
             Some((id, scratch, units)) => Ok(ProductInputs {
                 id,
                 scratch: Some(scratch),
@@ -138,14 +164,7 @@ impl Recorder<'_> {
         {
             return Ok(None);
         }
-        let held = Held {
-            x: x.raw,
-            x_offset,
-            n_in,
-            n_vec,
-            x_stride,
-            norm: norm.map(|b| b.raw),
-        };
+        let held = held(x, x_offset, (n_in, n_vec, x_stride), norm);
         let scratch = q8.buffer.clone();
         let units = q8_units(n_in) as u32;
         if q8.holds != Some(held) {

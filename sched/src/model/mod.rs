@@ -40,7 +40,9 @@ impl WeightType {
     }
 
     /// Whether the GPU's products of this type take their inputs quantized to 8 bits for
-    /// integer dot products, in a dispatch of its own before the first product that reads them.
+    /// integer dot products, in a dispatch of its own before the first product that reads them
+    /// where the product has at least [`GPU_SMALL_PRODUCT_WEIGHTS`] weights (smaller ones
+    /// quantize in their own workgroups).
     pub fn gpu_quantizes_inputs(&self) -> bool {
         matches!(self.0.as_str(), "Q4_0" | "Q8_0")
     }
@@ -153,6 +155,13 @@ impl TensorRole {
         TensorRole::Ffn { layer }
     }
 }
+
+/// GPU products (a decode step's matrix-vector products in integer dot products) of fewer
+/// weights than this quantize their inputs in their own workgroups instead of reading them
+/// quantized by a dispatch before them (`GpuModelOptions::q8_min_weights` in the daemon, whose
+/// default this is): for those, the dispatch and its dependency cost more than each workgroup
+/// quantizing the inputs it reads.
+pub const GPU_SMALL_PRODUCT_WEIGHTS: usize = 20_000_000;
 
 /// One weight tensor.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

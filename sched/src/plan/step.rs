@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::model::{ModelDesc, TensorDesc, TensorRole, WeightType};
+use crate::model::{ModelDesc, TensorDesc, TensorRole, WeightType, GPU_SMALL_PRODUCT_WEIGHTS};
 use crate::predict::Work;
 use crate::profile::HardwareProfile;
 use crate::ByteSize;
@@ -363,13 +363,18 @@ const GPU_OPS_PER_EXPERT: f64 = 2.0;
 ///   (for routed experts too: one expert-indexed dispatch runs every chosen expert's gate and
 ///   up, another their down projections);
 /// - any other matrix one, and one more where its inputs are quantized once for integer dot
-///   products (Q4_0, Q8_0) and it is the first product to read them (K and V read Q's).
+///   products (Q4_0, Q8_0), it is the first product to read them (K and V read Q's, or
+///   quantize in place as Q does) and it is not small ([`GPU_SMALL_PRODUCT_WEIGHTS`]; a dense
+///   FFN's gate counts its up matrix's weights too).
 pub(super) fn gpu_dispatches(t: &TensorDesc) -> f64 {
     if matches!(t.role, TensorRole::Norm { .. }) || t.name.contains("ffn_up") {
         return 0.0;
     }
     let shares_inputs = t.name.contains("attn_k.") || t.name.contains("attn_v.");
-    let quantized = t.weight_type.gpu_quantizes_inputs() && !shares_inputs;
+    let (n_in, n_out) = t.matrix();
+    let stacked = if t.name.contains("ffn_gate.") { 2 } else { 1 };
+    let small = (n_in * n_out * stacked) < GPU_SMALL_PRODUCT_WEIGHTS as u64;
+    let quantized = t.weight_type.gpu_quantizes_inputs() && !shares_inputs && !small;
     if quantized {
         2.0
     } else {

@@ -255,6 +255,7 @@ impl GpuModel {
         let kernels = Kernels::with_int_dot(device, (true, options.coopmat), options.int_dot);
         kernels.set_matmul_tile(options.matmul_tile)?;
         kernels.set_matvec_cols(options.matvec_cols);
+        kernels.set_q8_min_weights(options.q8_min_weights);
         let mut up = Uploader::new(allocator, placement.staging_bytes)?;
         let al = allocator;
         // Misses read by the GPU from system RAM: every routed expert is copied there too.

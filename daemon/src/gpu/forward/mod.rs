@@ -46,7 +46,7 @@ mod stream;
 mod stream_experts;
 
 pub use batch::MAX_STEP_TOKENS;
-pub use options::GpuModelOptions;
+pub use options::{GpuModelOptions, SMALL_PRODUCT_WEIGHTS};
 pub use prefill::PREFILL_CHUNK;
 pub(crate) use prefill::{batch_bytes, logits_bytes, moe_rows};
 pub use profile::{GpuProfileRow, GpuStepProfile};

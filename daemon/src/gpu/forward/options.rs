@@ -64,6 +64,11 @@ pub struct GpuModelOptions {
     /// product reading them shares ([`crate::gpu::Kernels::set_q8_scratch`]) rather than in
     /// each of its workgroups; `false`: in the product, for comparisons.
     pub q8_inputs: bool,
+    /// With `q8_inputs`, products of fewer weights than this quantize their inputs themselves
+    /// ([`crate::gpu::Kernels::set_q8_min_weights`]); 0: none. By default
+    /// [`SMALL_PRODUCT_WEIGHTS`]: on an H100 a MoE layer's attention products then have no
+    /// dispatch before them that only quantizes (`bench/RESULTS.md`, 2026-12-06).
+    pub q8_min_weights: usize,
     /// Do a decode step's QK-norm, RoPE and KV-cache append in the attention's dispatch
     /// ([`Recorder::attention_rope`](crate::gpu::record::Recorder::attention_rope)): one dependent dispatch fewer a layer; `false`: a RoPE
     /// dispatch, then attention, for comparisons.
@@ -111,6 +116,14 @@ pub struct GpuModelOptions {
     pub moe_by_entry: bool,
 }
 
+/// Products of fewer weights than this quantize their inputs in their own workgroups
+/// ([`GpuModelOptions::q8_min_weights`]): the attention products of the Llama-3-8B and
+/// Qwen3-30B-A3B shapes (4096 × 4096 and smaller), not their FFN or expert products. Measured on
+/// an H100 (`bench/RESULTS.md`, 2026-12-06): the 30B shape's decode 3–5% faster (two dependent
+/// dispatches a layer fewer), the 8B's unchanged. The scheduler's step model counts dispatches
+/// by the same figure.
+pub const SMALL_PRODUCT_WEIGHTS: usize = spillway_sched::model::GPU_SMALL_PRODUCT_WEIGHTS;
+
 impl Default for GpuModelOptions {
     fn default() -> GpuModelOptions {
         GpuModelOptions {
@@ -130,6 +143,7 @@ impl Default for GpuModelOptions {
             coopmat: true,
             int_dot: true,
             q8_inputs: true,
+            q8_min_weights: SMALL_PRODUCT_WEIGHTS,
             rope_in_attention: true,
             flash_attention: true,
             stream_prompts: true,

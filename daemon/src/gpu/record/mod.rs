@@ -52,6 +52,9 @@ pub struct Kernels {
     /// Products over at most this many tokens take the several-column matrix-vector kernel
     /// rather than the tiled one ([`Kernels::set_matvec_cols`]).
     matvec_cols: std::sync::atomic::AtomicUsize,
+    /// Products of fewer weights quantize their inputs in their own workgroups even with a
+    /// scratch ([`Kernels::set_q8_min_weights`]).
+    q8_min_weights: std::sync::atomic::AtomicUsize,
     /// Where the integer-dot products' inputs are quantized once before them
     /// ([`Kernels::set_q8_scratch`]); without it each product quantizes the blocks it reads.
     q8_scratch: Mutex<Option<Arc<Buffer>>>,
@@ -94,6 +97,7 @@ impl Kernels {
             matvec_shape: Mutex::new(None),
             matmul_tile: Mutex::new(None),
             matvec_cols: (MAX_MATVEC_COLS as usize).into(),
+            q8_min_weights: 0.into(),
             q8_scratch: Mutex::new(None),
             q8_retired: Mutex::new(Vec::new()),
         })
@@ -109,6 +113,21 @@ impl Kernels {
     pub fn set_q8_scratch(&self, scratch: Option<Arc<Buffer>>) {
         let old = std::mem::replace(&mut *self.q8_scratch.lock(), scratch);
         self.q8_retired.lock().extend(old);
+    }
+
+    /// Matrix-vector products of fewer than `weights` weights quantize their inputs in their
+    /// own workgroups rather than through the scratch ([`Kernels::set_q8_scratch`]): that
+    /// saves the quantization's dependent dispatch, and costs each workgroup a read of the
+    /// inputs as floats, about as many bytes (from cache) as the product's Q4_0 weights, so it
+    /// pays for small products only; 0: every product that can reads the scratch.
+    pub fn set_q8_min_weights(&self, weights: usize) {
+        self.q8_min_weights
+            .store(weights, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub(crate) fn q8_min_weights(&self) -> usize {
+        self.q8_min_weights
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Products over at most `n` tokens (up to [`MAX_MATVEC_COLS`]) run in the several-column
@@ -539,6 +558,11 @@ impl Recorder<'_> {
     /// See [`Kernels::matvec_cols`].
     pub(crate) fn matvec_cols(&self) -> usize {
         self.kernels.matvec_cols()
+    }
+
+    /// See [`Kernels::set_q8_min_weights`].
+    pub(crate) fn q8_min_weights(&self) -> usize {
+        self.kernels.q8_min_weights()
     }
 
     /// The shape for a product's results (see [`Kernels::matvec_shape_for`]).
