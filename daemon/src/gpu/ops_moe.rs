@@ -219,8 +219,12 @@ impl Recorder<'_> {
             None => (count as usize, x_stride as usize),
         };
         let norm = fused.norm.map(|(b, _)| b);
+        // The product's size for `q8_min_weights`: every chosen expert's rows (gate and up).
+        let glu_rows: u32 = if fused.glu_up_rows.is_some() { 2 } else { 1 };
+        let n_tok = fused.tokens.map_or(1, |t| t.n as usize);
+        let all_rows = rows * (count * glu_rows) as usize * n_tok;
         let inputs = self.product_inputs(
-            (Op::MatVecId, w.wtype, usize::MAX),
+            (Op::MatVecId, w.wtype, all_rows),
             x,
             0,
             (w.n_in, n_vec, vec_stride),
@@ -233,8 +237,6 @@ impl Recorder<'_> {
             Some(_) => (0, inputs.x_stride),
             None => (inputs.x_stride, 0),
         };
-        let glu_rows = if fused.glu_up_rows.is_some() { 2 } else { 1 };
-        let n_tok = fused.tokens.map_or(1, |t| t.n as usize);
         let results = n_tok * if summed { rows } else { rows * count as usize };
         // A sum over experts walks the blocks of all of them.
         let walked = w.n_in * if summed { count as usize } else { 1 };

@@ -364,16 +364,25 @@ const GPU_OPS_PER_EXPERT: f64 = 2.0;
 ///   up, another their down projections);
 /// - any other matrix one, and one more where its inputs are quantized once for integer dot
 ///   products (Q4_0, Q8_0), it is the first product to read them (K and V read Q's, or
-///   quantize in place as Q does) and it is not small ([`GPU_SMALL_PRODUCT_WEIGHTS`]; a dense
-///   FFN's gate counts its up matrix's weights too).
-pub(super) fn gpu_dispatches(t: &TensorDesc) -> f64 {
+///   quantize in place as Q does) and it is not small ([`GPU_SMALL_PRODUCT_WEIGHTS`]: a gate
+///   counts its up matrix's weights too, and routed experts' products the `used` experts a
+///   token chooses).
+pub(super) fn gpu_dispatches(t: &TensorDesc, used: u32) -> f64 {
     if matches!(t.role, TensorRole::Norm { .. }) || t.name.contains("ffn_up") {
         return 0.0;
     }
     let shares_inputs = t.name.contains("attn_k.") || t.name.contains("attn_v.");
     let (n_in, n_out) = t.matrix();
-    let stacked = if t.name.contains("ffn_gate.") { 2 } else { 1 };
-    let small = (n_in * n_out * stacked) < GPU_SMALL_PRODUCT_WEIGHTS as u64;
+    let stacked = if t.name.contains("ffn_gate.") || t.name.contains("ffn_gate_exps.") {
+        2
+    } else {
+        1
+    };
+    let experts = match t.role {
+        TensorRole::Experts { .. } | TensorRole::Expert { .. } => u64::from(used.max(1)),
+        _ => 1,
+    };
+    let small = n_in * n_out * stacked * experts < GPU_SMALL_PRODUCT_WEIGHTS as u64;
     let quantized = t.weight_type.gpu_quantizes_inputs() && !shares_inputs && !small;
     if quantized {
         2.0
@@ -474,6 +483,7 @@ impl<'a> State<'a> {
     ) -> State<'a> {
         let mut groups = vec![Group::default(); model.n_layer as usize + 1];
         let moe = model.experts.is_some();
+        let used = model.experts.as_ref().map_or(1, |e| e.used);
         for g in &mut groups[..model.n_layer as usize] {
             // Attention over the KV cache, and the ops that read no weights.
             match kv {
@@ -502,7 +512,7 @@ impl<'a> State<'a> {
             };
             let ops: f64 = t
                 .iter()
-                .map(|&i| gpu_dispatches(&model.tensors[i]) / per_matrix(&model.tensors[i]))
+                .map(|&i| gpu_dispatches(&model.tensors[i], used) / per_matrix(&model.tensors[i]))
                 .sum();
             g.indexed_dispatch = ops * profile.gpu.dispatch_s;
         }
@@ -514,7 +524,11 @@ impl<'a> State<'a> {
             on_gpu: vec![0.0; model.tensors.len()],
             on_cpu: vec![0.0; model.tensors.len()],
             gpu_key: dispatch_keys(model),
-            gpu_ops: model.tensors.iter().map(gpu_dispatches).collect(),
+            gpu_ops: model
+                .tensors
+                .iter()
+                .map(|t| gpu_dispatches(t, used))
+                .collect(),
             dispatch_gpu: profile.gpu.dispatch_s,
             dispatch_cpu: profile.cpu.dispatch_s,
             miss,

@@ -648,6 +648,15 @@ fn a_gpu_layer_pays_the_dispatches_a_decode_step_records() {
     // Q, K, V, O, attention; router and routing; gate and up of every chosen expert, down.
     let n = gpu_dispatches_of_layer0(&moe);
     assert!((n - 8.0).abs() < 1e-6, "{n} dispatches");
+    // In Q4_0 (`vulkan_decode` counts 435 a token for the 48 layers of the Qwen3-30B-A3B
+    // shape): the same, and the inputs of the chosen experts' gate and up quantized first
+    // (8 experts × 2 × 768 × 2048 weights); their down products (8 × 2048 × 768) and the
+    // attention's are small and quantize in place.
+    let moe = find("qwen3-30b-a3b")
+        .unwrap()
+        .describe(&Quant::Uniform(WeightType::new("Q4_0")));
+    let n = gpu_dispatches_of_layer0(&moe);
+    assert!((n - 9.0).abs() < 1e-6, "{n} dispatches");
 }
 
 #[test]

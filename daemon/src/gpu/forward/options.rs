@@ -117,10 +117,12 @@ pub struct GpuModelOptions {
 }
 
 /// Products of fewer weights than this quantize their inputs in their own workgroups
-/// ([`GpuModelOptions::q8_min_weights`]): the attention products of the Llama-3-8B and
-/// Qwen3-30B-A3B shapes (4096 × 4096 and smaller), not their FFN or expert products. Measured on
-/// an H100 (`bench/RESULTS.md`, 2026-12-06): the 30B shape's decode 3–5% faster (two dependent
-/// dispatches a layer fewer), the 8B's unchanged. The scheduler's step model counts dispatches
+/// ([`GpuModelOptions::q8_min_weights`]; an expert-indexed product counts every chosen
+/// expert's rows): the attention products of the Llama-3-8B and Qwen3-30B-A3B shapes (4096 ×
+/// 4096 and smaller) and the 30B's down products of 8 experts, not the FFN products or the
+/// experts' gate and up. Measured on an H100 (`bench/RESULTS.md`, 2026-12-06): the 30B shape's
+/// decode 2–5% faster (three dependent dispatches a layer fewer), the 8B's unchanged; with the
+/// experts' gate and up in place too, 5% slower. The scheduler's step model counts dispatches
 /// by the same figure.
 pub const SMALL_PRODUCT_WEIGHTS: usize = spillway_sched::model::GPU_SMALL_PRODUCT_WEIGHTS;
 
