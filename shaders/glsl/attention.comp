@@ -39,6 +39,8 @@ layout(std430, binding = 2) buffer VCache { uint v_cache[]; };
 layout(std430, binding = 1) readonly buffer KCache { uvec4 k4[]; };
 layout(std430, binding = 2) readonly buffer VCache { uint v_cache[]; };
 #endif
+// The same V cache as 16-byte units: eight halves of a head's row a load.
+layout(std430, binding = 2) readonly buffer VCache4 { uvec4 v4[]; };
 // Read back by the head's last run: coherent, so the reads see other workgroups' writes.
 layout(std430, binding = 3) coherent buffer Part { float part[]; };
 layout(std430, binding = 4) readonly buffer Step { uint step[]; };
@@ -72,6 +74,8 @@ layout(push_constant) uniform Params {
 
 shared float qh[HEAD_DIM];
 shared float e[SPLIT];
+// Σ_j e_j v_j of each group of positions (at most 8 · WG floats: groups · HEAD_DIM).
+shared float vsum[8u * WG];
 shared bool last_run;
 
 float round_f16(float v) {
@@ -83,44 +87,12 @@ float round_f16(float v) {
 // does what `rope.comp` does before it: the QK-norm of each head, RoPE at the position (pairs
 // adjacent, or halves with ROPE_NEOX), and the KV-cache append. Every workgroup ropes its query
 // head; the workgroups of the run that holds the new position also rope their KV head's new key,
-// and take the new key and value from registers rather than from the cache, which the first
-// query head of each KV head writes in the same dispatch (no workgroup reads that row). One
-// dependent dispatch fewer a layer than RoPE, then attention.
+// in the same steps as the query (one load, one norm, one pass over the angles), and take the
+// new key and value from registers rather than from the cache, which the first query head of
+// each KV head writes in the same dispatch (no workgroup reads that row). One dependent dispatch
+// fewer a layer than RoPE, then attention.
 shared float kh[HEAD_DIM];
 
-// `h` (HEAD_DIM floats at `base` of q or of k_new) QK-normed with `w` and roped at `pos`, into
-// `dst`, each value rounded to f16 as the cache and the query are. Uniform control flow.
-#define ROPE_HEAD(SRC, NORM_W, DST)                                                             \
-    {                                                                                           \
-        float ss = 0.0;                                                                         \
-        for (uint d = tid; d < HEAD_DIM; d += WG) {                                             \
-            const float v = SRC[base + d];                                                      \
-            DST[d] = v;                                                                         \
-            ss += v * v;                                                                        \
-        }                                                                                       \
-        if (p.qk_norm != 0u) {                                                                  \
-            const float scale = 1.0 / sqrt(wg_sum(ss) / float(HEAD_DIM) + p.eps);               \
-            for (uint d = tid; d < HEAD_DIM; d += WG) {                                         \
-                DST[d] = (DST[d] * scale) * NORM_W[d];                                          \
-            }                                                                                   \
-        }                                                                                       \
-        barrier();                                                                              \
-        const uint half_rot = p.n_rot / 2u;                                                     \
-        const uint at = min(pos, p.n_pos - 1u);                                                 \
-        for (uint i = tid; i < half_rot; i += WG) {                                             \
-            const uint a = ROPE_A(i), b = ROPE_B(i);                                            \
-            const float c = table[(at * half_rot + i) * 2u];                                    \
-            const float sn = table[(at * half_rot + i) * 2u + 1u];                              \
-            const float x0 = DST[a], x1 = DST[b];                                               \
-            DST[a] = x0 * c - x1 * sn;                                                          \
-            DST[b] = x0 * sn + x1 * c;                                                          \
-        }                                                                                       \
-        barrier();                                                                              \
-        for (uint d = tid; d < HEAD_DIM; d += WG) {                                             \
-            DST[d] = round_f16(DST[d]);                                                         \
-        }                                                                                       \
-        barrier();                                                                              \
-    }
 #if defined(ROPE_NEOX)
 #define ROPE_A(i) (i)
 #define ROPE_B(i) ((i) + half_rot)
@@ -128,7 +100,78 @@ shared float kh[HEAD_DIM];
 #define ROPE_A(i) (2u * (i))
 #define ROPE_B(i) (2u * (i) + 1u)
 #endif
+
+// Rotates the pair of `h` (qh or kh) for angle i: (x_a, x_b) by (c, sn).
+#define ROTATE(H, i, c, sn)                                                                     \
+    {                                                                                           \
+        const uint a = ROPE_A(i), b = ROPE_B(i);                                                \
+        const float x0 = H[a], x1 = H[b];                                                       \
+        H[a] = x0 * c - x1 * sn;                                                                \
+        H[b] = x0 * sn + x1 * c;                                                                \
+    }
+
+// The query head at `q_base` of q into qh and, where `fresh`, the new key at `k_base` of k_new
+// into kh: QK-normed, roped at `pos` and rounded to f16 as the cache and the query are.
+// Uniform control flow (`fresh` is the workgroup's).
+void rope_heads(uint q_base, uint k_base, bool fresh, uint pos) {
+    const uint tid = gl_LocalInvocationID.x;
+    const uint half_rot = p.n_rot / 2u;
+    const uint at = min(pos, p.n_pos - 1u);
+    float sq = 0.0, sk = 0.0;
+    for (uint d = tid; d < HEAD_DIM; d += WG) {
+        const float v = q[q_base + d];
+        qh[d] = v;
+        sq += v * v;
+        if (fresh) {
+            const float k = k_new[k_base + d];
+            kh[d] = k;
+            sk += k * k;
+        }
+    }
+    if (p.qk_norm != 0u) {
+        const float q_scale = 1.0 / sqrt(wg_sum(sq) / float(HEAD_DIM) + p.eps);
+        const float k_scale = fresh ? 1.0 / sqrt(wg_sum(sk) / float(HEAD_DIM) + p.eps) : 0.0;
+        for (uint d = tid; d < HEAD_DIM; d += WG) {
+            qh[d] = (qh[d] * q_scale) * q_norm[d];
+            if (fresh) {
+                kh[d] = (kh[d] * k_scale) * k_norm[d];
+            }
+        }
+    }
+    barrier();
+    for (uint i = tid; i < half_rot; i += WG) {
+        const float c = table[(at * half_rot + i) * 2u];
+        const float sn = table[(at * half_rot + i) * 2u + 1u];
+        ROTATE(qh, i, c, sn)
+        if (fresh) {
+            ROTATE(kh, i, c, sn)
+        }
+    }
+    barrier();
+    for (uint d = tid; d < HEAD_DIM; d += WG) {
+        qh[d] = round_f16(qh[d]);
+        if (fresh) {
+            kh[d] = round_f16(kh[d]);
+        }
+    }
+    barrier();
+}
 #endif
+
+// Output dimension d of the run before its scale: the groups' sums of e_j v_j, and where
+// `fresh` the new position's e times its value.
+float v_out(uint d, uint groups, uint cached, bool fresh, uint kv_off) {
+    float acc = 0.0;
+    for (uint g = 0u; g < groups; ++g) {
+        acc += vsum[g * HEAD_DIM + d];
+    }
+#if defined(ROPE_IN)
+    if (fresh) {
+        acc += e[cached] * round_f16(v_new[kv_off + d]);
+    }
+#endif
+    return acc;
+}
 
 void main() {
     const uint h = gl_WorkGroupID.x;
@@ -151,29 +194,36 @@ void main() {
     // This run holds the new position (the last of the positions that attend): its key and
     // value come from k_new and v_new, and the cache row is written, not read.
     const bool fresh = pos < p.capacity && t0 + count == pos + 1u;
-    {
-        const uint base = h * HEAD_DIM;
-        ROPE_HEAD(q, q_norm, qh)
-    }
-    if (fresh) {
-        const uint base = kv_off;
-        ROPE_HEAD(k_new, k_norm, kh)
-        if (h % p.group == 0u) {
-            const uint row = ((seq_row + pos) * p.kv_width + kv_off) / 2u;
-            for (uint w = tid; w < HEAD_DIM / 2u; w += WG) {
-                k_words[row + w] = packHalf2x16(vec2(kh[2u * w], kh[2u * w + 1u]));
-                v_cache[row + w] = packHalf2x16(vec2(v_new[kv_off + 2u * w], v_new[kv_off + 2u * w + 1u]));
-            }
-        }
-    }
     // Positions read from the cache.
     const uint cached = fresh ? count - 1u : count;
+#else
+    const bool fresh = false;
+    const uint cached = count;
+#endif
+    // This invocation's key (position t0 + tid), loaded before the query is ready: its loads
+    // are in flight while the query is normed and roped. Eight halves a load: kv_width and the
+    // offset are multiples of 8 halves.
+    uvec4 kw[HEAD_DIM / 8u];
+    if (tid < cached) {
+        const uint row = ((seq_row + t0 + tid) * p.kv_width + kv_off) / 8u;
+        [[unroll]] for (uint c = 0u; c < HEAD_DIM / 8u; ++c) {
+            kw[c] = k4[row + c];
+        }
+    }
+#if defined(ROPE_IN)
+    rope_heads(h * HEAD_DIM, kv_off, fresh, pos);
+    if (fresh && h % p.group == 0u) {
+        const uint row = ((seq_row + pos) * p.kv_width + kv_off) / 2u;
+        for (uint w = tid; w < HEAD_DIM / 2u; w += WG) {
+            k_words[row + w] = packHalf2x16(vec2(kh[2u * w], kh[2u * w + 1u]));
+            v_cache[row + w] = packHalf2x16(vec2(v_new[kv_off + 2u * w], v_new[kv_off + 2u * w + 1u]));
+        }
+    }
 #else
     for (uint d = tid; d < HEAD_DIM; d += WG) {
         qh[d] = round_f16(q[(tok * n_heads + h) * HEAD_DIM + d]);
     }
     barrier();
-    const uint cached = count;
 #endif
 
     float s = uintBitsToFloat(0xFF800000u); // -inf
@@ -187,12 +237,6 @@ void main() {
     }
 #endif
     if (tid < cached) {
-        // Eight halves a load: kv_width and the offset are multiples of 8 halves.
-        const uint row = ((seq_row + t0 + tid) * p.kv_width + kv_off) / 8u;
-        uvec4 kw[HEAD_DIM / 8u];
-        [[unroll]] for (uint c = 0u; c < HEAD_DIM / 8u; ++c) {
-            kw[c] = k4[row + c];
-        }
         float acc = 0.0;
         [[unroll]] for (uint c = 0u; c < HEAD_DIM / 8u; ++c) {
             [[unroll]] for (uint w = 0u; w < 4u; ++w) {
@@ -208,32 +252,58 @@ void main() {
     e[tid] = ex;
     const float l = wg_sum(ex); // its barriers also order the writes to `e` before the reads
 
-    const uint base = ((tok * n_heads + h) * n_splits + split) * (HEAD_DIM + 2u);
+    // Σ_j e_j v_j. An invocation takes eight dimensions (one 16-byte load of the f16 cache) of
+    // every VG-th position from its group's first, four positions' loads in flight at once; the
+    // VG groups' sums are then added for each dimension.
+    const uint VD = HEAD_DIM / 8u;   // invocations across a head's dimensions
+    const uint VG = WG / VD;         // groups of positions
+    const uint vd = tid % VD, vg = tid / VD;
+    if (vg < VG) {
+        float acc[8] = float[8](0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
+        const uint col = kv_off / 8u + vd;
+        const uint row0 = seq_row + t0;
+        uint j = vg;
+        for (; j + 3u * VG < cached; j += 4u * VG) {
+            uvec4 w[4];
+            [[unroll]] for (uint u = 0u; u < 4u; ++u) {
+                w[u] = v4[((row0 + j + u * VG) * p.kv_width) / 8u + col];
+            }
+            [[unroll]] for (uint u = 0u; u < 4u; ++u) {
+                const float ej = e[j + u * VG];
+                [[unroll]] for (uint c = 0u; c < 4u; ++c) {
+                    const vec2 vv = unpackHalf2x16(w[u][c]);
+                    acc[2u * c] += ej * vv.x;
+                    acc[2u * c + 1u] += ej * vv.y;
+                }
+            }
+        }
+        for (; j < cached; j += VG) {
+            const uvec4 w = v4[((row0 + j) * p.kv_width) / 8u + col];
+            const float ej = e[j];
+            [[unroll]] for (uint c = 0u; c < 4u; ++c) {
+                const vec2 vv = unpackHalf2x16(w[c]);
+                acc[2u * c] += ej * vv.x;
+                acc[2u * c + 1u] += ej * vv.y;
+            }
+        }
+        [[unroll]] for (uint i = 0u; i < 8u; ++i) {
+            vsum[vg * HEAD_DIM + 8u * vd + i] = acc[i];
+        }
+    }
+    barrier();
+    const uint runs = (n_kv + SPLIT - 1u) / SPLIT;
+    const uint head = tok * n_heads + h;
+    if (runs == 1u) {
+        // The head's only run: its output needs no join, as the join of one run would give.
+        const float inv = 1.0 / l;
+        for (uint d = tid; d < HEAD_DIM; d += WG) {
+            dst[head * HEAD_DIM + d] = v_out(d, VG, cached, fresh, kv_off) * inv;
+        }
+        return;
+    }
+    const uint base = (head * n_splits + split) * (HEAD_DIM + 2u);
     for (uint d = tid; d < HEAD_DIM; d += WG) {
-        const uint at = kv_off + d;
-        // Four positions a round, their loads issued together.
-        float acc = 0.0;
-        uint j = 0u;
-        for (; j + 4u <= cached; j += 4u) {
-            float v[4];
-            [[unroll]] for (uint u = 0u; u < 4u; ++u) {
-                const uint w = v_cache[((seq_row + t0 + j + u) * p.kv_width + at) / 2u];
-                v[u] = unpackHalf2x16(w)[at & 1u];
-            }
-            [[unroll]] for (uint u = 0u; u < 4u; ++u) {
-                acc += e[j + u] * v[u];
-            }
-        }
-        for (; j < cached; ++j) {
-            const uint w = v_cache[((seq_row + t0 + j) * p.kv_width + at) / 2u];
-            acc += e[j] * unpackHalf2x16(w)[at & 1u];
-        }
-#if defined(ROPE_IN)
-        if (fresh) {
-            acc += e[cached] * round_f16(v_new[kv_off + d]);
-        }
-#endif
-        part[base + d] = acc;
+        part[base + d] = v_out(d, VG, cached, fresh, kv_off);
     }
     if (tid == 0u) {
         part[base + HEAD_DIM] = m;
@@ -244,8 +314,6 @@ void main() {
     // sees `runs - 1` before it is the last, and every other part is visible to it.
     memoryBarrierBuffer();
     barrier();
-    const uint runs = (n_kv + SPLIT - 1u) / SPLIT;
-    const uint head = tok * n_heads + h;
     if (tid == 0u) {
         last_run = atomicAdd(done[head], 1u) + 1u == runs;
         if (last_run) {
