@@ -117,6 +117,10 @@ void rope_heads(uint q_base, uint k_base, bool fresh, uint pos) {
     const uint tid = gl_LocalInvocationID.x;
     const uint half_rot = p.n_rot / 2u;
     const uint at = min(pos, p.n_pos - 1u);
+    // This invocation's first angle, loaded beside the heads.
+    const uint first = (at * half_rot + min(tid, max(half_rot, 1u) - 1u)) * 2u;
+    const float c0 = half_rot > 0u ? table[first] : 1.0;
+    const float sn0 = half_rot > 0u ? table[first + 1u] : 0.0;
     float sq = 0.0, sk = 0.0;
     for (uint d = tid; d < HEAD_DIM; d += WG) {
         const float v = q[q_base + d];
@@ -140,8 +144,8 @@ void rope_heads(uint q_base, uint k_base, bool fresh, uint pos) {
     }
     barrier();
     for (uint i = tid; i < half_rot; i += WG) {
-        const float c = table[(at * half_rot + i) * 2u];
-        const float sn = table[(at * half_rot + i) * 2u + 1u];
+        const float c = i == tid ? c0 : table[(at * half_rot + i) * 2u];
+        const float sn = i == tid ? sn0 : table[(at * half_rot + i) * 2u + 1u];
         ROTATE(qh, i, c, sn)
         if (fresh) {
             ROTATE(kh, i, c, sn)
@@ -228,24 +232,29 @@ void main() {
 
     float s = uintBitsToFloat(0xFF800000u); // -inf
 #if defined(ROPE_IN)
-    if (tid == cached && fresh) {
-        float acc = 0.0;
-        for (uint d = 0u; d < HEAD_DIM; d += 2u) {
-            acc += qh[d] * kh[d] + qh[d + 1u] * kh[d + 1u];
+    if (fresh) {
+        // The new key's score, summed by the whole workgroup rather than by one invocation.
+        float part_s = 0.0;
+        for (uint d = tid; d < HEAD_DIM; d += WG) {
+            part_s += qh[d] * kh[d];
         }
-        s = acc * p.scale;
+        const float fresh_s = wg_sum(part_s) * p.scale;
+        if (tid == cached) {
+            s = fresh_s;
+        }
     }
 #endif
     if (tid < cached) {
-        float acc = 0.0;
+        // Four sums, so that the multiply-adds do not wait on one another.
+        vec4 acc = vec4(0.0);
         [[unroll]] for (uint c = 0u; c < HEAD_DIM / 8u; ++c) {
             [[unroll]] for (uint w = 0u; w < 4u; ++w) {
                 const vec2 kk = unpackHalf2x16(kw[c][w]);
                 const uint d = 8u * c + 2u * w;
-                acc += qh[d] * kk.x + qh[d + 1u] * kk.y;
+                acc[w] += qh[d] * kk.x + qh[d + 1u] * kk.y;
             }
         }
-        s = acc * p.scale;
+        s = ((acc.x + acc.y) + (acc.z + acc.w)) * p.scale;
     }
     const float m = wg_max(s);
     const float ex = tid < count ? exp(s - m) : 0.0;
