@@ -104,7 +104,8 @@ impl ProductInputs {
 
 impl Recorder<'_> {
     /// How product `op` ([`Op::MatVec`], [`Op::MatVecId`], [`Op::MatVecCols`] or
-    /// [`Op::MatVecRuns`]) of `rows` rows of `wtype` reads `n_vec` vectors of `n_in` floats of
+    /// [`Op::MatVecRuns`]) of `rows` rows of `wtype` in all (every chosen expert's, every
+    /// token's) reads `n_vec` vectors of `n_in` floats of
     /// `x` (from byte `x_offset`, `x_stride` floats apart; 0: one vector for all), times `norm`
     /// if given: where it runs in integer dot products, the kernels have a scratch that fits
     /// them and it has at least [`Kernels::set_q8_min_weights`](super::Kernels::set_q8_min_weights)
