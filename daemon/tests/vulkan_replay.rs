@@ -32,17 +32,23 @@ fn decode(gpu: &mut GpuModel) -> Vec<Step> {
         .collect()
 }
 
-fn replay_matches_recording(preset: &str, ty: &str) {
-    let Some(dev) = spillway_daemon::gpu::device_or_skip() else {
-        return;
-    };
+/// The synthetic model `preset` in `ty` (seed 3), in a directory that lives as long as the
+/// first value.
+fn synthetic(preset: &str, ty: &str) -> (tempfile::TempDir, Arc<Model>) {
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp.path().join(format!("{preset}.gguf"));
     SynthModel::from_name(preset, ty.parse().unwrap(), 3)
         .unwrap()
         .write(&path, false, |_, _| {})
         .unwrap();
-    let model = Arc::new(Model::open(&path).unwrap());
+    (tmp, Arc::new(Model::open(&path).unwrap()))
+}
+
+fn replay_matches_recording(preset: &str, ty: &str) {
+    let Some(dev) = spillway_daemon::gpu::device_or_skip() else {
+        return;
+    };
+    let (_tmp, model) = synthetic(preset, ty);
     let options = |replay| GpuModelOptions {
         context: 16,
         replay,
@@ -139,13 +145,7 @@ fn small_products_quantize_their_own_inputs() {
     if !dev.integer_dot_product() {
         return; // no integer-dot products: nothing is quantized
     }
-    let tmp = tempfile::tempdir().unwrap();
-    let path = tmp.path().join("tiny-llama.gguf");
-    SynthModel::from_name("tiny-llama", "Q4_0".parse().unwrap(), 3)
-        .unwrap()
-        .write(&path, false, |_, _| {})
-        .unwrap();
-    let model = Arc::new(Model::open(&path).unwrap());
+    let (_tmp, model) = synthetic("tiny-llama", "Q4_0");
     let options = |q8_min_weights| GpuModelOptions {
         context: 16,
         q8_min_weights,
