@@ -100,3 +100,47 @@ async fn first_start_calibrates_stores_and_the_next_start_reuses() {
     assert!(!never.log_text().contains("calibrating"));
     assert!(!never.dir.path().join("cache/spillway/profiles").exists());
 }
+
+/// SIGTERM while the first start calibrates ends the daemon at once with status 0, leaving
+/// neither a profile nor the calibration's scratch file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_during_the_first_start_calibration_exits_cleanly() {
+    if spillway_daemon::gpu::device_or_skip().is_none() {
+        return;
+    }
+    let home = tempfile::tempdir().unwrap();
+    let cache = home.path().join("cache");
+    let mut daemon = Daemon::spawn(
+        &["--device", "vulkan", "--calibrate", "auto"],
+        &[("XDG_CACHE_HOME", &cache)],
+    );
+    let start = std::time::Instant::now();
+    // Into the GPU kernels' stage, which takes seconds on any device.
+    while !daemon.log_text().contains("GPU kernels") {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(60),
+            "no calibration progress:\n{}",
+            daemon.log_text()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    daemon.terminate();
+    let asked = std::time::Instant::now();
+    let status = daemon.wait_exit();
+    let log = daemon.log_text();
+    assert!(status.success(), "{status}:\n{log}");
+    assert!(
+        asked.elapsed() < std::time::Duration::from_secs(10),
+        "it exited {:?} after SIGTERM",
+        asked.elapsed()
+    );
+    assert!(log.contains("SIGTERM before serving: exiting"), "{log}");
+    let dir = cache.join("spillway");
+    assert!(!dir.join("profiles").exists(), "no profile is stored");
+    let left: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("calibrate-"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}

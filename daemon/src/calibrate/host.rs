@@ -43,7 +43,7 @@ impl HostBench {
             None => {
                 std::fs::create_dir_all(scratch_dir)?;
                 remove_stale_scratch(scratch_dir);
-                let path = scratch_dir.join(format!("calibrate-{}.bin", std::process::id()));
+                let path = scratch_path(scratch_dir);
                 let mut rng = crate::synth::rng::Xoshiro256::seed_from(1);
                 let mut data = vec![0u8; scratch_bytes as usize];
                 rng.fill_bytes(&mut data);
@@ -241,6 +241,11 @@ impl Drop for HostBench {
             let _ = std::fs::remove_file(&self.file);
         }
     }
+}
+
+/// This process's scratch file in `dir`, when it measures reads from a file of its own.
+pub fn scratch_path(dir: &Path) -> std::path::PathBuf {
+    dir.join(format!("calibrate-{}.bin", std::process::id()))
 }
 
 /// Deletes the scratch files in `dir` of calibrations whose process is gone (a daemon killed

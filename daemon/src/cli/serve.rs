@@ -18,7 +18,7 @@ use spillway_daemon::server::hardware::HardwareCell;
 use spillway_daemon::server::models::name_from_path;
 use spillway_daemon::server::models::LayoutChoice;
 use spillway_daemon::server::service::ModelDefaults;
-use spillway_daemon::server::{serve, ListenAddr, ServeConfig};
+use spillway_daemon::server::{serve_with_signals, ListenAddr, ServeConfig, Signals};
 use spillway_proto::endpoint::default_socket_path;
 use spillway_sched::profile::HardwareProfile;
 use spillway_sched::ByteSize;
@@ -232,14 +232,44 @@ impl ServeArgs {
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     init_logging(&args.log_level)?;
-    let config = args.config()?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .worker_threads(2)
         .thread_name("spillwayd-rpc")
         .build()
         .context("starting the async runtime")?;
-    runtime.block_on(serve(config, |addr| {
+    // The signals are listened for from the start: a first start's calibration takes seconds,
+    // and SIGTERM or SIGINT then ends the daemon at once with status 0. Nothing serves yet and
+    // nothing is half written (a profile is stored whole or not at all; the next start
+    // removes the calibration's scratch file).
+    let configured = runtime.block_on(async {
+        let mut signals = Signals::install()?;
+        let configure = tokio::task::spawn_blocking(move || args.config());
+        tokio::select! {
+            config = configure => {
+                let config = config.context("configuring the daemon")??;
+                anyhow::Ok(Some((config, signals)))
+            }
+            sig = signals.next() => {
+                tracing::info!("{sig} before serving: exiting");
+                Ok(None)
+            }
+        }
+    })?;
+    let Some((config, signals)) = configured else {
+        // The calibration's thread is still measuring: leave it to the process's exit, but not
+        // its scratch file (unlinked under it, if it has one yet).
+        let cache = default_model::cache_dir(
+            std::env::var_os("XDG_CACHE_HOME").map(PathBuf::from),
+            std::env::var_os("HOME").map(PathBuf::from),
+        );
+        if let Some(cache) = cache {
+            let _ = std::fs::remove_file(spillway_daemon::calibrate::host::scratch_path(&cache));
+        }
+        runtime.shutdown_background();
+        return Ok(());
+    };
+    runtime.block_on(serve_with_signals(config, signals, |addr| {
         eprintln!("spillwayd: listening on {addr}")
     }))?;
     Ok(())

@@ -109,6 +109,16 @@ pub enum ServeError {
 /// Runs the daemon until SIGTERM or SIGINT. `on_ready` is called with the address clients use
 /// once the listener is bound (models may still be loading).
 pub async fn serve(config: ServeConfig, on_ready: impl FnOnce(&str)) -> Result<(), ServeError> {
+    serve_with_signals(config, Signals::install()?, on_ready).await
+}
+
+/// [`serve`] with the signal handlers installed before (by a caller that had work to do
+/// before serving, such as a first start's calibration, and listened for them meanwhile).
+pub async fn serve_with_signals(
+    config: ServeConfig,
+    mut signals: Signals,
+    on_ready: impl FnOnce(&str),
+) -> Result<(), ServeError> {
     // Before binding: a device that does not exist stops the daemon with nothing to clean up.
     let mut defaults = config.defaults.clone();
     defaults.device = resolve_device(defaults.device)?;
@@ -167,7 +177,6 @@ pub async fn serve(config: ServeConfig, on_ready: impl FnOnce(&str)) -> Result<(
     tracing::info!(addr = %describe, "listening");
     on_ready(&describe);
 
-    let mut signals = Signals::install()?;
     let startup = load_startup_models(&state, &config);
     let interrupted = tokio::select! {
         r = startup => r.map(|()| None),
@@ -292,14 +301,14 @@ fn cleanup(config: &ServeConfig) {
     }
 }
 
-/// SIGTERM and SIGINT.
-struct Signals {
+/// SIGTERM and SIGINT, listened for from [`Signals::install`] on (inside a Tokio runtime).
+pub struct Signals {
     term: tokio::signal::unix::Signal,
     int: tokio::signal::unix::Signal,
 }
 
 impl Signals {
-    fn install() -> Result<Signals, ServeError> {
+    pub fn install() -> Result<Signals, ServeError> {
         use tokio::signal::unix::{signal, SignalKind};
         Ok(Signals {
             term: signal(SignalKind::terminate()).map_err(ServeError::Signals)?,
@@ -307,7 +316,8 @@ impl Signals {
         })
     }
 
-    async fn next(&mut self) -> &'static str {
+    /// The next signal's name.
+    pub async fn next(&mut self) -> &'static str {
         tokio::select! {
             _ = self.term.recv() => "SIGTERM",
             _ = self.int.recv() => "SIGINT",
