@@ -132,14 +132,14 @@ fn main() {
         .find_map(|a| a.strip_prefix("q8weights="))
         .map(|m| m.split(',').map(|v| v.parse().unwrap()).collect())
         .unwrap_or_default();
-    let mut by_rows: Vec<(usize, GpuModel, Vec<f64>)> = q8weights
+    let mut by_weights: Vec<(usize, GpuModel, Vec<f64>)> = q8weights
         .iter()
-        .map(|&r| {
+        .map(|&w| {
             let o = GpuModelOptions {
-                q8_min_weights: r,
+                q8_min_weights: w,
                 ..options.clone()
             };
-            (r, GpuModel::new(&device, &model, &o).unwrap(), Vec::new())
+            (w, GpuModel::new(&device, &model, &o).unwrap(), Vec::new())
         })
         .collect();
     let mut others = others;
@@ -148,7 +148,7 @@ fn main() {
     time(&mut gpu);
     for _ in 0..3 {
         replayed.push(time(&mut gpu));
-        for (_, g, runs) in by_rows.iter_mut() {
+        for (_, g, runs) in by_weights.iter_mut() {
             runs.push(time(g));
         }
         if let Some((recorded, float_dots, in_product)) = others.as_mut() {
@@ -158,20 +158,19 @@ fn main() {
         }
     }
     println!("replayed runs: {replayed:.1?}");
-    for (r, g, runs) in by_rows.iter_mut() {
-        runs.sort_by(f64::total_cmp);
-        let st = g.last_stats();
-        println!(
-            "products of fewer than {r} weights quantizing their own inputs: median {:.1} tok/s of {runs:.1?} ({} dispatches, {} barriers)",
-            runs[runs.len() / 2],
-            st.dispatches,
-            st.barriers
-        );
-    }
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
     };
+    for (w, g, runs) in by_weights.iter_mut() {
+        let st = g.last_stats();
+        println!(
+            "products of fewer than {w} weights quantizing their own inputs: median {:.1} tok/s of {runs:.1?} ({} dispatches, {} barriers)",
+            median(runs),
+            st.dispatches,
+            st.barriers
+        );
+    }
     let st = gpu.last_stats();
     println!(
         "decode: {n_tokens} tokens, median of 3: replayed {:.1} tok/s, recorded each step {:.1} tok/s, replayed with f32 dots {:.1} tok/s, replayed with inputs quantized in each product {:.1} tok/s ({} dispatches, {} barriers, {} submits per token)",

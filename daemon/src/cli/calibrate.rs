@@ -12,7 +12,7 @@ use spillway_daemon::calibrate::{
     first_start, full_plan, machine_facts, quick_plan, Bench, StageClock,
 };
 use spillway_daemon::calibrate::{gpu::GpuBench, host::HostBench};
-use spillway_daemon::server::default_model::cache_dir;
+use spillway_daemon::server::default_model::env_cache_dir;
 use spillway_sched::calibrate::calibrate;
 
 use super::run::RunDevice;
@@ -45,11 +45,8 @@ pub fn run(args: &CalibrateArgs) -> anyhow::Result<()> {
             args.device
         );
     };
-    let cache = cache_dir(
-        std::env::var_os("XDG_CACHE_HOME").map(PathBuf::from),
-        std::env::var_os("HOME").map(PathBuf::from),
-    )
-    .context("no cache directory: set XDG_CACHE_HOME or HOME, or give --out and --file")?;
+    let cache = env_cache_dir()
+        .context("no cache directory: set XDG_CACHE_HOME or HOME, or give --out and --file")?;
     let plan = if args.quick {
         quick_plan()
     } else if args.first_start {

@@ -182,10 +182,7 @@ impl ServeArgs {
                 _ => (name_from_path(m.as_ref()), PathBuf::from(m)),
             })
             .collect();
-        let cache_dir = default_model::cache_dir(
-            std::env::var_os("XDG_CACHE_HOME").map(PathBuf::from),
-            std::env::var_os("HOME").map(PathBuf::from),
-        );
+        let cache_dir = default_model::env_cache_dir();
         let (hardware, store) = match (&self.hardware_profile, self.device, cache_dir.as_deref()) {
             (None, DeviceChoice::Vulkan(index), Some(cache))
                 if self.calibrate == Calibrate::Auto =>
@@ -259,11 +256,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let Some((config, signals)) = configured else {
         // The calibration's thread is still measuring: leave it to the process's exit, but not
         // its scratch file (unlinked under it, if it has one yet).
-        let cache = default_model::cache_dir(
-            std::env::var_os("XDG_CACHE_HOME").map(PathBuf::from),
-            std::env::var_os("HOME").map(PathBuf::from),
-        );
-        if let Some(cache) = cache {
+        if let Some(cache) = default_model::env_cache_dir() {
             let _ = std::fs::remove_file(spillway_daemon::calibrate::host::scratch_path(&cache));
         }
         runtime.shutdown_background();

@@ -21,6 +21,14 @@ pub fn cache_dir(xdg_cache_home: Option<PathBuf>, home: Option<PathBuf>) -> Opti
     }
 }
 
+/// [`cache_dir`] from this process's `XDG_CACHE_HOME` and `HOME`.
+pub fn env_cache_dir() -> Option<PathBuf> {
+    cache_dir(
+        std::env::var_os("XDG_CACHE_HOME").map(PathBuf::from),
+        std::env::var_os("HOME").map(PathBuf::from),
+    )
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum DefaultModelError {
     #[error("creating {}: {source}", dir.display())]
