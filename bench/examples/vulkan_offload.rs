@@ -110,6 +110,10 @@ fn main() {
                             let x: f32 = m["split@".len()..].parse().unwrap();
                             (MoeMiss::Split, true, true, true, true, false, Some(x))
                         }
+                        _ if m.starts_with("split-record@") => {
+                            let x: f32 = m["split-record@".len()..].parse().unwrap();
+                            (MoeMiss::Split, true, false, true, true, false, Some(x))
+                        }
                         "cpu" => (MoeMiss::Cpu, true, true, true, true, false, None),
                         "cpu-ev" => (MoeMiss::Cpu, true, true, true, true, true, None),
                         "cpu-separate" => (MoeMiss::Cpu, false, true, true, true, false, None),
@@ -124,8 +128,8 @@ fn main() {
                         "auto" => (MoeMiss::Auto, true, true, true, true, false, None),
                         other => panic!(
                             "modes={other}: auto, cpu, cpu-ev, cpu-separate, cpu-record, \
-                             cpu-noslot, cpu-static, fetch, pcie, pcie-static, split, split@X \
-                             or split-ev"
+                             cpu-noslot, cpu-static, fetch, pcie, pcie-static, split, split@X, \
+                             split-record@X or split-ev"
                         ),
                     })
                     .collect();
@@ -186,7 +190,7 @@ fn main() {
     }
 
     println!(
-        "{:>10} {:>7} {:>9} {:>9} {:>8} {:>7} {:>9} {:>9} {:>9} {:>9} {:>11} {:>11} {:>10} {:>11} {:>13}",
+        "{:>10} {:>7} {:>9} {:>9} {:>8} {:>7} {:>9} {:>9} {:>9} {:>9} {:>11} {:>11} {:>10} {:>11} {:>13} {:>13}",
         "budget",
         "slots",
         "miss",
@@ -201,7 +205,8 @@ fn main() {
         "wait ms/tok",
         "cpu ms/tok",
         "prom ms/tok",
-        "staging share"
+        "staging share",
+        "submit ms/tok"
     );
     let tokens: Vec<u32> = (0..(n_tokens + warmup) as u32)
         .map(|i| (i * 7919 + 13) % 1000)
@@ -225,6 +230,7 @@ fn main() {
             };
             let mode = match (miss, chain, replay, stream_prompts, promote) {
                 _ if events => format!("{miss}-ev"),
+                _ if share.is_some() && !replay => format!("split-rec@{}", share.unwrap_or(0.0)),
                 _ if share.is_some() => format!("split@{}", share.unwrap_or(0.0)),
                 (MoeMiss::Cpu, false, ..) => "cpu-sep".to_string(),
                 (MoeMiss::Cpu, true, false, ..) => "cpu-rec".to_string(),
@@ -270,13 +276,14 @@ fn main() {
             }
             let before = gpu.expert_stats().unwrap().total();
             let promoting = gpu.promotion_time();
-            let (mut wait, mut cpu) = (0u64, 0u64);
+            let (mut wait, mut cpu, mut submit) = (0u64, 0u64, 0u64);
             let t0 = Instant::now();
             for &t in &tokens[warmup..] {
                 gpu.eval(t).unwrap();
                 if let Some(h) = gpu.last_host_time() {
                     wait += h.wait_ns;
                     cpu += h.cpu_experts_ns;
+                    submit += h.submit_ns;
                 }
             }
             let s = t0.elapsed().as_secs_f64();
@@ -300,7 +307,7 @@ fn main() {
             let per_tok = |a: u64, b: u64| (a - b) as f64 / n_tokens as f64;
             let lookups = (after.hits + after.misses) - (before.hits + before.misses);
             println!(
-                "{:>10} {:>7} {:>9} {:>9.1} {:>8.2} {:>6.1}% {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>11.2} {:>11.2} {:>10.2} {:>11.2} {:>12.0}%",
+                "{:>10} {:>7} {:>9} {:>9.1} {:>8.2} {:>6.1}% {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>11.2} {:>11.2} {:>10.2} {:>11.2} {:>12.0}% {:>13.2}",
                 budget.map_or("none".into(), |b| format!("{:.1}M", mib(b))),
                 format!("{}/{}", stats.slots, stats.n_expert),
                 mode,
@@ -317,6 +324,7 @@ fn main() {
                 (promoted.total() - promoting.total()).as_secs_f64() * 1e3 / n_tokens as f64,
                 100.0 * (promoted.staging - promoting.staging).as_secs_f64()
                     / (promoted.total() - promoting.total()).as_secs_f64().max(1e-9),
+                submit as f64 / 1e6 / n_tokens as f64,
             );
             if let Some(share) = gpu.split_cpu_share() {
                 println!("{mode}: the CPU's share of the misses settled at {share:.2}");

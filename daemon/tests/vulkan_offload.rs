@@ -266,7 +266,8 @@ fn qwen2moe_over_the_vram_budget_decodes_as_unconstrained() {
 /// the expert counters of the same step as separate submissions, bit for bit: the chain changes
 /// when the host acts, not what the device computes. At the minimum budget (one slot) and at
 /// half the experts, with either handoff between the host and the device (timeline semaphores,
-/// events).
+/// events), and with the chain's parts recorded once and submitted again for every step or
+/// recorded anew for each.
 fn chain_matches_separate_submissions(preset: &str) {
     let Some(dev) = device() else { return };
     if !dev.chains() {
@@ -292,12 +293,13 @@ fn chain_matches_separate_submissions(preset: &str) {
         .total();
     for budget in [minimum, minimum + (whole - minimum) / 2] {
         let what = format!("{preset}, budget {budget} of {whole}");
-        let run = |chain: bool, handoff: Handoff| {
+        let run = |chain: bool, handoff: Handoff, replay: bool| {
             // Promotions follow measured times, which differ between runs: off here, so that
             // both runs keep the same experts resident.
             let o = GpuModelOptions {
                 chain,
                 handoff,
+                replay,
                 promote_experts: false,
                 ..options(Some(budget), MoeMiss::Cpu)
             };
@@ -306,11 +308,15 @@ fn chain_matches_separate_submissions(preset: &str) {
             let stats = gpu.expert_stats().unwrap().total();
             (logits, routing, stats, gpu.last_stats().submits as usize)
         };
-        let (want, want_routing, want_stats, separate) = run(false, Handoff::Semaphores);
+        let (want, want_routing, want_stats, separate) = run(false, Handoff::Semaphores, true);
         assert!(separate > 1 + n_moe, "{what}: {separate} submissions");
-        for handoff in [Handoff::Semaphores, Handoff::Events] {
-            let what = format!("{what}, {handoff:?}");
-            let (got, routing, stats, parts) = run(true, handoff);
+        for (handoff, replay) in [
+            (Handoff::Semaphores, true),
+            (Handoff::Events, true),
+            (Handoff::Semaphores, false),
+        ] {
+            let what = format!("{what}, {handoff:?}, parts kept: {replay}");
+            let (got, routing, stats, parts) = run(true, handoff, replay);
             assert!(stats.cpu > 0, "{what}: some experts ran on the CPU");
             assert_eq!(parts, 1 + 2 * n_moe, "{what}: parts of a chained step");
             assert_eq!(got, want, "{what}: logits");

@@ -143,6 +143,27 @@ enum PartSync {
 }
 
 impl PartSync {
+    /// Makes events and fence unsignaled again for the next run of a kept recording (no
+    /// submission that uses them is pending); a timeline needs nothing, each run takes values
+    /// of its own.
+    fn reset(&self, device: &Device) -> Result<()> {
+        let PartSync::Events {
+            release,
+            done,
+            fence,
+        } = self
+        else {
+            return Ok(());
+        };
+        let dev = &device.raw;
+        for &e in release.iter().chain(done) {
+            // SAFETY: the event belongs to this device and no pending command waits on it.
+            unsafe { dev.reset_event(e) }.map_err(map_vk)?;
+        }
+        // SAFETY: the fence belongs to this device and no pending submission uses it.
+        unsafe { dev.reset_fences(&[*fence]) }.map_err(map_vk)
+    }
+
     fn new(device: &Device, handoff: Handoff, n_parts: usize) -> Result<PartSync> {
         let dev = &device.raw;
         match handoff {
@@ -231,27 +252,33 @@ fn wait_event(dev: &ash::Device, event: vk::Event) -> ash::prelude::VkResult<()>
     }
 }
 
-/// A submitted chain, and the host's side of it (see the module's notes). Dropping it releases
-/// the parts not yet released, in order, and waits for the last before freeing the command
-/// buffers; [`Chain::finish`] does the same and reports errors.
-pub struct Chain {
+/// A chain's command buffers and handoff objects, freed when the last holder lets go: a
+/// [`Chain`] in flight, or a [`ChainRecording`] kept for the next steps. A holder lets go only
+/// once no submission of them is pending ([`Chain`]'s drop waits for its last part).
+struct Parts {
     device: Arc<Device>,
     cmds: Vec<vk::CommandBuffer>,
     sync: PartSync,
-    /// Parts released so far (part 0 needs no release).
-    released: usize,
-    finished: bool,
 }
 
-impl Chain {
-    /// Records `n_parts` command buffers (`record(i, cmd)` for part `i`) and submits them as a
-    /// chain handed over by `handoff`. A failure to record submits nothing.
-    pub fn start<T>(
+impl Drop for Parts {
+    fn drop(&mut self) {
+        // No submission of the parts is pending: the sync objects are unused.
+        self.sync.destroy(&self.device);
+        free_commands(&self.device, &self.cmds);
+    }
+}
+
+impl Parts {
+    /// Records `n_parts` command buffers (`record(i, cmd)` for part `i`), once-only unless
+    /// `reusable`. A failure frees what was made.
+    fn record<T>(
         device: &Arc<Device>,
         handoff: Handoff,
         n_parts: usize,
+        reusable: bool,
         mut record: impl FnMut(usize, vk::CommandBuffer) -> Result<T>,
-    ) -> Result<(Chain, Vec<T>)> {
+    ) -> Result<(Parts, Vec<T>)> {
         if handoff == Handoff::Semaphores && !device.timeline_semaphores {
             return Err(GpuError::Unsupported(
                 "the device has no timeline semaphores".into(),
@@ -270,33 +297,35 @@ impl Chain {
                 return Err(e);
             }
         };
-        // Not yet submitted: `finished` keeps `Drop` from waiting for anything.
-        let mut chain = Chain {
+        // Never submitted if recording fails: dropping it then frees everything.
+        let parts = Parts {
             device: device.clone(),
             cmds,
             sync,
-            released: n_parts,
-            finished: true,
         };
         // Recording needs the command pool synchronised: its lock is held while the parts are
-        // recorded (recording never takes it), and released before an error drops the chain.
+        // recorded (recording never takes it), and released before an error drops the parts.
         let values = {
             let _pool = device.pool.lock();
             let mut values = Vec::with_capacity(n_parts);
             let mut failed = None;
-            for (i, &cmd) in chain.cmds.iter().enumerate() {
-                let begin = vk::CommandBufferBeginInfo::default()
-                    .flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT);
+            // A kept recording is submitted again after each completion.
+            let flags = match reusable {
+                true => vk::CommandBufferUsageFlags::empty(),
+                false => vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT,
+            };
+            for (i, &cmd) in parts.cmds.iter().enumerate() {
+                let begin = vk::CommandBufferBeginInfo::default().flags(flags);
                 // SAFETY: `cmd` is a freshly allocated primary command buffer of this device.
                 if let Err(e) = unsafe { dev.begin_command_buffer(cmd, &begin) } {
                     failed = Some(map_vk(e));
                     break;
                 }
                 // SAFETY: `cmd` is recording; the events belong to this device.
-                unsafe { chain.sync.open_part(dev, cmd, i) };
+                unsafe { parts.sync.open_part(dev, cmd, i) };
                 let recorded = record(i, cmd);
                 // SAFETY: as above.
-                unsafe { chain.sync.close_part(dev, cmd, i) };
+                unsafe { parts.sync.close_part(dev, cmd, i) };
                 // SAFETY: recording began above.
                 let ended = unsafe { dev.end_command_buffer(cmd) }.map_err(map_vk);
                 match recorded.and_then(|v| ended.map(|()| v)) {
@@ -312,75 +341,115 @@ impl Chain {
                 None => Ok(values),
             }
         }?;
-        chain.submit()?;
-        chain.released = 1;
-        chain.finished = false;
+        Ok((parts, values))
+    }
+}
+
+/// A submitted chain, and the host's side of it (see the module's notes). Dropping it releases
+/// the parts not yet released, in order, and waits for the last before letting go of the
+/// command buffers; [`Chain::finish`] does the same and reports errors.
+pub struct Chain {
+    parts: Arc<Parts>,
+    /// Where this run's timeline values start: part `i` waits for `base + 2i` and signals
+    /// `base + 2i + 1` (a kept recording's runs continue one semaphore's values).
+    base: u64,
+    /// Parts released so far (part 0 needs no release).
+    released: usize,
+    finished: bool,
+}
+
+impl Chain {
+    /// Records `n_parts` command buffers (`record(i, cmd)` for part `i`) and submits them as a
+    /// chain handed over by `handoff`. A failure to record submits nothing.
+    pub fn start<T>(
+        device: &Arc<Device>,
+        handoff: Handoff,
+        n_parts: usize,
+        record: impl FnMut(usize, vk::CommandBuffer) -> Result<T>,
+    ) -> Result<(Chain, Vec<T>)> {
+        let (parts, values) = Parts::record(device, handoff, n_parts, false, record)?;
+        let chain = Chain::submit(Arc::new(parts), 0, None)?;
         Ok((chain, values))
     }
 
-    fn submit(&self) -> Result<()> {
-        self.device.check_lost(LossPoint::Submit)?;
-        let semaphore = match &self.sync {
-            PartSync::Timeline(s) => *s,
+    /// Submits `parts` with timeline values from `base`, `first` (a recording of copies the
+    /// step reads) ahead of part 0 in its submission.
+    fn submit(parts: Arc<Parts>, base: u64, first: Option<vk::CommandBuffer>) -> Result<Chain> {
+        let device = &parts.device;
+        device.check_lost(LossPoint::Submit)?;
+        let n = parts.cmds.len();
+        let submitted = match &parts.sync {
             PartSync::Events { fence, .. } => {
-                let submit = [vk::SubmitInfo::default().command_buffers(&self.cmds)];
-                let queue = self.device.queue.lock();
+                let cmds: Vec<vk::CommandBuffer> = first
+                    .into_iter()
+                    .chain(parts.cmds.iter().copied())
+                    .collect();
+                let submit = [vk::SubmitInfo::default().command_buffers(&cmds)];
+                let queue = device.queue.lock();
                 // SAFETY: the queue is externally synchronised by its mutex; every command
-                // buffer is executable; the arrays live across the call; the fence is unused.
-                return unsafe { self.device.raw.queue_submit(*queue, &submit, *fence) }
-                    .map_err(|r| self.device.map_result(r));
+                // buffer is executable and none is pending; the arrays live across the call;
+                // the fence and the events are unsignaled (new, or reset by the recording).
+                unsafe { device.raw.queue_submit(*queue, &submit, *fence) }
+            }
+            PartSync::Timeline(semaphore) => {
+                let wait_values: Vec<[u64; 1]> = (0..n).map(|i| [base + 2 * i as u64]).collect();
+                let signal_values: Vec<[u64; 1]> =
+                    (0..n).map(|i| [base + 2 * i as u64 + 1]).collect();
+                let semaphores = [*semaphore];
+                let stages = [vk::PipelineStageFlags::ALL_COMMANDS];
+                let first_cmds: Vec<vk::CommandBuffer> =
+                    first.into_iter().chain([parts.cmds[0]]).collect();
+                let mut timeline: Vec<vk::TimelineSemaphoreSubmitInfo<'_>> = (0..n)
+                    .map(|i| {
+                        let t = vk::TimelineSemaphoreSubmitInfo::default()
+                            .signal_semaphore_values(&signal_values[i]);
+                        if i == 0 {
+                            t
+                        } else {
+                            t.wait_semaphore_values(&wait_values[i])
+                        }
+                    })
+                    .collect();
+                let submits: Vec<vk::SubmitInfo<'_>> = timeline
+                    .iter_mut()
+                    .zip(parts.cmds.chunks_exact(1))
+                    .enumerate()
+                    .map(|(i, (t, cmd))| {
+                        let cmds = if i == 0 { &first_cmds[..] } else { cmd };
+                        let s = vk::SubmitInfo::default()
+                            .command_buffers(cmds)
+                            .signal_semaphores(&semaphores)
+                            .push_next(t);
+                        if i == 0 {
+                            s
+                        } else {
+                            s.wait_semaphores(&semaphores).wait_dst_stage_mask(&stages)
+                        }
+                    })
+                    .collect();
+                let queue = device.queue.lock();
+                // SAFETY: the queue is externally synchronised by its mutex; every command
+                // buffer is executable and none is pending; the arrays the infos point to live
+                // across the call; every value is above the semaphore's counter.
+                unsafe { device.raw.queue_submit(*queue, &submits, vk::Fence::null()) }
             }
         };
-        let n = self.cmds.len();
-        let wait_values: Vec<[u64; 1]> = (0..n).map(|i| [2 * i as u64]).collect();
-        let signal_values: Vec<[u64; 1]> = (0..n).map(|i| [2 * i as u64 + 1]).collect();
-        let semaphores = [semaphore];
-        let stages = [vk::PipelineStageFlags::ALL_COMMANDS];
-        let mut timeline: Vec<vk::TimelineSemaphoreSubmitInfo<'_>> = (0..n)
-            .map(|i| {
-                let t = vk::TimelineSemaphoreSubmitInfo::default()
-                    .signal_semaphore_values(&signal_values[i]);
-                if i == 0 {
-                    t
-                } else {
-                    t.wait_semaphore_values(&wait_values[i])
-                }
-            })
-            .collect();
-        let submits: Vec<vk::SubmitInfo<'_>> = timeline
-            .iter_mut()
-            .zip(self.cmds.chunks_exact(1))
-            .enumerate()
-            .map(|(i, (t, cmd))| {
-                let s = vk::SubmitInfo::default()
-                    .command_buffers(cmd)
-                    .signal_semaphores(&semaphores)
-                    .push_next(t);
-                if i == 0 {
-                    s
-                } else {
-                    s.wait_semaphores(&semaphores).wait_dst_stage_mask(&stages)
-                }
-            })
-            .collect();
-        let queue = self.device.queue.lock();
-        // SAFETY: the queue is externally synchronised by its mutex; every command buffer is
-        // executable; the arrays the infos point to live across the call.
-        unsafe {
-            self.device
-                .raw
-                .queue_submit(*queue, &submits, vk::Fence::null())
-        }
-        .map_err(|r| self.device.map_result(r))
+        submitted.map_err(|r| device.map_result(r))?;
+        Ok(Chain {
+            parts,
+            base,
+            released: 1,
+            finished: false,
+        })
     }
 
     /// Number of parts.
     pub fn len(&self) -> usize {
-        self.cmds.len()
+        self.parts.cmds.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.cmds.is_empty()
+        self.parts.cmds.is_empty()
     }
 
     /// Waits until part `part` has completed: what it wrote to host-visible memory can be read.
@@ -397,20 +466,21 @@ impl Chain {
         // An injected loss shows at the wait for the last part, when nothing is pending: the
         // chain's command buffers may then be freed.
         if part + 1 == self.len() {
-            self.device.check_lost(LossPoint::Wait)?;
+            self.parts.device.check_lost(LossPoint::Wait)?;
         }
         Ok(())
     }
 
     fn wait_done(&self, part: usize) -> Result<()> {
-        let dev = &self.device.raw;
-        match &self.sync {
-            PartSync::Timeline(s) => wait_timeline(dev, *s, 2 * part as u64 + 1),
+        let device = &self.parts.device;
+        let dev = &device.raw;
+        match &self.parts.sync {
+            PartSync::Timeline(s) => wait_timeline(dev, *s, self.base + 2 * part as u64 + 1),
             // The last part's completion is the submission's: its fence has a sleeping wait.
             PartSync::Events { fence, .. } if part + 1 == self.len() => wait_fence(dev, *fence),
             PartSync::Events { done, .. } => wait_event(dev, done[part]),
         }
-        .map_err(|r| self.device.map_result(r))
+        .map_err(|r| device.map_result(r))
     }
 
     /// Lets part `part` start, once the previous part has completed (waited for here): call it
@@ -422,19 +492,20 @@ impl Chain {
         assert!(part > 0 && part < self.len(), "release of part {part}");
         assert_eq!(part, self.released, "parts are released in order");
         self.wait(part - 1)?;
-        match &self.sync {
+        let dev = &self.parts.device.raw;
+        match &self.parts.sync {
             PartSync::Timeline(s) => {
                 let info = vk::SemaphoreSignalInfo::default()
                     .semaphore(*s)
-                    .value(2 * part as u64);
+                    .value(self.base + 2 * part as u64);
                 // SAFETY: the semaphore belongs to this device; the value is above the
-                // counter, which part `part - 1` set to `2 part - 1` and nothing raises until
-                // part `part` runs.
-                unsafe { self.device.raw.signal_semaphore(&info) }.map_err(map_vk)?;
+                // counter, which part `part - 1` set to `base + 2 part - 1` and nothing raises
+                // until part `part` runs.
+                unsafe { dev.signal_semaphore(&info) }.map_err(map_vk)?;
             }
-            // SAFETY: the event belongs to this device; only the host sets it, once.
+            // SAFETY: the event belongs to this device; only the host sets it, once a run.
             PartSync::Events { release, .. } => {
-                unsafe { self.device.raw.set_event(release[part]) }.map_err(map_vk)?
+                unsafe { dev.set_event(release[part]) }.map_err(map_vk)?
             }
         }
         self.released = part + 1;
@@ -458,13 +529,67 @@ impl Chain {
 impl Drop for Chain {
     fn drop(&mut self) {
         if let Err(e) = self.finish() {
-            // The device is lost (or out of memory): its work counts as done, so freeing the
-            // command buffers below is allowed.
+            // The device is lost (or out of memory): its work counts as done, so letting go
+            // of the command buffers (freed with the last holder of the parts) is allowed.
             tracing::warn!("a chain of command buffers ended with {e}");
         }
-        // Every part has completed (or the device is lost): the sync objects are unused.
-        self.sync.destroy(&self.device);
-        free_commands(&self.device, &self.cmds);
+    }
+}
+
+/// A chain's parts recorded once and submitted again for every step ([`ChainRecording::run`]),
+/// as [`super::replay::Replay`] does for a step of one submission: what changes between steps
+/// the parts read from buffers, and the host's turns write.
+pub struct ChainRecording {
+    parts: Arc<Parts>,
+    /// Runs submitted so far: run `r` uses timeline values from `2 r n`.
+    runs: u64,
+}
+
+impl ChainRecording {
+    /// Records `n_parts` command buffers (`record(i, cmd)` for part `i`) to be submitted as a
+    /// chain handed over by `handoff`, each time [`ChainRecording::run`] is called.
+    pub fn new<T>(
+        device: &Arc<Device>,
+        handoff: Handoff,
+        n_parts: usize,
+        record: impl FnMut(usize, vk::CommandBuffer) -> Result<T>,
+    ) -> Result<(ChainRecording, Vec<T>)> {
+        let (parts, values) = Parts::record(device, handoff, n_parts, true, record)?;
+        let recording = ChainRecording {
+            parts: Arc::new(parts),
+            runs: 0,
+        };
+        Ok((recording, values))
+    }
+
+    /// Number of parts.
+    pub fn len(&self) -> usize {
+        self.parts.cmds.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.parts.cmds.is_empty()
+    }
+
+    /// Submits the parts again as a new chain, `first` ahead of part 0 in its submission (see
+    /// [`super::replay::Replay::run_after`]: copies the step reads).
+    ///
+    /// # Panics
+    /// If the chain of the last run is still held (it must have finished, or been dropped).
+    pub fn run(&mut self, first: Option<vk::CommandBuffer>) -> Result<Chain> {
+        assert_eq!(
+            Arc::strong_count(&self.parts),
+            1,
+            "the last run of a kept chain is still held"
+        );
+        let n = self.len() as u64;
+        if self.runs > 0 {
+            self.parts.sync.reset(&self.parts.device)?;
+        }
+        let base = 2 * n * self.runs;
+        let chain = Chain::submit(self.parts.clone(), base, first)?;
+        self.runs += 1;
+        Ok(chain)
     }
 }
 

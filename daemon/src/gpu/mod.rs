@@ -53,7 +53,7 @@ pub use error::{map_vk, GpuError, MemoryKind};
 pub use instance::{DeviceInfo, DeviceKind, Instance};
 pub use matmul_tile::MatMulTile;
 pub use pipeline::ComputePipeline;
-pub use record::{Kernels, RecordStats, Recorder, TimedReplay};
+pub use record::{ChainReplay, Kernels, RecordStats, Recorder, TimedReplay};
 pub use upload::Uploader;
 
 /// Set (to anything but `0`) where a Vulkan device must exist, as in CI: GPU tests then fail

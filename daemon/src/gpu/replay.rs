@@ -93,6 +93,12 @@ impl Replay {
         })
     }
 
+    /// The recorded command buffer, for a submission that puts it ahead of other work
+    /// ([`super::record::ChainReplay::start`]); not pending when that submission is made.
+    pub(super) fn command_buffer(&self) -> vk::CommandBuffer {
+        self.cmd
+    }
+
     /// Dispatches, barriers and submissions (one) of a run.
     pub fn stats(&self) -> RecordStats {
         self.stats

@@ -23,9 +23,13 @@
 
 use std::time::Instant;
 
+use super::promote::Promoter;
 use super::{GpuModel, HostTime, Result};
+use crate::gpu::chain::Chain;
 use crate::gpu::moe::LayerRouting;
 use crate::gpu::ops::{route_floats, route_split_floats};
+use crate::gpu::record::{ChainRun, RecordStats, Recorder};
+use crate::gpu::replay::Replay;
 
 /// An entry of a host-written routing with no expert: the expert-indexed products skip it.
 pub(super) const EMPTY_ENTRY: u32 = u32::MAX;
@@ -36,42 +40,40 @@ impl GpuModel {
         let cfg = self.config.moe.expect("a chained step is a MoE model's");
         let (k, n_embd) = (cfg.n_expert_used, self.config.n_embd);
         let moe_layers = self.moe_layer_indices();
+        let n_parts = 1 + 2 * moe_layers.len();
         // Promotions staged after the last step: their copies open part 0.
         let mut promoter = self.take_promoter();
-        let started =
+        let submitting = Instant::now();
+        let kept = self.chain_replays && self.profiler.is_none();
+        let started = if kept {
+            self.start_kept_chain(&moe_layers, promoter.as_mut())
+        } else {
             self.kernels
-                .start_chain(self.handoff, 1 + 2 * moe_layers.len(), |part, rec| {
-                    let a = &self.act;
-                    if part == 0 {
-                        if let Some(p) = promoter.as_mut() {
-                            // SAFETY: the chain completes (`finish`, or its drop) before the
-                            // promoter is used again.
-                            unsafe { rec.uploads(p.uploader()) };
-                        }
-                        self.record_embedding(rec)?;
-                        return self.record_from(rec, 0, &mut None);
+                .start_chain(self.handoff, n_parts, |part, rec| {
+                    if let (0, Some(p)) = (part, promoter.as_mut()) {
+                        // SAFETY: the chain completes (`finish`, or its drop) before the
+                        // promoter is used again.
+                        unsafe { rec.uploads(p.uploader()) };
                     }
-                    let il = moe_layers[(part - 1) / 2];
-                    if part % 2 == 1 {
-                        let s = self.moe_scratch();
-                        self.moe_layer(il)
-                            .record_host_routed(rec, k, (&a.xn, &a.x), s)
-                    } else {
-                        rec.scale_add(&a.x, &self.moe_scratch().cpu_sum, 1.0, n_embd as u32)?;
-                        self.record_from(rec, il + 1, &mut None)
+                    self.record_chain_part(rec, part, &moe_layers)
+                })
+                .map(|(run, stats)| {
+                    if let Some(p) = promoter.as_mut() {
+                        p.uploader().submitted();
                     }
-                });
-        if let (Ok(_), Some(p)) = (&started, promoter.as_mut()) {
-            p.uploader().submitted();
-        }
+                    (StepChain::Once(run), stats)
+                })
+        };
         self.restore_promoter(promoter);
         let (mut run, stats) = started?;
-
         let mut routings: Vec<LayerRouting> = Vec::with_capacity(moe_layers.len());
-        let mut time = HostTime::default();
+        let mut time = HostTime {
+            submit_ns: submitting.elapsed().as_nanos() as u64,
+            ..HostTime::default()
+        };
         let start = Instant::now();
         for (j, &il) in moe_layers.iter().enumerate() {
-            time.waiting(|| run.chain.wait(2 * j))?;
+            time.waiting(|| run.chain().wait(2 * j))?;
             let routing = self.moe_layer(il).route(il, &cfg, self.moe_scratch());
             let ex = self
                 .experts
@@ -106,7 +108,7 @@ impl GpuModel {
             route[2 * k] = routing.shared_gate.unwrap_or(0.0);
             let scratch = self.act.moe.as_mut().expect("MoE scratch");
             scratch.route_host.write_f32(&route);
-            run.chain.release(2 * j + 1)?;
+            run.chain().release(2 * j + 1)?;
 
             // The CPU's experts while the device runs the resident ones.
             let t = Instant::now();
@@ -122,10 +124,10 @@ impl GpuModel {
             };
             scratch.cpu_sum.write_f32(&sum);
             time.cpu_experts_ns += t.elapsed().as_nanos() as u64;
-            time.waiting(|| run.chain.release(2 * j + 2))?;
+            time.waiting(|| run.chain().release(2 * j + 2))?;
             routings.push(routing);
         }
-        time.waiting(|| run.chain.finish())?;
+        time.waiting(|| run.chain().finish())?;
         time.step_ns = start.elapsed().as_nanos() as u64;
         if let Some(share) = self.split.as_mut() {
             share.observe_step(time.step_ns);
@@ -135,5 +137,91 @@ impl GpuModel {
         self.last_stats = stats;
         self.last_routing = routings;
         Ok(self.act.logits.read_f32(self.config.n_vocab))
+    }
+
+    /// Records part `part` of a chained step over the MoE layers `moe_layers` (see the
+    /// module's notes); part 0's copies of promotions are the caller's.
+    fn record_chain_part(
+        &self,
+        rec: &mut Recorder<'_>,
+        part: usize,
+        moe_layers: &[usize],
+    ) -> Result<()> {
+        let a = &self.act;
+        if part == 0 {
+            self.record_embedding(rec)?;
+            return self.record_from(rec, 0, &mut None);
+        }
+        let il = moe_layers[(part - 1) / 2];
+        if part % 2 == 1 {
+            let k = self
+                .config
+                .moe
+                .expect("a chained step is a MoE model's")
+                .n_expert_used;
+            let s = self.moe_scratch();
+            self.moe_layer(il)
+                .record_host_routed(rec, k, (&a.xn, &a.x), s)
+        } else {
+            let n_embd = self.config.n_embd as u32;
+            rec.scale_add(&a.x, &self.moe_scratch().cpu_sum, 1.0, n_embd)?;
+            self.record_from(rec, il + 1, &mut None)
+        }
+    }
+
+    /// Submits the step's chain from the kept recording (made now the first time), the copies
+    /// of promotions `promoter` has pending ahead of it.
+    fn start_kept_chain(
+        &mut self,
+        moe_layers: &[usize],
+        promoter: Option<&mut Promoter>,
+    ) -> Result<(StepChain, RecordStats)> {
+        if self.chain_replay.is_none() {
+            let n_parts = 1 + 2 * moe_layers.len();
+            let replay = self
+                .kernels
+                .record_chain(self.handoff, n_parts, |part, rec| {
+                    self.record_chain_part(rec, part, moe_layers)
+                })?;
+            self.chain_replay = Some(replay);
+        }
+        let mut copies = None;
+        if let Some(p) = promoter {
+            if !p.uploader().has_pending() {
+                return self.start_kept(None);
+            }
+            // SAFETY: the copies complete with the chain, before the promoter is used again.
+            let r = self.kernels.record_replay(|rec| {
+                unsafe { rec.uploads(p.uploader()) };
+                Ok(())
+            })?;
+            p.uploader().submitted();
+            copies = Some(r);
+        }
+        self.start_kept(copies)
+    }
+
+    /// Submits the kept chain, `copies` ahead of it.
+    fn start_kept(&mut self, copies: Option<Replay>) -> Result<(StepChain, RecordStats)> {
+        let replay = self.chain_replay.as_mut().expect("recorded before");
+        let chain = replay.start(copies.as_ref())?;
+        Ok((StepChain::Kept(chain, copies), replay.stats()))
+    }
+}
+
+/// A chained step in flight: recorded for this step, or submitted from the kept recording with
+/// the recording of its copies (dropped after the chain, which waits for its last part).
+enum StepChain {
+    Once(ChainRun),
+    /// The copies' recording is held, not read, until the chain is done.
+    Kept(Chain, #[allow(dead_code)] Option<Replay>),
+}
+
+impl StepChain {
+    fn chain(&mut self) -> &mut Chain {
+        match self {
+            StepChain::Once(run) => &mut run.chain,
+            StepChain::Kept(chain, _) => chain,
+        }
     }
 }

@@ -531,6 +531,8 @@ impl GpuModel {
             replay: None,
             profiled_replay: None,
             last_profile: None,
+            chain_replays: options.replay && chained,
+            chain_replay: None,
             batch: None,
             batch_refused: None,
             step_batching: options.step_batching,

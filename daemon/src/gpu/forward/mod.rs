@@ -221,6 +221,8 @@ pub struct HostTime {
     pub cpu_experts_ns: u64,
     /// Running a dense model's first layers on the CPU (before the device's part).
     pub cpu_layers_ns: u64,
+    /// Recording (unless kept) and submitting a chain's parts, before `step_ns` starts.
+    pub submit_ns: u64,
 }
 
 impl HostTime {
@@ -301,6 +303,11 @@ pub struct GpuModel {
     /// and dropped with the profiler's queries, so that a profiled step is the replayed one.
     profiled_replay: Option<Replay>,
     last_profile: Option<GpuStepProfile>,
+    /// Chained steps are submitted from one recording of their parts, kept
+    /// ([`crate::gpu::record::ChainReplay`]); unprofiled steps only.
+    chain_replays: bool,
+    /// That recording, made at the first chained step that uses it.
+    chain_replay: Option<crate::gpu::record::ChainReplay>,
     /// A prompt chunk's activations, made at the first prompt ([`prefill`]).
     batch: Option<prefill::Batch>,
     /// The smallest chunk, in tokens, whose memory the VRAM budget refused: chunks as large

@@ -48,8 +48,9 @@ pub struct GpuModelOptions {
     /// those layers' size in RAM besides the memory map.
     pub bus_rows: bool,
     /// Record a step that is one submission (a dense model, or every expert in VRAM) once and
-    /// submit that recording for every token ([`crate::gpu::replay`]); `false`: record each step
-    /// anew, for comparisons.
+    /// submit that recording for every token ([`crate::gpu::replay`]), and likewise the parts of
+    /// a chained step ([`crate::gpu::record::ChainReplay`]); `false`: record each step anew, for
+    /// comparisons.
     pub replay: bool,
     /// Multiply prompts' chunks in the device's matrix units where it has cooperative matrices;
     /// `false`: the f32 kernel, for comparisons.

@@ -21,7 +21,7 @@ use bindings::Hazards;
 use timer::Timer;
 
 use super::buffer::Buffer;
-use super::chain::{Chain, Handoff};
+use super::chain::{Chain, ChainRecording, Handoff};
 use super::device::Device;
 use super::error::{GpuError, Result};
 use super::matmul_tile::MatMulTile;
@@ -335,14 +335,7 @@ impl Kernels {
                 f(i, rec)
             })
         })?;
-        let stats = parts
-            .iter()
-            .fold(RecordStats::default(), |a, p| RecordStats {
-                dispatches: a.dispatches + p.dispatches,
-                barriers: a.barriers + p.barriers,
-                submits: a.submits + p.submits,
-                gpu_ns: None,
-            });
+        let stats = sum_stats(&parts);
         Ok((
             ChainRun {
                 chain,
@@ -350,6 +343,35 @@ impl Kernels {
             },
             stats,
         ))
+    }
+
+    /// [`Kernels::start_chain`]'s parts recorded once and kept: [`ChainReplay::start`] submits
+    /// them as a new chain for every step, with no recording on the host's side of it. What
+    /// the parts read must change only in buffers (as a replayed step's,
+    /// [`Kernels::record_replay`]).
+    pub fn record_chain(
+        &self,
+        handoff: Handoff,
+        n_parts: usize,
+        mut f: impl FnMut(usize, &mut Recorder<'_>) -> Result<()>,
+    ) -> Result<ChainReplay> {
+        let max_range = self.device.max_storage_buffer_range();
+        let mut arena = DescriptorArena::new(&self.device);
+        let mut pipelines = Vec::new();
+        let (recording, parts) = ChainRecording::new(&self.device, handoff, n_parts, |i, cmd| {
+            self.record_keeping(cmd, &mut arena, max_range, None, &mut pipelines, |rec| {
+                if i > 0 {
+                    rec.after_host_writes();
+                }
+                f(i, rec)
+            })
+        })?;
+        Ok(ChainReplay {
+            recording,
+            stats: sum_stats(&parts),
+            _arena: arena,
+            _pipelines: pipelines,
+        })
     }
 
     /// [`Kernels::record`] with GPU timestamps around the whole recording: `gpu_ns` of the
@@ -483,6 +505,43 @@ impl Kernels {
         rec.stats.submits = 1;
         keep.append(&mut rec.pipelines);
         Ok(rec.stats)
+    }
+}
+
+/// The stats of a chain's parts together, each a submission.
+fn sum_stats(parts: &[RecordStats]) -> RecordStats {
+    parts
+        .iter()
+        .fold(RecordStats::default(), |a, p| RecordStats {
+            dispatches: a.dispatches + p.dispatches,
+            barriers: a.barriers + p.barriers,
+            submits: a.submits + p.submits,
+            gpu_ns: None,
+        })
+}
+
+/// A chain's parts kept with the descriptor sets and pipelines they use
+/// ([`Kernels::record_chain`]); fields drop in order, the command buffers first.
+pub struct ChainReplay {
+    recording: ChainRecording,
+    stats: RecordStats,
+    _arena: DescriptorArena,
+    _pipelines: Vec<Arc<ComputePipeline>>,
+}
+
+impl ChainReplay {
+    /// Submits the parts as a new chain, `first`'s recording ahead of part 0 in its submission
+    /// (copies the step reads, [`super::replay::Replay::run_after`]).
+    ///
+    /// # Panics
+    /// If the chain of the last start is still held.
+    pub fn start(&mut self, first: Option<&Replay>) -> Result<Chain> {
+        self.recording.run(first.map(Replay::command_buffer))
+    }
+
+    /// Dispatches, barriers and submissions (one a part) of a run.
+    pub fn stats(&self) -> RecordStats {
+        self.stats
     }
 }
 

@@ -73,6 +73,7 @@ impl GpuStep {
                 a.wait_ns += b.wait_ns;
                 a.cpu_experts_ns += b.cpu_experts_ns;
                 a.cpu_layers_ns += b.cpu_layers_ns;
+                a.submit_ns += b.submit_ns;
             }
             (None, b) => p.host = b,
             (Some(_), None) => {}
@@ -411,6 +412,7 @@ mod tests {
                     wait_ns: 5,
                     cpu_experts_ns: 4,
                     cpu_layers_ns: 0,
+                    submit_ns: 0,
                 }),
                 submissions_gpu_ns: None,
                 workers: Vec::new(),
@@ -435,6 +437,7 @@ mod tests {
             wait_ns: 2 * h.wait_ns,
             cpu_experts_ns: 2 * h.cpu_experts_ns,
             cpu_layers_ns: 0,
+            submit_ns: 0,
         });
         let (_dir, model) = super::super::costs::tests::tiny_moe();
         let m = gpu_step_message(0, &p, origin, &Costs::new(&model, None), false);
