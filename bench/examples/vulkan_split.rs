@@ -10,7 +10,9 @@
 //! (`GpuModelOptions::stream_prompts`, the default) and without (`no-noslot` leaves that out).
 //! `bus=m,0.6`: each budget also with the CPU's layers sharing their products' rows with the
 //! GPU over the bus (`GpuModelOptions::bus_rows`), the CPU's share of each group of products
-//! balanced as they run (`m`) or fixed (a number), the shares printed after. `budgets-only`: without the whole model and the CPU
+//! balanced as they run (`m`) or fixed (a number), the shares printed after; with `s` after
+//! it (`ms`, `0.6s`) the GPU's rows are a submission a group instead of one chain a step
+//! (`GpuModelOptions::chain` off). `budgets-only`: without the whole model and the CPU
 //! engine alone. `warmup=N`: N untimed decode steps per model first (default 2). `single`:
 //! the first budget's model alone in the process, decode only.
 
@@ -92,7 +94,7 @@ fn main() {
     let mut ctx = 0;
     let mut pp = 0;
     let mut single = false;
-    let mut bus: Vec<Option<f32>> = Vec::new();
+    let mut bus: Vec<(Option<f32>, bool)> = Vec::new();
     let mut no_slot = true;
     let mut budgets_only = false;
     let mut warmup = 2;
@@ -117,7 +119,13 @@ fn main() {
             } else if let Some(list) = a.strip_prefix("bus=") {
                 bus = list
                     .split(',')
-                    .map(|v| (v != "m").then(|| v.parse().unwrap()))
+                    .map(|v| {
+                        let (v, chain) = match v.strip_suffix('s') {
+                            Some(v) => (v, false),
+                            None => (v, true),
+                        };
+                        ((v != "m").then(|| v.parse().unwrap()), chain)
+                    })
                     .collect();
             } else if let Some(n) = a.strip_prefix("pp=") {
                 pp = n.parse().unwrap();
@@ -168,8 +176,8 @@ fn main() {
     );
 
     let mut runs: Vec<(String, usize, f64, Runner)> = Vec::new();
-    // (prompt slot, rows over the bus: the CPU's share, `None` measured)
-    let mut variants: Vec<(bool, Option<Option<f32>>)> = vec![(true, None)];
+    // (prompt slot, rows over the bus: the CPU's share, `None` measured, and as a chain)
+    let mut variants: Vec<(bool, Option<(Option<f32>, bool)>)> = vec![(true, None)];
     if !single && no_slot {
         variants.push((false, None));
     }
@@ -181,7 +189,8 @@ fn main() {
         let opts = GpuModelOptions {
             stream_prompts: stream,
             bus_rows: bus.is_some(),
-            split_cpu_share: bus.flatten(),
+            split_cpu_share: bus.and_then(|b| b.0),
+            chain: bus.is_none_or(|b| b.1),
             ..options(Some(b))
         };
         match GpuModel::new(&device, &model, &opts) {
@@ -191,8 +200,10 @@ fn main() {
                 let cpu = g.cpu_layers();
                 let how = match bus {
                     _ if !stream => ", no prompt slot".to_string(),
-                    Some(Some(x)) => format!(", bus rows at {x}"),
-                    Some(None) => ", bus rows measured".to_string(),
+                    Some((Some(x), true)) => format!(", bus rows at {x}"),
+                    Some((None, true)) => ", bus rows measured".to_string(),
+                    Some((Some(x), false)) => format!(", bus rows at {x}, a submission a group"),
+                    Some((None, false)) => ", bus rows measured, a submission a group".into(),
                     None => String::new(),
                 };
                 runs.push((

@@ -238,7 +238,9 @@ impl GpuModel {
         if options.bus_rows {
             let device = allocator.device();
             let share = options.split_cpu_share;
-            gpu.bus_rows = Some(BusRows::new(device, &gpu.kernels, model, n_cpu, share)?);
+            let chain = options.chain.then_some(options.handoff);
+            let how = (share, chain);
+            gpu.bus_rows = Some(BusRows::new(device, &gpu.kernels, model, n_cpu, how)?);
         }
         Ok(gpu)
     }
