@@ -177,7 +177,8 @@ fn main() {
 
     let mut runs: Vec<(String, usize, f64, Runner)> = Vec::new();
     // (prompt slot, rows over the bus: the CPU's share, `None` measured, and as a chain)
-    let mut variants: Vec<(bool, Option<(Option<f32>, bool)>)> = vec![(true, None)];
+    type BusRows = Option<(Option<f32>, bool)>;
+    let mut variants: Vec<(bool, BusRows)> = vec![(true, None)];
     if !single && no_slot {
         variants.push((false, None));
     }
