@@ -10,9 +10,7 @@
 //! (`GpuModelOptions::stream_prompts`, the default) and without (`no-noslot` leaves that out).
 //! `bus=m,0.6`: each budget also with the CPU's layers sharing their products' rows with the
 //! GPU over the bus (`GpuModelOptions::bus_rows`), the CPU's share of each group of products
-//! balanced as they run (`m`) or fixed (a number), the shares printed after; with `s` after
-//! it (`ms`, `0.6s`) the GPU's rows are a submission a group instead of one chain a step
-//! (`GpuModelOptions::chain` off). `budgets-only`: without the whole model and the CPU
+//! balanced as they run (`m`) or fixed (a number), the shares printed after. `budgets-only`: without the whole model and the CPU
 //! engine alone. `warmup=N`: N untimed decode steps per model first (default 2). `single`:
 //! the first budget's model alone in the process, decode only.
 
@@ -94,7 +92,7 @@ fn main() {
     let mut ctx = 0;
     let mut pp = 0;
     let mut single = false;
-    let mut bus: Vec<(Option<f32>, bool)> = Vec::new();
+    let mut bus: Vec<Option<f32>> = Vec::new();
     let mut no_slot = true;
     let mut budgets_only = false;
     let mut warmup = 2;
@@ -119,13 +117,7 @@ fn main() {
             } else if let Some(list) = a.strip_prefix("bus=") {
                 bus = list
                     .split(',')
-                    .map(|v| {
-                        let (v, chain) = match v.strip_suffix('s') {
-                            Some(v) => (v, false),
-                            None => (v, true),
-                        };
-                        ((v != "m").then(|| v.parse().unwrap()), chain)
-                    })
+                    .map(|v| (v != "m").then(|| v.parse().unwrap()))
                     .collect();
             } else if let Some(n) = a.strip_prefix("pp=") {
                 pp = n.parse().unwrap();
@@ -176,9 +168,8 @@ fn main() {
     );
 
     let mut runs: Vec<(String, usize, f64, Runner)> = Vec::new();
-    // (prompt slot, rows over the bus: the CPU's share, `None` measured, and as a chain)
-    type BusRows = Option<(Option<f32>, bool)>;
-    let mut variants: Vec<(bool, BusRows)> = vec![(true, None)];
+    // (prompt slot, rows over the bus: the CPU's share, `None` measured)
+    let mut variants: Vec<(bool, Option<Option<f32>>)> = vec![(true, None)];
     if !single && no_slot {
         variants.push((false, None));
     }
@@ -190,8 +181,7 @@ fn main() {
         let opts = GpuModelOptions {
             stream_prompts: stream,
             bus_rows: bus.is_some(),
-            split_cpu_share: bus.and_then(|b| b.0),
-            chain: bus.is_none_or(|b| b.1),
+            split_cpu_share: bus.flatten(),
             ..options(Some(b))
         };
         match GpuModel::new(&device, &model, &opts) {
@@ -201,10 +191,8 @@ fn main() {
                 let cpu = g.cpu_layers();
                 let how = match bus {
                     _ if !stream => ", no prompt slot".to_string(),
-                    Some((Some(x), true)) => format!(", bus rows at {x}"),
-                    Some((None, true)) => ", bus rows measured".to_string(),
-                    Some((Some(x), false)) => format!(", bus rows at {x}, a submission a group"),
-                    Some((None, false)) => ", bus rows measured, a submission a group".into(),
+                    Some(Some(x)) => format!(", bus rows at {x}"),
+                    Some(None) => ", bus rows measured".to_string(),
                     None => String::new(),
                 };
                 runs.push((

@@ -226,8 +226,7 @@ fn qwen3_over_the_vram_budget_runs_its_first_layers_on_the_cpu() {
 /// over the bus (`GpuModelOptions::bus_rows`), the logits stay the unconstrained run's: at the
 /// smallest budget (every layer but the last on the CPU), with the CPU taking half the rows,
 /// none of them (the GPU all but the rows past its last whole step), all of them, and shares
-/// balanced group by group; each with a step's GPU rows as one chain of parts (where the device
-/// runs chains) and as a submission a group.
+/// balanced group by group.
 fn bus_rows(preset: &str) {
     let Some(dev) = device() else { return };
     let tmp = tempfile::tempdir().unwrap();
@@ -240,25 +239,17 @@ fn bus_rows(preset: &str) {
     let minimum = GpuModel::minimum_budget(&dev, &model, &options(None, true))
         .unwrap()
         .total();
-    let shares = [Some(0.5), Some(0.0), Some(1.0), None];
-    for (share, chain) in shares.into_iter().flat_map(|s| [(s, true), (s, false)]) {
+    for share in [Some(0.5), Some(0.0), Some(1.0), None] {
         let opts = GpuModelOptions {
             bus_rows: true,
             split_cpu_share: share,
-            chain,
             ..options(Some(minimum), true)
         };
         let mut gpu = GpuModel::new(&dev, &model, &opts).unwrap();
-        let what = format!("{preset}, the CPU's share {share:?}, chained {chain}");
+        let what = format!("{preset}, the CPU's share {share:?}");
         assert_eq!(gpu.cpu_layers(), n_layer - 1, "{what}");
         let got = run(&mut gpu, n_vocab);
         assert_near(&what, &got, &want);
-        let chained = gpu.bus_rows_chained_steps().expect("rows over the bus");
-        match chain && dev.chains() {
-            // Every decode step of `run`'s.
-            true => assert_eq!(chained, 3 * TOKENS.len() as u64, "{what}"),
-            false => assert_eq!(chained, 0, "{what}"),
-        }
         let now = gpu.bus_rows_cpu_shares().expect("rows over the bus");
         for (group, now) in now {
             match share {

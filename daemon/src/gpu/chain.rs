@@ -471,29 +471,6 @@ impl Chain {
         Ok(())
     }
 
-    /// Whether part `part` has completed, without waiting.
-    ///
-    /// # Panics
-    /// If `part` is not a part of the chain, or has not been released.
-    pub fn done(&self, part: usize) -> Result<bool> {
-        assert!(
-            part < self.released,
-            "part {part} asked about before its release"
-        );
-        let device = &self.parts.device;
-        let dev = &device.raw;
-        // SAFETY (each call): the objects belong to this device and live with the parts.
-        match &self.parts.sync {
-            PartSync::Timeline(s) => unsafe { dev.get_semaphore_counter_value(*s) }
-                .map(|v| v > self.base + 2 * part as u64),
-            PartSync::Events { fence, .. } if part + 1 == self.len() => unsafe {
-                dev.get_fence_status(*fence)
-            },
-            PartSync::Events { done, .. } => unsafe { dev.get_event_status(done[part]) },
-        }
-        .map_err(|r| device.map_result(r))
-    }
-
     fn wait_done(&self, part: usize) -> Result<()> {
         let device = &self.parts.device;
         let dev = &device.raw;

@@ -20,24 +20,15 @@
 //!
 //! Each (layer, group, share) has a recording of the GPU's rows, made the first time and
 //! replayed after: at most `STEPS + 1` shares a group, and in practice the few around where it
-//! settles. Each such replay is a submission and a fence wait of its own.
-//!
-//! Where the device runs chains ([`crate::gpu::chain`]; `GpuModelOptions::chain`), a decode
-//! step's groups are instead one chain, a part per (layer, group) in the order the CPU runs
-//! them: the host writes a group's input, releases its part, computes its own rows and waits
-//! for the part. The parts are recorded once for each set of the four groups' shares and kept
-//! ([`ChainReplay`]); the shares then move once a step, after its last group, each by the
-//! votes of its groups in that step (the GPU finished first, or not), so that a step's parts
-//! and the CPU's cuts agree.
+//! settles.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::engine::row_help::{LayerProducts, RowHelper};
-use crate::gpu::chain::{Chain, Handoff};
 use crate::gpu::error::{GpuError, Result};
 use crate::gpu::matrix::GpuMatrix;
-use crate::gpu::record::{ChainReplay, Kernels};
+use crate::gpu::record::Kernels;
 use crate::gpu::replay::Replay;
 use crate::gpu::{Buffer, Device};
 use crate::model::{Ffn, Model};
@@ -47,21 +38,6 @@ const ROW_STEP: usize = 32;
 
 /// A group's share moves by 1/`STEPS` of its rows.
 const STEPS: u32 = 64;
-
-/// Kept chains at most, one for each set of shares met (they settle within a few of each
-/// other); past it they are dropped and recorded again as needed.
-const MAX_CHAINS: usize = 32;
-
-/// A step's chain in flight, and what it has seen.
-struct InFlight {
-    chain: Chain,
-    /// The shares its parts were recorded for.
-    key: [u32; 4],
-    /// The part the CPU's next group must be.
-    next: usize,
-    /// Per group: how many of its parts finished before the CPU's rows, and after.
-    votes: [[u32; 2]; 4],
-}
 
 /// One layer's matrices in system RAM.
 struct LayerRows {
@@ -98,13 +74,6 @@ pub(super) struct BusRows {
     replays: HashMap<(u32, usize, LayerProducts), Replay>,
     /// The first failure of the GPU's part; the CPU computed the rows it had.
     error: Option<GpuError>,
-    /// Steps as chains, handed over so; `None`: a submission a group.
-    handoff: Option<Handoff>,
-    /// Kept chains by the four groups' GPU shares.
-    chains: HashMap<[u32; 4], ChainReplay>,
-    in_flight: Option<InFlight>,
-    /// Steps whose every group ran in one chain.
-    chained_steps: u64,
 }
 
 impl BusRows {
@@ -115,7 +84,7 @@ impl BusRows {
         kernels: &Arc<Kernels>,
         model: &Model,
         n_layers: usize,
-        (share, handoff): (Option<f32>, Option<Handoff>),
+        share: Option<f32>,
     ) -> Result<BusRows> {
         let host = |m: &crate::model::Matrix| {
             let r = model.mat(m);
@@ -154,21 +123,12 @@ impl BusRows {
             fixed: share.is_some(),
             replays: HashMap::new(),
             error: None,
-            handoff: handoff.filter(|_| device.chains()),
-            chains: HashMap::new(),
-            in_flight: None,
-            chained_steps: 0,
         })
     }
 
     /// The CPU's share of each group's rows now (Q/K/V, output, gate and up, down).
     pub(super) fn cpu_shares(&self) -> [(LayerProducts, f32); 4] {
         LayerProducts::ALL.map(|g| (g, 1.0 - self.gpu_steps[g.index()] as f32 / STEPS as f32))
-    }
-
-    /// Steps whose every group ran in one chain.
-    pub(super) fn chained_steps(&self) -> u64 {
-        self.chained_steps
     }
 
     /// The GPU's failure since the last call, if any.
@@ -221,97 +181,6 @@ impl BusRows {
     }
 }
 
-impl BusRows {
-    /// Parts of a step's chain: a part per (layer, group).
-    fn n_parts(&self) -> usize {
-        self.layers.len() * LayerProducts::ALL.len()
-    }
-
-    /// The kept chain for the shares now, recorded now if new.
-    fn kept_chain(&mut self) -> Result<&mut ChainReplay> {
-        let key = self.gpu_steps;
-        if !self.chains.contains_key(&key) {
-            if self.chains.len() >= MAX_CHAINS {
-                self.chains.clear();
-            }
-            let groups = LayerProducts::ALL.len();
-            let handoff = self.handoff.expect("steps as chains");
-            let (x, y) = (&self.x, &self.y);
-            let this = &*self;
-            let kept = self
-                .kernels
-                .record_chain(handoff, self.n_parts(), |part, rec| {
-                    let (layer, products) = (part / groups, LayerProducts::ALL[part % groups]);
-                    let mats = this.layers[layer].products(products);
-                    for (m, y) in mats.iter().zip(y) {
-                        let n = this.gpu_rows(products, m.n_out);
-                        if n > 0 {
-                            rec.matvec_rows(m, m.n_out - n, n, x, y)?;
-                        }
-                    }
-                    Ok(())
-                })?;
-            self.chains.insert(key, kept);
-        }
-        Ok(self.chains.get_mut(&key).expect("inserted above"))
-    }
-
-    /// The GPU's rows of part `part` (`x` written): the chain started at part 0, else the part
-    /// released (the caller checked it is the next); `cpu` runs meanwhile. Whether the GPU had
-    /// finished first.
-    fn run_part(&mut self, part: usize, cpu: &mut dyn FnMut()) -> Result<bool> {
-        if part == 0 {
-            // A step left unfinished (an error on the CPU's side) ends here.
-            self.in_flight = None;
-            let key = self.gpu_steps;
-            let chain = self.kept_chain()?.start(None)?;
-            self.in_flight = Some(InFlight {
-                chain,
-                key,
-                next: 0,
-                votes: [[0; 2]; 4],
-            });
-        }
-        let f = self.in_flight.as_mut().expect("the caller checked");
-        debug_assert!(
-            f.next == part && f.key == self.gpu_steps,
-            "part {part} in order"
-        );
-        if part > 0 {
-            f.chain.release(part)?;
-        }
-        cpu();
-        let gpu_first = f.chain.done(part)?;
-        f.chain.wait(part)?;
-        f.votes[part % LayerProducts::ALL.len()][usize::from(!gpu_first)] += 1;
-        f.next = part + 1;
-        if f.next == self.n_parts() {
-            let mut done = self.in_flight.take().expect("in flight");
-            done.chain.finish()?;
-            drop(done.chain);
-            self.balance_step(&done.votes);
-            self.chained_steps += 1;
-        }
-        Ok(gpu_first)
-    }
-
-    /// After a step as a chain: each group's share moves by its parts' votes, a step toward
-    /// the GPU where it finished first in most of them, away otherwise, and further the more
-    /// one-sided the votes.
-    fn balance_step(&mut self, votes: &[[u32; 2]; 4]) {
-        if self.fixed {
-            return;
-        }
-        for (s, &[first, last]) in self.gpu_steps.iter_mut().zip(votes) {
-            let by = (first.abs_diff(last) / 4).max(1);
-            *s = match first > last {
-                true => (*s + by).min(STEPS),
-                false => s.saturating_sub(by),
-            };
-        }
-    }
-}
-
 impl RowHelper for BusRows {
     fn cpu_rows(&self, products: LayerProducts, n_out: usize) -> usize {
         n_out - self.gpu_rows(products, n_out)
@@ -325,38 +194,15 @@ impl RowHelper for BusRows {
         cpu: &mut dyn FnMut(),
         tails: &mut [&mut [f32]],
     ) -> bool {
-        if self.error.is_some() {
-            cpu();
-            return false;
-        }
-        let part = layer * LayerProducts::ALL.len() + products.index();
-        let chained = self.handoff.is_some()
-            && (part == 0 || self.in_flight.as_ref().is_some_and(|f| f.next == part));
-        if chained {
-            self.x.write_f32(x);
-            let mut ran = false;
-            let mut cpu_once = || {
-                ran = true;
-                cpu();
-            };
-            if let Err(e) = self.run_part(part, &mut cpu_once) {
-                self.in_flight = None;
-                if !ran {
-                    cpu();
-                }
-                self.error = Some(e);
-                return false;
-            }
-            for (t, y) in tails.iter_mut().zip(&self.y) {
-                t.copy_from_slice(&y.read_f32(t.len()));
-            }
-            return true;
-        }
         if tails.iter().all(|t| t.is_empty()) {
             cpu();
             // A GPU with no rows has finished first.
             self.balance(products, true);
             return true;
+        }
+        if self.error.is_some() {
+            cpu();
+            return false;
         }
         self.x.write_f32(x);
         let done = match self.replay(layer, products) {

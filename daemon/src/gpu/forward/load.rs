@@ -238,9 +238,7 @@ impl GpuModel {
         if options.bus_rows {
             let device = allocator.device();
             let share = options.split_cpu_share;
-            let chain = options.chain.then_some(options.handoff);
-            let how = (share, chain);
-            gpu.bus_rows = Some(BusRows::new(device, &gpu.kernels, model, n_cpu, how)?);
+            gpu.bus_rows = Some(BusRows::new(device, &gpu.kernels, model, n_cpu, share)?);
         }
         Ok(gpu)
     }

@@ -425,12 +425,6 @@ impl GpuModel {
         self.bus_rows.as_ref().map(bus_rows::BusRows::cpu_shares)
     }
 
-    /// With the CPU's layers sharing their products' rows with the GPU, the decode steps whose
-    /// GPU rows ran as one chain (`gpu/forward/bus_rows.rs`); `None` otherwise.
-    pub fn bus_rows_chained_steps(&self) -> Option<u64> {
-        self.bus_rows.as_ref().map(bus_rows::BusRows::chained_steps)
-    }
-
     /// Where the host's time went in the last step, when it was a chain (some experts on the
     /// CPU); `None` otherwise.
     pub fn last_host_time(&self) -> Option<HostTime> {
