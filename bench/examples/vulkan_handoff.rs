@@ -75,6 +75,26 @@ fn main() {
         "| one submission | {parts} | {work} | {one:.0} | | {:.1} | |",
         one / parts as f64
     );
+    // A submission a part, each waited for by its fence: how a step's host turns went before
+    // chains, and how a dense model's rows shared over the bus still go.
+    let part = kernels.record_replay(|rec| record_part(rec, &sum)).unwrap();
+    let mut times = Vec::new();
+    for _ in 0..reps + 1 {
+        let t = Instant::now();
+        for _ in 0..parts {
+            sum.write_f32(&host_sum);
+            part.run().unwrap();
+        }
+        times.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    times.remove(0);
+    let separate = median(times);
+    println!(
+        "| a submission a part | {parts} | {work} | {separate:.0} | | {:.1} | {:.1} |",
+        separate / parts as f64,
+        (separate - one) / (parts - 1) as f64
+    );
+    drop(part);
     for handoff in [Handoff::Semaphores, Handoff::Events] {
         let (mut runs, mut recs) = (Vec::new(), Vec::new());
         for _ in 0..reps + 1 {
