@@ -8,7 +8,9 @@
 //! (`engine::experts`): six experts of the Qwen3-30B-A3B shape (gate and up 768 × 2048, down
 //! 2048 × 768), gate and up of all six in one pool job, then the six downs in another, over N
 //! layers of distinct weights, so that with enough layers the weights come from DRAM rather
-//! than the caches (GB/s of weights read).
+//! than the caches (GB/s of weights read). `--dense-layers N` times the same for N dense FFN
+//! layers of the Llama-3-8B shape (gate and up 14336 × 4096, down 4096 × 14336, one "expert"
+//! each): the same pool jobs over large matrices, for comparison from DRAM.
 //!
 //!     cargo run --release -p spillway-bench --bin spillway-kernels -- --threads 1
 
@@ -36,6 +38,9 @@ struct Args {
     /// Layers of six experts for the MoE-layer measurement (0: skip it).
     #[arg(long, default_value_t = 0)]
     expert_layers: usize,
+    /// Dense FFN layers of the Llama-3-8B shape for the same measurement (0: skip it).
+    #[arg(long, default_value_t = 0)]
+    dense_layers: usize,
 }
 
 /// Deterministic noise in [-1, 1).
@@ -143,16 +148,26 @@ fn main() -> anyhow::Result<()> {
     }
     if args.expert_layers > 0 {
         for &ty in &types {
-            expert_layers(&pool, ty, args.expert_layers, args.reps);
+            ffn_layers(&pool, ty, (args.expert_layers, args.reps), (6, 2048, 768));
+        }
+    }
+    if args.dense_layers > 0 {
+        for &ty in &types {
+            ffn_layers(&pool, ty, (args.dense_layers, args.reps), (1, 4096, 14336));
         }
     }
     Ok(())
 }
 
-/// One token's six CPU experts per layer, over `n_layers` layers of distinct weights.
-fn expert_layers(pool: &ThreadPool, ty: GgmlType, n_layers: usize, reps: usize) {
-    const EXPERTS: usize = 6;
-    let (e, ff) = (2048, 768);
+/// One token's FFN of `experts` experts of width `e` and hidden size `ff` per layer (gate and
+/// up of all in one pool job, then the downs in another), over `n_layers` layers of distinct
+/// weights.
+fn ffn_layers(
+    pool: &ThreadPool,
+    ty: GgmlType,
+    (n_layers, reps): (usize, usize),
+    (experts, e, ff): (usize, usize, usize),
+) {
     // One matrix's bytes, shared by every copy (the copies are distinct memory all the same).
     let up_proto = weights(ty, e, ff);
     let down_proto = weights(ty, ff, e);
@@ -160,20 +175,20 @@ fn expert_layers(pool: &ThreadPool, ty: GgmlType, n_layers: usize, reps: usize) 
     type Expert = (Vec<u8>, Vec<u8>, Vec<u8>);
     let layers: Vec<Vec<Expert>> = (0..n_layers)
         .map(|_| {
-            (0..EXPERTS)
+            (0..experts)
                 .map(|_| (up_proto.clone(), up_proto.clone(), down_proto.clone()))
                 .collect()
         })
         .collect();
-    let bytes: usize = EXPERTS * (2 * up_proto.len() + down_proto.len()) * n_layers;
+    let bytes: usize = experts * (2 * up_proto.len() + down_proto.len()) * n_layers;
     let x = noise(e, 11);
     let acts = activations(ty, &x, e);
-    let mut g = vec![vec![0.0f32; ff]; EXPERTS];
-    let mut u = vec![vec![0.0f32; ff]; EXPERTS];
-    let mut y = vec![vec![0.0f32; e]; EXPERTS];
+    let mut g = vec![vec![0.0f32; ff]; experts];
+    let mut u = vec![vec![0.0f32; ff]; experts];
+    let mut y = vec![vec![0.0f32; e]; experts];
     let t = best(reps, || {
         for layer in &layers {
-            let mut products: Vec<Product<'_>> = Vec::with_capacity(2 * EXPERTS);
+            let mut products: Vec<Product<'_>> = Vec::with_capacity(2 * experts);
             for ((w, g), u) in layer.iter().zip(g.iter_mut()).zip(u.iter_mut()) {
                 products.push(Product {
                     m: mat(ty, e, ff, &w.0),
@@ -206,7 +221,7 @@ fn expert_layers(pool: &ThreadPool, ty: GgmlType, n_layers: usize, reps: usize) 
         }
     });
     println!(
-        "{ty}: {n_layers} layers of {EXPERTS} experts ({:.0} MiB): {:.2} ms a layer, {:.1} GB/s",
+        "{ty}: {n_layers} layers of {experts} × ({e} → {ff} → {e}) ({:.0} MiB): {:.2} ms a layer, {:.1} GB/s",
         bytes as f64 / (1 << 20) as f64,
         t * 1e3 / n_layers as f64,
         bytes as f64 / t / 1e9
