@@ -259,16 +259,26 @@ fn batched_steps_over_the_vram_budget_run_misses_on_the_cpu() {
         .expect("a budget at which three sequences' steps batch");
     assert!(found.1, "steps batch only with every expert in VRAM");
     // The experts read through the memory map, then through the smallest RAM tier, which pins
-    // a token's experts at a time; each step a chain of command buffers (the default), and
-    // through the mmap also a submission per MoE layer.
+    // a token's experts at a time; each step a chain of command buffers (the default: its parts
+    // recorded once for each count of tokens and kept), and through the mmap also a chain
+    // recorded for every step and a submission per MoE layer.
     let min_ram = spillway_daemon::stream::minimum_ram_budget(&model);
-    for (ram_budget, chain) in [(None, true), (Some(min_ram), true), (None, false)] {
+    let ways = [
+        (None, true, true),
+        (Some(min_ram), true, true),
+        (None, true, false),
+        (None, false, true),
+    ];
+    for (ram_budget, chain, replay) in ways {
         let o = GpuModelOptions {
             ram_budget,
             chain,
+            replay,
             ..found.0.clone()
         };
-        let what = format!("tiny-qwen3moe, misses on the CPU, RAM {ram_budget:?}, chain {chain}");
+        let what = format!(
+            "tiny-qwen3moe, misses on the CPU, RAM {ram_budget:?}, chain {chain}, kept {replay}"
+        );
         let mut gpu = GpuModel::new(&dev, &model, &o).unwrap();
         let before = gpu.expert_stats().unwrap().total();
         check_against_alone(&dev, &model, &mut gpu, &what);

@@ -211,14 +211,14 @@ impl GpuModel {
 
 /// A chained step in flight: recorded for this step, or submitted from the kept recording with
 /// the recording of its copies (dropped after the chain, which waits for its last part).
-enum StepChain {
+pub(super) enum StepChain {
     Once(ChainRun),
     /// The copies' recording is held, not read, until the chain is done.
     Kept(Chain, #[allow(dead_code)] Option<Replay>),
 }
 
 impl StepChain {
-    fn chain(&mut self) -> &mut Chain {
+    pub(super) fn chain(&mut self) -> &mut Chain {
         match self {
             StepChain::Once(run) => &mut run.chain,
             StepChain::Kept(chain, _) => chain,

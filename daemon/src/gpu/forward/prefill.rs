@@ -155,6 +155,8 @@ pub(super) struct Batch {
     /// they go with it.
     pub(super) replays:
         std::collections::HashMap<usize, Option<(crate::gpu::replay::Replay, Vec<usize>)>>,
+    /// Batched steps as chains ([`step_chain`]) recorded once and kept, by token count.
+    pub(super) chains: std::collections::HashMap<usize, crate::gpu::record::ChainReplay>,
     /// Present for MoE models.
     pub(super) moe: Option<BatchMoe>,
 }
@@ -272,6 +274,7 @@ impl Batch {
             },
             logits: None,
             replays: std::collections::HashMap::new(),
+            chains: std::collections::HashMap::new(),
             x_ready: false,
             moe: match &c.moe {
                 Some(cfg) => {

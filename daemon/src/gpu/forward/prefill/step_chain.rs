@@ -28,8 +28,10 @@ use std::time::Instant;
 
 use super::Batch;
 use crate::gpu::error::{GpuError, Result};
+use crate::gpu::forward::chained::StepChain;
 use crate::gpu::forward::{GpuFfn, GpuModel, HostTime};
 use crate::gpu::moe::ChunkRouting;
+use crate::gpu::record::Recorder;
 
 impl GpuModel {
     /// Whether a batched step of `n` tokens runs as a chain (see the module's notes): single
@@ -78,7 +80,7 @@ impl GpuModel {
 
     fn run_step_chain(&mut self, b: &mut Batch, tokens: &[u32], seqs: &[usize]) -> Result<()> {
         let cfg = self.config.moe.expect("a chained step is a MoE model's");
-        let (n, k, n_embd) = (tokens.len(), cfg.n_expert_used, self.config.n_embd);
+        let (n, n_embd) = (tokens.len(), self.config.n_embd);
         let moe_layers = self.moe_layer_indices();
         let mut words: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
         self.position_words(b, &mut words, n, Some(seqs));
@@ -86,47 +88,52 @@ impl GpuModel {
         b.x_ready = false;
         self.write_slot_map();
 
-        let batch = &*b;
-        let m = batch.moe.as_ref().expect("a MoE model's batch");
-        let cpu = m.cpu.as_ref().expect("checked by chains_steps");
         let (mut paused, mut on_device) = (None, Vec::new());
-        let (mut run, stats) =
-            self.kernels
-                .start_chain(self.handoff, 1 + 2 * moe_layers.len(), |part, rec| {
-                    let out = (&mut paused, &mut on_device);
-                    if part == 0 {
-                        return self.record_chunk(rec, batch, (n, true), None, out);
-                    }
-                    let il = moe_layers[(part - 1) / 2];
-                    let GpuFfn::Moe(moe) = &self.layers[il].ffn else {
-                        unreachable!("layer {il} is a MoE layer");
-                    };
-                    if part % 2 == 1 {
-                        if !moe.groups_fit(rec) {
-                            return Err(GpuError::Unsupported(format!(
-                                "layer {il}'s experts by entry: a stack past one binding"
-                            )));
-                        }
-                        let scratch = (&m.eg, &m.eu, &m.xg, &m.ed);
-                        let route = (&cpu.route, 2 * k, false);
-                        return moe.record_tokens(
-                            rec,
-                            route,
-                            (n, k),
-                            &m.xn.buffer,
-                            scratch,
-                            &batch.x,
-                        );
-                    }
-                    rec.scale_add(&batch.x, &cpu.sum, 1.0, (n_embd * n) as u32)?;
-                    self.record_chunk_layers(rec, batch, (n, true), il + 1, out)
+        let n_parts = 1 + 2 * moe_layers.len();
+        let kept = self.chain_replays;
+        if kept && !b.chains.contains_key(&n) {
+            // The attention's grid for every position a sequence holds; the step words give
+            // each run's.
+            let end = std::mem::replace(&mut b.end, self.capacity);
+            let batch = &*b;
+            let recorded = self
+                .kernels
+                .record_chain(self.handoff, n_parts, |part, rec| {
+                    self.record_step_part(
+                        rec,
+                        batch,
+                        (n, part),
+                        &moe_layers,
+                        (&mut paused, &mut on_device),
+                    )
+                });
+            b.end = end;
+            b.chains.insert(n, recorded?);
+        }
+        let (mut run, stats) = if kept {
+            let kept = b.chains.get_mut(&n).expect("recorded above");
+            (StepChain::Kept(kept.start(None)?, None), kept.stats())
+        } else {
+            let batch = &*b;
+            let (run, stats) = self
+                .kernels
+                .start_chain(self.handoff, n_parts, |part, rec| {
+                    self.record_step_part(
+                        rec,
+                        batch,
+                        (n, part),
+                        &moe_layers,
+                        (&mut paused, &mut on_device),
+                    )
                 })?;
+            (StepChain::Once(run), stats)
+        };
         debug_assert!(on_device.is_empty(), "misses on the CPU route on the host");
 
         let mut time = HostTime::default();
         let start = Instant::now();
         for (j, &il) in moe_layers.iter().enumerate() {
-            time.waiting(|| run.chain.wait(2 * j))?;
+            time.waiting(|| run.chain().wait(2 * j))?;
             let m = b.moe.as_ref().expect("a MoE model's batch");
             let routing = ChunkRouting::new(&cfg, &m.logits.read_f32(n * cfg.n_expert), None);
             let (resident, missing) = self.place_chunk_experts(il, &routing, true);
@@ -136,7 +143,7 @@ impl GpuModel {
                     "a step of {n} tokens: the scratch does not hold their entries"
                 )));
             }
-            run.chain.release(2 * j + 1)?;
+            run.chain().release(2 * j + 1)?;
 
             // The CPU's experts while the device runs the resident ones.
             let t = Instant::now();
@@ -149,9 +156,9 @@ impl GpuModel {
                 false => self.cpu_chunk_experts(b, (il, n), &routing, &missing)?,
             }
             time.cpu_experts_ns += t.elapsed().as_nanos() as u64;
-            time.waiting(|| run.chain.release(2 * j + 2))?;
+            time.waiting(|| run.chain().release(2 * j + 2))?;
         }
-        time.waiting(|| run.chain.finish())?;
+        time.waiting(|| run.chain().finish())?;
         time.step_ns = start.elapsed().as_nanos() as u64;
         drop(run);
         b.x_ready = false;
@@ -159,5 +166,44 @@ impl GpuModel {
         self.last_routing = Vec::new();
         self.last_host_time = Some(time);
         Ok(())
+    }
+
+    /// Records part `part` of a batched step's chain of `n` tokens over the MoE layers
+    /// `moe_layers` (see the module's notes).
+    fn record_step_part(
+        &self,
+        rec: &mut Recorder<'_>,
+        batch: &Batch,
+        (n, part): (usize, usize),
+        moe_layers: &[usize],
+        out: (&mut Option<usize>, &mut Vec<usize>),
+    ) -> Result<()> {
+        let k = self
+            .config
+            .moe
+            .expect("a chained step is a MoE model's")
+            .n_expert_used;
+        let n_embd = self.config.n_embd;
+        let m = batch.moe.as_ref().expect("a MoE model's batch");
+        let cpu = m.cpu.as_ref().expect("checked by chains_steps");
+        if part == 0 {
+            return self.record_chunk(rec, batch, (n, true), None, out);
+        }
+        let il = moe_layers[(part - 1) / 2];
+        let GpuFfn::Moe(moe) = &self.layers[il].ffn else {
+            unreachable!("layer {il} is a MoE layer");
+        };
+        if part % 2 == 1 {
+            if !moe.groups_fit(rec) {
+                return Err(GpuError::Unsupported(format!(
+                    "layer {il}'s experts by entry: a stack past one binding"
+                )));
+            }
+            let scratch = (&m.eg, &m.eu, &m.xg, &m.ed);
+            let route = (&cpu.route, 2 * k, false);
+            return moe.record_tokens(rec, route, (n, k), &m.xn.buffer, scratch, &batch.x);
+        }
+        rec.scale_add(&batch.x, &cpu.sum, 1.0, (n_embd * n) as u32)?;
+        self.record_chunk_layers(rec, batch, (n, true), il + 1, out)
     }
 }
