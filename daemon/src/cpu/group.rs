@@ -40,9 +40,10 @@ pub struct Product<'a> {
 pub fn matmul_group(pool: &ThreadPool, products: &mut [Product<'_>]) {
     let isa = Isa::detect();
     let labels: Vec<Option<u32>> = products.iter().map(|p| p.label).collect();
+    let task_bytes = task_bytes(products, pool.n_threads());
     let plans: Vec<Plan<'_>> = products
         .iter_mut()
-        .map(|p| Plan::new(p, isa, pool.n_threads()))
+        .map(|p| Plan::new(p, isa, pool.n_threads(), task_bytes))
         .collect();
     // Task `t` belongs to the product whose range of task indices holds it.
     let mut first_task = Vec::with_capacity(plans.len() + 1);
@@ -67,6 +68,31 @@ pub fn matmul_group(pool: &ThreadPool, products: &mut [Product<'_>]) {
     });
 }
 
+/// Tasks per thread a group's weights are cut into, where its products are one token's.
+const TASKS_PER_THREAD: usize = 4;
+
+/// Bounds on the weights a one-token task reads.
+const MIN_TASK_BYTES: usize = 32 << 10;
+const MAX_TASK_BYTES: usize = 128 << 10;
+
+/// Bytes of weights each task of a group reads where a product's rows are dotted one by one
+/// with each token (fewer than [`MIN_PANEL_TOKENS`] of them): the group's weights over
+/// [`TASKS_PER_THREAD`] tasks a thread, within [`MIN_TASK_BYTES`]..[`MAX_TASK_BYTES`].
+///
+/// Such a product is bound by its reads of the weights, and a task is a new stream of them:
+/// cut by rows alone, a Qwen3-30B-A3B expert's products (768 rows of 1152 bytes in Q4_0, or
+/// 2048 of 432) left 14 KB tasks on 16 threads. On the development machine's 2 threads, tasks
+/// that small read six such experts a layer from DRAM at 12.8 GB/s, against 17.8 at the
+/// 110 KB that 2 threads give them (`spillway-kernels --expert-layers 48`).
+fn task_bytes(products: &[Product<'_>], n_threads: usize) -> usize {
+    let weights: usize = products
+        .iter()
+        .filter(|p| !p.acts.is_empty())
+        .map(|p| p.m.n_out * p.m.row_bytes())
+        .sum();
+    (weights / (TASKS_PER_THREAD * n_threads.max(1))).clamp(MIN_TASK_BYTES, MAX_TASK_BYTES)
+}
+
 /// A product ready to be cut into tasks.
 struct Plan<'a> {
     m: MatRef<'a>,
@@ -86,7 +112,9 @@ struct OutPtr(*mut f32);
 unsafe impl Sync for OutPtr {}
 
 impl<'a> Plan<'a> {
-    fn new(p: &'a mut Product<'_>, isa: Isa, n_threads: usize) -> Plan<'a> {
+    /// `task_bytes`: the weights a task reads where the rows are dotted one by one
+    /// ([`task_bytes`]); batched products keep the usual cut by rows.
+    fn new(p: &'a mut Product<'_>, isa: Isa, n_threads: usize, task_bytes: usize) -> Plan<'a> {
         let n_tok = p.acts.len();
         assert_eq!(
             p.out.len(),
@@ -108,11 +136,19 @@ impl<'a> Plan<'a> {
             && n_tok >= MIN_PANEL_TOKENS)
             // SAFETY: `Isa::detect` found AVX2, FMA and F16C.
             .then(|| unsafe { gemm_avx2::Batch::new(p.m.ty, p.acts) });
+        #[cfg(target_arch = "x86_64")]
+        let batched = batch.is_some() || batch512.is_some();
+        #[cfg(not(target_arch = "x86_64"))]
+        let batched = false;
+        let rows_per = match batched {
+            true => rows_per_task(p.m.n_out, n_threads),
+            false => task_bytes.div_ceil(p.m.row_bytes().max(1)).max(1),
+        };
         Plan {
             m: p.m,
             acts: p.acts,
             out: OutPtr(p.out.as_mut_ptr()),
-            rows_per: rows_per_task(p.m.n_out, n_threads),
+            rows_per,
             dot: dot_kernel(p.m.ty, isa),
             #[cfg(target_arch = "x86_64")]
             batch,
@@ -183,16 +219,19 @@ mod tests {
     #[test]
     fn a_group_equals_its_products_one_by_one() {
         // Shapes of different heights and token counts on both sides of the batched-kernel
-        // threshold, and an empty product, in one group.
+        // threshold, and an empty product, in one group; at 4096 inputs the one-token products
+        // are cut into several tasks of whole rows.
         let pool = ThreadPool::new(3);
-        let n_in = 256;
-        for (ty, d_at) in [
-            (GgmlType::Q4_0, &[][..]),
-            (GgmlType::Q8_0, &[][..]),
-            (GgmlType::F16, &[][..]),
-            (GgmlType::Q4K, &[0, 2][..]),
-            (GgmlType::Q6K, &[208][..]),
-        ] {
+        for (n_in, (ty, d_at)) in [256, 4096].into_iter().flat_map(|n| {
+            [
+                (GgmlType::Q4_0, &[][..]),
+                (GgmlType::Q8_0, &[][..]),
+                (GgmlType::F16, &[][..]),
+                (GgmlType::Q4K, &[0, 2][..]),
+                (GgmlType::Q6K, &[208][..]),
+            ]
+            .map(|t| (n, t))
+        }) {
             let shapes = [(37usize, 1usize), (64, 3), (19, 6), (8, 0), (130, 4)];
             let weights: Vec<Vec<u8>> = shapes
                 .iter()
@@ -230,6 +269,10 @@ mod tests {
                     label: None,
                 })
                 .collect();
+            if n_in == 4096 {
+                let rows = task_bytes(&products, pool.n_threads()).div_ceil(mats[0].row_bytes());
+                assert!(rows < 37, "{ty}: one task of {rows} rows");
+            }
             matmul_group(&pool, &mut products);
             drop(products);
             for (s, ((m, acts), out)) in mats.iter().zip(&acts).zip(&outs).enumerate() {
@@ -237,7 +280,7 @@ mod tests {
                 if !acts.is_empty() {
                     matmul_act(&pool, *m, acts, &mut want);
                 }
-                assert_eq!(out, &want, "{ty} product {s}");
+                assert_eq!(out, &want, "{ty} product {s}, {n_in} inputs");
             }
         }
     }
