@@ -73,7 +73,7 @@ const TASKS_PER_THREAD: usize = 4;
 
 /// Bounds on the weights a one-token task reads.
 const MIN_TASK_BYTES: usize = 32 << 10;
-const MAX_TASK_BYTES: usize = 128 << 10;
+const MAX_TASK_BYTES: usize = 256 << 10;
 
 /// Bytes of weights each task of a group reads where a product's rows are dotted one by one
 /// with each token (fewer than [`MIN_PANEL_TOKENS`] of them): the group's weights over
