@@ -10,7 +10,7 @@
 //! parts is then a wait on a counter, a few writes to mapped memory and a signal.
 //!
 //! Semaphore values: part `i` waits for `base + 2i` (part 0 waits for nothing) and signals
-//! `base + 2i + 1`, `base` 0 for a chain recorded for one run. Timeline values only grow, so the
+//! `base + 2i + 1`, `base` 0 for a recording's first run. Timeline values only grow, so the
 //! host releases part `i` only after part `i - 1` has signalled; [`Chain::release`] waits for
 //! that itself. If the host stops early (an error, a
 //! panic) dropping the chain releases the remaining parts in order, so nothing is left waiting
@@ -278,13 +278,12 @@ impl Drop for Parts {
 }
 
 impl Parts {
-    /// Records `n_parts` command buffers (`record(i, cmd)` for part `i`), once-only unless
-    /// `reusable`. A failure frees what was made.
+    /// Records `n_parts` command buffers (`record(i, cmd)` for part `i`), to be submitted
+    /// as often as wanted. A failure frees what was made.
     fn record<T>(
         device: &Arc<Device>,
         handoff: Handoff,
         n_parts: usize,
-        reusable: bool,
         mut record: impl FnMut(usize, vk::CommandBuffer) -> Result<T>,
     ) -> Result<(Parts, Vec<T>)> {
         if handoff == Handoff::Semaphores && !device.timeline_semaphores {
@@ -317,13 +316,9 @@ impl Parts {
             let _pool = device.pool.lock();
             let mut values = Vec::with_capacity(n_parts);
             let mut failed = None;
-            // A kept recording is submitted again after each completion.
-            let flags = match reusable {
-                true => vk::CommandBufferUsageFlags::empty(),
-                false => vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT,
-            };
+            // No ONE_TIME_SUBMIT: the parts may be submitted again after each completion.
             for (i, &cmd) in parts.cmds.iter().enumerate() {
-                let begin = vk::CommandBufferBeginInfo::default().flags(flags);
+                let begin = vk::CommandBufferBeginInfo::default();
                 // SAFETY: `cmd` is a freshly allocated primary command buffer of this device.
                 if let Err(e) = unsafe { dev.begin_command_buffer(cmd, &begin) } {
                     failed = Some(map_vk(e));
@@ -367,19 +362,6 @@ pub struct Chain {
 }
 
 impl Chain {
-    /// Records `n_parts` command buffers (`record(i, cmd)` for part `i`) and submits them as a
-    /// chain handed over by `handoff`. A failure to record submits nothing.
-    pub fn start<T>(
-        device: &Arc<Device>,
-        handoff: Handoff,
-        n_parts: usize,
-        record: impl FnMut(usize, vk::CommandBuffer) -> Result<T>,
-    ) -> Result<(Chain, Vec<T>)> {
-        let (parts, values) = Parts::record(device, handoff, n_parts, false, record)?;
-        let chain = Chain::submit(Arc::new(parts), 0, None)?;
-        Ok((chain, values))
-    }
-
     /// Submits `parts` with timeline values from `base`, `first` (a recording of copies the
     /// step reads) ahead of part 0 in its submission.
     fn submit(parts: Arc<Parts>, base: u64, first: Option<vk::CommandBuffer>) -> Result<Chain> {
@@ -562,7 +544,7 @@ impl ChainRecording {
         n_parts: usize,
         record: impl FnMut(usize, vk::CommandBuffer) -> Result<T>,
     ) -> Result<(ChainRecording, Vec<T>)> {
-        let (parts, values) = Parts::record(device, handoff, n_parts, true, record)?;
+        let (parts, values) = Parts::record(device, handoff, n_parts, record)?;
         let recording = ChainRecording {
             parts: Arc::new(parts),
             runs: 0,

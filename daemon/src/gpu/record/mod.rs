@@ -323,23 +323,15 @@ impl Kernels {
         &self,
         handoff: Handoff,
         n_parts: usize,
-        mut f: impl FnMut(usize, &mut Recorder<'_>) -> Result<()>,
+        f: impl FnMut(usize, &mut Recorder<'_>) -> Result<()>,
     ) -> Result<(ChainRun, RecordStats)> {
-        let max_range = self.device.max_storage_buffer_range();
-        let mut arena = DescriptorArena::new(&self.device);
-        let (chain, parts) = Chain::start(&self.device, handoff, n_parts, |i, cmd| {
-            self.record_into(cmd, &mut arena, max_range, None, |rec| {
-                if i > 0 {
-                    rec.after_host_writes();
-                }
-                f(i, rec)
-            })
-        })?;
-        let stats = sum_stats(&parts);
+        let mut recording = self.record_chain(handoff, n_parts, f)?;
+        let chain = recording.start(None)?;
+        let stats = recording.stats();
         Ok((
             ChainRun {
                 chain,
-                _arena: arena,
+                _recording: recording,
             },
             stats,
         ))
@@ -545,11 +537,11 @@ impl ChainReplay {
     }
 }
 
-/// A chain in flight with the descriptor sets its parts use, which outlive it (fields drop in
+/// A chain in flight with the recording of its parts, which outlives it (fields drop in
 /// order: the chain runs out first).
 pub struct ChainRun {
     pub chain: Chain,
-    _arena: DescriptorArena,
+    _recording: ChainReplay,
 }
 
 /// What a recording did.
