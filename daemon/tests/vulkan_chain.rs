@@ -4,17 +4,15 @@
 //! on whatever Vulkan device the machine has (lavapipe in CI) and skips without one, unless
 //! `SPILLWAY_REQUIRE_VULKAN` is set.
 
-use std::sync::Arc;
+#[path = "common/chain_device.rs"]
+mod chain_device;
+use chain_device::chain_device;
 
 use spillway_daemon::gpu::chain::Handoff;
-use spillway_daemon::gpu::{Buffer, Device, GpuError, Kernels, Recorder};
+use spillway_daemon::gpu::{Buffer, GpuError, Kernels, Recorder};
 
 const N: usize = 64;
 const PARTS: usize = 6;
-
-fn device() -> Option<Arc<Device>> {
-    spillway_daemon::gpu::device_or_skip()
-}
 
 /// What the host writes before part `part` of run `run`: small integers, so every sum is exact.
 fn input(run: usize, part: usize) -> Vec<f32> {
@@ -41,14 +39,7 @@ fn want(run: usize) -> Vec<f32> {
 
 #[test]
 fn a_kept_chain_reads_what_the_host_wrote_before_each_part_in_every_run() {
-    let Some(dev) = device() else { return };
-    if !dev.chains() {
-        assert!(
-            std::env::var_os("SPILLWAY_REQUIRE_VULKAN").is_none(),
-            "the Vulkan device has no timeline semaphores"
-        );
-        return;
-    }
+    let Some(dev) = chain_device() else { return };
     let kernels = Kernels::new(&dev);
     let mut x = Buffer::new_host_visible(&dev, (N * 4) as u64).unwrap();
     let mut inp = Buffer::new_host_visible(&dev, (N * 4) as u64).unwrap();
@@ -101,10 +92,7 @@ fn a_kept_chain_reads_what_the_host_wrote_before_each_part_in_every_run() {
 
 #[test]
 fn a_chain_recorded_for_one_run_reads_what_the_host_wrote() {
-    let Some(dev) = device() else { return };
-    if !dev.chains() {
-        return;
-    }
+    let Some(dev) = chain_device() else { return };
     let kernels = Kernels::new(&dev);
     let mut x = Buffer::new_host_visible(&dev, (N * 4) as u64).unwrap();
     let mut inp = Buffer::new_host_visible(&dev, (N * 4) as u64).unwrap();
