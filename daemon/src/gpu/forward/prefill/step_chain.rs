@@ -89,6 +89,7 @@ impl GpuModel {
         self.write_slot_map();
 
         let (mut paused, mut on_device) = (None, Vec::new());
+        let submitting = Instant::now();
         let n_parts = 1 + 2 * moe_layers.len();
         let kept = self.chain_replays;
         if kept && !b.chains.contains_key(&n) {
@@ -130,7 +131,10 @@ impl GpuModel {
         };
         debug_assert!(on_device.is_empty(), "misses on the CPU route on the host");
 
-        let mut time = HostTime::default();
+        let mut time = HostTime {
+            submit_ns: submitting.elapsed().as_nanos() as u64,
+            ..HostTime::default()
+        };
         let start = Instant::now();
         for (j, &il) in moe_layers.iter().enumerate() {
             time.waiting(|| run.chain().wait(2 * j))?;
