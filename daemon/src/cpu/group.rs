@@ -90,6 +90,11 @@ fn task_bytes(products: &[Product<'_>], n_threads: usize) -> usize {
         .filter(|p| !p.acts.is_empty())
         .map(|p| p.m.n_out * p.m.row_bytes())
         .sum();
+    task_bytes_of(weights, n_threads)
+}
+
+/// [`task_bytes`] for `weights` bytes of one-token products in all.
+pub(super) fn task_bytes_of(weights: usize, n_threads: usize) -> usize {
     (weights / (TASKS_PER_THREAD * n_threads.max(1))).clamp(MIN_TASK_BYTES, MAX_TASK_BYTES)
 }
 
@@ -107,7 +112,7 @@ struct Plan<'a> {
 }
 
 /// A product's output, written by several tasks at disjoint rows.
-struct OutPtr(*mut f32);
+pub(super) struct OutPtr(pub(super) *mut f32);
 // SAFETY: tasks write disjoint elements, and every `out` outlives the pool's `run`.
 unsafe impl Sync for OutPtr {}
 
