@@ -75,8 +75,8 @@ pub struct RunArgs {
     /// too and has the GPU read the missing ones from there over the bus (a step is then one
     /// submission, with no host turn between layers); `split` keeps them in system RAM too and
     /// shares each layer's misses between the CPU and the bus in the proportion measured to give
-    /// the fastest steps; `auto`: `pcie` on a GPU across a bus with RAM for the experts,
-    /// else `cpu`.
+    /// the fastest steps; `auto`: on a GPU across a bus with RAM for the experts, `pcie`, or
+    /// `split` where the VRAM budget holds under a sixteenth of the experts; else `cpu`.
     #[arg(long, default_value = "auto")]
     pub moe_miss: MoeMiss,
     /// A dense model over --vram-budget runs its first layers on the CPU; with this, each

@@ -97,8 +97,9 @@ pub struct ServeArgs {
     /// on the CPU while the GPU runs the others, `fetch` copies it into a VRAM slot first,
     /// `pcie` keeps every routed expert in system RAM too and has the GPU read the missing ones
     /// over the bus, `split` shares each layer's misses between the CPU and the bus (one
-    /// request at a time); `auto`: `pcie` on a GPU across a bus with RAM for the experts, else
-    /// `cpu`.
+    /// request at a time); `auto`: on a GPU across a bus with RAM for the experts, `pcie`, or
+    /// `cpu` where the VRAM budget holds under a sixteenth of the experts (`split` with
+    /// `--max-batch 1`); else `cpu`.
     #[arg(long, default_value = "auto")]
     pub moe_miss: MoeMiss,
     /// A dense model over --vram-budget runs its first layers on the CPU; with this, each

@@ -51,11 +51,11 @@ use crate::model::{Ffn, Model, MoeWeights};
 /// What happens to a routed expert that is not in a VRAM slot.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum MoeMiss {
-    /// [`MoeMiss::Pcie`] where the GPU reads system RAM over a bus (it has host-visible memory
-    /// apart from its own) and the RAM left holds every routed expert within any RAM budget;
-    /// [`MoeMiss::Cpu`] elsewhere ([`MoeMiss::resolve`]). On the H200 machine reading misses
-    /// over PCIe ran 1.3 to 2.4 times as fast as computing them on the CPU, at every budget
-    /// measured (`bench/RESULTS.md`).
+    /// Chosen from the bus, the RAM left and the share of the experts the VRAM budget holds
+    /// ([`MoeMiss::resolve`]): [`MoeMiss::Pcie`] where the GPU reads system RAM over a bus and
+    /// the slots are not too few, [`MoeMiss::Split`] (one sequence) or [`MoeMiss::Cpu`] where
+    /// they are, [`MoeMiss::Cpu`] without a bus or the RAM for the bus's copy of the experts
+    /// (`bench/RESULTS.md`).
     #[default]
     Auto,
     /// Computed on the CPU from the memory-mapped file while the GPU runs the resident ones.
@@ -76,30 +76,68 @@ pub enum MoeMiss {
 }
 
 impl MoeMiss {
-    /// The policy [`MoeMiss::Auto`] stands for (others are themselves): `bus` says whether the
-    /// device reads host-visible memory apart from its own (a discrete GPU), `experts` is the
-    /// bytes of every routed expert, `ram_budget` the user's ceiling on the RAM they take, and
-    /// `headroom` the RAM the process may still take (cgroup and machine), where known. Half
-    /// the headroom at most: the model file's pages and everything else want the rest.
-    pub fn resolve(
-        self,
-        bus: bool,
-        experts: u64,
-        ram_budget: Option<u64>,
-        headroom: Option<u64>,
-    ) -> MoeMiss {
+    /// The policy [`MoeMiss::Auto`] stands for (others are themselves), from what `at` says
+    /// of the device, the model and the memory left:
+    /// - No bus, or not RAM enough for a copy of every routed expert within the RAM budget
+    ///   and half the headroom (the model file's pages and everything else want the rest):
+    ///   [`MoeMiss::Cpu`].
+    /// - Slots for under [`FEW_SLOTS`] of the routed experts: nearly every expert a token
+    ///   chooses misses, and the bus alone is the slowest way to take them where the CPU's
+    ///   memory reads faster than the bus carries (on the H100 machines, 25 GB/s over the bus
+    ///   against 50-85 from the CPU's memory). [`MoeMiss::Split`] shares them and measures
+    ///   the share; it takes one sequence at a time, so with more, [`MoeMiss::Cpu`].
+    /// - Otherwise [`MoeMiss::Pcie`]: with many hits the step stays one submission, with no
+    ///   host turn between layers (2.8-2.9x llama.cpp at 3.5 and 8 GiB on an H100).
+    pub fn resolve(self, at: &MissContext) -> MoeMiss {
         if self != MoeMiss::Auto {
             return self;
         }
-        let room = ram_budget
-            .unwrap_or(u64::MAX)
-            .min(headroom.map_or(0, |h| h / 2));
-        if bus && experts <= room {
-            MoeMiss::Pcie
-        } else {
+        if !at.bus_fits() {
             MoeMiss::Cpu
+        } else if at.coverage.is_some_and(|c| c < FEW_SLOTS) {
+            match at.sequences {
+                0 | 1 => MoeMiss::Split,
+                _ => MoeMiss::Cpu,
+            }
+        } else {
+            MoeMiss::Pcie
         }
     }
+}
+
+/// The share of a model's routed experts under which VRAM slots are too few for `auto` to
+/// read the misses over the bus alone ([`MoeMiss::resolve`]). The 30B shape's 1 GiB budget
+/// holds about 1% of its experts, 3.5 GiB about 17%.
+pub const FEW_SLOTS: f64 = 1.0 / 16.0;
+
+impl MissContext {
+    /// Whether misses may be read over the bus: there is one, and the RAM budget and half the
+    /// headroom hold a copy of every routed expert.
+    pub fn bus_fits(&self) -> bool {
+        let room = self
+            .ram_budget
+            .unwrap_or(u64::MAX)
+            .min(self.headroom.map_or(0, |h| h / 2));
+        self.bus && self.experts <= room
+    }
+}
+
+/// What [`MoeMiss::resolve`] weighs.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MissContext {
+    /// Whether the device reads host-visible memory apart from its own (a discrete GPU).
+    pub bus: bool,
+    /// Bytes of every routed expert.
+    pub experts: u64,
+    /// The user's ceiling on the RAM the experts take.
+    pub ram_budget: Option<u64>,
+    /// The RAM the process may still take (cgroup and machine), where known.
+    pub headroom: Option<u64>,
+    /// The share of the routed experts' bytes the VRAM budget holds beside everything else
+    /// the model keeps there, where a budget is known.
+    pub coverage: Option<f64>,
+    /// Sequences a step may take.
+    pub sequences: usize,
 }
 
 impl FromStr for MoeMiss {
@@ -583,31 +621,61 @@ mod tests {
     fn auto_reads_misses_over_the_bus_where_there_is_one_and_ram_for_the_experts() {
         const G: u64 = 1 << 30;
         let auto = MoeMiss::Auto;
+        let at = |bus, ram_budget, headroom| MissContext {
+            bus,
+            experts: 15 * G,
+            ram_budget,
+            headroom,
+            coverage: Some(0.5),
+            sequences: 1,
+        };
         // A discrete GPU with RAM to spare.
-        assert_eq!(
-            auto.resolve(true, 15 * G, None, Some(100 * G)),
-            MoeMiss::Pcie
-        );
+        assert_eq!(auto.resolve(&at(true, None, Some(100 * G))), MoeMiss::Pcie);
         // No bus (lavapipe, integrated): the CPU.
-        assert_eq!(
-            auto.resolve(false, 15 * G, None, Some(100 * G)),
-            MoeMiss::Cpu
-        );
+        assert_eq!(auto.resolve(&at(false, None, Some(100 * G))), MoeMiss::Cpu);
         // Over half the headroom, or over the RAM budget, or headroom unknown: the CPU.
-        assert_eq!(auto.resolve(true, 15 * G, None, Some(29 * G)), MoeMiss::Cpu);
+        assert_eq!(auto.resolve(&at(true, None, Some(29 * G))), MoeMiss::Cpu);
         assert_eq!(
-            auto.resolve(true, 15 * G, Some(8 * G), Some(100 * G)),
+            auto.resolve(&at(true, Some(8 * G), Some(100 * G))),
             MoeMiss::Cpu
         );
-        assert_eq!(auto.resolve(true, 15 * G, None, None), MoeMiss::Cpu);
+        assert_eq!(auto.resolve(&at(true, None, None)), MoeMiss::Cpu);
         assert_eq!(
-            auto.resolve(true, 15 * G, Some(16 * G), Some(100 * G)),
+            auto.resolve(&at(true, Some(16 * G), Some(100 * G))),
             MoeMiss::Pcie
         );
         // A policy given stays.
-        for m in [MoeMiss::Cpu, MoeMiss::Fetch, MoeMiss::Pcie] {
-            assert_eq!(m.resolve(false, 15 * G, Some(1), None), m);
+        for m in [MoeMiss::Cpu, MoeMiss::Fetch, MoeMiss::Pcie, MoeMiss::Split] {
+            assert_eq!(m.resolve(&at(false, Some(1), None)), m);
         }
+    }
+
+    #[test]
+    fn auto_shares_misses_with_the_cpu_where_slots_are_few() {
+        const G: u64 = 1 << 30;
+        let auto = MoeMiss::Auto;
+        let at = |coverage, sequences| MissContext {
+            bus: true,
+            experts: 15 * G,
+            ram_budget: None,
+            headroom: Some(100 * G),
+            coverage,
+            sequences,
+        };
+        // About 1% of the experts in VRAM: split, or the CPU for steps of several sequences.
+        assert_eq!(auto.resolve(&at(Some(0.01), 1)), MoeMiss::Split);
+        assert_eq!(auto.resolve(&at(Some(0.0), 0)), MoeMiss::Split);
+        assert_eq!(auto.resolve(&at(Some(0.01), 8)), MoeMiss::Cpu);
+        // Slots for a sixth of them, or no budget known: over the bus.
+        assert_eq!(auto.resolve(&at(Some(0.17), 1)), MoeMiss::Pcie);
+        assert_eq!(auto.resolve(&at(Some(FEW_SLOTS), 8)), MoeMiss::Pcie);
+        assert_eq!(auto.resolve(&at(None, 1)), MoeMiss::Pcie);
+        // Without RAM for the bus's copy, the CPU whatever the slots.
+        let no_room = MissContext {
+            headroom: Some(20 * G),
+            ..at(Some(0.01), 1)
+        };
+        assert_eq!(auto.resolve(&no_room), MoeMiss::Cpu);
     }
 
     fn partial(slots: usize, layout: ExpertLayout) -> Placement {

@@ -11,6 +11,7 @@ use super::bus_rows::BusRows;
 use super::gate_up::GateUp;
 use super::*;
 use crate::gpu::chain::Handoff;
+use crate::gpu::placement::MissContext;
 
 /// Whether the routed experts are copied into system RAM for the GPU to read misses from: a
 /// partial placement with misses over PCIe, or shared between the bus and the CPU.
@@ -72,11 +73,8 @@ impl GpuModel {
         // A budget of 0 is under any model: the plan says what it would have needed. Misses
         // over PCIe need less (the embedding goes to system RAM too); fetched ones as many.
         let capacity = Self::capacity_for(&model.config, options);
-        let miss = match Self::resolve_miss(device, model, options).moe_miss {
-            m @ (MoeMiss::Pcie | MoeMiss::Split) => m,
-            _ => MoeMiss::Cpu,
-        };
-        match plan(
+        let (resolved, bus_fits) = Self::resolve_miss(device, model, options);
+        let minimum = |miss| match plan(
             model,
             (&needed, capacity, Self::stream_for(options)),
             Some(0),
@@ -86,6 +84,15 @@ impl GpuModel {
         ) {
             Err(GpuError::BelowMinimumBudget { minimum, .. }) => Some(*minimum),
             _ => None,
+        };
+        let chosen = minimum(match resolved.moe_miss {
+            m @ (MoeMiss::Pcie | MoeMiss::Split) => m,
+            _ => MoeMiss::Cpu,
+        });
+        // `auto` falls back to the bus where only its placement fits ([`GpuModel::new`]).
+        match (chosen, bus_fits.then(|| minimum(MoeMiss::Pcie)).flatten()) {
+            (Some(c), Some(p)) if p.total() < c.total() => Some(p),
+            (c, _) => c,
         }
     }
 
@@ -101,19 +108,31 @@ impl GpuModel {
         model: &Arc<Model>,
         options: &GpuModelOptions,
     ) -> Result<GpuModel> {
-        let resolved = Self::resolve_miss(device, model, options);
+        let (resolved, bus_fits) = Self::resolve_miss(device, model, options);
+        let auto = options.moe_miss == MoeMiss::Auto;
+        let with = |moe_miss| GpuModelOptions {
+            moe_miss,
+            ..resolved.clone()
+        };
         match Self::new_resolved(device, model, &resolved) {
-            // `auto` chose PCIe for a model whose layers the device cannot route (stacks
-            // past one binding): the CPU takes the misses instead.
+            // `auto` chose the bus for a model whose layers the device cannot read over it
+            // (stacks past one binding): the CPU takes the misses instead.
             Err(GpuError::Unsupported(why))
-                if options.moe_miss == MoeMiss::Auto && resolved.moe_miss == MoeMiss::Pcie =>
+                if auto && matches!(resolved.moe_miss, MoeMiss::Pcie | MoeMiss::Split) =>
             {
                 tracing::info!("misses go to the CPU: {why}");
-                let cpu = GpuModelOptions {
-                    moe_miss: MoeMiss::Cpu,
-                    ..resolved
-                };
-                Self::new_resolved(device, model, &cpu)
+                Self::new_resolved(device, model, &with(MoeMiss::Cpu))
+            }
+            // `auto` chose the CPU for few slots, but only the bus's placement (the embedding
+            // in system RAM too) fits the budget.
+            Err(GpuError::BelowMinimumBudget { .. })
+                if auto && bus_fits && resolved.moe_miss != MoeMiss::Pcie =>
+            {
+                tracing::info!(
+                    "misses over PCIe: with misses {}, the model needs more VRAM than the budget",
+                    resolved.moe_miss
+                );
+                Self::new_resolved(device, model, &with(MoeMiss::Pcie))
             }
             r => r,
         }
@@ -178,15 +197,16 @@ impl GpuModel {
         }
     }
 
-    /// `options` with [`MoeMiss::Auto`] resolved ([`MoeMiss::resolve`]) for `model` on `device`.
+    /// `options` with [`MoeMiss::Auto`] resolved ([`MoeMiss::resolve`]) for `model` on `device`,
+    /// and whether `auto` could read misses over the bus ([`MissContext::bus_fits`]).
     fn resolve_miss(
         device: &Arc<Device>,
         model: &Model,
         options: &GpuModelOptions,
-    ) -> GpuModelOptions {
+    ) -> (GpuModelOptions, bool) {
         // A policy given is itself: no need to read the RAM left or the device's memory types.
         if options.moe_miss != MoeMiss::Auto {
-            return options.clone();
+            return (options.clone(), false);
         }
         let allocator = Allocator::new(device, None);
         // Staging that does not count against a VRAM budget is system RAM across a bus; the
@@ -196,17 +216,29 @@ impl GpuModel {
             .moe
             .is_some_and(|c| c.n_expert <= crate::gpu::ops::MOE_ROUTE_MAX_EXPERTS);
         let bus = !allocator.budget_counts(MemoryUse::Staging) && routable && !options.host_routing;
-        let headroom = crate::host_memory::headroom().map(|h| h.bytes);
-        let miss = options.moe_miss.resolve(
+        let experts = routed_expert_bytes(model);
+        // The share of the experts the budget holds beside what the model keeps in VRAM.
+        let coverage = options
+            .vram_budget
+            .or_else(|| device.memory_budget())
+            .map(|budget| {
+                let needed = Self::device_bytes(model, options);
+                let rest = needed.total().saturating_sub(needed.experts);
+                budget.saturating_sub(rest) as f64 / needed.experts.max(1) as f64
+            });
+        let at = MissContext {
             bus,
-            routed_expert_bytes(model),
-            options.ram_budget,
-            headroom,
-        );
-        GpuModelOptions {
-            moe_miss: miss,
+            experts,
+            ram_budget: options.ram_budget,
+            headroom: crate::host_memory::headroom().map(|h| h.bytes),
+            coverage,
+            sequences: options.sequences,
+        };
+        let options = GpuModelOptions {
+            moe_miss: options.moe_miss.resolve(&at),
             ..options.clone()
-        }
+        };
+        (options, at.bus_fits())
     }
 
     /// [`GpuModel::load`] of the layers `placement` puts on the GPU, with the others on the CPU.
