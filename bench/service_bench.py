@@ -76,12 +76,15 @@ def main():
     tmp = tempfile.mkdtemp(prefix="spillway-bench-")
     sock = os.path.join(tmp, "spillway.sock")
     max_batch = max(args.streams)
+    # Without --daemon-log, its warnings and errors go to the temporary directory, and are
+    # shown if it does not come up.
+    daemon_log = args.daemon_log or os.path.join(tmp, "daemon.log")
     daemon = subprocess.Popen(
         [spillwayd, "serve", "--model", f"bench={args.model}", "--socket", sock,
          "--threads", str(args.threads), "--max-batch", str(max_batch),
          "--queue-depth", str(2 * max_batch), "--log-level",
          "info" if args.daemon_log else "warn"] + device_args,
-        stderr=open(args.daemon_log, "w") if args.daemon_log else subprocess.DEVNULL,
+        stderr=open(daemon_log, "w"),
     )
     client = [spillway, "--addr", sock, "--no-autostart"]
     try:
@@ -91,7 +94,9 @@ def main():
         deadline = time.time() + 120
         while subprocess.run(probe, capture_output=True).returncode != 0:
             if time.time() > deadline or daemon.poll() is not None:
-                sys.exit("the daemon did not come up")
+                with open(daemon_log, errors="replace") as f:
+                    tail = [l for l in f.read().splitlines() if not l.startswith("  ")][-8:]
+                sys.exit("the daemon did not come up; its log ends:\n" + "\n".join(tail))
             time.sleep(0.2)
 
         gen = client + ["generate", "--model", "bench", "--prompt-tokens", prompt,

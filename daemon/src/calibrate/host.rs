@@ -98,8 +98,8 @@ impl HostBench {
     }
 
     /// One MoE layer's routed experts for one token, as the CPU engine runs them
-    /// ([`routed_experts_with`]: every gate and up product in one job of the pool, then every
-    /// down product): `used` experts, each a `k`→`n` gate and up and an `n`→`k` down of type
+    /// ([`routed_experts_with`]: one token's gate, up and down products of every expert in one
+    /// job of the pool): `used` experts, each a `k`→`n` gate and up and an `n`→`k` down of type
     /// `t`, each run on copies of the experts the runs before it did not read.
     pub fn experts(
         &mut self,
