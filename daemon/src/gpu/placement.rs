@@ -105,6 +105,23 @@ impl MoeMiss {
     }
 }
 
+impl MoeMiss {
+    /// Where [`MoeMiss::Auto`] resolved to `self` and loading failed with `error`, the policy to
+    /// load with instead, if any: the CPU where the device cannot read the experts over the bus
+    /// (`Unsupported`), and the bus where a placement for the CPU's misses is over the budget
+    /// but the bus's may fit (it keeps the embedding in system RAM too), as `bus_fits` says
+    /// ([`MissContext::bus_fits`]).
+    pub fn auto_fallback(self, error: &GpuError, bus_fits: bool) -> Option<MoeMiss> {
+        match (self, error) {
+            (MoeMiss::Pcie | MoeMiss::Split, GpuError::Unsupported(_)) => Some(MoeMiss::Cpu),
+            (MoeMiss::Cpu | MoeMiss::Split, GpuError::BelowMinimumBudget { .. }) if bus_fits => {
+                Some(MoeMiss::Pcie)
+            }
+            _ => None,
+        }
+    }
+}
+
 /// The share of a model's routed experts under which VRAM slots are too few for `auto` to
 /// read the misses over the bus alone ([`MoeMiss::resolve`]). The 30B shape's 1 GiB budget
 /// holds about 1% of its experts, 3.5 GiB about 17%.
@@ -676,6 +693,39 @@ mod tests {
             ..at(Some(0.01), 1)
         };
         assert_eq!(auto.resolve(&no_room), MoeMiss::Cpu);
+    }
+
+    #[test]
+    fn auto_falls_back_to_what_the_device_and_budget_take() {
+        let unsupported = GpuError::Unsupported("stacks past one binding".into());
+        let below = GpuError::BelowMinimumBudget {
+            budget: 1,
+            needed: 2,
+            minimum: Box::new(MinimumBudget {
+                non_expert: 1,
+                kv_cache: 1,
+                activations: 0,
+                one_slot_per_layer: 0,
+                staging: 0,
+                margin: 0,
+            }),
+        };
+        let lost = GpuError::DeviceLost;
+        // No bus reads: the CPU.
+        for m in [MoeMiss::Pcie, MoeMiss::Split] {
+            assert_eq!(m.auto_fallback(&unsupported, true), Some(MoeMiss::Cpu));
+        }
+        assert_eq!(MoeMiss::Cpu.auto_fallback(&unsupported, true), None);
+        // Over the budget: the bus's placement where the bus may take the misses.
+        for m in [MoeMiss::Cpu, MoeMiss::Split] {
+            assert_eq!(m.auto_fallback(&below, true), Some(MoeMiss::Pcie));
+            assert_eq!(m.auto_fallback(&below, false), None);
+        }
+        assert_eq!(MoeMiss::Pcie.auto_fallback(&below, true), None);
+        // Other failures are the load's.
+        for m in [MoeMiss::Cpu, MoeMiss::Split, MoeMiss::Pcie] {
+            assert_eq!(m.auto_fallback(&lost, true), None);
+        }
     }
 
     fn partial(slots: usize, layout: ExpertLayout) -> Placement {

@@ -109,30 +109,20 @@ impl GpuModel {
         options: &GpuModelOptions,
     ) -> Result<GpuModel> {
         let (resolved, bus_fits) = Self::resolve_miss(device, model, options);
-        let auto = options.moe_miss == MoeMiss::Auto;
-        let with = |moe_miss| GpuModelOptions {
-            moe_miss,
-            ..resolved.clone()
-        };
         match Self::new_resolved(device, model, &resolved) {
-            // `auto` chose the bus for a model whose layers the device cannot read over it
-            // (stacks past one binding): the CPU takes the misses instead.
-            Err(GpuError::Unsupported(why))
-                if auto && matches!(resolved.moe_miss, MoeMiss::Pcie | MoeMiss::Split) =>
-            {
-                tracing::info!("misses go to the CPU: {why}");
-                Self::new_resolved(device, model, &with(MoeMiss::Cpu))
-            }
-            // `auto` chose the CPU for few slots, but only the bus's placement (the embedding
-            // in system RAM too) fits the budget.
-            Err(GpuError::BelowMinimumBudget { .. })
-                if auto && bus_fits && resolved.moe_miss != MoeMiss::Pcie =>
-            {
-                tracing::info!(
-                    "misses over PCIe: with misses {}, the model needs more VRAM than the budget",
-                    resolved.moe_miss
-                );
-                Self::new_resolved(device, model, &with(MoeMiss::Pcie))
+            // `auto` chose a policy the device or the budget does not take.
+            Err(e) if options.moe_miss == MoeMiss::Auto => {
+                match resolved.moe_miss.auto_fallback(&e, bus_fits) {
+                    Some(miss) => {
+                        tracing::info!("misses {miss}, not {}: {e}", resolved.moe_miss);
+                        let options = GpuModelOptions {
+                            moe_miss: miss,
+                            ..resolved
+                        };
+                        Self::new_resolved(device, model, &options)
+                    }
+                    None => Err(e),
+                }
             }
             r => r,
         }
