@@ -20,6 +20,7 @@ use clap::Parser;
 use spillway_daemon::cpu::{
     activations, gated_ffn_group, matmul, matmul_group, matvec, GatedFfn, Product, ThreadPool,
 };
+use spillway_daemon::engine::ops::swiglu_inplace as swiglu;
 use spillway_daemon::gguf::GgmlType;
 use spillway_daemon::model::MatRef;
 use spillway_daemon::quant::quantize_row;
@@ -252,13 +253,6 @@ fn ffn_layers(
         one_job * 1e3 / n_layers as f64,
         gbs(one_job),
     );
-}
-
-/// SwiGLU in place, as the models' FFNs apply it.
-fn swiglu(g: &mut [f32], u: &[f32]) {
-    for (g, &u) in g.iter_mut().zip(u) {
-        *g = *g / (1.0 + (-*g).exp()) * u;
-    }
 }
 
 fn mat(ty: GgmlType, n_in: usize, n_out: usize, data: &[u8]) -> MatRef<'_> {

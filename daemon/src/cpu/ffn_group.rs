@@ -329,14 +329,9 @@ mod tests {
         activations, matmul_act,
         tests::{noise, rows_of},
     };
+    use crate::engine::ops::swiglu_inplace as swiglu;
     use crate::gguf::GgmlType;
     use crate::quant::quantize_row;
-
-    fn swiglu(g: &mut [f32], u: &[f32]) {
-        for (g, &u) in g.iter_mut().zip(u) {
-            *g = *g / (1.0 + (-*g).exp()) * u;
-        }
-    }
 
     /// Weights of `n` FFNs of `ty`, `e` wide and `ff` deep: (gate, up, down) each, every
     /// matrix its own noise (the K-quants: random blocks, the same for each FFN).
