@@ -124,17 +124,19 @@ pub fn gated_ffn_group(
             } else {
                 plan.up_acts
             };
-            let _finish = Finish {
+            let mut finish = Finish {
                 plan,
                 ready: &state.ready[k],
                 left: &state.left[k],
                 failed: &state.failed,
                 glu,
+                done: false,
             };
             let start = (t - first_task[s]) * stage.rows_per;
             // SAFETY: each task writes rows `start..` of its own stage alone, into the plan's
             // scratch, which outlives the job.
             unsafe { stage.rows(start, acts) };
+            finish.done = true;
         } else {
             let k = s - 2 * n;
             let Some(acts) = wait_ready(&state.ready[k]) else {
@@ -166,11 +168,14 @@ struct Finish<'s, 'a, 'g> {
     left: &'s AtomicUsize,
     failed: &'s AtomicBool,
     glu: &'g (dyn Fn(&mut [f32], &[f32]) + Sync),
+    /// Set once the task's rows are written: a guard dropped without it is a task that
+    /// panicked.
+    done: bool,
 }
 
 impl Drop for Finish<'_, '_, '_> {
     fn drop(&mut self) {
-        if std::thread::panicking() {
+        if !self.done {
             self.failed.store(true, Ordering::Relaxed);
         }
         // AcqRel: the last task sees every other task's rows.
@@ -421,36 +426,87 @@ mod tests {
     }
 
     #[test]
-    fn a_panicking_gate_is_raised_again_and_the_pool_survives() {
+    fn each_product_takes_inputs_converted_for_its_own_matrix() {
+        // Gate in Q4_0 (Q8_0 inputs), up in F16 (rounded inputs of their own), down in Q4_K
+        // (Q8_K inputs): converting up's or down's inputs for the gate's type would fail.
+        let pool = ThreadPool::new(3);
+        let (e, ff) = (256, 1536);
+        let (tg, tu, td) = (GgmlType::Q4_0, GgmlType::F16, GgmlType::Q4K);
+        let quantized = |ty: GgmlType, n_in: usize, n_out: usize, seed: u64| {
+            let mut bytes = vec![0u8; ty.row_bytes((n_in * n_out) as u64).unwrap() as usize];
+            quantize_row(ty, &noise(n_in * n_out, seed), &mut bytes).unwrap();
+            bytes
+        };
+        let (wg, wu) = (quantized(tg, e, ff, 1), quantized(tu, e, ff, 2));
+        let wd = rows_of(td, ff, e, &[0, 2]);
+        let x = noise(2 * e, 9);
+        let (gate_acts, up_acts) = (activations(tg, &x, e), activations(tu, &x, e));
+        let mut out = vec![f32::NAN; 2 * e];
+        let mut ffns = [GatedFfn {
+            gate: mat(tg, e, ff, &wg),
+            up: mat(tu, e, ff, &wu),
+            down: mat(td, ff, e, &wd),
+            gate_acts: &gate_acts,
+            up_acts: &up_acts,
+            out: &mut out,
+            label: None,
+        }];
+        gated_ffn_group(&pool, &mut ffns, &swiglu);
+        let (mut g, mut u, mut want) = (vec![0.0; 2 * ff], vec![0.0; 2 * ff], vec![0.0; 2 * e]);
+        matmul_act(&pool, mat(tg, e, ff, &wg), &gate_acts, &mut g);
+        matmul_act(&pool, mat(tu, e, ff, &wu), &up_acts, &mut u);
+        for (g, u) in g.chunks_exact_mut(ff).zip(u.chunks_exact(ff)) {
+            swiglu(g, u);
+        }
+        let down_acts = activations(td, &g, ff);
+        matmul_act(&pool, mat(td, ff, e, &wd), &down_acts, &mut want);
+        assert_eq!(out, want);
+    }
+
+    #[test]
+    fn a_panic_in_the_gate_or_a_product_is_raised_again_and_the_pool_survives() {
         let pool = ThreadPool::new(3);
         let ty = GgmlType::Q8_0;
         let (e, ff) = (256, 2048);
         let w = weights(ty, 3, e, ff);
         let x = noise(e, 5);
         let acts = activations(ty, &x, e);
+        // Inputs in a format the Q8_0 kernel refuses: the up tasks of that FFN panic while
+        // the down tasks of every FFN wait for their inputs.
+        let wrong = activations(GgmlType::F16, &x, e);
         let mut outs = vec![vec![0.0f32; e]; 3];
-        let run = |glu: &(dyn Fn(&mut [f32], &[f32]) + Sync), outs: &mut [Vec<f32>]| {
+        let run = |glu: &(dyn Fn(&mut [f32], &[f32]) + Sync),
+                   bad_up: Option<usize>,
+                   outs: &mut [Vec<f32>]| {
             let mut ffns: Vec<GatedFfn<'_>> = w
                 .iter()
                 .zip(outs.iter_mut())
-                .map(|(w, out)| GatedFfn {
+                .enumerate()
+                .map(|(i, (w, out))| GatedFfn {
                     gate: mat(ty, e, ff, &w[0]),
                     up: mat(ty, e, ff, &w[1]),
                     down: mat(ty, ff, e, &w[2]),
                     gate_acts: &acts,
-                    up_acts: &acts,
+                    up_acts: if bad_up == Some(i) { &wrong } else { &acts },
                     out,
                     label: None,
                 })
                 .collect();
             gated_ffn_group(&pool, &mut ffns, glu);
         };
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            run(&|_, _| panic!("glu"), &mut outs)
-        }));
-        assert!(r.is_err(), "the glu's panic is raised");
+        let raised = |f: &dyn Fn()| std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+        assert!(
+            raised(&|| run(&|_, _| panic!("glu"), None, &mut outs.clone())).is_err(),
+            "the glu's panic is raised"
+        );
+        for bad in 0..3 {
+            assert!(
+                raised(&|| run(&swiglu, Some(bad), &mut outs.clone())).is_err(),
+                "FFN {bad}'s up product's panic is raised"
+            );
+        }
         // The same pool still runs a whole group afterwards.
-        run(&swiglu, &mut outs);
+        run(&swiglu, None, &mut outs);
         assert!(outs.iter().all(|o| o.iter().all(|v| v.is_finite())));
     }
 }

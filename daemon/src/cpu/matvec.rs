@@ -22,8 +22,8 @@ pub(super) fn rows_per_task(n_rows: usize, n_threads: usize) -> usize {
 
 /// Fewest tokens for which unpacking a row into a panel pays: below it (a few sequences
 /// decoding together, an expert few tokens chose) each row is dotted with each token directly.
-/// Both ways give the same bits.
-#[cfg(target_arch = "x86_64")]
+/// Both ways give the same bits. (Only x86-64 has the panels; elsewhere the CPU experts'
+/// one-job path takes its limit from here too, [`super::ffn_group`].)
 pub(super) const MIN_PANEL_TOKENS: usize = 4;
 
 /// `out[i] = row_i(m) · x` for every row of `m`.

@@ -107,16 +107,18 @@ impl MoeMiss {
 
 impl MoeMiss {
     /// Where [`MoeMiss::Auto`] resolved to `self` and loading failed with `error`, the policy to
-    /// load with instead, if any: the CPU where the device cannot read the experts over the bus
-    /// (`Unsupported`), and the bus where a placement for the CPU's misses is over the budget
-    /// but the bus's may fit (it keeps the embedding in system RAM too), as `bus_fits` says
-    /// ([`MissContext::bus_fits`]).
+    /// load with instead, if any:
+    /// - `split` the device cannot run (no chained steps, or experts it cannot read over the
+    ///   bus): `pcie`, which needs no chain (and falls back in turn);
+    /// - `pcie` the device cannot run: the CPU;
+    /// - the CPU's placement over the budget where the bus may take the misses (`bus_fits`,
+    ///   [`MissContext::bus_fits`]): `pcie`, whose placement keeps the embedding in system
+    ///   RAM too. (`split`'s placement is `pcie`'s: over the budget, both are.)
     pub fn auto_fallback(self, error: &GpuError, bus_fits: bool) -> Option<MoeMiss> {
         match (self, error) {
-            (MoeMiss::Pcie | MoeMiss::Split, GpuError::Unsupported(_)) => Some(MoeMiss::Cpu),
-            (MoeMiss::Cpu | MoeMiss::Split, GpuError::BelowMinimumBudget { .. }) if bus_fits => {
-                Some(MoeMiss::Pcie)
-            }
+            (MoeMiss::Split, GpuError::Unsupported(_)) => Some(MoeMiss::Pcie),
+            (MoeMiss::Pcie, GpuError::Unsupported(_)) => Some(MoeMiss::Cpu),
+            (MoeMiss::Cpu, GpuError::BelowMinimumBudget { .. }) if bus_fits => Some(MoeMiss::Pcie),
             _ => None,
         }
     }
@@ -711,17 +713,26 @@ mod tests {
             }),
         };
         let lost = GpuError::DeviceLost;
-        // No bus reads: the CPU.
-        for m in [MoeMiss::Pcie, MoeMiss::Split] {
-            assert_eq!(m.auto_fallback(&unsupported, true), Some(MoeMiss::Cpu));
-        }
+        // A split the device cannot run: the bus alone, which needs no chain; then the CPU.
+        assert_eq!(
+            MoeMiss::Split.auto_fallback(&unsupported, true),
+            Some(MoeMiss::Pcie)
+        );
+        assert_eq!(
+            MoeMiss::Pcie.auto_fallback(&unsupported, true),
+            Some(MoeMiss::Cpu)
+        );
         assert_eq!(MoeMiss::Cpu.auto_fallback(&unsupported, true), None);
-        // Over the budget: the bus's placement where the bus may take the misses.
-        for m in [MoeMiss::Cpu, MoeMiss::Split] {
-            assert_eq!(m.auto_fallback(&below, true), Some(MoeMiss::Pcie));
-            assert_eq!(m.auto_fallback(&below, false), None);
+        // The CPU's placement over the budget: the bus's, where the bus may take the misses.
+        assert_eq!(
+            MoeMiss::Cpu.auto_fallback(&below, true),
+            Some(MoeMiss::Pcie)
+        );
+        assert_eq!(MoeMiss::Cpu.auto_fallback(&below, false), None);
+        // The bus's placement (split's too) over the budget is as small as it gets.
+        for m in [MoeMiss::Pcie, MoeMiss::Split] {
+            assert_eq!(m.auto_fallback(&below, true), None);
         }
-        assert_eq!(MoeMiss::Pcie.auto_fallback(&below, true), None);
         // Other failures are the load's.
         for m in [MoeMiss::Cpu, MoeMiss::Split, MoeMiss::Pcie] {
             assert_eq!(m.auto_fallback(&lost, true), None);

@@ -89,10 +89,14 @@ impl GpuModel {
             m @ (MoeMiss::Pcie | MoeMiss::Split) => m,
             _ => MoeMiss::Cpu,
         });
-        // `auto` falls back to the bus where only its placement fits ([`GpuModel::new`]).
-        match (chosen, bus_fits.then(|| minimum(MoeMiss::Pcie)).flatten()) {
-            (Some(c), Some(p)) if p.total() < c.total() => Some(p),
-            (c, _) => c,
+        // Under a budget the CPU's placement does not fit, `auto` loads the bus's where the bus
+        // may take the misses ([`GpuModel::new`]): its minimum is the one that holds there.
+        let over = |m: &MinimumBudget| options.vram_budget.is_some_and(|b| m.total() > b);
+        match chosen {
+            Some(c) if resolved.moe_miss == MoeMiss::Cpu && bus_fits && over(&c) => {
+                minimum(MoeMiss::Pcie).or(Some(c))
+            }
+            c => c,
         }
     }
 
@@ -108,23 +112,24 @@ impl GpuModel {
         model: &Arc<Model>,
         options: &GpuModelOptions,
     ) -> Result<GpuModel> {
-        let (resolved, bus_fits) = Self::resolve_miss(device, model, options);
-        match Self::new_resolved(device, model, &resolved) {
-            // `auto` chose a policy the device or the budget does not take.
-            Err(e) if options.moe_miss == MoeMiss::Auto => {
-                match resolved.moe_miss.auto_fallback(&e, bus_fits) {
-                    Some(miss) => {
-                        tracing::info!("misses {miss}, not {}: {e}", resolved.moe_miss);
-                        let options = GpuModelOptions {
-                            moe_miss: miss,
-                            ..resolved
-                        };
-                        Self::new_resolved(device, model, &options)
+        let (mut resolved, bus_fits) = Self::resolve_miss(device, model, options);
+        let mut tried = vec![resolved.moe_miss];
+        loop {
+            match Self::new_resolved(device, model, &resolved) {
+                // `auto` chose a policy the device or the budget does not take: the next one
+                // it may take, each tried once.
+                Err(e) if options.moe_miss == MoeMiss::Auto => {
+                    match resolved.moe_miss.auto_fallback(&e, bus_fits) {
+                        Some(miss) if !tried.contains(&miss) => {
+                            tracing::info!("misses {miss}, not {}: {e}", resolved.moe_miss);
+                            tried.push(miss);
+                            resolved.moe_miss = miss;
+                        }
+                        _ => return Err(e),
                     }
-                    None => Err(e),
                 }
+                r => return r,
             }
-            r => r,
         }
     }
 
