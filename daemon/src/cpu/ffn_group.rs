@@ -20,7 +20,7 @@ use std::sync::OnceLock;
 use crate::model::MatRef;
 
 use super::act::Activation;
-use super::group::{task_bytes_of, OutPtr};
+use super::group::{dot_rows, rows_for_bytes, task_bytes_of, OutPtr};
 use super::kernels::{dot_kernel, DotFn, Isa};
 use super::matvec::MIN_PANEL_TOKENS;
 use super::pool::ThreadPool;
@@ -297,7 +297,7 @@ impl<'a> Stage<'a> {
         Stage {
             m,
             out,
-            rows_per: task_bytes.div_ceil(m.row_bytes().max(1)).max(1),
+            rows_per: rows_for_bytes(&m, task_bytes),
             dot: dot_kernel(m.ty, isa),
         }
     }
@@ -316,14 +316,9 @@ impl<'a> Stage<'a> {
     /// No other thread touches these rows of `out` meanwhile, and `out` holds `acts.len()`
     /// tokens of `m.n_out` rows.
     unsafe fn rows(&self, start: usize, acts: &[Activation<'_>]) {
-        let n_out = self.m.n_out;
-        for i in start..(start + self.rows_per).min(n_out) {
-            let row = self.m.row(i);
-            for (b, act) in acts.iter().enumerate() {
-                // SAFETY: inside `out` (its size was checked), and the caller owns row `i`.
-                unsafe { *self.out.0.add(b * n_out + i) = (self.dot)(row, act) };
-            }
-        }
+        let end = (start + self.rows_per).min(self.m.n_out);
+        // SAFETY: as the caller promises.
+        unsafe { dot_rows(self.m, self.dot, acts, self.out.0, (start, end)) };
     }
 }
 
@@ -338,17 +333,19 @@ mod tests {
     use crate::gguf::GgmlType;
     use crate::quant::quantize_row;
 
+    /// `n_out` rows of `n_in` noise from `seed`, quantized to `ty` (not a K-quant).
+    fn quantized(ty: GgmlType, n_in: usize, n_out: usize, seed: u64) -> Vec<u8> {
+        let mut bytes = vec![0u8; ty.row_bytes((n_in * n_out) as u64).unwrap() as usize];
+        quantize_row(ty, &noise(n_in * n_out, seed), &mut bytes).unwrap();
+        bytes
+    }
+
     /// Weights of `n` FFNs of `ty`, `e` wide and `ff` deep: (gate, up, down) each, every
     /// matrix its own noise (the K-quants: random blocks, the same for each FFN).
     fn weights(ty: GgmlType, n: usize, e: usize, ff: usize) -> Vec<[Vec<u8>; 3]> {
-        let one = |n_in: usize, n_out: usize, seed: u64| {
-            if ty == GgmlType::Q4K {
-                return rows_of(ty, n_in, n_out, &[0, 2]);
-            }
-            let w = noise(n_in * n_out, seed);
-            let mut bytes = vec![0u8; ty.row_bytes((n_in * n_out) as u64).unwrap() as usize];
-            quantize_row(ty, &w, &mut bytes).unwrap();
-            bytes
+        let one = |n_in: usize, n_out: usize, seed: u64| match ty {
+            GgmlType::Q4K => rows_of(ty, n_in, n_out, &[0, 2]),
+            _ => quantized(ty, n_in, n_out, seed),
         };
         (0..n as u64)
             .map(|i| {
@@ -432,11 +429,6 @@ mod tests {
         let pool = ThreadPool::new(3);
         let (e, ff) = (256, 1536);
         let (tg, tu, td) = (GgmlType::Q4_0, GgmlType::F16, GgmlType::Q4K);
-        let quantized = |ty: GgmlType, n_in: usize, n_out: usize, seed: u64| {
-            let mut bytes = vec![0u8; ty.row_bytes((n_in * n_out) as u64).unwrap() as usize];
-            quantize_row(ty, &noise(n_in * n_out, seed), &mut bytes).unwrap();
-            bytes
-        };
         let (wg, wu) = (quantized(tg, e, ff, 1), quantized(tu, e, ff, 2));
         let wd = rows_of(td, ff, e, &[0, 2]);
         let x = noise(2 * e, 9);

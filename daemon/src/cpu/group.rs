@@ -16,7 +16,7 @@ use super::act::Activation;
 use super::gemm_avx2;
 #[cfg(target_arch = "x86_64")]
 use super::gemm_avx512;
-use super::kernels::{dot_kernel, Isa};
+use super::kernels::{dot_kernel, DotFn, Isa};
 use super::matvec::rows_per_task;
 #[cfg(target_arch = "x86_64")]
 use super::matvec::MIN_PANEL_TOKENS;
@@ -98,6 +98,33 @@ pub(super) fn task_bytes_of(weights: usize, n_threads: usize) -> usize {
     (weights / (TASKS_PER_THREAD * n_threads.max(1))).clamp(MIN_TASK_BYTES, MAX_TASK_BYTES)
 }
 
+/// Rows of `m` in a task that reads `task_bytes` of its weights (one at least).
+pub(super) fn rows_for_bytes(m: &MatRef<'_>, task_bytes: usize) -> usize {
+    task_bytes.div_ceil(m.row_bytes().max(1)).max(1)
+}
+
+/// Rows `start..end` of `m`, each dotted by `dot` with every token of `acts`, into `out`
+/// (token-major, `m.n_out` floats a token).
+///
+/// # Safety
+/// `out` holds `acts.len() * m.n_out` floats, and no other thread touches these rows of it
+/// meanwhile.
+pub(super) unsafe fn dot_rows(
+    m: MatRef<'_>,
+    dot: DotFn,
+    acts: &[Activation<'_>],
+    out: *mut f32,
+    (start, end): (usize, usize),
+) {
+    for i in start..end {
+        let row = m.row(i);
+        for (b, act) in acts.iter().enumerate() {
+            // SAFETY: `b * n_out + i` is inside `out`, and the caller owns row `i`.
+            unsafe { *out.add(b * m.n_out + i) = dot(row, act) };
+        }
+    }
+}
+
 /// A product ready to be cut into tasks.
 struct Plan<'a> {
     m: MatRef<'a>,
@@ -147,7 +174,7 @@ impl<'a> Plan<'a> {
         let batched = false;
         let rows_per = match batched {
             true => rows_per_task(p.m.n_out, n_threads),
-            false => task_bytes.div_ceil(p.m.row_bytes().max(1)).max(1),
+            false => rows_for_bytes(&p.m, task_bytes),
         };
         Plan {
             m: p.m,
@@ -175,12 +202,11 @@ impl<'a> Plan<'a> {
     /// # Safety
     /// No other thread writes these rows of `out` meanwhile.
     unsafe fn rows(&self, start: usize, end: usize) {
-        let n_out = self.m.n_out;
         #[cfg(target_arch = "x86_64")]
         if let Some(batch) = &self.batch512 {
             // SAFETY: the batch exists only where `available` found the features; the caller
             // owns the rows.
-            unsafe { gemm_avx512::products(batch, self.m, start, end, self.out.0, n_out) };
+            unsafe { gemm_avx512::products(batch, self.m, start, end, self.out.0, self.m.n_out) };
             return;
         }
         #[cfg(target_arch = "x86_64")]
@@ -196,19 +222,13 @@ impl<'a> Plan<'a> {
                 // the panel is unpacked for this batch just before; the caller owns the rows.
                 unsafe {
                     panel.unpack(batch, &rows[..n_rows]);
-                    panel.products(batch, self.out.0, n_out, first);
+                    panel.products(batch, self.out.0, self.m.n_out, first);
                 }
             }
             return;
         }
-        for i in start..end {
-            let row = self.m.row(i);
-            for (b, act) in self.acts.iter().enumerate() {
-                // SAFETY: `b * n_out + i` is inside `out` (its size was checked), and the
-                // caller owns row `i`.
-                unsafe { *self.out.0.add(b * n_out + i) = (self.dot)(row, act) };
-            }
-        }
+        // SAFETY: `out`'s size was checked, and the caller owns the rows.
+        unsafe { dot_rows(self.m, self.dot, self.acts, self.out.0, (start, end)) };
     }
 }
 
