@@ -103,9 +103,7 @@ impl MoeMiss {
             MoeMiss::Pcie
         }
     }
-}
 
-impl MoeMiss {
     /// Where [`MoeMiss::Auto`] resolved to `self` and loading failed with `error`, the policy to
     /// load with instead, if any:
     /// - `split` the device cannot run (no chained steps, or experts it cannot read over the
@@ -129,18 +127,6 @@ impl MoeMiss {
 /// holds about 1% of its experts, 3.5 GiB about 17%.
 pub const FEW_SLOTS: f64 = 1.0 / 16.0;
 
-impl MissContext {
-    /// Whether misses may be read over the bus: there is one, and the RAM budget and half the
-    /// headroom hold a copy of every routed expert.
-    pub fn bus_fits(&self) -> bool {
-        let room = self
-            .ram_budget
-            .unwrap_or(u64::MAX)
-            .min(self.headroom.map_or(0, |h| h / 2));
-        self.bus && self.experts <= room
-    }
-}
-
 /// What [`MoeMiss::resolve`] weighs.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct MissContext {
@@ -157,6 +143,18 @@ pub struct MissContext {
     pub coverage: Option<f64>,
     /// Sequences a step may take.
     pub sequences: usize,
+}
+
+impl MissContext {
+    /// Whether misses may be read over the bus: there is one, and the RAM budget and half the
+    /// headroom hold a copy of every routed expert.
+    pub fn bus_fits(&self) -> bool {
+        let room = self
+            .ram_budget
+            .unwrap_or(u64::MAX)
+            .min(self.headroom.map_or(0, |h| h / 2));
+        self.bus && self.experts <= room
+    }
 }
 
 impl FromStr for MoeMiss {
