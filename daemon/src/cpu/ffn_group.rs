@@ -110,19 +110,10 @@ pub fn gated_ffn_group(
     pool.run_labeled(n_tasks, &parts, &|t| {
         let s = first_task.partition_point(|&f| f <= t) - 1;
         if t < n_first {
-            let (k, stage) = (
-                s / 2,
-                if s % 2 == 0 {
-                    &plans[s / 2].gate
-                } else {
-                    &plans[s / 2].up
-                },
-            );
-            let plan = &plans[k];
-            let acts = if s % 2 == 0 {
-                plan.gate_acts
-            } else {
-                plan.up_acts
+            let (k, plan) = (s / 2, &plans[s / 2]);
+            let (stage, acts) = match s % 2 {
+                0 => (&plan.gate, plan.gate_acts),
+                _ => (&plan.up, plan.up_acts),
             };
             let mut finish = Finish {
                 plan,
